@@ -1,0 +1,30 @@
+# Tollgate: the two commands of the quick start are `make up` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install up down test bench-quota clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The whole test suite against real Redis, a real Redis Cluster and real PostgreSQL, which the
+# fixtures start under a temporary directory and stop at the end.
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench-quota: $(STAMP)
+	$(PY) -m config.embedded start
+	$(PY) manage.py bench_quota
+
+down: $(STAMP)
+	$(PY) -m config.embedded stop
+
+clean: down
+	rm -rf .data

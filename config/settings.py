@@ -1,0 +1,148 @@
+"""Tollgate settings: everything comes from the environment and a malformed value stops startup.
+
+With `DATABASE_URL` and `REDIS_URL` unset, Tollgate uses the embedded services that
+`python -m config.embedded start` (run by `make up` and by the test fixtures) brings up under
+`TOLLGATE_DATA_DIR`: a Redis server and a PostgreSQL server from pip-installed packages.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+from config.embedded import embedded_database_url, embedded_redis_url, local_secret
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+
+
+def _positive_int(name: str, default: int) -> int:
+    value = env.int(name, default=default)
+    if value <= 0:
+        raise ImproperlyConfigured(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+DEBUG = env.bool("DEBUG", default=False)
+TOLLGATE_ENV = env.str("TOLLGATE_ENV", default="development")
+if TOLLGATE_ENV not in {"development", "test", "production"}:
+    raise ImproperlyConfigured(
+        f"TOLLGATE_ENV must be development, test or production, got {TOLLGATE_ENV!r}"
+    )
+DATA_DIR = Path(env.str("TOLLGATE_DATA_DIR", default=str(BASE_DIR / ".data"))).resolve()
+
+
+def _secret(name: str) -> str:
+    """A secret from the environment; outside production a generated one kept under DATA_DIR."""
+    value = env.str(name, default="")
+    if value:
+        return value
+    if TOLLGATE_ENV == "production":
+        raise ImproperlyConfigured(f"{name} must be set in production")
+    return local_secret(DATA_DIR, name)
+
+
+SECRET_KEY = _secret("SECRET_KEY")
+# The pepper for API key digests is deliberately not SECRET_KEY: rotating the session secret
+# must not invalidate every API key, and leaking one must not leak the other.
+TOLLGATE_KEY_PEPPER = _secret("TOLLGATE_KEY_PEPPER")
+
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "tenants",
+    "quotas",
+    "gateway",
+    "billing",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": env.db_url("DATABASE_URL", default=embedded_database_url(DATA_DIR)),
+}
+if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+    raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL (postgres://...)")
+DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
+
+REDIS_URL = env.str("REDIS_URL", default=embedded_redis_url(DATA_DIR))
+if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+    raise ImproperlyConfigured(f"REDIS_URL must be redis://, rediss:// or unix://, got {REDIS_URL!r}")
+# A Redis Cluster is addressed by any one node's URL; every tenant's keys share one hash tag.
+REDIS_CLUSTER = env.bool("REDIS_CLUSTER", default=False)
+REDIS_SOCKET_TIMEOUT = env.float("REDIS_SOCKET_TIMEOUT", default=2.0)
+
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "tg:cache",
+        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+    }
+}
+
+# The quota engine (quotas/). Durations in seconds.
+QUOTA_STALE_HOLD_SECONDS = _positive_int("QUOTA_STALE_HOLD_SECONDS", 600)
+QUOTA_COUNTER_GRACE_SECONDS = _positive_int("QUOTA_COUNTER_GRACE_SECONDS", 2 * 86400)
+QUOTA_TOMBSTONE_SECONDS = _positive_int("QUOTA_TOMBSTONE_SECONDS", 3600)
+QUOTA_SWEEP_BATCH = _positive_int("QUOTA_SWEEP_BATCH", 200)
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+}

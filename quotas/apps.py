@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class QuotasConfig(AppConfig):
+    name = "quotas"
+    verbose_name = "Quota engine"
