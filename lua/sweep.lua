@@ -1,0 +1,82 @@
+--[[ sweep.lua: release a bounded batch of a tenant's stale holds (older than a cutoff).
+
+Purpose
+  A gateway process that dies mid-request never settles nor releases its hold. The sweep ends
+  such holds, one batch per call, measuring age on the Redis clock. It is safe to run on several
+  workers at once: a hold is only swept while still open, and each is ended exactly once.
+
+KEYS (one tenant, one hash tag)
+  KEYS[1]            hold index     tg:{t<id>}:holds
+  KEYS[2..H+1]       hold records   tg:{t<id>}:hold:<request_id>, one per ARGV request id
+  KEYS[H+2..]        counters       every counter key named in those holds' `keys` (any order)
+
+ARGV
+  ARGV[1]            stale_ms       a hold is stale when created <= now_ms - stale_ms
+  ARGV[2]            H              number of holds in this batch (bounded by the caller)
+  ARGV[3]            tombstone_ttl  seconds to keep a swept hold record
+  ARGV[4..H+3]       request ids, in the order of KEYS[2..H+1]
+
+Return table
+  { swept, dropped, fresh, now_ms, id_1, amount_1, id_2, amount_2, ... }
+  swept    holds released by this call; their ids and amounts follow (amounts as integers)
+  dropped  index entries whose hold had already ended or vanished (removed from the index)
+  fresh    holds not yet stale, or whose counters were not all passed (left untouched)
+]]
+
+if #KEYS < 1 or #ARGV < 3 then
+  return redis.error_reply('sweep: expected KEYS = index, holds..., counters... and ARGV = stale_ms, H, tombstone_ttl, ids...')
+end
+local stale_ms = tonumber(ARGV[1])
+local h = tonumber(ARGV[2])
+local tombstone_ttl = tonumber(ARGV[3])
+if not stale_ms or stale_ms < 0 or not h or h < 0 or #ARGV ~= 3 + h or #KEYS < 1 + h
+  or not tombstone_ttl or tombstone_ttl < 1 then
+  return redis.error_reply('sweep: bad arguments (need stale_ms >= 0, H ids, H hold keys, tombstone_ttl >= 1)')
+end
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cutoff = now_ms - stale_ms
+
+local passed = {}
+for i = h + 2, #KEYS do passed[KEYS[i]] = true end
+
+local swept, dropped, fresh = 0, 0, 0
+local ended = {}
+for i = 1, h do
+  local hold_key = KEYS[i + 1]
+  local request_id = ARGV[i + 3]
+  local hold = redis.call('HMGET', hold_key, 'state', 'created', 'amount', 'keys')
+  if hold[1] ~= 'open' then  -- ended, or expired (false)
+    redis.call('ZREM', KEYS[1], request_id)
+    dropped = dropped + 1
+  elseif tonumber(hold[2]) > cutoff then
+    fresh = fresh + 1
+  else
+    local keys = cjson.decode(hold[4])
+    local complete = true
+    for j = 1, #keys do
+      if not passed[keys[j]] then complete = false end
+    end
+    if not complete then
+      fresh = fresh + 1
+    else
+      local amount = tonumber(hold[3])
+      for j = 1, #keys do
+        if redis.call('EXISTS', keys[j]) == 1 then
+          redis.call('HINCRBY', keys[j], 'pending', -amount)
+        end
+      end
+      redis.call('HSET', hold_key, 'state', 'swept')
+      redis.call('EXPIRE', hold_key, tombstone_ttl)
+      redis.call('ZREM', KEYS[1], request_id)
+      swept = swept + 1
+      ended[#ended + 1] = request_id
+      ended[#ended + 1] = amount
+    end
+  end
+end
+
+local out = { swept, dropped, fresh, now_ms }
+for i = 1, #ended do out[#out + 1] = ended[i] end
+return out

@@ -1,0 +1,35 @@
+"""Redis clients for the quota engine, built from settings (REDIS_URL, REDIS_CLUSTER).
+
+A standalone server and a Redis Cluster are both supported; the engine takes whichever client
+these return. Timeouts are short on purpose: an unreachable quota store must fail the request
+fast (HTTP 503), not hang it.
+"""
+from __future__ import annotations
+
+import redis
+import redis.asyncio
+from django.conf import settings
+
+
+def _options() -> dict[str, object]:
+    return {
+        "decode_responses": True,
+        "socket_timeout": settings.REDIS_SOCKET_TIMEOUT,
+        "socket_connect_timeout": settings.REDIS_SOCKET_TIMEOUT,
+    }
+
+
+def make_redis(url: str | None = None, *, cluster: bool | None = None) -> redis.Redis | redis.RedisCluster:
+    url = url or settings.REDIS_URL
+    if settings.REDIS_CLUSTER if cluster is None else cluster:
+        return redis.RedisCluster.from_url(url, **_options())
+    return redis.Redis.from_url(url, **_options())
+
+
+def make_async_redis(
+    url: str | None = None, *, cluster: bool | None = None
+) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+    url = url or settings.REDIS_URL
+    if settings.REDIS_CLUSTER if cluster is None else cluster:
+        return redis.asyncio.RedisCluster.from_url(url, **_options())
+    return redis.asyncio.Redis.from_url(url, **_options())

@@ -1,0 +1,522 @@
+"""The quota engine: typed Python wrappers around the reserve / settle / release / sweep /
+recharge scripts, in a sync flavour (`QuotaEngine`) and an async one (`AsyncQuotaEngine`).
+
+Both share the pure parts (`_Calls`: building KEYS/ARGV, parsing replies) and differ only in how
+they talk to Redis. The Redis client is passed in, so the same code runs on a standalone server
+and on a Redis Cluster (every key of one tenant shares a hash tag, see `quotas.keys`).
+
+The hot path is one script call for reserve and one for settle (or release). Nothing on the
+decision path is counted in Python: every check-and-write happens inside a script.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio
+from redis.exceptions import BusyLoadingError, ClusterDownError, ConnectionError, TimeoutError
+
+from quotas import keys, scripts
+from quotas.windows import Calendar, RedisClock, Window, WindowKind
+
+UNLIMITED = -1
+_MAX_CLOCK_RETRIES = 3
+
+
+class QuotaError(Exception):
+    """Base class of the engine's errors."""
+
+
+class QuotaStoreUnavailable(QuotaError):
+    """Redis could not be reached or answered in time. The gateway turns this into HTTP 503:
+    no request may pass unmetered (fail closed)."""
+
+
+class QuotaClockError(QuotaError):
+    """The Redis clock kept falling outside the computed window (should never persist)."""
+
+
+class DuplicateRequestId(QuotaError):
+    """A hold with this request id exists already; request ids must be unique."""
+
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    try:
+        yield
+    except (ConnectionError, TimeoutError, ClusterDownError, BusyLoadingError, OSError) as exc:
+        raise QuotaStoreUnavailable(f"quota store unreachable: {exc}") from exc
+
+
+# -- requests and results -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScopeLimit:
+    """One counter a request is checked against: a scope, a window kind and its limit."""
+
+    scope: str
+    window: WindowKind
+    limit: int  # tokens per window; UNLIMITED (-1) tracks usage without refusing; 0 refuses all
+
+    def __post_init__(self) -> None:
+        keys.validate_scope(self.scope)
+        if not isinstance(self.limit, int) or self.limit < UNLIMITED:
+            raise ValueError(f"limit must be an integer >= -1, got {self.limit!r}")
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    tenant: str
+    request_id: str
+    amount: int
+    limits: tuple[ScopeLimit, ...]
+    # Smallest acceptable hold; below `amount` lets the engine shrink the hold to the headroom.
+    min_amount: int | None = None
+    dry_run: bool = False
+    utc_offset_s: int = 0
+
+    def __post_init__(self) -> None:
+        keys.validate_request_id(self.request_id)
+        if not self.limits:
+            raise ValueError("a reservation needs at least one scope")
+        if not isinstance(self.amount, int) or self.amount < 1:
+            raise ValueError(f"amount must be an integer >= 1, got {self.amount!r}")
+        if self.min_amount is not None and not (1 <= self.min_amount <= self.amount):
+            raise ValueError("min_amount must be between 1 and amount")
+        seen = {(s.scope, s.window) for s in self.limits}
+        if len(seen) != len(self.limits):
+            raise ValueError("each (scope, window) may appear once")
+
+
+@dataclass(frozen=True)
+class CounterState:
+    scope: str
+    window: Window
+    key: str
+    limit: int
+    remaining: int  # after this call; UNLIMITED for unlimited counters
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What settle / release need: the tenant, the request id and the counters held in."""
+
+    tenant: str
+    request_id: str
+    amount: int
+    counter_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    admitted: bool
+    request_id: str
+    granted: int  # tokens held (0 when refused); < requested when the hold was shrunk
+    counters: tuple[CounterState, ...]
+    refused: CounterState | None  # the first scope that had no room
+    server_time_ms: int
+    hold: Hold | None  # None when refused or in a dry run
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left in the tightest limited scope, UNLIMITED when none is limited."""
+        limited = [c.remaining for c in self.counters if c.limit != UNLIMITED]
+        return min(limited) if limited else UNLIMITED
+
+
+@dataclass(frozen=True)
+class SettleResult:
+    request_id: str
+    outcome: str  # settled | released | swept | unknown | keys_mismatch
+    held: int
+    charged: int
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == "settled" and (self.held > 0 or self.charged > 0)
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    request_id: str
+    outcome: str  # released | settled | swept | unknown | keys_mismatch
+    released: int
+
+    @property
+    def applied(self) -> bool:
+        return self.outcome == "released" and self.released > 0
+
+
+@dataclass(frozen=True)
+class SweptHold:
+    request_id: str
+    amount: int
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    tenant: str
+    swept: tuple[SweptHold, ...]
+    dropped: int
+    fresh: int
+
+
+@dataclass(frozen=True)
+class RechargeResult:
+    scope: str
+    window: Window
+    credit: int
+    remaining: int
+
+
+@dataclass(frozen=True)
+class CounterSnapshot:
+    key: str
+    limit: int | None  # None when the counter does not exist (nothing reserved yet)
+    used: int
+    pending: int
+    credit: int
+    over: int
+    ttl_s: int  # -2 missing, -1 no TTL (must never happen), else seconds left
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    counter_grace_s: int = 2 * 86400
+    tombstone_s: int = 3600
+    stale_hold_s: int = 600
+    sweep_batch: int = 200
+
+    @classmethod
+    def from_django(cls) -> EngineSettings:
+        from django.conf import settings
+
+        return cls(
+            counter_grace_s=settings.QUOTA_COUNTER_GRACE_SECONDS,
+            tombstone_s=settings.QUOTA_TOMBSTONE_SECONDS,
+            stale_hold_s=settings.QUOTA_STALE_HOLD_SECONDS,
+            sweep_batch=settings.QUOTA_SWEEP_BATCH,
+        )
+
+
+# -- the pure part: KEYS/ARGV and replies -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ReserveCall:
+    request: ReserveRequest
+    counters: tuple[tuple[ScopeLimit, Window, str], ...]
+    keys: list[str]
+    args: list[Any]
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class _Calls:
+    settings: EngineSettings
+    clock: RedisClock
+    _calendars: dict[int, Calendar] = field(default_factory=dict)
+
+    def calendar(self, utc_offset_s: int) -> Calendar:
+        cal = self._calendars.get(utc_offset_s)
+        if cal is None:
+            cal = self._calendars[utc_offset_s] = Calendar(utc_offset_s)
+        return cal
+
+    def reserve(self, req: ReserveRequest) -> _ReserveCall:
+        now_ms = self.clock.now_ms()
+        cal = self.calendar(req.utc_offset_s)
+        counters = []
+        args: list[Any] = [
+            req.request_id,
+            req.amount,
+            req.min_amount if req.min_amount is not None else req.amount,
+            1 if req.dry_run else 0,
+        ]
+        for limit in req.limits:
+            window = cal.window(limit.window, now_ms)
+            key = keys.counter_key(req.tenant, limit.scope, window.id)
+            counters.append((limit, window, key))
+            expire_at = window.end_ms // 1000 + self.settings.counter_grace_s
+            args += [limit.limit, window.start_ms, window.end_ms, expire_at]
+        hold_keys = [keys.hold_key(req.tenant, req.request_id), keys.hold_index_key(req.tenant)]
+        return _ReserveCall(req, tuple(counters), hold_keys + [c[2] for c in counters], args)
+
+    def reserve_reply(self, call: _ReserveCall, reply: Sequence[Any]) -> Reservation | None:
+        """The Reservation, or None when the window did not match the Redis clock (retry)."""
+        code, detail, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
+        self.clock.observe(now_ms)
+        if code == -1:
+            return None
+        req = call.request
+        if code == -2:
+            raise DuplicateRequestId(f"request id {req.request_id!r} already has a hold")
+        states = tuple(
+            CounterState(scope=limit.scope, window=window, key=key, limit=limit.limit,
+                         remaining=int(remaining))
+            for (limit, window, key), remaining in zip(call.counters, reply[3:], strict=True)
+        )
+        admitted = code == 1
+        granted = detail if admitted else 0
+        hold = None
+        if admitted and not req.dry_run:
+            hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states))
+        return Reservation(
+            admitted=admitted,
+            request_id=req.request_id,
+            granted=granted,
+            counters=states,
+            refused=None if admitted else states[detail - 1],
+            server_time_ms=now_ms,
+            hold=hold,
+        )
+
+    def end_keys(self, hold: Hold) -> list[str]:
+        return [
+            keys.hold_key(hold.tenant, hold.request_id),
+            keys.hold_index_key(hold.tenant),
+            *hold.counter_keys,
+        ]
+
+    def settle_args(self, hold: Hold, actual: int) -> list[Any]:
+        if not isinstance(actual, int) or actual < 0:
+            raise ValueError(f"actual tokens must be an integer >= 0, got {actual!r}")
+        return [hold.request_id, actual, self.settings.tombstone_s]
+
+    def hold_from_record(self, tenant: str, request_id: str, record: Sequence[Any]) -> Hold | None:
+        state, amount, counter_keys = record
+        if state is None or _str(state) != "open":
+            return None
+        return Hold(tenant, request_id, int(amount), tuple(json.loads(_str(counter_keys))))
+
+    def sweep_call(
+        self, tenant: str, ids: Sequence[str], records: Sequence[Any], stale_s: int
+    ) -> tuple[list[str], list[Any]]:
+        counter_keys: dict[str, None] = {}
+        for raw in records:
+            if raw is not None:
+                for k in json.loads(_str(raw)):
+                    counter_keys[k] = None
+        hold_keys = [keys.hold_key(tenant, rid) for rid in ids]
+        call_keys = [keys.hold_index_key(tenant), *hold_keys, *counter_keys]
+        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s, *ids]
+        return call_keys, args
+
+    def sweep_reply(self, tenant: str, reply: Sequence[Any]) -> SweepResult:
+        swept_n, dropped, fresh, now_ms = (int(x) for x in reply[:4])
+        self.clock.observe(now_ms)
+        rest = reply[4:]
+        swept = tuple(
+            SweptHold(_str(rest[i]), int(rest[i + 1])) for i in range(0, 2 * swept_n, 2)
+        )
+        return SweepResult(tenant=tenant, swept=swept, dropped=dropped, fresh=fresh)
+
+    def recharge_call(
+        self, tenant: str, limit: ScopeLimit, tokens: int, utc_offset_s: int
+    ) -> tuple[Window, str, list[Any]]:
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+        window = self.calendar(utc_offset_s).window(limit.window, self.clock.now_ms())
+        key = keys.counter_key(tenant, limit.scope, window.id)
+        expire_at = window.end_ms // 1000 + self.settings.counter_grace_s
+        return window, key, [tokens, limit.limit, window.start_ms, window.end_ms, expire_at]
+
+    def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, utc_offset_s: int) -> str:
+        window = self.calendar(utc_offset_s).window(kind, self.clock.now_ms())
+        return keys.counter_key(tenant, scope, window.id)
+
+
+def _snapshot(key: str, fields: Sequence[Any], ttl: int) -> CounterSnapshot:
+    limit, used, pending, credit, over = fields
+    return CounterSnapshot(
+        key=key,
+        limit=int(limit) if limit is not None else None,
+        used=int(used or 0),
+        pending=int(pending or 0),
+        credit=int(credit or 0),
+        over=int(over or 0),
+        ttl_s=int(ttl),
+    )
+
+
+_COUNTER_FIELDS = ("limit", "used", "pending", "credit", "over")
+_HOLD_FIELDS = ("state", "amount", "keys")
+
+
+# -- sync ---------------------------------------------------------------------------------------
+
+
+class QuotaEngine:
+    """Synchronous engine over a `redis.Redis` or `redis.cluster.RedisCluster` client."""
+
+    def __init__(
+        self,
+        client: redis.Redis | redis.RedisCluster,
+        settings: EngineSettings | None = None,
+        clock: RedisClock | None = None,
+    ) -> None:
+        self.client = client
+        self.settings = settings or EngineSettings()
+        self.clock = clock or RedisClock()
+        self._calls = _Calls(self.settings, self.clock)
+        self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
+
+    def _run(self, name: str, call_keys: list[str], args: list[Any]) -> Any:
+        with _store_errors():
+            return self._scripts[name](keys=call_keys, args=args)
+
+    def reserve(self, request: ReserveRequest) -> Reservation:
+        for _ in range(_MAX_CLOCK_RETRIES):
+            call = self._calls.reserve(request)
+            result = self._calls.reserve_reply(call, self._run("reserve", call.keys, call.args))
+            if result is not None:
+                return result
+        raise QuotaClockError("the Redis clock kept moving out of the computed window")
+
+    def settle(self, hold: Hold, actual: int) -> SettleResult:
+        args = self._calls.settle_args(hold, actual)
+        outcome, held, charged = self._run("settle", self._calls.end_keys(hold), args)
+        return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
+
+    def release(self, hold: Hold) -> ReleaseResult:
+        args = [hold.request_id, self.settings.tombstone_s]
+        outcome, released = self._run("release", self._calls.end_keys(hold), args)
+        return ReleaseResult(hold.request_id, _str(outcome), int(released))
+
+    def open_hold(self, tenant: str, request_id: str) -> Hold | None:
+        """The open hold of a request, read back from Redis (for settling by id off the hot path)."""
+        keys.validate_request_id(request_id)
+        with _store_errors():
+            record = self.client.hmget(keys.hold_key(tenant, request_id), _HOLD_FIELDS)
+        return self._calls.hold_from_record(tenant, request_id, record)
+
+    def settle_by_id(self, tenant: str, request_id: str, actual: int) -> SettleResult:
+        hold = self.open_hold(tenant, request_id)
+        if hold is None:
+            return SettleResult(request_id, self._ended_state(tenant, request_id), 0, 0)
+        return self.settle(hold, actual)
+
+    def release_by_id(self, tenant: str, request_id: str) -> ReleaseResult:
+        hold = self.open_hold(tenant, request_id)
+        if hold is None:
+            return ReleaseResult(request_id, self._ended_state(tenant, request_id), 0)
+        return self.release(hold)
+
+    def _ended_state(self, tenant: str, request_id: str) -> str:
+        with _store_errors():
+            state = self.client.hget(keys.hold_key(tenant, request_id), "state")
+        return _str(state) if state is not None else "unknown"
+
+    def sweep(self, tenant: str, *, stale_s: int | None = None, max_batches: int = 10) -> SweepResult:
+        """Release the tenant's holds older than `stale_s` (default: the stale threshold)."""
+        stale = self.settings.stale_hold_s if stale_s is None else stale_s
+        swept: list[SweptHold] = []
+        dropped = fresh = 0
+        index = keys.hold_index_key(tenant)
+        for _ in range(max_batches):
+            cutoff = self.clock.now_ms() - stale * 1000
+            with _store_errors():
+                ids = [_str(i) for i in self.client.zrangebyscore(
+                    index, "-inf", cutoff, start=0, num=self.settings.sweep_batch)]
+                if not ids:
+                    break
+                pipe = self.client.pipeline(transaction=False)
+                for rid in ids:
+                    pipe.hget(keys.hold_key(tenant, rid), "keys")
+                records = pipe.execute()
+            call_keys, args = self._calls.sweep_call(tenant, ids, records, stale)
+            batch = self._calls.sweep_reply(tenant, self._run("sweep", call_keys, args))
+            swept += batch.swept
+            dropped += batch.dropped
+            fresh += batch.fresh
+            if len(ids) < self.settings.sweep_batch or batch.fresh == len(ids):
+                break
+        return SweepResult(tenant, tuple(swept), dropped, fresh)
+
+    def recharge(
+        self, tenant: str, limit: ScopeLimit, tokens: int, *, utc_offset_s: int = 0
+    ) -> RechargeResult:
+        for _ in range(_MAX_CLOCK_RETRIES):
+            window, key, args = self._calls.recharge_call(tenant, limit, tokens, utc_offset_s)
+            code, credit, remaining, now_ms = (int(x) for x in self._run("recharge", [key], args))
+            self.clock.observe(now_ms)
+            if code == 1:
+                return RechargeResult(limit.scope, window, credit, remaining)
+        raise QuotaClockError("the Redis clock kept moving out of the computed window")
+
+    def counter(
+        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0
+    ) -> CounterSnapshot:
+        """The current window's counter of one scope (for dashboards and tests)."""
+        return self.counter_at(self._calls.counter_key_now(tenant, scope, kind, utc_offset_s))
+
+    def counter_at(self, key: str) -> CounterSnapshot:
+        with _store_errors():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hmget(key, _COUNTER_FIELDS)
+            pipe.ttl(key)
+            fields, ttl = pipe.execute()
+        return _snapshot(key, fields, ttl)
+
+    def open_hold_ids(self, tenant: str) -> list[str]:
+        with _store_errors():
+            return [_str(i) for i in self.client.zrange(keys.hold_index_key(tenant), 0, -1)]
+
+
+# -- async --------------------------------------------------------------------------------------
+
+
+class AsyncQuotaEngine:
+    """The same engine over `redis.asyncio.Redis` or `redis.asyncio.RedisCluster`."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis | redis.asyncio.RedisCluster,
+        settings: EngineSettings | None = None,
+        clock: RedisClock | None = None,
+    ) -> None:
+        self.client = client
+        self.settings = settings or EngineSettings()
+        self.clock = clock or RedisClock()
+        self._calls = _Calls(self.settings, self.clock)
+        self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
+
+    async def _run(self, name: str, call_keys: list[str], args: list[Any]) -> Any:
+        with _store_errors():
+            return await self._scripts[name](keys=call_keys, args=args)
+
+    async def reserve(self, request: ReserveRequest) -> Reservation:
+        for _ in range(_MAX_CLOCK_RETRIES):
+            call = self._calls.reserve(request)
+            reply = await self._run("reserve", call.keys, call.args)
+            result = self._calls.reserve_reply(call, reply)
+            if result is not None:
+                return result
+        raise QuotaClockError("the Redis clock kept moving out of the computed window")
+
+    async def settle(self, hold: Hold, actual: int) -> SettleResult:
+        args = self._calls.settle_args(hold, actual)
+        outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
+        return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
+
+    async def release(self, hold: Hold) -> ReleaseResult:
+        args = [hold.request_id, self.settings.tombstone_s]
+        outcome, released = await self._run("release", self._calls.end_keys(hold), args)
+        return ReleaseResult(hold.request_id, _str(outcome), int(released))
+
+    async def counter(
+        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0
+    ) -> CounterSnapshot:
+        key = self._calls.counter_key_now(tenant, scope, kind, utc_offset_s)
+        with _store_errors():
+            fields = await self.client.hmget(key, _COUNTER_FIELDS)
+            ttl = await self.client.ttl(key)
+        return _snapshot(key, fields, ttl)

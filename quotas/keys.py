@@ -1,0 +1,65 @@
+"""Every Redis key the quota engine uses is named here, and only here.
+
+All keys of one tenant carry the hash tag `{t<tenant>}`, so on a Redis Cluster they live in one
+slot and one script call can touch every scope of a request. Layout:
+
+    tg:{t<tenant>}:q:<scope>:<window>   counter hash {limit, used, pending, credit, over}
+    tg:{t<tenant>}:hold:<request_id>    hold record hash {amount, created, keys, state, actual}
+    tg:{t<tenant>}:holds                zset of open holds, score = created ms (Redis clock)
+
+Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
+Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
+"""
+from __future__ import annotations
+
+import re
+
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_SCOPE_RE = re.compile(r"^(tenant|project:[A-Za-z0-9_-]{1,64}|key:[A-Za-z0-9_-]{1,64}|model:[\x21-\x7e]{1,128})$")
+
+
+def _tag(tenant: str) -> str:
+    if not _TENANT_RE.match(tenant):
+        raise ValueError(f"invalid tenant id for a Redis key: {tenant!r}")
+    return f"tg:{{t{tenant}}}"
+
+
+def validate_request_id(request_id: str) -> str:
+    if not _REQUEST_ID_RE.match(request_id):
+        raise ValueError(f"invalid request id: {request_id!r} (1-128 of A-Z a-z 0-9 _ . : -)")
+    return request_id
+
+
+def validate_scope(scope: str) -> str:
+    if not _SCOPE_RE.match(scope):
+        raise ValueError(f"invalid scope: {scope!r}")
+    return scope
+
+
+def counter_key(tenant: str, scope: str, window_id: str) -> str:
+    return f"{_tag(tenant)}:q:{scope}:{window_id}"
+
+
+def hold_key(tenant: str, request_id: str) -> str:
+    return f"{_tag(tenant)}:hold:{request_id}"
+
+
+def hold_index_key(tenant: str) -> str:
+    return f"{_tag(tenant)}:holds"
+
+
+def tenant_scope() -> str:
+    return "tenant"
+
+
+def project_scope(project_id: object) -> str:
+    return f"project:{project_id}"
+
+
+def api_key_scope(key_id: object) -> str:
+    return f"key:{key_id}"
+
+
+def model_scope(model: str) -> str:
+    return validate_scope(f"model:{model}")
