@@ -1,0 +1,271 @@
+"""Tenants, plans, projects, API keys and the audit trail: the truth that PostgreSQL holds.
+
+Limits convention. Every limit is a BigIntegerField. In a Plan, UNLIMITED (-1) means explicitly
+no limit and 0 means nothing is allowed. In a Tenant override, NULL means "inherit the plan" and
+-1 means unlimited. Project and key sub-limits are NULL for "no sub-limit" and never negative:
+a sub-limit can only narrow the tenant's limit, so "unlimited" would be the same as NULL.
+"""
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from tenants.ids import PUBLIC_ID_MAX_LENGTH, new_api_key_id, new_project_id, new_tenant_id
+from tenants.keys import DIGEST_LENGTH, LAST4_LENGTH, PREFIX_LENGTH, masked
+from tenants.validators import validate_alert_thresholds, validate_model_list
+
+UNLIMITED = -1
+
+_AT_LEAST_UNLIMITED = [MinValueValidator(UNLIMITED)]
+_NON_NEGATIVE = [MinValueValidator(0)]
+
+
+def _default_alert_thresholds() -> list[int]:
+    return [10, 5]
+
+
+def _min_value_constraints(
+    model_label: str, fields: tuple[str, ...], minimum: int
+) -> list[models.CheckConstraint]:
+    # The validators only run in full_clean(); these make the database refuse the same values
+    # when something writes around the services (admin bulk edits, raw updates, shell).
+    return [
+        models.CheckConstraint(
+            condition=models.Q(**{f"{field}__gte": minimum}), name=f"{model_label}_{field}_min"
+        )
+        for field in fields
+    ]
+
+
+class OverQuotaPolicy(models.TextChoices):
+    REJECT = "reject", "Reject (HTTP 429)"
+    QUEUE = "queue", "Queue, then reject"
+    SOFT = "soft", "Soft limit (admit over the limit up to a ceiling)"
+    FALLBACK = "fallback", "Fall back to a cheaper model"
+
+
+class Plan(models.Model):
+    name = models.SlugField(max_length=50, unique=True)
+    display_name = models.CharField(max_length=100)
+    tokens_per_day = models.BigIntegerField(validators=_AT_LEAST_UNLIMITED)
+    tokens_per_minute = models.BigIntegerField(default=UNLIMITED, validators=_AT_LEAST_UNLIMITED)
+    requests_per_second = models.BigIntegerField(validators=_AT_LEAST_UNLIMITED)
+    over_quota_policy = models.CharField(
+        max_length=16, choices=OverQuotaPolicy.choices, default=OverQuotaPolicy.REJECT
+    )
+    queue_timeout_seconds = models.PositiveIntegerField(default=0)
+    queue_priority = models.IntegerField(default=0, help_text="Higher is served first.")
+    soft_limit_percent = models.PositiveIntegerField(
+        default=100,
+        # Below 100 a "soft" limit would be stricter than the hard one.
+        validators=[MinValueValidator(100)],
+        help_text="With the soft policy, admit requests up to this percentage of the limit.",
+    )
+    fallback_model = models.CharField(max_length=200, blank=True)
+    safety_factor = models.DecimalField(
+        max_digits=4,
+        decimal_places=2,
+        default=Decimal("1.25"),
+        # Below 1 the hold would be smaller than the estimate, breaking "the hold bounds the bill".
+        validators=[MinValueValidator(Decimal("1"))],
+    )
+    allowed_models = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_model_list],
+        help_text="Model names this plan may use; empty means every model.",
+    )
+    shrink_hold_to_headroom = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            *_min_value_constraints(
+                "plan", ("tokens_per_day", "tokens_per_minute", "requests_per_second"), UNLIMITED
+            ),
+            models.CheckConstraint(
+                condition=models.Q(safety_factor__gte=Decimal("1")), name="plan_safety_factor_min"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        if self.over_quota_policy == OverQuotaPolicy.FALLBACK and not self.fallback_model:
+            raise ValidationError({"fallback_model": "The fallback policy needs a fallback model."})
+
+
+class Tenant(models.Model):
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        SUSPENDED = "suspended", "Suspended"
+
+    public_id = models.CharField(
+        max_length=PUBLIC_ID_MAX_LENGTH, unique=True, editable=False, default=new_tenant_id
+    )
+    slug = models.SlugField(max_length=63, unique=True)
+    name = models.CharField(max_length=200)
+    plan = models.ForeignKey(Plan, on_delete=models.PROTECT, related_name="tenants")
+    tokens_per_day = models.BigIntegerField(null=True, blank=True, validators=_AT_LEAST_UNLIMITED)
+    tokens_per_minute = models.BigIntegerField(
+        null=True, blank=True, validators=_AT_LEAST_UNLIMITED
+    )
+    requests_per_second = models.BigIntegerField(
+        null=True, blank=True, validators=_AT_LEAST_UNLIMITED
+    )
+    monthly_token_budget = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    monthly_spend_budget_micros = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE, help_text="Micro-dollars (1e-6 USD)."
+    )
+    alert_thresholds = models.JSONField(
+        default=_default_alert_thresholds,
+        blank=True,
+        validators=[validate_alert_thresholds],
+        help_text="Alert when this many percent of a quota or budget remain.",
+    )
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+        constraints = [
+            *_min_value_constraints(
+                "tenant", ("tokens_per_day", "tokens_per_minute", "requests_per_second"), UNLIMITED
+            ),
+            *_min_value_constraints(
+                "tenant", ("monthly_token_budget", "monthly_spend_budget_micros"), 0
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Project(models.Model):
+    public_id = models.CharField(
+        max_length=PUBLIC_ID_MAX_LENGTH, unique=True, editable=False, default=new_project_id
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="projects")
+    slug = models.SlugField(max_length=63)
+    name = models.CharField(max_length=200)
+    tokens_per_day = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    tokens_per_month = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["tenant_id", "slug"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "slug"], name="project_unique_slug_per_tenant"),
+            *_min_value_constraints("project", ("tokens_per_day", "tokens_per_month"), 0),
+        ]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class ApiKey(models.Model):
+    """The identity that carries limits and usage. It survives rotation: only secrets change."""
+
+    public_id = models.CharField(
+        max_length=PUBLIC_ID_MAX_LENGTH, unique=True, editable=False, default=new_api_key_id
+    )
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=200, blank=True)
+    tokens_per_day = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    tokens_per_month = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    requests_per_minute = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    max_concurrency = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    allowed_models = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_model_list],
+        help_text="Narrows the plan's models; empty means every model the plan allows.",
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["-created_at"]
+        constraints = _min_value_constraints(
+            "apikey",
+            ("tokens_per_day", "tokens_per_month", "requests_per_minute", "max_concurrency"),
+            0,
+        )
+
+    def __str__(self) -> str:
+        return self.public_id
+
+
+class ApiKeySecret(models.Model):
+    """One issued secret of an ApiKey; rotation adds a row. Holds a digest, never the plaintext."""
+
+    api_key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="secrets")
+    prefix = models.CharField(max_length=PREFIX_LENGTH, unique=True, db_index=True)
+    digest = models.CharField(max_length=DIGEST_LENGTH)
+    last4 = models.CharField(max_length=LAST4_LENGTH)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key secret"
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.masked
+
+    @property
+    def masked(self) -> str:
+        return masked(self.prefix, self.last4)
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        ADMIN = "admin", "Admin"
+        MEMBER = "member", "Member"
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tenant_memberships"
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant"], name="membership_unique_user_tenant")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user_id}@{self.tenant_id} ({self.role})"
+
+
+class AuditEvent(models.Model):
+    """Who did what to which object. `data` must never hold a secret or a plaintext key."""
+
+    # SET_NULL so that the trail outlives a deleted tenant.
+    tenant = models.ForeignKey(
+        Tenant, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_events"
+    )
+    actor = models.CharField(max_length=200)
+    action = models.CharField(max_length=64)
+    target = models.CharField(max_length=PUBLIC_ID_MAX_LENGTH)
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.target} by {self.actor}"

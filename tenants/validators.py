@@ -1,0 +1,27 @@
+"""Field validators for the JSON columns, whose shape the database does not check."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+
+
+def validate_model_list(value: Any) -> None:
+    if not isinstance(value, list):
+        raise ValidationError("Must be a list of model names.")
+    for item in value:
+        if not isinstance(item, str) or not item.strip():
+            raise ValidationError("Every model name must be a non-empty string.")
+    if len(set(value)) != len(value):
+        raise ValidationError("Model names must not repeat.")
+
+
+def validate_alert_thresholds(value: Any) -> None:
+    if not isinstance(value, list):
+        raise ValidationError("Must be a list of percentages of quota remaining.")
+    for item in value:
+        # bool is an int subclass; True as a threshold is a typo, not 1 percent.
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= 99:
+            raise ValidationError("Every threshold must be an integer from 1 to 99.")
+    if len(set(value)) != len(value):
+        raise ValidationError("Thresholds must not repeat.")
