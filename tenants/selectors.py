@@ -1,0 +1,129 @@
+"""Read-only queries over tenants, plans, projects and keys. Nothing here writes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from django.db.models import Q
+from django.utils import timezone
+
+from tenants.exceptions import ApiKeyNotFound, ProjectNotFound, TenantNotFound, UnknownPlan
+from tenants.models import UNLIMITED, ApiKey, ApiKeySecret, Plan, Project, Tenant
+
+
+@dataclass(frozen=True)
+class EffectiveLimits:
+    """A tenant's limits after applying its overrides to its plan.
+
+    Every limit is an int and UNLIMITED (-1) means no limit, including the monthly budgets
+    (which are NULL in the database when unset), so consumers test one sentinel, never None.
+    """
+
+    plan_name: str
+    tokens_per_day: int
+    tokens_per_minute: int
+    requests_per_second: int
+    monthly_token_budget: int
+    monthly_spend_budget_micros: int
+    over_quota_policy: str
+    queue_timeout_seconds: int
+    queue_priority: int
+    soft_limit_percent: int
+    fallback_model: str
+    safety_factor: Decimal
+    shrink_hold_to_headroom: bool
+    allowed_models: tuple[str, ...]  # empty: every model
+
+
+def _override(value: int | None, plan_value: int) -> int:
+    return plan_value if value is None else value
+
+
+def effective_limits(tenant: Tenant) -> EffectiveLimits:
+    plan = tenant.plan
+    return EffectiveLimits(
+        plan_name=plan.name,
+        tokens_per_day=_override(tenant.tokens_per_day, plan.tokens_per_day),
+        tokens_per_minute=_override(tenant.tokens_per_minute, plan.tokens_per_minute),
+        requests_per_second=_override(tenant.requests_per_second, plan.requests_per_second),
+        monthly_token_budget=_override(tenant.monthly_token_budget, UNLIMITED),
+        monthly_spend_budget_micros=_override(tenant.monthly_spend_budget_micros, UNLIMITED),
+        over_quota_policy=plan.over_quota_policy,
+        queue_timeout_seconds=plan.queue_timeout_seconds,
+        queue_priority=plan.queue_priority,
+        soft_limit_percent=plan.soft_limit_percent,
+        fallback_model=plan.fallback_model,
+        safety_factor=plan.safety_factor,
+        shrink_hold_to_headroom=plan.shrink_hold_to_headroom,
+        allowed_models=tuple(plan.allowed_models),
+    )
+
+
+def allowed_models_for_key(api_key: ApiKey) -> list[str] | None:
+    """The models a key may call: None means every model, an empty list means none.
+
+    An empty list only comes out when the plan and the key both restrict and share no model;
+    that must deny everything rather than fall back to "all".
+    """
+    plan_models: list[str] = api_key.project.tenant.plan.allowed_models
+    key_models: list[str] = api_key.allowed_models
+    if not plan_models and not key_models:
+        return None
+    if not plan_models:
+        return list(key_models)
+    if not key_models:
+        return list(plan_models)
+    plan_set = set(plan_models)
+    return [model for model in key_models if model in plan_set]
+
+
+def valid_secrets(api_key: ApiKey, *, now: datetime | None = None) -> list[ApiKeySecret]:
+    """The secrets of a key that would authenticate at `now` (ignoring the key's own state)."""
+    now = now or timezone.now()
+    return list(
+        api_key.secrets.filter(revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .order_by("-created_at", "-id")
+    )
+
+
+def masked_key(api_key: ApiKey, *, now: datetime | None = None) -> str:
+    """The masked form of the newest valid secret, e.g. `tgk_AbC123xYz987_…9fQ2`.
+
+    A revoked or fully expired key falls back to its newest secret so it stays recognisable in
+    listings; a key without any secret (never issued through the services) gives "".
+    """
+    current = valid_secrets(api_key, now=now)
+    if current:
+        return current[0].masked
+    newest = api_key.secrets.order_by("-created_at", "-id").first()
+    return newest.masked if newest else ""
+
+
+def plan_by_name(name: str) -> Plan:
+    try:
+        return Plan.objects.get(name=name)
+    except Plan.DoesNotExist:
+        raise UnknownPlan(name) from None
+
+
+def tenant_by_slug(slug: str) -> Tenant:
+    try:
+        return Tenant.objects.select_related("plan").get(slug=slug)
+    except Tenant.DoesNotExist:
+        raise TenantNotFound(slug) from None
+
+
+def project_by_slug(tenant: Tenant, slug: str) -> Project:
+    try:
+        return Project.objects.select_related("tenant").get(tenant=tenant, slug=slug)
+    except Project.DoesNotExist:
+        raise ProjectNotFound(tenant.slug, slug) from None
+
+
+def api_key_by_public_id(public_id: str) -> ApiKey:
+    try:
+        return ApiKey.objects.select_related("project__tenant__plan").get(public_id=public_id)
+    except ApiKey.DoesNotExist:
+        raise ApiKeyNotFound(public_id) from None

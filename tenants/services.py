@@ -1,0 +1,409 @@
+"""Everything that changes tenants, projects and keys. Each service runs in one transaction and
+records one AuditEvent when it changes something (a call that changes nothing records nothing).
+
+Services update the instance they are given, so a caller holding it sees the new state.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, models, transaction
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from tenants.exceptions import ApiKeyNotFound, KeyExpired, KeyRevoked, SlugTaken, TenantNotFound
+from tenants.keys import digest_key, digests_match, generate_key, mask_plaintext, parse_key
+from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Project, Tenant
+from tenants.selectors import plan_by_name
+
+# What set_tenant_limits (and create_tenant's **overrides) may change.
+TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
+    "tokens_per_day",
+    "tokens_per_minute",
+    "requests_per_second",
+    "monthly_token_budget",
+    "monthly_spend_budget_micros",
+    "alert_thresholds",
+)
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    """A key as returned once at issue or rotation: the only place the plaintext ever exists."""
+
+    api_key: ApiKey
+    plaintext: str = field(repr=False)  # kept out of logs and tracebacks
+
+    @property
+    def masked(self) -> str:
+        return mask_plaintext(self.plaintext)
+
+
+def record_audit_event(
+    *,
+    actor: str,
+    action: str,
+    target: str,
+    tenant: Tenant | None = None,
+    data: dict[str, Any] | None = None,
+) -> AuditEvent:
+    """Append to the audit trail. `data` must never contain a secret or a plaintext key."""
+    if not actor.strip():
+        raise ValueError("An audit event needs an actor (e.g. 'cli', 'user:alice', 'system').")
+    return AuditEvent.objects.create(
+        tenant=tenant, actor=actor, action=action, target=target, data=data or {}
+    )
+
+
+def _check_override_names(overrides: dict[str, Any]) -> None:
+    unknown = sorted(set(overrides) - set(TENANT_OVERRIDE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"Unknown tenant limit field(s): {', '.join(unknown)}; "
+            f"known: {', '.join(TENANT_OVERRIDE_FIELDS)}"
+        )
+
+
+def _clean(instance: models.Model) -> None:
+    # Field validators only; uniqueness is left to the database so that a concurrent insert of
+    # the same slug is caught too (see _insert_with_slug).
+    instance.full_clean(validate_unique=False, validate_constraints=False)
+
+
+def _insert_with_slug(
+    instance: models.Model, *, taken: QuerySet[Any], kind: str, slug: str
+) -> None:
+    try:
+        # A savepoint, so the caller's transaction stays usable after a unique violation.
+        with transaction.atomic():
+            instance.save(force_insert=True)
+    except IntegrityError:
+        if taken.exists():
+            raise SlugTaken(kind, slug) from None
+        raise
+
+
+def _lock_tenant(tenant: Tenant) -> Tenant:
+    # Row lock so concurrent edits of one tenant serialise instead of losing an update.
+    try:
+        return (
+            Tenant.objects.select_for_update(of=("self",))
+            .select_related("plan")
+            .get(pk=tenant.pk)
+        )
+    except Tenant.DoesNotExist:
+        raise TenantNotFound(tenant.slug) from None
+
+
+def _lock_api_key(api_key: ApiKey) -> ApiKey:
+    try:
+        return (
+            ApiKey.objects.select_for_update(of=("self",))
+            .select_related("project__tenant")
+            .get(pk=api_key.pk)
+        )
+    except ApiKey.DoesNotExist:
+        raise ApiKeyNotFound(api_key.public_id) from None
+
+
+def _new_secret(api_key: ApiKey) -> tuple[str, ApiKeySecret]:
+    plaintext, prefix, digest, last4 = generate_key()
+    secret = ApiKeySecret.objects.create(api_key=api_key, prefix=prefix, digest=digest, last4=last4)
+    return plaintext, secret
+
+
+def create_tenant(
+    slug: str, *, plan_name: str, actor: str, name: str = "", **overrides: Any
+) -> Tenant:
+    _check_override_names(overrides)
+    with transaction.atomic():
+        plan = plan_by_name(plan_name)
+        tenant = Tenant(slug=slug, name=name or slug, plan=plan, **overrides)
+        _clean(tenant)
+        _insert_with_slug(
+            tenant, taken=Tenant.objects.filter(slug=slug), kind="tenant", slug=slug
+        )
+        record_audit_event(
+            tenant=tenant,
+            actor=actor,
+            action="tenant.created",
+            target=tenant.public_id,
+            data={"slug": slug, "name": tenant.name, "plan": plan.name, "overrides": overrides},
+        )
+    return tenant
+
+
+def create_project(
+    tenant: Tenant,
+    slug: str,
+    *,
+    actor: str,
+    name: str = "",
+    tokens_per_day: int | None = None,
+    tokens_per_month: int | None = None,
+) -> Project:
+    with transaction.atomic():
+        project = Project(
+            tenant=tenant,
+            slug=slug,
+            name=name or slug,
+            tokens_per_day=tokens_per_day,
+            tokens_per_month=tokens_per_month,
+        )
+        _clean(project)
+        _insert_with_slug(
+            project,
+            taken=Project.objects.filter(tenant=tenant, slug=slug),
+            kind=f"project in tenant {tenant.slug!r}",
+            slug=slug,
+        )
+        record_audit_event(
+            tenant=tenant,
+            actor=actor,
+            action="project.created",
+            target=project.public_id,
+            data={
+                "slug": slug,
+                "name": project.name,
+                "tokens_per_day": tokens_per_day,
+                "tokens_per_month": tokens_per_month,
+            },
+        )
+    return project
+
+
+def issue_key(
+    project: Project,
+    *,
+    actor: str,
+    name: str = "",
+    tokens_per_day: int | None = None,
+    tokens_per_month: int | None = None,
+    requests_per_minute: int | None = None,
+    max_concurrency: int | None = None,
+    allowed_models: list[str] | None = None,
+    expires_at: datetime | None = None,
+) -> IssuedKey:
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValueError("expires_at must be in the future")
+    with transaction.atomic():
+        api_key = ApiKey(
+            project=project,
+            name=name,
+            tokens_per_day=tokens_per_day,
+            tokens_per_month=tokens_per_month,
+            requests_per_minute=requests_per_minute,
+            max_concurrency=max_concurrency,
+            allowed_models=list(allowed_models or []),
+            expires_at=expires_at,
+            created_by=actor,
+        )
+        _clean(api_key)
+        api_key.save(force_insert=True)
+        plaintext, secret = _new_secret(api_key)
+        record_audit_event(
+            tenant=project.tenant,
+            actor=actor,
+            action="key.issued",
+            target=api_key.public_id,
+            data={
+                "project": project.public_id,
+                "name": name,
+                "masked": secret.masked,
+                "tokens_per_day": tokens_per_day,
+                "tokens_per_month": tokens_per_month,
+                "requests_per_minute": requests_per_minute,
+                "max_concurrency": max_concurrency,
+                "allowed_models": api_key.allowed_models,
+                "expires_at": expires_at.isoformat() if expires_at else None,
+            },
+        )
+    return IssuedKey(api_key=api_key, plaintext=plaintext)
+
+
+def rotate_key(api_key: ApiKey, *, actor: str, grace_seconds: int = 0) -> IssuedKey:
+    """Give the key a new secret; its previous secrets die now, or after `grace_seconds`.
+
+    The grace period lets a client deploy the new secret before the old one stops working.
+    A secret already due to expire sooner (from an earlier rotation) keeps its earlier deadline.
+    """
+    if grace_seconds < 0:
+        raise ValueError("grace_seconds must be >= 0")
+    with transaction.atomic():
+        locked = _lock_api_key(api_key)
+        now = timezone.now()
+        if locked.revoked_at is not None:
+            raise KeyRevoked(locked.public_id)
+        if locked.expires_at is not None and locked.expires_at <= now:
+            raise KeyExpired(locked.public_id)
+        live = locked.secrets.filter(revoked_at__isnull=True).filter(
+            Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+        )
+        previous = live.count()
+        valid_until = now + timedelta(seconds=grace_seconds)
+        if grace_seconds == 0:
+            live.update(revoked_at=now)
+        else:
+            live.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=valid_until)).update(
+                expires_at=valid_until
+            )
+        plaintext, secret = _new_secret(locked)
+        record_audit_event(
+            tenant=locked.project.tenant,
+            actor=actor,
+            action="key.rotated",
+            target=locked.public_id,
+            data={
+                "masked": secret.masked,
+                "grace_seconds": grace_seconds,
+                "previous_secrets": previous,
+                "previous_valid_until": valid_until.isoformat(),
+            },
+        )
+    return IssuedKey(api_key=locked, plaintext=plaintext)
+
+
+def revoke_key(api_key: ApiKey, *, actor: str) -> bool:
+    """Revoke the key and every secret of it. True if this call revoked it, False if it already
+    was revoked (then nothing is written)."""
+    with transaction.atomic():
+        locked = _lock_api_key(api_key)
+        if locked.revoked_at is not None:
+            api_key.revoked_at = locked.revoked_at
+            return False
+        now = timezone.now()
+        locked.revoked_at = now
+        locked.save(update_fields=["revoked_at"])
+        secrets_revoked = locked.secrets.filter(revoked_at__isnull=True).update(revoked_at=now)
+        record_audit_event(
+            tenant=locked.project.tenant,
+            actor=actor,
+            action="key.revoked",
+            target=locked.public_id,
+            data={"secrets_revoked": secrets_revoked},
+        )
+    api_key.revoked_at = now
+    return True
+
+
+def change_plan(tenant: Tenant, plan_name: str, *, actor: str) -> Tenant:
+    with transaction.atomic():
+        plan = plan_by_name(plan_name)
+        locked = _lock_tenant(tenant)
+        previous = locked.plan
+        if previous.pk != plan.pk:
+            locked.plan = plan
+            locked.save(update_fields=["plan"])
+            record_audit_event(
+                tenant=locked,
+                actor=actor,
+                action="tenant.plan_changed",
+                target=locked.public_id,
+                data={"from": previous.name, "to": plan.name},
+            )
+    tenant.plan = plan
+    return tenant
+
+
+def set_tenant_limits(tenant: Tenant, *, actor: str, **overrides: Any) -> Tenant:
+    """Set tenant overrides: None inherits the plan, UNLIMITED (-1) lifts the limit."""
+    if not overrides:
+        raise ValueError("No limits given")
+    _check_override_names(overrides)
+    with transaction.atomic():
+        locked = _lock_tenant(tenant)
+        changes = {
+            name: {"from": getattr(locked, name), "to": value}
+            for name, value in overrides.items()
+            if getattr(locked, name) != value
+        }
+        for name, value in overrides.items():
+            setattr(locked, name, value)
+        _clean(locked)
+        if changes:
+            locked.save(update_fields=list(changes))
+            record_audit_event(
+                tenant=locked,
+                actor=actor,
+                action="tenant.limits_changed",
+                target=locked.public_id,
+                data={"changes": changes},
+            )
+    for name in TENANT_OVERRIDE_FIELDS:
+        setattr(tenant, name, getattr(locked, name))
+    return tenant
+
+
+def set_tenant_status(tenant: Tenant, status: str, *, actor: str) -> Tenant:
+    if status not in Tenant.Status.values:
+        raise ValueError(
+            f"Unknown tenant status {status!r}; expected one of {', '.join(Tenant.Status.values)}"
+        )
+    with transaction.atomic():
+        locked = _lock_tenant(tenant)
+        previous = locked.status
+        if previous != status:
+            locked.status = status
+            locked.save(update_fields=["status"])
+            record_audit_event(
+                tenant=locked,
+                actor=actor,
+                action="tenant.status_changed",
+                target=locked.public_id,
+                data={"from": previous, "to": status},
+            )
+    tenant.status = status
+    return tenant
+
+
+def authenticate_key(plaintext: str, *, now: datetime | None = None) -> ApiKey | None:
+    """The ApiKey a presented plaintext key belongs to, or None if it must not be accepted.
+
+    One query, no writes: the gateway calls this on every request and records last use in
+    batches with touch_last_used(). The returned key has project, tenant and plan loaded.
+    """
+    prefix = parse_key(plaintext)
+    if prefix is None:
+        return None
+    secret = (
+        ApiKeySecret.objects.select_related("api_key__project__tenant__plan")
+        .filter(prefix=prefix)
+        .first()
+    )
+    if secret is None:
+        # Spend the same HMAC work as for a known prefix, so timing does not tell callers
+        # which prefixes exist.
+        digest_key(plaintext)
+        return None
+    if not digests_match(plaintext, secret.digest):
+        return None
+    now = now or timezone.now()
+    api_key = secret.api_key
+    if secret.revoked_at is not None or api_key.revoked_at is not None:
+        return None
+    if secret.expires_at is not None and secret.expires_at <= now:
+        return None
+    if api_key.expires_at is not None and api_key.expires_at <= now:
+        return None
+    if api_key.project.tenant.status != Tenant.Status.ACTIVE:
+        return None
+    return api_key
+
+
+def touch_last_used(api_key_ids: Iterable[int], when: datetime) -> int:
+    """Record that keys were used at `when`, in one UPDATE; returns how many rows moved.
+
+    Not audited: this is usage telemetry from the hot path, not a change anyone made. It never
+    moves last_used_at backwards, so batches flushed out of order are harmless.
+    """
+    ids = list(api_key_ids)
+    if not ids:
+        return 0
+    return (
+        ApiKey.objects.filter(pk__in=ids)
+        .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=when))
+        .update(last_used_at=when)
+    )
