@@ -3,6 +3,7 @@
 Callers (views, management commands) translate these into HTTP errors or CommandError; the
 messages are written to be shown to an operator as they are.
 """
+
 from __future__ import annotations
 
 

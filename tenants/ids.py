@@ -3,6 +3,7 @@
 A type prefix makes a pasted identifier self-describing (`ten_`, `prj_`, `key_`), and the random
 part keeps ids unguessable and free of information about how many tenants or keys exist.
 """
+
 from __future__ import annotations
 
 import secrets

@@ -5,6 +5,7 @@ is stored in clear so a key can be found with one indexed lookup; the whole plai
 only as an HMAC-SHA256 digest keyed with `settings.TOLLGATE_KEY_PEPPER`, so a copy of the
 database alone is not enough to test guesses offline.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -5,6 +5,7 @@ no limit and 0 means nothing is allowed. In a Tenant override, NULL means "inher
 -1 means unlimited. Project and key sub-limits are NULL for "no sub-limit" and never negative:
 a sub-limit can only narrow the tenant's limit, so "unlimited" would be the same as NULL.
 """
+
 from __future__ import annotations
 
 from decimal import Decimal
@@ -30,7 +31,7 @@ def _default_alert_thresholds() -> list[int]:
 
 def _min_value_constraints(
     model_label: str, fields: tuple[str, ...], minimum: int
-) -> list[models.CheckConstraint]:
+) -> list[models.BaseConstraint]:
     # The validators only run in full_clean(); these make the database refuse the same values
     # when something writes around the services (admin bulk edits, raw updates, shell).
     return [
@@ -162,7 +163,9 @@ class Project(models.Model):
     class Meta:
         ordering = ["tenant_id", "slug"]
         constraints = [
-            models.UniqueConstraint(fields=["tenant", "slug"], name="project_unique_slug_per_tenant"),
+            models.UniqueConstraint(
+                fields=["tenant", "slug"], name="project_unique_slug_per_tenant"
+            ),
             *_min_value_constraints("project", ("tokens_per_day", "tokens_per_month"), 0),
         ]
 

@@ -1,4 +1,5 @@
 """Read-only queries over tenants, plans, projects and keys. Nothing here writes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

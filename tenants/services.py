@@ -3,6 +3,7 @@ records one AuditEvent when it changes something (a call that changes nothing re
 
 Services update the instance they are given, so a caller holding it sees the new state.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -90,9 +91,7 @@ def _lock_tenant(tenant: Tenant) -> Tenant:
     # Row lock so concurrent edits of one tenant serialise instead of losing an update.
     try:
         return (
-            Tenant.objects.select_for_update(of=("self",))
-            .select_related("plan")
-            .get(pk=tenant.pk)
+            Tenant.objects.select_for_update(of=("self",)).select_related("plan").get(pk=tenant.pk)
         )
     except Tenant.DoesNotExist:
         raise TenantNotFound(tenant.slug) from None
@@ -123,9 +122,7 @@ def create_tenant(
         plan = plan_by_name(plan_name)
         tenant = Tenant(slug=slug, name=name or slug, plan=plan, **overrides)
         _clean(tenant)
-        _insert_with_slug(
-            tenant, taken=Tenant.objects.filter(slug=slug), kind="tenant", slug=slug
-        )
+        _insert_with_slug(tenant, taken=Tenant.objects.filter(slug=slug), kind="tenant", slug=slug)
         record_audit_event(
             tenant=tenant,
             actor=actor,

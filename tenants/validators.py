@@ -1,4 +1,5 @@
 """Field validators for the JSON columns, whose shape the database does not check."""
+
 from __future__ import annotations
 
 from typing import Any

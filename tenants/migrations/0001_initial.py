@@ -11,7 +11,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -20,189 +19,503 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='ApiKey',
+            name="ApiKey",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('public_id', models.CharField(default=tenants.ids.new_api_key_id, editable=False, max_length=32, unique=True)),
-                ('name', models.CharField(blank=True, max_length=200)),
-                ('tokens_per_day', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('tokens_per_month', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('requests_per_minute', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('max_concurrency', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('allowed_models', models.JSONField(blank=True, default=list, help_text="Narrows the plan's models; empty means every model the plan allows.", validators=[tenants.validators.validate_model_list])),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('created_by', models.CharField(blank=True, max_length=200)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "public_id",
+                    models.CharField(
+                        default=tenants.ids.new_api_key_id,
+                        editable=False,
+                        max_length=32,
+                        unique=True,
+                    ),
+                ),
+                ("name", models.CharField(blank=True, max_length=200)),
+                (
+                    "tokens_per_day",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "tokens_per_month",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "requests_per_minute",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "max_concurrency",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "allowed_models",
+                    models.JSONField(
+                        blank=True,
+                        default=list,
+                        help_text="Narrows the plan's models; empty means every model the plan allows.",
+                        validators=[tenants.validators.validate_model_list],
+                    ),
+                ),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("created_by", models.CharField(blank=True, max_length=200)),
             ],
             options={
-                'verbose_name': 'API key',
-                'ordering': ['-created_at'],
+                "verbose_name": "API key",
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='Project',
+            name="Project",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('public_id', models.CharField(default=tenants.ids.new_project_id, editable=False, max_length=32, unique=True)),
-                ('slug', models.SlugField(max_length=63)),
-                ('name', models.CharField(max_length=200)),
-                ('tokens_per_day', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('tokens_per_month', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "public_id",
+                    models.CharField(
+                        default=tenants.ids.new_project_id,
+                        editable=False,
+                        max_length=32,
+                        unique=True,
+                    ),
+                ),
+                ("slug", models.SlugField(max_length=63)),
+                ("name", models.CharField(max_length=200)),
+                (
+                    "tokens_per_day",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "tokens_per_month",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'ordering': ['tenant_id', 'slug'],
+                "ordering": ["tenant_id", "slug"],
             },
         ),
         migrations.CreateModel(
-            name='ApiKeySecret',
+            name="ApiKeySecret",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('prefix', models.CharField(db_index=True, max_length=12, unique=True)),
-                ('digest', models.CharField(max_length=64)),
-                ('last4', models.CharField(max_length=4)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('api_key', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='secrets', to='tenants.apikey')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("prefix", models.CharField(db_index=True, max_length=12, unique=True)),
+                ("digest", models.CharField(max_length=64)),
+                ("last4", models.CharField(max_length=4)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "api_key",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="secrets",
+                        to="tenants.apikey",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'API key secret',
-                'ordering': ['-created_at', '-id'],
+                "verbose_name": "API key secret",
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='Plan',
+            name="Plan",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(unique=True)),
-                ('display_name', models.CharField(max_length=100)),
-                ('tokens_per_day', models.BigIntegerField(validators=[django.core.validators.MinValueValidator(-1)])),
-                ('tokens_per_minute', models.BigIntegerField(default=-1, validators=[django.core.validators.MinValueValidator(-1)])),
-                ('requests_per_second', models.BigIntegerField(validators=[django.core.validators.MinValueValidator(-1)])),
-                ('over_quota_policy', models.CharField(choices=[('reject', 'Reject (HTTP 429)'), ('queue', 'Queue, then reject'), ('soft', 'Soft limit (admit over the limit up to a ceiling)'), ('fallback', 'Fall back to a cheaper model')], default='reject', max_length=16)),
-                ('queue_timeout_seconds', models.PositiveIntegerField(default=0)),
-                ('queue_priority', models.IntegerField(default=0, help_text='Higher is served first.')),
-                ('soft_limit_percent', models.PositiveIntegerField(default=100, help_text='With the soft policy, admit requests up to this percentage of the limit.', validators=[django.core.validators.MinValueValidator(100)])),
-                ('fallback_model', models.CharField(blank=True, max_length=200)),
-                ('safety_factor', models.DecimalField(decimal_places=2, default=Decimal('1.25'), max_digits=4, validators=[django.core.validators.MinValueValidator(Decimal('1'))])),
-                ('allowed_models', models.JSONField(blank=True, default=list, help_text='Model names this plan may use; empty means every model.', validators=[tenants.validators.validate_model_list])),
-                ('shrink_hold_to_headroom', models.BooleanField(default=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(unique=True)),
+                ("display_name", models.CharField(max_length=100)),
+                (
+                    "tokens_per_day",
+                    models.BigIntegerField(
+                        validators=[django.core.validators.MinValueValidator(-1)]
+                    ),
+                ),
+                (
+                    "tokens_per_minute",
+                    models.BigIntegerField(
+                        default=-1, validators=[django.core.validators.MinValueValidator(-1)]
+                    ),
+                ),
+                (
+                    "requests_per_second",
+                    models.BigIntegerField(
+                        validators=[django.core.validators.MinValueValidator(-1)]
+                    ),
+                ),
+                (
+                    "over_quota_policy",
+                    models.CharField(
+                        choices=[
+                            ("reject", "Reject (HTTP 429)"),
+                            ("queue", "Queue, then reject"),
+                            ("soft", "Soft limit (admit over the limit up to a ceiling)"),
+                            ("fallback", "Fall back to a cheaper model"),
+                        ],
+                        default="reject",
+                        max_length=16,
+                    ),
+                ),
+                ("queue_timeout_seconds", models.PositiveIntegerField(default=0)),
+                (
+                    "queue_priority",
+                    models.IntegerField(default=0, help_text="Higher is served first."),
+                ),
+                (
+                    "soft_limit_percent",
+                    models.PositiveIntegerField(
+                        default=100,
+                        help_text="With the soft policy, admit requests up to this percentage of the limit.",
+                        validators=[django.core.validators.MinValueValidator(100)],
+                    ),
+                ),
+                ("fallback_model", models.CharField(blank=True, max_length=200)),
+                (
+                    "safety_factor",
+                    models.DecimalField(
+                        decimal_places=2,
+                        default=Decimal("1.25"),
+                        max_digits=4,
+                        validators=[django.core.validators.MinValueValidator(Decimal("1"))],
+                    ),
+                ),
+                (
+                    "allowed_models",
+                    models.JSONField(
+                        blank=True,
+                        default=list,
+                        help_text="Model names this plan may use; empty means every model.",
+                        validators=[tenants.validators.validate_model_list],
+                    ),
+                ),
+                ("shrink_hold_to_headroom", models.BooleanField(default=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('tokens_per_day__gte', -1)), name='plan_tokens_per_day_min'), models.CheckConstraint(condition=models.Q(('tokens_per_minute__gte', -1)), name='plan_tokens_per_minute_min'), models.CheckConstraint(condition=models.Q(('requests_per_second__gte', -1)), name='plan_requests_per_second_min'), models.CheckConstraint(condition=models.Q(('safety_factor__gte', Decimal('1'))), name='plan_safety_factor_min')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("tokens_per_day__gte", -1)),
+                        name="plan_tokens_per_day_min",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("tokens_per_minute__gte", -1)),
+                        name="plan_tokens_per_minute_min",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("requests_per_second__gte", -1)),
+                        name="plan_requests_per_second_min",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("safety_factor__gte", Decimal("1"))),
+                        name="plan_safety_factor_min",
+                    ),
+                ],
             },
         ),
         migrations.AddField(
-            model_name='apikey',
-            name='project',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_keys', to='tenants.project'),
+            model_name="apikey",
+            name="project",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="api_keys",
+                to="tenants.project",
+            ),
         ),
         migrations.CreateModel(
-            name='Tenant',
+            name="Tenant",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('public_id', models.CharField(default=tenants.ids.new_tenant_id, editable=False, max_length=32, unique=True)),
-                ('slug', models.SlugField(max_length=63, unique=True)),
-                ('name', models.CharField(max_length=200)),
-                ('tokens_per_day', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(-1)])),
-                ('tokens_per_minute', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(-1)])),
-                ('requests_per_second', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(-1)])),
-                ('monthly_token_budget', models.BigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('monthly_spend_budget_micros', models.BigIntegerField(blank=True, help_text='Micro-dollars (1e-6 USD).', null=True, validators=[django.core.validators.MinValueValidator(0)])),
-                ('alert_thresholds', models.JSONField(blank=True, default=tenants.models._default_alert_thresholds, help_text='Alert when this many percent of a quota or budget remain.', validators=[tenants.validators.validate_alert_thresholds])),
-                ('status', models.CharField(choices=[('active', 'Active'), ('suspended', 'Suspended')], default='active', max_length=16)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('plan', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='tenants', to='tenants.plan')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "public_id",
+                    models.CharField(
+                        default=tenants.ids.new_tenant_id,
+                        editable=False,
+                        max_length=32,
+                        unique=True,
+                    ),
+                ),
+                ("slug", models.SlugField(max_length=63, unique=True)),
+                ("name", models.CharField(max_length=200)),
+                (
+                    "tokens_per_day",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(-1)],
+                    ),
+                ),
+                (
+                    "tokens_per_minute",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(-1)],
+                    ),
+                ),
+                (
+                    "requests_per_second",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(-1)],
+                    ),
+                ),
+                (
+                    "monthly_token_budget",
+                    models.BigIntegerField(
+                        blank=True,
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "monthly_spend_budget_micros",
+                    models.BigIntegerField(
+                        blank=True,
+                        help_text="Micro-dollars (1e-6 USD).",
+                        null=True,
+                        validators=[django.core.validators.MinValueValidator(0)],
+                    ),
+                ),
+                (
+                    "alert_thresholds",
+                    models.JSONField(
+                        blank=True,
+                        default=tenants.models._default_alert_thresholds,
+                        help_text="Alert when this many percent of a quota or budget remain.",
+                        validators=[tenants.validators.validate_alert_thresholds],
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[("active", "Active"), ("suspended", "Suspended")],
+                        default="active",
+                        max_length=16,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "plan",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="tenants",
+                        to="tenants.plan",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['slug'],
+                "ordering": ["slug"],
             },
         ),
         migrations.AddField(
-            model_name='project',
-            name='tenant',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='projects', to='tenants.tenant'),
+            model_name="project",
+            name="tenant",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="projects",
+                to="tenants.tenant",
+            ),
         ),
         migrations.CreateModel(
-            name='Membership',
+            name="Membership",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('role', models.CharField(choices=[('owner', 'Owner'), ('admin', 'Admin'), ('member', 'Member')], default='member', max_length=16)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='tenant_memberships', to=settings.AUTH_USER_MODEL)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='memberships', to='tenants.tenant')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "role",
+                    models.CharField(
+                        choices=[("owner", "Owner"), ("admin", "Admin"), ("member", "Member")],
+                        default="member",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="tenant_memberships",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to="tenants.tenant",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('actor', models.CharField(max_length=200)),
-                ('action', models.CharField(max_length=64)),
-                ('target', models.CharField(max_length=32)),
-                ('data', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('tenant', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='audit_events', to='tenants.tenant')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("actor", models.CharField(max_length=200)),
+                ("action", models.CharField(max_length=64)),
+                ("target", models.CharField(max_length=32)),
+                ("data", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="audit_events",
+                        to="tenants.tenant",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.AddConstraint(
-            model_name='apikey',
-            constraint=models.CheckConstraint(condition=models.Q(('tokens_per_day__gte', 0)), name='apikey_tokens_per_day_min'),
+            model_name="apikey",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("tokens_per_day__gte", 0)), name="apikey_tokens_per_day_min"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='apikey',
-            constraint=models.CheckConstraint(condition=models.Q(('tokens_per_month__gte', 0)), name='apikey_tokens_per_month_min'),
+            model_name="apikey",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("tokens_per_month__gte", 0)), name="apikey_tokens_per_month_min"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='apikey',
-            constraint=models.CheckConstraint(condition=models.Q(('requests_per_minute__gte', 0)), name='apikey_requests_per_minute_min'),
+            model_name="apikey",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("requests_per_minute__gte", 0)),
+                name="apikey_requests_per_minute_min",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='apikey',
-            constraint=models.CheckConstraint(condition=models.Q(('max_concurrency__gte', 0)), name='apikey_max_concurrency_min'),
+            model_name="apikey",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("max_concurrency__gte", 0)), name="apikey_max_concurrency_min"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='tenant',
-            constraint=models.CheckConstraint(condition=models.Q(('tokens_per_day__gte', -1)), name='tenant_tokens_per_day_min'),
+            model_name="tenant",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("tokens_per_day__gte", -1)), name="tenant_tokens_per_day_min"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='tenant',
-            constraint=models.CheckConstraint(condition=models.Q(('tokens_per_minute__gte', -1)), name='tenant_tokens_per_minute_min'),
+            model_name="tenant",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("tokens_per_minute__gte", -1)),
+                name="tenant_tokens_per_minute_min",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='tenant',
-            constraint=models.CheckConstraint(condition=models.Q(('requests_per_second__gte', -1)), name='tenant_requests_per_second_min'),
+            model_name="tenant",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("requests_per_second__gte", -1)),
+                name="tenant_requests_per_second_min",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='tenant',
-            constraint=models.CheckConstraint(condition=models.Q(('monthly_token_budget__gte', 0)), name='tenant_monthly_token_budget_min'),
+            model_name="tenant",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("monthly_token_budget__gte", 0)),
+                name="tenant_monthly_token_budget_min",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='tenant',
-            constraint=models.CheckConstraint(condition=models.Q(('monthly_spend_budget_micros__gte', 0)), name='tenant_monthly_spend_budget_micros_min'),
+            model_name="tenant",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("monthly_spend_budget_micros__gte", 0)),
+                name="tenant_monthly_spend_budget_micros_min",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='project',
-            constraint=models.UniqueConstraint(fields=('tenant', 'slug'), name='project_unique_slug_per_tenant'),
+            model_name="project",
+            constraint=models.UniqueConstraint(
+                fields=("tenant", "slug"), name="project_unique_slug_per_tenant"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='project',
-            constraint=models.CheckConstraint(condition=models.Q(('tokens_per_day__gte', 0)), name='project_tokens_per_day_min'),
+            model_name="project",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("tokens_per_day__gte", 0)), name="project_tokens_per_day_min"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='project',
-            constraint=models.CheckConstraint(condition=models.Q(('tokens_per_month__gte', 0)), name='project_tokens_per_month_min'),
+            model_name="project",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("tokens_per_month__gte", 0)),
+                name="project_tokens_per_month_min",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='membership',
-            constraint=models.UniqueConstraint(fields=('user', 'tenant'), name='membership_unique_user_tenant'),
+            model_name="membership",
+            constraint=models.UniqueConstraint(
+                fields=("user", "tenant"), name="membership_unique_user_tenant"
+            ),
         ),
     ]

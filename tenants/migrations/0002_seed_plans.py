@@ -1,4 +1,5 @@
 """Seed the three plans of DESIGN.md section 6. Operators edit them in the admin afterwards."""
+
 from decimal import Decimal
 
 from django.apps.registry import Apps

@@ -81,7 +81,9 @@ def test_plaintext_is_not_stored_in_any_table(issued: IssuedKey) -> None:
     with connection.cursor() as cursor:
         for table in connection.introspection.table_names():
             name = connection.ops.quote_name(table)
-            cursor.execute(f"SELECT count(*) FROM {name} t WHERE t::text LIKE %s", [f"%{secret_part}%"])
+            cursor.execute(
+                f"SELECT count(*) FROM {name} t WHERE t::text LIKE %s", [f"%{secret_part}%"]
+            )
             assert cursor.fetchone()[0] == 0, f"{table} contains the secret"
         # The check above can find things: the digest is stored and is found the same way.
         digest = ApiKeySecret.objects.get(api_key=issued.api_key).digest
@@ -113,6 +115,7 @@ def test_rotation_with_grace_keeps_the_old_secret_until_expiry(issued: IssuedKey
     after = timezone.now()
     old = ApiKeySecret.objects.get(prefix=issued.plaintext[4:16])
     assert old.revoked_at is None
+    assert old.expires_at is not None
     assert before + timedelta(seconds=300) <= old.expires_at <= after + timedelta(seconds=300)
 
     assert authenticate_key(issued.plaintext) == issued.api_key
@@ -129,6 +132,7 @@ def test_a_second_graceful_rotation_does_not_extend_the_first_deadline(issued: I
     third = rotate_key(issued.api_key, actor="test", grace_seconds=3600)
     first_secret = ApiKeySecret.objects.get(prefix=issued.plaintext[4:16])
     second_secret = ApiKeySecret.objects.get(prefix=second.plaintext[4:16])
+    assert first_secret.expires_at is not None and second_secret.expires_at is not None
     assert second_secret.expires_at - first_secret.expires_at > timedelta(seconds=3000)
     later = timezone.now() + timedelta(seconds=120)
     assert authenticate_key(issued.plaintext, now=later) is None

@@ -74,9 +74,7 @@ def test_plan_validation() -> None:
 
 @pytest.mark.django_db
 def test_zero_and_unlimited_are_both_valid_plan_limits() -> None:
-    plan = Plan(
-        name="odd", display_name="Odd", tokens_per_day=0, requests_per_second=UNLIMITED
-    )
+    plan = Plan(name="odd", display_name="Odd", tokens_per_day=0, requests_per_second=UNLIMITED)
     plan.full_clean()
     plan.save()
     assert Plan.objects.get(name="odd").tokens_per_day == 0

@@ -37,7 +37,11 @@ def _event_ids() -> set[int]:
 def test_create_tenant_writes_one_event() -> None:
     tenant = create_tenant("globex", plan_name="free", actor="user:alice", tokens_per_day=1000)
     event = AuditEvent.objects.get()
-    assert (event.action, event.actor, event.target) == ("tenant.created", "user:alice", tenant.public_id)
+    assert (event.action, event.actor, event.target) == (
+        "tenant.created",
+        "user:alice",
+        tenant.public_id,
+    )
     assert event.tenant == tenant
     assert event.data["plan"] == "free"
     assert event.data["overrides"] == {"tokens_per_day": 1000}
@@ -131,9 +135,17 @@ def test_services_update_the_instance_they_are_given(tenant: Tenant) -> None:
     change_plan(tenant, "enterprise", actor="cli")
     set_tenant_limits(tenant, actor="cli", requests_per_second=3, alert_thresholds=[20])
     set_tenant_status(tenant, "suspended", actor="cli")
-    assert (tenant.plan.name, tenant.requests_per_second, tenant.status) == ("enterprise", 3, "suspended")
+    assert (tenant.plan.name, tenant.requests_per_second, tenant.status) == (
+        "enterprise",
+        3,
+        "suspended",
+    )
     stored = Tenant.objects.get(pk=tenant.pk)
-    assert (stored.plan.name, stored.requests_per_second, stored.status) == ("enterprise", 3, "suspended")
+    assert (stored.plan.name, stored.requests_per_second, stored.status) == (
+        "enterprise",
+        3,
+        "suspended",
+    )
     assert stored.alert_thresholds == [20]
 
 
@@ -213,7 +225,12 @@ def test_issue_key_stores_sub_limits_and_creator(project: Project) -> None:
     )
     key = ApiKey.objects.get(pk=issued.api_key.pk)
     assert key.public_id.startswith("key_")
-    assert (key.tokens_per_day, key.tokens_per_month, key.requests_per_minute, key.max_concurrency) == (
+    assert (
+        key.tokens_per_day,
+        key.tokens_per_month,
+        key.requests_per_minute,
+        key.max_concurrency,
+    ) == (
         100,
         2000,
         60,
