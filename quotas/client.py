@@ -9,13 +9,18 @@ from __future__ import annotations
 import redis
 import redis.asyncio
 from django.conf import settings
+from redis.backoff import NoBackoff
 
 
-def _options() -> dict[str, object]:
+def _options(asynchronous: bool = False) -> dict[str, object]:
+    # redis-py retries with exponential backoff by default (seconds in all); one immediate retry
+    # covers a pooled connection that went stale after a Redis restart, and no more.
+    retry_cls = redis.asyncio.retry.Retry if asynchronous else redis.retry.Retry
     return {
         "decode_responses": True,
         "socket_timeout": settings.REDIS_SOCKET_TIMEOUT,
         "socket_connect_timeout": settings.REDIS_SOCKET_TIMEOUT,
+        "retry": retry_cls(NoBackoff(), 1),
     }
 
 
@@ -31,5 +36,5 @@ def make_async_redis(
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     url = url or settings.REDIS_URL
     if settings.REDIS_CLUSTER if cluster is None else cluster:
-        return redis.asyncio.RedisCluster.from_url(url, **_options())
-    return redis.asyncio.Redis.from_url(url, **_options())
+        return redis.asyncio.RedisCluster.from_url(url, **_options(asynchronous=True))
+    return redis.asyncio.Redis.from_url(url, **_options(asynchronous=True))
