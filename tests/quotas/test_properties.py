@@ -1,0 +1,195 @@
+"""Random sequences of reserve / settle / release / sweep / day changes against the real scripts.
+
+After every step, for every counter ever touched:
+    used + pending <= limit + credit   (settled amounts never exceed their hold here)
+    pending == the sum of the open holds made in it
+    no counter is negative
+and every reply matches a plain Python model of what the answer must be.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
+
+from quotas.engine import UNLIMITED, EngineSettings, Hold, QuotaEngine, ReserveRequest, ScopeLimit
+from quotas.windows import WindowKind
+
+SCOPES = ["tenant", "project:p1", "project:p2", "key:k1", "model:m1"]
+limit_values = st.one_of(st.just(UNLIMITED), st.integers(min_value=0, max_value=400))
+
+
+@dataclass
+class Expected:
+    limit: int
+    used: int = 0
+    pending: int = 0
+    credit: int = 0
+
+
+@dataclass
+class OpenHold:
+    hold: Hold
+    open: bool = True
+
+
+class QuotaMachine(RuleBasedStateMachine):
+    client: redis.Redis  # set by the test below
+    holds = Bundle("holds")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tenant = uuid.uuid4().hex[:12]
+        self.engine = QuotaEngine(self.client, EngineSettings(tombstone_s=600, sweep_batch=7))
+        # Moving the calendar by whole days is how a test makes "tomorrow" arrive on a Redis
+        # clock it cannot set: the windows move, exactly as they do at a real midnight.
+        self.day_shift = 0
+        self.counters: dict[str, Expected] = {}
+        self.open: dict[str, OpenHold] = {}
+        self.n = 0
+
+    @initialize(
+        day=st.fixed_dictionaries({s: limit_values for s in SCOPES}),
+        month=st.one_of(st.just(UNLIMITED), st.integers(min_value=0, max_value=1500)),
+    )
+    def set_limits(self, day: dict[str, int], month: int) -> None:
+        self.day_limits = day
+        self.month_limit = month
+
+    def _limits(self, scopes: list[str]) -> tuple[ScopeLimit, ...]:
+        chosen = [ScopeLimit(s, WindowKind.DAY, self.day_limits[s]) for s in scopes]
+        return (*chosen, ScopeLimit("tenant", WindowKind.MONTH, self.month_limit))
+
+    @rule(
+        target=holds,
+        scopes=st.lists(st.sampled_from(SCOPES), min_size=1, max_size=5, unique=True),
+        amount=st.integers(min_value=1, max_value=150),
+        shrink=st.booleans(),
+        dry_run=st.booleans(),
+    )
+    def reserve(self, scopes: list[str], amount: int, shrink: bool, dry_run: bool) -> OpenHold | None:
+        self.n += 1
+        min_amount = max(1, amount // 3) if shrink else None
+        request = ReserveRequest(
+            self.tenant, f"r{self.n}", amount, self._limits(scopes), min_amount=min_amount,
+            dry_run=dry_run, utc_offset_s=self.day_shift,
+        )
+        result = self.engine.reserve(request)
+
+        expected = [self.counters.get(c.key) or Expected(c.limit) for c in result.counters]
+        headrooms = [e.limit + e.credit - e.used - e.pending
+                     for e, c in zip(expected, result.counters) if c.limit != UNLIMITED]
+        tightest = min(headrooms) if headrooms else None
+        floor = min_amount or amount
+        should_admit = tightest is None or tightest >= floor
+        assert result.admitted == should_admit, (result, expected)
+        if not result.admitted:
+            return None
+        assert result.granted == (amount if tightest is None else min(amount, tightest))
+        if dry_run:
+            assert result.hold is None
+            return None
+        for c in result.counters:
+            e = self.counters.setdefault(c.key, Expected(c.limit))
+            e.limit = c.limit
+            e.pending += result.granted
+        entry = OpenHold(result.hold)
+        self.open[result.request_id] = entry
+        return entry
+
+    def _end(self, entry: OpenHold, used: int | None) -> None:
+        for key in entry.hold.counter_keys:
+            e = self.counters[key]
+            e.pending -= entry.hold.amount
+            if used is not None:
+                e.used += used
+        entry.open = False
+        self.open.pop(entry.hold.request_id, None)
+
+    @rule(entry=holds, fraction=st.floats(min_value=0, max_value=1))
+    def settle(self, entry: OpenHold | None, fraction: float) -> None:
+        if entry is None:
+            return
+        actual = int(entry.hold.amount * fraction)
+        was_open = entry.open
+        result = self.engine.settle(entry.hold, actual)
+        assert (result.outcome == "settled" and result.held > 0) == was_open
+        if was_open:
+            self._end(entry, actual)
+
+    @rule(entry=consumes(holds))
+    def release(self, entry: OpenHold | None) -> None:
+        if entry is None:
+            return
+        was_open = entry.open
+        result = self.engine.release(entry.hold)
+        assert result.applied == was_open
+        if was_open:
+            self._end(entry, None)
+
+    @rule()
+    def sweep_everything_stale(self) -> None:
+        time.sleep(0.002)  # every open hold is now at least 1 ms old on the Redis clock
+        result = self.engine.sweep(self.tenant, stale_s=0, max_batches=100)
+        assert {h.request_id for h in result.swept} == set(self.open)
+        for entry in list(self.open.values()):
+            self._end(entry, None)
+
+    @rule(amount=st.integers(min_value=1, max_value=100))
+    def recharge_tenant(self, amount: int) -> None:
+        limit = ScopeLimit("tenant", WindowKind.DAY, self.day_limits["tenant"])
+        result = self.engine.recharge(self.tenant, limit, amount, utc_offset_s=self.day_shift)
+        key = self.engine._calls.counter_key_now(self.tenant, "tenant", WindowKind.DAY, self.day_shift)
+        e = self.counters.setdefault(key, Expected(limit.limit))
+        e.credit += amount
+        assert result.credit == e.credit
+
+    @rule()
+    def next_day(self) -> None:
+        self.day_shift += 86400
+
+    @invariant()
+    def counters_match_the_model_and_never_overdraw(self) -> None:
+        for key, e in self.counters.items():
+            snap = self.engine.counter_at(key)
+            assert (snap.used, snap.pending, snap.credit) == (e.used, e.pending, e.credit), key
+            assert snap.used >= 0 and snap.pending >= 0
+            if e.limit != UNLIMITED:
+                assert snap.used + snap.pending <= e.limit + e.credit, key
+
+    @invariant()
+    def pending_equals_the_sum_of_open_holds(self) -> None:
+        per_key: dict[str, int] = {}
+        for entry in self.open.values():
+            for key in entry.hold.counter_keys:
+                per_key[key] = per_key.get(key, 0) + entry.hold.amount
+        for key in self.counters:
+            assert self.engine.counter_at(key).pending == per_key.get(key, 0)
+        assert sorted(self.engine.open_hold_ids(self.tenant)) == sorted(self.open)
+
+
+@pytest.mark.parametrize("kind", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
+def test_quota_state_machine(request: pytest.FixtureRequest, kind: str) -> None:
+    QuotaMachine.client = request.getfixturevalue(kind)
+    runner = QuotaMachine.TestCase
+    runner.settings = settings(
+        max_examples=60 if kind == "standalone" else 25,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        database=None,
+    )
+    runner().runTest()
