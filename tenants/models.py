@@ -17,7 +17,11 @@ from django.db import models
 
 from tenants.ids import PUBLIC_ID_MAX_LENGTH, new_api_key_id, new_project_id, new_tenant_id
 from tenants.keys import DIGEST_LENGTH, LAST4_LENGTH, PREFIX_LENGTH, masked
-from tenants.validators import validate_alert_thresholds, validate_model_list
+from tenants.validators import (
+    validate_alert_thresholds,
+    validate_model_limits,
+    validate_model_list,
+)
 
 UNLIMITED = -1
 
@@ -124,6 +128,13 @@ class Tenant(models.Model):
     monthly_token_budget = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
     monthly_spend_budget_micros = models.BigIntegerField(
         null=True, blank=True, validators=_NON_NEGATIVE, help_text="Micro-dollars (1e-6 USD)."
+    )
+    model_tokens_per_day = models.JSONField(
+        default=dict,
+        blank=True,
+        validators=[validate_model_limits],
+        help_text='Daily token limits of single models, e.g. {"gpt-4o": 1000000}. '
+        "Models not listed are only bounded by the tenant's limits.",
     )
     alert_thresholds = models.JSONField(
         default=_default_alert_thresholds,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
@@ -35,6 +35,7 @@ class EffectiveLimits:
     safety_factor: Decimal
     shrink_hold_to_headroom: bool
     allowed_models: tuple[str, ...]  # empty: every model
+    model_tokens_per_day: dict[str, int] = field(default_factory=dict)  # unlisted: unlimited
 
 
 def _override(value: int | None, plan_value: int) -> int:
@@ -58,6 +59,7 @@ def effective_limits(tenant: Tenant) -> EffectiveLimits:
         safety_factor=plan.safety_factor,
         shrink_hold_to_headroom=plan.shrink_hold_to_headroom,
         allowed_models=tuple(plan.allowed_models),
+        model_tokens_per_day=dict(tenant.model_tokens_per_day),
     )
 
 

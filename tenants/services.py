@@ -27,6 +27,7 @@ TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
     "requests_per_second",
     "monthly_token_budget",
     "monthly_spend_budget_micros",
+    "model_tokens_per_day",
     "alert_thresholds",
 )
 

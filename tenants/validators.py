@@ -26,3 +26,13 @@ def validate_alert_thresholds(value: Any) -> None:
             raise ValidationError("Every threshold must be an integer from 1 to 99.")
     if len(set(value)) != len(value):
         raise ValidationError("Thresholds must not repeat.")
+
+
+def validate_model_limits(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ValidationError("Must be an object mapping model names to tokens per day.")
+    for model, limit in value.items():
+        if not isinstance(model, str) or not model.strip() or any(c.isspace() for c in model):
+            raise ValidationError("Model names must be non-empty and contain no whitespace.")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValidationError(f"The limit for {model!r} must be an integer >= 0.")

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from argparse import ArgumentParser
+from typing import Any
+
+from quotas import keys
+from quotas.engine import UNLIMITED, ScopeLimit
+from quotas.limits import tenant_tag
+from quotas.management.commands._base import QuotaCommand
+from quotas.runtime import get_engine
+from quotas.windows import WindowKind
+from tenants.selectors import effective_limits, project_by_slug, tenant_by_slug
+from tenants.services import record_audit_event
+
+
+class Command(QuotaCommand):
+    help = (
+        "Top up a tenant's (or one project's) quota for the current day or month. The credit "
+        "belongs to that window only and goes away with it."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("tenant", help="Tenant slug.")
+        parser.add_argument("tokens", type=int, help="Tokens to add (>= 1).")
+        parser.add_argument("--window", choices=["day", "month"], default="day")
+        parser.add_argument("--project", help="Project slug: top up this project instead.")
+
+    def run(self, **options: Any) -> tuple[dict[str, Any], str]:
+        tenant = tenant_by_slug(options["tenant"])
+        window = WindowKind(options["window"])
+        limits = effective_limits(tenant)
+        if options["project"]:
+            project = project_by_slug(tenant, options["project"])
+            scope = keys.project_scope(project.pk)
+            sub = project.tokens_per_day if window is WindowKind.DAY else project.tokens_per_month
+            limit = UNLIMITED if sub is None else sub
+        else:
+            scope = keys.tenant_scope()
+            limit = (limits.tokens_per_day if window is WindowKind.DAY
+                     else limits.monthly_token_budget)
+        result = get_engine().recharge(tenant_tag(tenant.pk), ScopeLimit(scope, window, limit),
+                                       options["tokens"])
+        record_audit_event(
+            tenant=tenant, actor="cli", action="quota.recharged", target=tenant.public_id,
+            data={"scope": scope, "window": result.window.id, "tokens": options["tokens"]},
+        )
+        data = {"tenant": tenant.slug, "scope": scope, "window": result.window.id,
+                "credit": result.credit, "remaining": result.remaining}
+        remaining = "unlimited" if result.remaining == UNLIMITED else result.remaining
+        text = (f"Added {options['tokens']} tokens to {scope} for {result.window.id}: "
+                f"credit {result.credit}, remaining {remaining}.")
+        return data, text
