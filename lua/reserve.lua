@@ -85,11 +85,12 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 
 -- headroom of each limited counter; nil for unlimited ones
-local headroom, exists = {}, {}
+local headroom, exists, stored_limit = {}, {}, {}
 local tightest = nil
 for i = 1, n do
-  local f = redis.call('HMGET', KEYS[i + 2], 'used', 'pending', 'credit')
+  local f = redis.call('HMGET', KEYS[i + 2], 'used', 'pending', 'credit', 'limit')
   exists[i] = f[1] ~= false
+  stored_limit[i] = tonumber(f[4])
   if limits[i] >= 0 then
     local h = limits[i] + (tonumber(f[3]) or 0) - (tonumber(f[1]) or 0) - (tonumber(f[2]) or 0)
     headroom[i] = h
@@ -125,7 +126,8 @@ end
 local hold_expire_at = 0
 for i = 1, n do
   local key = KEYS[i + 2]
-  redis.call('HSET', key, 'limit', limits[i])
+  -- stored for readers (dashboards); the check above always uses the limit passed in ARGV
+  if stored_limit[i] ~= limits[i] then redis.call('HSET', key, 'limit', limits[i]) end
   redis.call('HINCRBY', key, 'pending', granted)
   if not exists[i] then
     redis.call('HSET', key, 'used', 0)

@@ -1,29 +1,25 @@
-"""Test fixtures: real services, started once per test session and stopped at its end.
-
-Each session gets its own data directory (TOLLGATE_DATA_DIR, set before Django reads its settings),
-so a test run never touches the data of `make up` nor of another run.
-"""
+"""Test fixtures: real services, started once per test session and stopped at its end, under
+the session's own TOLLGATE_DATA_DIR (set by tests/session_env.py before settings load)."""
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-if "TOLLGATE_DATA_DIR" not in os.environ:
-    # Short path: PostgreSQL and Redis listen on unix sockets inside it (108-byte limit).
-    os.environ["TOLLGATE_DATA_DIR"] = tempfile.mkdtemp(prefix="tgt-", dir="/tmp")
-    _OWN_DATA_DIR = True
-else:
-    _OWN_DATA_DIR = False
-os.environ.setdefault("TOLLGATE_ENV", "test")
+from django.conf import settings
 
-from config import embedded  # noqa: E402
+from config import embedded
 
 DATA_DIR = Path(os.environ["TOLLGATE_DATA_DIR"])
+_OWN_DATA_DIR = os.environ.get("TOLLGATE_TEST_OWNS_DATA_DIR") == "1"
+if settings.DATA_DIR != DATA_DIR.resolve():
+    raise RuntimeError(
+        f"settings were loaded with DATA_DIR={settings.DATA_DIR}, not the test session's "
+        f"{DATA_DIR}: run pytest with `-p tests.session_env` (pyproject's addopts does)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
