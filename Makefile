@@ -14,6 +14,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Bring the system up on embedded defaults: Redis and PostgreSQL from pip packages under .data/,
+# migrations, the demo tenant / project / key (printed once), and the server on :8000.
+up: $(STAMP)
+	$(PY) -m config.embedded start
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py demo_setup
+	$(PY) manage.py runserver 127.0.0.1:8000
+
 # The whole test suite against real Redis, a real Redis Cluster and real PostgreSQL, which the
 # fixtures start under a temporary directory and stop at the end.
 test: $(STAMP)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+
+from tenants.management.commands._base import ACTOR, TenantsCommand
+from tenants.models import ApiKey, Membership, Project, Tenant
+from tenants.selectors import masked_key
+from tenants.services import create_project, create_tenant, issue_key
+
+DEMO_TENANT = "demo"
+DEMO_PROJECT = "default"
+DEMO_ADMIN = "admin"
+
+
+class Command(TenantsCommand):
+    help = (
+        "Create (once) the demo tenant, project, API key and an admin user for a first local run. "
+        "Secrets are printed only when created; later runs show the masked key."
+    )
+
+    def run(self, **options: Any) -> tuple[dict[str, Any], str]:
+        with transaction.atomic():
+            tenant = Tenant.objects.filter(slug=DEMO_TENANT).first() or create_tenant(
+                DEMO_TENANT, plan_name="standard", actor=ACTOR, name="Demo tenant"
+            )
+            project = Project.objects.filter(tenant=tenant, slug=DEMO_PROJECT).first() or (
+                create_project(tenant, DEMO_PROJECT, actor=ACTOR, name="Default project")
+            )
+            api_key = ApiKey.objects.filter(project=project, revoked_at=None).first()
+            plaintext = None
+            if api_key is None:
+                issued = issue_key(project, actor=ACTOR, name="demo key")
+                api_key, plaintext = issued.api_key, issued.plaintext
+            password = None
+            user_model = get_user_model()
+            admin = user_model.objects.filter(username=DEMO_ADMIN).first()
+            if admin is None:
+                password = secrets.token_urlsafe(12)
+                admin = user_model.objects.create_superuser(DEMO_ADMIN, "", password)
+            Membership.objects.get_or_create(
+                user=admin, tenant=tenant, defaults={"role": Membership.Role.OWNER}
+            )
+        data = {
+            "tenant": tenant.slug,
+            "project": project.slug,
+            "key_id": api_key.public_id,
+            "key": plaintext,
+            "masked": masked_key(api_key),
+            "admin_user": DEMO_ADMIN,
+            "admin_password": password,
+        }
+        lines = [f"Demo tenant '{tenant.slug}' ({tenant.plan.name} plan), project '{project.slug}'."]
+        if plaintext:
+            lines.append(f"API key (shown once, store it now): {plaintext}")
+        else:
+            lines.append(f"API key {api_key.public_id} {masked_key(api_key)} exists already; "
+                         f"`manage.py key_rotate {api_key.public_id}` prints a fresh one.")
+        if password:
+            lines.append(f"Django admin: user '{DEMO_ADMIN}', password (shown once): {password}")
+        else:
+            lines.append(f"Django admin: user '{DEMO_ADMIN}' exists already "
+                         f"(`manage.py changepassword {DEMO_ADMIN}` to reset).")
+        return data, "\n".join(lines)
