@@ -25,7 +25,21 @@ def _positive_int(name: str, default: int) -> int:
     return value
 
 
-DEBUG = env.bool("DEBUG", default=False)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(name: str, default: bool) -> bool:
+    # django-environ reads any unknown word as False; a typo must not silently turn a switch off.
+    raw = env.str(name, default=str(default)).strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}")
+
+
+DEBUG = _bool("DEBUG", default=False)
 TOLLGATE_ENV = env.str("TOLLGATE_ENV", default="development")
 if TOLLGATE_ENV not in {"development", "test", "production"}:
     raise ImproperlyConfigured(
@@ -105,8 +119,10 @@ REDIS_URL = env.str("REDIS_URL", default=embedded_redis_url(DATA_DIR))
 if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
     raise ImproperlyConfigured(f"REDIS_URL must be redis://, rediss:// or unix://, got {REDIS_URL!r}")
 # A Redis Cluster is addressed by any one node's URL; every tenant's keys share one hash tag.
-REDIS_CLUSTER = env.bool("REDIS_CLUSTER", default=False)
+REDIS_CLUSTER = _bool("REDIS_CLUSTER", default=False)
 REDIS_SOCKET_TIMEOUT = env.float("REDIS_SOCKET_TIMEOUT", default=2.0)
+if REDIS_SOCKET_TIMEOUT <= 0:
+    raise ImproperlyConfigured(f"REDIS_SOCKET_TIMEOUT must be > 0 seconds, got {REDIS_SOCKET_TIMEOUT}")
 
 CACHES = {
     "default": {
