@@ -138,6 +138,9 @@ QUOTA_STALE_HOLD_SECONDS = _positive_int("QUOTA_STALE_HOLD_SECONDS", 600)
 QUOTA_COUNTER_GRACE_SECONDS = _positive_int("QUOTA_COUNTER_GRACE_SECONDS", 2 * 86400)
 QUOTA_TOMBSTONE_SECONDS = _positive_int("QUOTA_TOMBSTONE_SECONDS", 3600)
 QUOTA_SWEEP_BATCH = _positive_int("QUOTA_SWEEP_BATCH", 200)
+# Usage events are appended to a per-tenant stream at settle; the ledger drains it. The cap only
+# guards memory when nothing drains it for a long time.
+QUOTA_USAGE_STREAM_MAXLEN = _positive_int("QUOTA_USAGE_STREAM_MAXLEN", 1_000_000)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

@@ -1,68 +1,80 @@
---[[ reserve.lua: hold a request's worst-case token cost in every scope it touches, or in none.
+--[[ reserve.lua: admit a request against every limit it is subject to, and hold its worst-case
+token cost in every quota counter it touches; or, on any refusal, write nothing at all.
 
-Purpose
-  Before a call goes upstream, admit it only if, for EVERY counter passed,
-  used + pending + amount <= limit + credit, and then add the amount to `pending` of every
-  counter and record the hold. All or nothing: on any refusal nothing is written.
+Checked in one atomic step, in this order (the first refusal is reported):
+  1. concurrency: the API key's open requests < cap (a sorted set of request ids that heals
+     itself: members older than stale_ms are dropped, so a crashed process cannot leak a slot)
+  2. request rate: one token from each token bucket (requests per second / per minute)
+  3. token quota: for EVERY counter, used + pending + amount <= limit + credit
+     (day and month windows for tenant, project, key and model; a minute window for TPM)
 
 KEYS (all of one tenant, sharing its hash tag `{t<id>}`, so this runs on one cluster slot)
-  KEYS[1]      hold record     tg:{t<id>}:hold:<request_id>   hash, see "hold record" below
-  KEYS[2]      hold index      tg:{t<id>}:holds                zset member=request_id score=created ms
-  KEYS[3..N+2] counters        tg:{t<id>}:q:<scope>:<window>   hash {limit, used, pending, credit, over}
+  KEYS[1]            hold record   tg:{t<id>}:hold:<request_id>   hash, see "hold record"
+  KEYS[2]            hold index    tg:{t<id>}:holds               zset request_id -> created ms
+  KEYS[3..N+2]       counters      tg:{t<id>}:q:<scope>:<window>  hash {limit used pending credit over}
+  KEYS[N+3..N+R+2]   rate buckets  tg:{t<id>}:rate:<scope>:<period> hash {tokens ts}
+  KEYS[N+R+3]        gauge         tg:{t<id>}:conc:<scope>        zset; present iff cap >= 0
 
 ARGV
-  ARGV[1]  request_id    the index member; the caller guarantees it matches KEYS[1]
-  ARGV[2]  amount        tokens wanted, integer >= 1
-  ARGV[3]  min_amount    smallest acceptable hold, 1..amount. When min_amount < amount and the
-                         tightest headroom h satisfies min_amount <= h < amount, h is held instead
-                         (the caller then caps the upstream's output to fit). min_amount = amount
-                         disables shrinking.
-  ARGV[4]  dry_run       1: check and report, write nothing; 0: hold
-  then for counter i (i = 1..N), four values at ARGV[4 + 4*(i-1) + 1 ..]:
-    limit           tokens in the window; -1 = unlimited (tracked, never refuses); 0 = refuse all
-    window_start    window start, ms since epoch on the Redis clock (inclusive)
-    window_end      window end, ms (exclusive)
-    expire_at       unix seconds at which the counter expires (window end + grace), set once
+  ARGV[1]  request_id     the index member; the caller guarantees it matches KEYS[1]
+  ARGV[2]  amount         tokens wanted, integer >= 1
+  ARGV[3]  min_amount     smallest acceptable hold, 1..amount. If min_amount <= headroom < amount,
+                          the headroom is held instead (the caller caps the upstream's output to
+                          fit). min_amount = amount disables shrinking.
+  ARGV[4]  dry_run        1: check and report, write nothing; 0: hold
+  ARGV[5]  N              number of counters, >= 1
+  ARGV[6]  R              number of rate buckets, >= 0
+  ARGV[7]  cap            concurrency cap of the gauge; -1: no gauge key is passed
+  ARGV[8]  stale_ms       gauge members older than this are dead requests and are dropped
+  ARGV[9]  meta           opaque string stored in the hold and copied into its usage event
+  then for counter i, four values:  limit (-1 unlimited, 0 refuse all), window_start ms
+                                    (inclusive), window_end ms (exclusive), expire_at unix s
+  then for bucket j, two values:    capacity (requests), period_ms (refills capacity per period)
 
 Clock
-  The Redis server's TIME is the only clock. The caller computes the windows from its own estimate
-  of Redis time; if TIME falls outside any passed window the script refuses with code -1 and the
-  server time, and the caller resynchronises and retries. So a gateway host with a skewed clock
-  can never charge the wrong day.
+  The Redis server's TIME is the only clock. The caller computes windows from its estimate of
+  Redis time; if TIME is outside any passed window the script refuses with code -1 and the
+  server time, the caller corrects its estimate and retries. Buckets and the gauge use TIME too.
 
 Return table (integers only)
-  admitted:         { 1, granted, now_ms, remaining_1, ..., remaining_N }
-  refused by quota: { 0, i, now_ms, remaining_1, ..., remaining_N }   i = first counter refusing
-  window mismatch:  { -1, i, now_ms }                                 i = first stale window
-  duplicate id:     { -2, 0, now_ms }                                 a hold with this id exists
-  remaining_j = limit + credit - used - pending after this call (what is left for others);
-  -1 for an unlimited counter. In a dry run, as if the hold had been made.
+  admitted:          { 1, granted, now_ms, rem_1..rem_N, bucket_1..bucket_R }
+  refused, quota:    { 0, i, now_ms, rem_1..rem_N, bucket_1..bucket_R }  i = first refusing counter
+  window mismatch:   { -1, i, now_ms }
+  duplicate id:      { -2, 0, now_ms }                  a hold (or its tombstone) has this id
+  refused, rate:     { -3, j, now_ms, retry_after_ms }  j = first empty bucket
+  refused, gauge:    { -4, open, now_ms }               open = requests in flight for the key
+  rem_i = limit + credit - used - pending after this call (-1: unlimited counter);
+  bucket_j = whole requests left in bucket j after this call.
+  In a dry run, figures are as if the hold had been made; nothing is written.
 
-Hold record (hash, KEYS[1])
-  amount   tokens held in every counter
-  created  now_ms at reserve (the sweep compares it with the Redis clock)
-  keys     JSON array of the counter keys, in order: settle/release/sweep must present the same
-           keys, so a hold always ends in the window where it was made
-  state    "open"; later "settled" | "released" | "swept" (then kept briefly as a tombstone)
-  It expires at the latest counter expire_at: never before the counters it would decrement, and
-  each hold has its own key, so an expiry can never drop other requests' holds.
+Hold record (hash KEYS[1])
+  amount, created (now_ms), keys (JSON array of the counter keys), gauge (the gauge key or ""),
+  meta, state "open" (later "settled" | "released" | "swept", then a short-lived tombstone).
+  It expires with the latest counter (never before the counters it will decrement); each hold is
+  its own key, so no expiry can drop other requests' holds at once.
 
-Counters expire at their expire_at, set once when created, never refreshed: a new window is a new
-key, and a busy tenant's counter still goes away. The index zset carries no TTL: it is only an
-index, emptied by settle/release/sweep, and Redis deletes it when empty.
+TTLs: counters expire at their expire_at, set once at creation and never refreshed (a new window
+is a new key). A bucket's TTL is refreshed to one period on each write: an expired bucket is a
+full bucket, which is exactly its state after a period without requests. The gauge expires
+stale_ms after its last admission. The index has no TTL; Redis deletes it when empty.
 ]]
 
-local n = #KEYS - 2
-if n < 1 or #ARGV ~= 4 + 4 * n then
-  return redis.error_reply('reserve: expected KEYS = hold, index, counters... and 4 + 4*N ARGV')
+local n, r = tonumber(ARGV[5]), tonumber(ARGV[6])
+local cap = tonumber(ARGV[7])
+if not n or n < 1 or not r or r < 0 or not cap or cap < -1
+  or #ARGV ~= 9 + 4 * n + 2 * r
+  or #KEYS ~= 2 + n + r + (cap >= 0 and 1 or 0) then
+  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge]; ARGV = 9 + 4N + 2R values')
 end
 
 local request_id = ARGV[1]
 local amount = tonumber(ARGV[2])
 local min_amount = tonumber(ARGV[3])
 local dry_run = ARGV[4] == '1'
-if not amount or amount < 1 or not min_amount or min_amount < 1 or min_amount > amount then
-  return redis.error_reply('reserve: amount must be >= 1 and 1 <= min_amount <= amount')
+local stale_ms = tonumber(ARGV[8])
+if not amount or amount < 1 or not min_amount or min_amount < 1 or min_amount > amount
+  or not stale_ms or stale_ms < 1 then
+  return redis.error_reply('reserve: amount must be >= 1, 1 <= min_amount <= amount, stale_ms >= 1')
 end
 
 local t = redis.call('TIME')
@@ -70,12 +82,10 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local limits, expire_ats = {}, {}
 for i = 1, n do
-  local base = 4 + 4 * (i - 1)
+  local base = 9 + 4 * (i - 1)
   limits[i] = tonumber(ARGV[base + 1])
-  local window_start = tonumber(ARGV[base + 2])
-  local window_end = tonumber(ARGV[base + 3])
   expire_ats[i] = tonumber(ARGV[base + 4])
-  if now_ms < window_start or now_ms >= window_end then
+  if now_ms < tonumber(ARGV[base + 2]) or now_ms >= tonumber(ARGV[base + 3]) then
     return { -1, i, now_ms }
   end
 end
@@ -84,7 +94,34 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return { -2, 0, now_ms }
 end
 
--- headroom of each limited counter; nil for unlimited ones
+-- 1. concurrency
+local gauge = nil
+if cap >= 0 then
+  gauge = KEYS[2 + n + r + 1]
+  redis.call('ZREMRANGEBYSCORE', gauge, '-inf', now_ms - stale_ms)
+  local open = redis.call('ZCARD', gauge)
+  if open >= cap then
+    return { -4, open, now_ms }
+  end
+end
+
+-- 2. request rate: token buckets, one request each
+local bucket_left, bucket_cap, bucket_period = {}, {}, {}
+for j = 1, r do
+  local base = 9 + 4 * n + 2 * (j - 1)
+  local capacity, period = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  local f = redis.call('HMGET', KEYS[2 + n + j], 'tokens', 'ts')
+  local tokens = tonumber(f[1]) or capacity
+  local ts = tonumber(f[2]) or now_ms
+  tokens = math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / period)
+  if tokens < 1 then
+    local retry_after = math.ceil((1 - tokens) * period / capacity)
+    return { -3, j, now_ms, retry_after }
+  end
+  bucket_left[j], bucket_cap[j], bucket_period[j] = tokens - 1, capacity, period
+end
+
+-- 3. token quota
 local headroom, exists, stored_limit = {}, {}, {}
 local tightest = nil
 for i = 1, n do
@@ -99,28 +136,43 @@ for i = 1, n do
 end
 
 local granted = amount
+local refused = 0
 if tightest ~= nil and tightest < amount then
   if tightest >= min_amount then
     granted = tightest
   else
-    local refused = 0
     for i = 1, n do
       if headroom[i] ~= nil and headroom[i] < min_amount then refused = i; break end
     end
-    local out = { 0, refused, now_ms }
-    for i = 1, n do
-      if headroom[i] == nil then out[#out + 1] = -1 else out[#out + 1] = headroom[i] end
-    end
-    return out
   end
 end
 
-local out = { 1, granted, now_ms }
+local out = { refused == 0 and 1 or 0, refused == 0 and granted or refused, now_ms }
 for i = 1, n do
-  if headroom[i] == nil then out[#out + 1] = -1 else out[#out + 1] = headroom[i] - granted end
+  if headroom[i] == nil then
+    out[#out + 1] = -1
+  elseif refused == 0 then
+    out[#out + 1] = headroom[i] - granted
+  else
+    out[#out + 1] = headroom[i]
+  end
 end
-if dry_run then
+for j = 1, r do
+  out[#out + 1] = math.floor(refused == 0 and bucket_left[j] or bucket_left[j] + 1)
+end
+if refused ~= 0 or dry_run then
   return out
+end
+
+-- all checks passed: write
+for j = 1, r do
+  local key = KEYS[2 + n + j]
+  redis.call('HSET', key, 'tokens', tostring(bucket_left[j]), 'ts', now_ms)
+  redis.call('PEXPIRE', key, bucket_period[j])
+end
+if gauge then
+  redis.call('ZADD', gauge, now_ms, request_id)
+  redis.call('PEXPIRE', gauge, stale_ms)
 end
 
 local hold_expire_at = 0
@@ -138,8 +190,8 @@ end
 
 local counter_keys = {}
 for i = 1, n do counter_keys[i] = KEYS[i + 2] end
-redis.call('HSET', KEYS[1], 'amount', granted, 'created', now_ms,
-  'keys', cjson.encode(counter_keys), 'state', 'open')
+redis.call('HSET', KEYS[1], 'amount', granted, 'created', now_ms, 'keys', cjson.encode(counter_keys),
+  'gauge', gauge or '', 'meta', ARGV[9], 'state', 'open')
 redis.call('EXPIREAT', KEYS[1], hold_expire_at)
 redis.call('ZADD', KEYS[2], now_ms, request_id)
 

@@ -1,44 +1,52 @@
---[[ settle.lua: end an open hold with the tokens the call actually used.
+--[[ settle.lua: end an open hold with the tokens the call actually used, and append its usage
+event for the ledger, in one atomic step.
 
 Purpose
   Move a hold from `pending` to `used` in every counter it was made in (the windows of the
-  reserve, even when a new window has begun since), and close the hold. Idempotent: the amount
-  comes from the hold record, never from the caller, and a hold that is no longer open is left
-  alone, so a retried, late or duplicate settle can never touch another request's hold.
+  reserve, even when a new window has begun since), free its concurrency slot, close the hold and
+  append exactly one usage event. Idempotent: the amount comes from the hold record, never from
+  the caller, and a hold that is no longer open is left alone (no counter change, no event), so a
+  retried, late or duplicate settle can never touch another request's hold nor double-bill.
 
 KEYS (one tenant, one hash tag)
   KEYS[1]      hold record    tg:{t<id>}:hold:<request_id>
   KEYS[2]      hold index     tg:{t<id>}:holds
-  KEYS[3..]    counters       exactly the hold record's `keys`, in the same order
+  KEYS[3]      usage stream   tg:{t<id>}:usage
+  KEYS[4..]    counters       exactly the hold record's `keys`, in the same order,
+               then the hold's gauge key if it has one (tg:{t<id>}:conc:<scope>)
 
 ARGV
-  ARGV[1]  request_id      the index member
+  ARGV[1]  request_id      the index and gauge member
   ARGV[2]  actual          tokens the call really used, integer >= 0 (may exceed the hold)
-  ARGV[3]  tombstone_ttl   seconds to keep the closed hold record, so a duplicate reserve with
-                           this id is refused and a late settle reports the first outcome
+  ARGV[3]  tombstone_ttl   seconds to keep the closed hold record (duplicate ids refused meanwhile)
+  ARGV[4]  event           opaque string (the caller's JSON: model, tokens in/out, latency, ...)
+  ARGV[5]  stream_maxlen   approximate cap of the usage stream (memory guard if nobody drains it)
 
 Return table
   { outcome, held, charged }
-  outcome "settled": held = tokens that were pending, charged = actual added to `used`
-  outcome "released" | "swept" | "settled" with held = charged = 0 when the hold had already
-          ended that way (no-op); "unknown" when no hold record exists (never made or long gone);
-          "keys_mismatch" when KEYS[3..] differ from the hold's counters (caller bug, nothing done)
+  "settled": held = tokens that were pending, charged = actual added to `used`
+  "released" | "swept" | "settled" with 0, 0: the hold had already ended that way (no-op)
+  "unknown": no hold record; "keys_mismatch": KEYS differ from the hold's (caller bug, no-op)
+
+Usage event (stream entry fields)
+  request_id, outcome, held, actual, created (hold creation ms), ended (ms), meta (from reserve),
+  event (ARGV[4]); all on the Redis clock.
 
 Counters that have already expired (a settle long after the window) are skipped rather than
-recreated without a TTL. Tokens used above the hold are added to the counter's `over` field, so
-estimate misses are visible per window.
+recreated without a TTL. Tokens used above the hold are added to the counter's `over` field.
 ]]
 
-if #KEYS < 3 or #ARGV ~= 3 then
-  return redis.error_reply('settle: expected KEYS = hold, index, counters... and ARGV = request_id, actual, tombstone_ttl')
+if #KEYS < 4 or #ARGV ~= 5 then
+  return redis.error_reply('settle: expected KEYS = hold, index, stream, counters..., [gauge] and 5 ARGV')
 end
 local actual = tonumber(ARGV[2])
 local tombstone_ttl = tonumber(ARGV[3])
-if not actual or actual < 0 or not tombstone_ttl or tombstone_ttl < 1 then
-  return redis.error_reply('settle: actual must be >= 0 and tombstone_ttl >= 1')
+local maxlen = tonumber(ARGV[5])
+if not actual or actual < 0 or not tombstone_ttl or tombstone_ttl < 1 or not maxlen or maxlen < 1 then
+  return redis.error_reply('settle: actual must be >= 0, tombstone_ttl >= 1, stream_maxlen >= 1')
 end
 
-local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys')
+local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys', 'gauge', 'created', 'meta')
 if hold[1] == false then
   return { 'unknown', 0, 0 }
 end
@@ -47,25 +55,36 @@ if hold[1] ~= 'open' then
 end
 
 local keys = cjson.decode(hold[3])
-if #keys ~= #KEYS - 2 then
+local gauge = hold[4] or ''
+local expected = #keys + 3 + (gauge ~= '' and 1 or 0)
+if #KEYS ~= expected or (gauge ~= '' and KEYS[expected] ~= gauge) then
   return { 'keys_mismatch', 0, 0 }
 end
 for i = 1, #keys do
-  if keys[i] ~= KEYS[i + 2] then return { 'keys_mismatch', 0, 0 } end
+  if keys[i] ~= KEYS[i + 3] then return { 'keys_mismatch', 0, 0 } end
 end
 
 local amount = tonumber(hold[2])
-for i = 3, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('HINCRBY', KEYS[i], 'pending', -amount)
-    redis.call('HINCRBY', KEYS[i], 'used', actual)
+for i = 1, #keys do
+  local key = KEYS[i + 3]
+  if redis.call('EXISTS', key) == 1 then
+    redis.call('HINCRBY', key, 'pending', -amount)
+    redis.call('HINCRBY', key, 'used', actual)
     if actual > amount then
-      redis.call('HINCRBY', KEYS[i], 'over', actual - amount)
+      redis.call('HINCRBY', key, 'over', actual - amount)
     end
   end
 end
+if gauge ~= '' then
+  redis.call('ZREM', gauge, ARGV[1])
+end
 
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], 'state', 'settled', 'actual', actual)
 redis.call('EXPIRE', KEYS[1], tombstone_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*',
+  'request_id', ARGV[1], 'outcome', 'settled', 'held', amount, 'actual', actual,
+  'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[4])
 return { 'settled', amount, actual }

@@ -14,6 +14,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -70,6 +71,35 @@ class ScopeLimit:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """A token bucket of requests: `capacity` requests per `period_ms`, refilled continuously."""
+
+    scope: str
+    capacity: int
+    period_ms: int
+
+    def __post_init__(self) -> None:
+        keys.validate_scope(self.scope)
+        if not isinstance(self.capacity, int) or self.capacity < 1:
+            raise ValueError(f"rate capacity must be an integer >= 1, got {self.capacity!r}")
+        if not isinstance(self.period_ms, int) or self.period_ms < 1:
+            raise ValueError(f"rate period must be an integer >= 1 ms, got {self.period_ms!r}")
+
+
+@dataclass(frozen=True)
+class ConcurrencyLimit:
+    """At most `cap` requests of a scope in flight at once (0 refuses every request)."""
+
+    scope: str
+    cap: int
+
+    def __post_init__(self) -> None:
+        keys.validate_scope(self.scope)
+        if not isinstance(self.cap, int) or self.cap < 0:
+            raise ValueError(f"concurrency cap must be an integer >= 0, got {self.cap!r}")
+
+
+@dataclass(frozen=True)
 class ReserveRequest:
     tenant: str
     request_id: str
@@ -79,6 +109,9 @@ class ReserveRequest:
     min_amount: int | None = None
     dry_run: bool = False
     utc_offset_s: int = 0
+    rates: tuple[RateLimit, ...] = ()
+    concurrency: ConcurrencyLimit | None = None
+    meta: str = ""  # stored with the hold and copied into its usage event (e.g. JSON)
 
     def __post_init__(self) -> None:
         keys.validate_request_id(self.request_id)
@@ -104,12 +137,20 @@ class CounterState:
 
 @dataclass(frozen=True)
 class Hold:
-    """What settle / release need: the tenant, the request id and the counters held in."""
+    """What settle / release need: the tenant, the request id and the keys held in."""
 
     tenant: str
     request_id: str
     amount: int
     counter_keys: tuple[str, ...]
+    gauge_key: str = ""  # the concurrency gauge the request occupies, if any
+
+
+class Outcome(StrEnum):
+    ADMITTED = "admitted"
+    QUOTA = "quota"  # a token quota had no room: OpenAI's `insufficient_quota`
+    RATE = "rate"  # a request-rate bucket was empty: `rate_limit_exceeded`
+    CONCURRENCY = "concurrency"  # too many requests in flight: `rate_limit_exceeded`
 
 
 @dataclass(frozen=True)
@@ -117,10 +158,15 @@ class Reservation:
     admitted: bool
     request_id: str
     granted: int  # tokens held (0 when refused); < requested when the hold was shrunk
-    counters: tuple[CounterState, ...]
-    refused: CounterState | None  # the first scope that had no room
+    counters: tuple[CounterState, ...]  # empty when refused before the quota check
+    refused: CounterState | None  # the first quota counter that had no room
     server_time_ms: int
     hold: Hold | None  # None when refused or in a dry run
+    outcome: Outcome = Outcome.ADMITTED
+    rate_remaining: tuple[int, ...] = ()  # whole requests left per rate bucket, in request order
+    refused_rate: RateLimit | None = None
+    retry_after_ms: int = 0  # for RATE: when the bucket has a request again
+    in_flight: int = 0  # for CONCURRENCY: requests of the scope in flight
 
     @property
     def remaining(self) -> int:
@@ -187,10 +233,12 @@ class CounterSnapshot:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    counter_grace_s: int = 2 * 86400
+    counter_grace_s: int = 2 * 86400  # day and month counters outlive their window this long
+    minute_grace_s: int = 120  # minute (TPM) counters: only in-flight holds need them after
     tombstone_s: int = 3600
     stale_hold_s: int = 600
     sweep_batch: int = 200
+    stream_maxlen: int = 1_000_000  # usage events kept per tenant if nothing drains them
 
     @classmethod
     def from_django(cls) -> EngineSettings:
@@ -201,6 +249,7 @@ class EngineSettings:
             tombstone_s=settings.QUOTA_TOMBSTONE_SECONDS,
             stale_hold_s=settings.QUOTA_STALE_HOLD_SECONDS,
             sweep_batch=settings.QUOTA_SWEEP_BATCH,
+            stream_maxlen=settings.QUOTA_USAGE_STREAM_MAXLEN,
         )
 
 
@@ -231,24 +280,40 @@ class _Calls:
             cal = self._calendars[utc_offset_s] = Calendar(utc_offset_s)
         return cal
 
+    def expire_at(self, window: Window) -> int:
+        grace = (self.settings.minute_grace_s if window.kind is WindowKind.MINUTE
+                 else self.settings.counter_grace_s)
+        return window.end_ms // 1000 + grace
+
     def reserve(self, req: ReserveRequest) -> _ReserveCall:
         now_ms = self.clock.now_ms()
         cal = self.calendar(req.utc_offset_s)
         counters = []
+        cap = req.concurrency.cap if req.concurrency is not None else -1
         args: list[Any] = [
             req.request_id,
             req.amount,
             req.min_amount if req.min_amount is not None else req.amount,
             1 if req.dry_run else 0,
+            len(req.limits),
+            len(req.rates),
+            cap,
+            self.settings.stale_hold_s * 1000,
+            req.meta,
         ]
         for limit in req.limits:
             window = cal.window(limit.window, now_ms)
             key = keys.counter_key(req.tenant, limit.scope, window.id)
             counters.append((limit, window, key))
-            expire_at = window.end_ms // 1000 + self.settings.counter_grace_s
-            args += [limit.limit, window.start_ms, window.end_ms, expire_at]
-        hold_keys = [keys.hold_key(req.tenant, req.request_id), keys.hold_index_key(req.tenant)]
-        return _ReserveCall(req, tuple(counters), hold_keys + [c[2] for c in counters], args)
+            args += [limit.limit, window.start_ms, window.end_ms, self.expire_at(window)]
+        call_keys = [keys.hold_key(req.tenant, req.request_id), keys.hold_index_key(req.tenant)]
+        call_keys += [c[2] for c in counters]
+        for rate in req.rates:
+            call_keys.append(keys.rate_key(req.tenant, rate.scope, rate.period_ms))
+            args += [rate.capacity, rate.period_ms]
+        if req.concurrency is not None:
+            call_keys.append(keys.gauge_key(req.tenant, req.concurrency.scope))
+        return _ReserveCall(req, tuple(counters), call_keys, args)
 
     def reserve_reply(self, call: _ReserveCall, reply: Sequence[Any]) -> Reservation | None:
         """The Reservation, or None when the window did not match the Redis clock (retry)."""
@@ -259,16 +324,28 @@ class _Calls:
         req = call.request
         if code == -2:
             raise DuplicateRequestId(f"request id {req.request_id!r} already has a hold")
+        if code in (-3, -4):
+            rate = code == -3
+            return Reservation(
+                admitted=False, request_id=req.request_id, granted=0, counters=(), refused=None,
+                server_time_ms=now_ms, hold=None,
+                outcome=Outcome.RATE if rate else Outcome.CONCURRENCY,
+                refused_rate=req.rates[detail - 1] if rate else None,
+                retry_after_ms=int(reply[3]) if rate else 0,
+                in_flight=0 if rate else detail,
+            )
+        n = len(call.counters)
         states = tuple(
             CounterState(scope=limit.scope, window=window, key=key, limit=limit.limit,
                          remaining=int(remaining))
-            for (limit, window, key), remaining in zip(call.counters, reply[3:], strict=True)
+            for (limit, window, key), remaining in zip(call.counters, reply[3:3 + n], strict=True)
         )
         admitted = code == 1
         granted = detail if admitted else 0
         hold = None
         if admitted and not req.dry_run:
-            hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states))
+            gauge = keys.gauge_key(req.tenant, req.concurrency.scope) if req.concurrency else ""
+            hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states), gauge)
         return Reservation(
             admitted=admitted,
             request_id=req.request_id,
@@ -277,37 +354,52 @@ class _Calls:
             refused=None if admitted else states[detail - 1],
             server_time_ms=now_ms,
             hold=hold,
+            outcome=Outcome.ADMITTED if admitted else Outcome.QUOTA,
+            rate_remaining=tuple(int(x) for x in reply[3 + n:]),
         )
 
     def end_keys(self, hold: Hold) -> list[str]:
-        return [
+        call_keys = [
             keys.hold_key(hold.tenant, hold.request_id),
             keys.hold_index_key(hold.tenant),
+            keys.usage_stream_key(hold.tenant),
             *hold.counter_keys,
         ]
+        if hold.gauge_key:
+            call_keys.append(hold.gauge_key)
+        return call_keys
 
-    def settle_args(self, hold: Hold, actual: int) -> list[Any]:
+    def settle_args(self, hold: Hold, actual: int, event: str) -> list[Any]:
         if not isinstance(actual, int) or actual < 0:
             raise ValueError(f"actual tokens must be an integer >= 0, got {actual!r}")
-        return [hold.request_id, actual, self.settings.tombstone_s]
+        return [hold.request_id, actual, self.settings.tombstone_s, event,
+                self.settings.stream_maxlen]
+
+    def release_args(self, hold: Hold, event: str) -> list[Any]:
+        return [hold.request_id, self.settings.tombstone_s, event, self.settings.stream_maxlen]
 
     def hold_from_record(self, tenant: str, request_id: str, record: Sequence[Any]) -> Hold | None:
-        state, amount, counter_keys = record
+        state, amount, counter_keys, gauge = record
         if state is None or _str(state) != "open":
             return None
-        return Hold(tenant, request_id, int(amount), tuple(json.loads(_str(counter_keys))))
+        return Hold(tenant, request_id, int(amount), tuple(json.loads(_str(counter_keys))),
+                    _str(gauge) if gauge else "")
 
     def sweep_call(
         self, tenant: str, ids: Sequence[str], records: Sequence[Any], stale_s: int
     ) -> tuple[list[str], list[Any]]:
-        counter_keys: dict[str, None] = {}
-        for raw in records:
-            if raw is not None:
-                for k in json.loads(_str(raw)):
-                    counter_keys[k] = None
+        touched: dict[str, None] = {}
+        for counter_keys, gauge in records:
+            if counter_keys is not None:
+                for k in json.loads(_str(counter_keys)):
+                    touched[k] = None
+            if gauge:
+                touched[_str(gauge)] = None
         hold_keys = [keys.hold_key(tenant, rid) for rid in ids]
-        call_keys = [keys.hold_index_key(tenant), *hold_keys, *counter_keys]
-        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s, *ids]
+        call_keys = [keys.hold_index_key(tenant), keys.usage_stream_key(tenant), *hold_keys,
+                     *touched]
+        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s,
+                           self.settings.stream_maxlen, *ids]
         return call_keys, args
 
     def sweep_reply(self, tenant: str, reply: Sequence[Any]) -> SweepResult:
@@ -326,8 +418,8 @@ class _Calls:
             raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
         window = self.calendar(utc_offset_s).window(limit.window, self.clock.now_ms())
         key = keys.counter_key(tenant, limit.scope, window.id)
-        expire_at = window.end_ms // 1000 + self.settings.counter_grace_s
-        return window, key, [tokens, limit.limit, window.start_ms, window.end_ms, expire_at]
+        return window, key, [tokens, limit.limit, window.start_ms, window.end_ms,
+                             self.expire_at(window)]
 
     def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, utc_offset_s: int) -> str:
         window = self.calendar(utc_offset_s).window(kind, self.clock.now_ms())
@@ -348,7 +440,7 @@ def _snapshot(key: str, fields: Sequence[Any], ttl: int) -> CounterSnapshot:
 
 
 _COUNTER_FIELDS = ("limit", "used", "pending", "credit", "over")
-_HOLD_FIELDS = ("state", "amount", "keys")
+_HOLD_FIELDS = ("state", "amount", "keys", "gauge")
 
 
 # -- sync ---------------------------------------------------------------------------------------
@@ -381,13 +473,13 @@ class QuotaEngine:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
-    def settle(self, hold: Hold, actual: int) -> SettleResult:
-        args = self._calls.settle_args(hold, actual)
+    def settle(self, hold: Hold, actual: int, event: str = "") -> SettleResult:
+        args = self._calls.settle_args(hold, actual, event)
         outcome, held, charged = self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 
-    def release(self, hold: Hold) -> ReleaseResult:
-        args = [hold.request_id, self.settings.tombstone_s]
+    def release(self, hold: Hold, event: str = "") -> ReleaseResult:
+        args = self._calls.release_args(hold, event)
         outcome, released = self._run("release", self._calls.end_keys(hold), args)
         return ReleaseResult(hold.request_id, _str(outcome), int(released))
 
@@ -430,7 +522,7 @@ class QuotaEngine:
                     break
                 pipe = self.client.pipeline(transaction=False)
                 for rid in ids:
-                    pipe.hget(keys.hold_key(tenant, rid), "keys")
+                    pipe.hmget(keys.hold_key(tenant, rid), ("keys", "gauge"))
                 records = pipe.execute()
             call_keys, args = self._calls.sweep_call(tenant, ids, records, stale)
             batch = self._calls.sweep_reply(tenant, self._run("sweep", call_keys, args))
@@ -502,13 +594,13 @@ class AsyncQuotaEngine:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
-    async def settle(self, hold: Hold, actual: int) -> SettleResult:
-        args = self._calls.settle_args(hold, actual)
+    async def settle(self, hold: Hold, actual: int, event: str = "") -> SettleResult:
+        args = self._calls.settle_args(hold, actual, event)
         outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 
-    async def release(self, hold: Hold) -> ReleaseResult:
-        args = [hold.request_id, self.settings.tombstone_s]
+    async def release(self, hold: Hold, event: str = "") -> ReleaseResult:
+        args = self._calls.release_args(hold, event)
         outcome, released = await self._run("release", self._calls.end_keys(hold), args)
         return ReleaseResult(hold.request_id, _str(outcome), int(released))
 

@@ -6,6 +6,9 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:q:<scope>:<window>   counter hash {limit, used, pending, credit, over}
     tg:{t<tenant>}:hold:<request_id>    hold record hash {amount, created, keys, state, actual}
     tg:{t<tenant>}:holds                zset of open holds, score = created ms (Redis clock)
+    tg:{t<tenant>}:rate:<scope>:<period>ms  token bucket hash {tokens, ts} (request rate)
+    tg:{t<tenant>}:conc:<scope>         zset of requests in flight (concurrency cap)
+    tg:{t<tenant>}:usage                stream of usage events (one per ended hold)
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
 Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
@@ -63,3 +66,15 @@ def api_key_scope(key_id: object) -> str:
 
 def model_scope(model: str) -> str:
     return validate_scope(f"model:{model}")
+
+
+def rate_key(tenant: str, scope: str, period_ms: int) -> str:
+    return f"{_tag(tenant)}:rate:{scope}:{period_ms}ms"
+
+
+def gauge_key(tenant: str, scope: str) -> str:
+    return f"{_tag(tenant)}:conc:{scope}"
+
+
+def usage_stream_key(tenant: str) -> str:
+    return f"{_tag(tenant)}:usage"

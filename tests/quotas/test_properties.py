@@ -4,6 +4,7 @@ After every step, for every counter ever touched:
     used + pending <= limit + credit   (settled amounts never exceed their hold here)
     pending == the sum of the open holds made in it
     no counter is negative
+    the usage stream holds exactly one event per ended hold
 and every reply matches a plain Python model of what the answer must be.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from quotas import keys
 from quotas.engine import UNLIMITED, EngineSettings, Hold, QuotaEngine, ReserveRequest, ScopeLimit
 from quotas.windows import WindowKind
 
@@ -60,6 +62,7 @@ class QuotaMachine(RuleBasedStateMachine):
         self.counters: dict[str, Expected] = {}
         self.open: dict[str, OpenHold] = {}
         self.n = 0
+        self.ended = 0
 
     @initialize(
         day=st.fixed_dictionaries({s: limit_values for s in SCOPES}),
@@ -118,6 +121,7 @@ class QuotaMachine(RuleBasedStateMachine):
                 e.used += used
         entry.open = False
         self.open.pop(entry.hold.request_id, None)
+        self.ended += 1
 
     @rule(entry=holds, fraction=st.floats(min_value=0, max_value=1))
     def settle(self, entry: OpenHold | None, fraction: float) -> None:
@@ -179,6 +183,10 @@ class QuotaMachine(RuleBasedStateMachine):
         for key in self.counters:
             assert self.engine.counter_at(key).pending == per_key.get(key, 0)
         assert sorted(self.engine.open_hold_ids(self.tenant)) == sorted(self.open)
+
+    @invariant()
+    def one_usage_event_per_ended_hold(self) -> None:
+        assert self.client.xlen(keys.usage_stream_key(self.tenant)) == self.ended
 
 
 @pytest.mark.parametrize("kind", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
