@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import tiktoken
+from hypothesis import given
+from hypothesis import strategies as st
 import tiktoken.load
 import tiktoken_ext.openai_public as openai_public
 
@@ -471,3 +473,11 @@ def test_heuristic_is_not_wildly_high_for_english():
 def test_heuristic_chat_estimate_bounds_the_real_count():
     heuristic = estimate_chat_prompt(COOKBOOK_MESSAGES, model="my-llama", tokenizer=HEURISTIC)
     assert heuristic >= 129
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=127)))
+def test_the_ascii_fast_path_splits_like_the_unicode_pattern(text: str):
+    assert tokens._ASCII_HEURISTIC_PIECES.findall(text) == tokens._HEURISTIC_PIECES.findall(text)
+    assert tokens._heuristic_count(text) == sum(
+        tokens._heuristic_piece(piece) for piece in tokens._HEURISTIC_PIECES.findall(text)
+    )
