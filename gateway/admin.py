@@ -1,0 +1,152 @@
+"""Django admin for the model catalog and the upstream provider keys.
+
+Provider secrets are write-only here: the form has a password field that sets a new secret and
+never renders the stored one; the list and the change page show only the last four characters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.http import HttpRequest
+
+from gateway.models import ModelSpec, ProviderKey
+from gateway.providers import (
+    apply_provider_secret,
+    create_provider_key,
+    normalize_base_url,
+    set_provider_secret,
+    update_provider_key,
+)
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"user:{request.user.get_username()}"
+
+
+@admin.register(ModelSpec)
+class ModelSpecAdmin(admin.ModelAdmin):
+    list_display = (
+        "name",
+        "kind",
+        "tokenizer",
+        "context_window",
+        "default_output_tokens",
+        "max_output_tokens",
+        "input_price_micros_per_mtok",
+        "output_price_micros_per_mtok",
+        "enabled",
+    )
+    list_filter = ("kind", "tokenizer", "enabled")
+    search_fields = ("name",)
+    readonly_fields = ("created_at", "updated_at")
+
+
+class ProviderKeyForm(forms.ModelForm):
+    secret = forms.CharField(
+        required=False,
+        strip=True,
+        # render_value=False: a re-displayed form (after a validation error) must not echo it.
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text="Write-only. Required for a new key; leave empty to keep the current secret.",
+    )
+
+    class Meta:
+        model = ProviderKey
+        fields = (
+            "name",
+            "base_url",
+            "models",
+            "rpm_capacity",
+            "tpm_capacity",
+            "priority",
+            "enabled",
+            "tenant",
+        )
+
+    def clean_base_url(self) -> str:
+        return normalize_base_url(self.cleaned_data["base_url"])
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        if self.instance.pk is None and not cleaned.get("secret"):
+            self.add_error("secret", "A new provider key needs a secret.")
+        return cleaned
+
+    def _post_clean(self) -> None:
+        # The model's full_clean needs secret_encrypted; fill it before the model validates.
+        secret = self.cleaned_data.get("secret")
+        if secret:
+            apply_provider_secret(self.instance, secret)
+        super()._post_clean()
+
+
+@admin.register(ProviderKey)
+class ProviderKeyAdmin(admin.ModelAdmin):
+    form = ProviderKeyForm
+    list_display = (
+        "name",
+        "public_id",
+        "base_url",
+        "masked_secret",
+        "priority",
+        "rpm_capacity",
+        "tpm_capacity",
+        "tenant",
+        "enabled",
+    )
+    list_filter = ("enabled",)
+    list_select_related = ("tenant",)
+    search_fields = ("name", "public_id", "base_url", "tenant__slug")
+    autocomplete_fields = ("tenant",)
+    readonly_fields = ("public_id", "masked_secret", "created_at", "updated_at")
+    fields = (
+        "public_id",
+        "name",
+        "base_url",
+        "masked_secret",
+        "secret",
+        "models",
+        "rpm_capacity",
+        "tpm_capacity",
+        "priority",
+        "enabled",
+        "tenant",
+        "created_at",
+        "updated_at",
+    )
+
+    @admin.display(description="Secret")
+    def masked_secret(self, obj: ProviderKey) -> str:
+        if not obj.pk:
+            return "-"
+        return f"****{obj.secret_last4}" if obj.secret_last4 else "**** (short secret)"
+
+    def save_model(
+        self, request: HttpRequest, obj: ProviderKey, form: forms.ModelForm, change: bool
+    ) -> None:
+        secret = form.cleaned_data.get("secret")
+        if not change:
+            created = create_provider_key(
+                obj.name,
+                base_url=obj.base_url,
+                secret=secret,
+                models=obj.models,
+                rpm_capacity=obj.rpm_capacity,
+                tpm_capacity=obj.tpm_capacity,
+                priority=obj.priority,
+                tenant=obj.tenant,
+                enabled=obj.enabled,
+                actor=_actor(request),
+            )
+            # The admin redirects to the object it saved, so give it the created row's identity.
+            obj.pk, obj.public_id = created.pk, created.public_id
+            obj.created_at, obj.updated_at = created.created_at, created.updated_at
+            return
+        update_provider_key(
+            obj, [name for name in form.changed_data if name != "secret"], actor=_actor(request)
+        )
+        if secret:
+            set_provider_secret(obj, secret, actor=_actor(request))

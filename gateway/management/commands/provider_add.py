@@ -1,0 +1,105 @@
+"""Add an upstream provider key. The secret is read from an environment variable, never from the
+command line, where it would land in shell history and in every process listing."""
+
+from __future__ import annotations
+
+import json
+import os
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
+
+from gateway.models import ProviderKey
+from gateway.providers import create_provider_key
+from tenants.models import Tenant
+
+ACTOR = "cli"
+
+
+def _model_list(raw: str) -> list[str]:
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def _validation_message(exc: ValidationError) -> str:
+    if hasattr(exc, "error_dict"):
+        return "; ".join(f"{name}: {' '.join(errs)}" for name, errs in exc.message_dict.items())
+    return " ".join(exc.messages)
+
+
+def provider_key_as_dict(provider_key: ProviderKey) -> dict[str, Any]:
+    return {
+        "public_id": provider_key.public_id,
+        "name": provider_key.name,
+        "base_url": provider_key.base_url,
+        "secret_last4": provider_key.secret_last4,
+        "models": provider_key.models,
+        "rpm_capacity": provider_key.rpm_capacity,
+        "tpm_capacity": provider_key.tpm_capacity,
+        "priority": provider_key.priority,
+        "enabled": provider_key.enabled,
+        "tenant": provider_key.tenant.slug if provider_key.tenant else None,
+    }
+
+
+class Command(BaseCommand):
+    help = "Add an upstream provider key (an OpenAI-compatible API and its secret)."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("name")
+        parser.add_argument("--base-url", required=True, help="e.g. https://api.openai.com/v1")
+        parser.add_argument(
+            "--secret-env",
+            required=True,
+            metavar="VAR",
+            help="Name of the environment variable that holds the secret.",
+        )
+        parser.add_argument(
+            "--models", default="", help="Comma-separated model names (default: every model)."
+        )
+        parser.add_argument("--rpm", type=int, help="Upstream requests-per-minute capacity.")
+        parser.add_argument("--tpm", type=int, help="Upstream tokens-per-minute capacity.")
+        parser.add_argument(
+            "--priority", type=int, default=0, help="Higher is tried first (default 0)."
+        )
+        parser.add_argument("--tenant", metavar="SLUG", help="Dedicate the key to this tenant.")
+        parser.add_argument(
+            "--json", action="store_true", help="Print the result as one JSON object."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        secret = os.environ.get(options["secret_env"], "")
+        if not secret.strip():
+            raise CommandError(f"Environment variable {options['secret_env']} is unset or empty.")
+        tenant = None
+        if options["tenant"]:
+            tenant = Tenant.objects.filter(slug=options["tenant"]).first()
+            if tenant is None:
+                raise CommandError(f"No tenant with slug {options['tenant']!r}.")
+        try:
+            provider_key = create_provider_key(
+                options["name"],
+                base_url=options["base_url"],
+                secret=secret,
+                models=_model_list(options["models"]),
+                rpm_capacity=options["rpm"],
+                tpm_capacity=options["tpm"],
+                priority=options["priority"],
+                tenant=tenant,
+                actor=ACTOR,
+            )
+        except ValidationError as exc:
+            raise CommandError(_validation_message(exc)) from exc
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        data = provider_key_as_dict(provider_key)
+        if options["json"]:
+            self.stdout.write(json.dumps(data, sort_keys=True))
+            return
+        models = ", ".join(provider_key.models) or "every model"
+        owner = f", dedicated to {tenant.slug}" if tenant else ""
+        self.stdout.write(
+            f"Added provider key {provider_key.public_id} ({provider_key.name}) for "
+            f"{provider_key.base_url}: {models}{owner}."
+        )

@@ -1,0 +1,260 @@
+"""Upstream provider keys: the services that change them, and the in-process pool the hot path
+picks upstreams from.
+
+The pool holds decrypted secrets in memory only. Cooldowns are per process; another component
+broadcasts them between processes by calling ProviderPool.cool_down.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from django.db import transaction
+
+from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret, reencrypt
+from gateway.models import ProviderKey
+from tenants.models import Tenant
+from tenants.services import record_audit_event
+
+logger = logging.getLogger(__name__)
+
+# Below this length the last four characters would give away too much of the secret.
+MIN_LENGTH_TO_SHOW_LAST4 = 12
+
+
+def _normalize_secret(plaintext: str) -> str:
+    # Secrets pasted into a form or exported from a shell often carry a trailing newline.
+    secret = plaintext.strip()
+    if not secret:
+        raise ValueError("The provider secret must not be empty.")
+    return secret
+
+
+def apply_provider_secret(provider_key: ProviderKey, plaintext: str) -> None:
+    """Set the encrypted secret and its last four characters on an unsaved or saved instance."""
+    secret = _normalize_secret(plaintext)
+    provider_key.secret_encrypted = encrypt_secret(secret)
+    provider_key.secret_last4 = secret[-4:] if len(secret) >= MIN_LENGTH_TO_SHOW_LAST4 else ""
+
+
+def set_provider_secret(provider_key: ProviderKey, plaintext: str, *, actor: str = "system") -> None:
+    """Replace a saved key's secret, and record who did it (never the secret)."""
+    apply_provider_secret(provider_key, plaintext)
+    with transaction.atomic():
+        provider_key.save(update_fields=["secret_encrypted", "secret_last4", "updated_at"])
+        record_audit_event(
+            actor=actor,
+            action="provider_key.secret_set",
+            target=provider_key.public_id,
+            tenant=provider_key.tenant,
+            data={"last4": provider_key.secret_last4},
+        )
+
+
+def normalize_base_url(base_url: str) -> str:
+    # Upstream paths are joined as base_url + "/chat/completions".
+    return base_url.strip().rstrip("/")
+
+
+def create_provider_key(
+    name: str,
+    *,
+    base_url: str,
+    secret: str,
+    models: Sequence[str] = (),
+    rpm_capacity: int | None = None,
+    tpm_capacity: int | None = None,
+    priority: int = 0,
+    tenant: Tenant | None = None,
+    enabled: bool = True,
+    actor: str = "system",
+) -> ProviderKey:
+    """Validate and save a provider key with its secret encrypted; audited."""
+    provider_key = ProviderKey(
+        name=name,
+        base_url=normalize_base_url(base_url),
+        models=list(models),
+        rpm_capacity=rpm_capacity,
+        tpm_capacity=tpm_capacity,
+        priority=priority,
+        tenant=tenant,
+        enabled=enabled,
+    )
+    apply_provider_secret(provider_key, secret)
+    provider_key.full_clean()
+    with transaction.atomic():
+        provider_key.save()
+        record_audit_event(
+            actor=actor,
+            action="provider_key.create",
+            target=provider_key.public_id,
+            tenant=tenant,
+            data={
+                "name": name,
+                "base_url": provider_key.base_url,
+                "models": provider_key.models,
+                "last4": provider_key.secret_last4,
+            },
+        )
+    return provider_key
+
+
+# What update_provider_key may change; the secret goes through set_provider_secret.
+EDITABLE_FIELDS: frozenset[str] = frozenset(
+    {"name", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled", "tenant"}
+)
+
+
+def update_provider_key(
+    provider_key: ProviderKey, changed: Iterable[str], *, actor: str = "system"
+) -> None:
+    """Validate and save the named fields, already set on the instance; audited."""
+    fields = sorted(set(changed))
+    unknown = set(fields) - EDITABLE_FIELDS
+    if unknown:
+        raise ValueError(f"Not editable this way: {', '.join(sorted(unknown))}")
+    if not fields:
+        return
+    provider_key.base_url = normalize_base_url(provider_key.base_url)
+    provider_key.full_clean()
+    with transaction.atomic():
+        provider_key.save(update_fields=[*fields, "updated_at"])
+        record_audit_event(
+            actor=actor,
+            action="provider_key.update",
+            target=provider_key.public_id,
+            tenant=provider_key.tenant,
+            data={"fields": fields},
+        )
+
+
+def reencrypt_provider_secrets() -> int:
+    """Re-encrypt every stored secret under the first configured key; returns how many changed.
+
+    The rotation step between adding a new first key to TOLLGATE_ENCRYPTION_KEYS and removing
+    the old one.
+    """
+    changed = 0
+    with transaction.atomic():
+        for provider_key in ProviderKey.objects.select_for_update().only("id", "secret_encrypted"):
+            rotated = reencrypt(provider_key.secret_encrypted)
+            if rotated != provider_key.secret_encrypted:
+                ProviderKey.objects.filter(pk=provider_key.pk).update(secret_encrypted=rotated)
+                changed += 1
+    return changed
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One provider key as the forwarder needs it."""
+
+    id: int
+    public_id: str
+    base_url: str
+    secret: str = field(repr=False)
+    rpm_capacity: int | None
+    tpm_capacity: int | None
+    priority: int = 0
+    models: frozenset[str] = frozenset()  # empty: every model
+    tenant_id: int | None = None  # set: dedicated to that tenant
+
+    def serves(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+    def usable_by(self, tenant_id: int | None) -> bool:
+        return self.tenant_id is None or self.tenant_id == tenant_id
+
+
+class ProviderPool:
+    """The enabled provider keys of this process, and which of them are cooling down."""
+
+    def __init__(self, upstreams: Iterable[Upstream]) -> None:
+        self._upstreams: tuple[Upstream, ...] = tuple(upstreams)
+        self._by_id = {upstream.id: upstream for upstream in self._upstreams}
+        self._cooldown_until: dict[int, float] = {}
+        self._turns: dict[tuple[int, ...], itertools.count[int]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._upstreams)
+
+    def get(self, provider_key_id: int) -> Upstream | None:
+        return self._by_id.get(provider_key_id)
+
+    def cool_down(self, provider_key_id: int, until: float) -> None:
+        """Skip this key until `until` (a time.time() value). A later deadline wins, so
+        cooldowns that arrive out of order from other processes never shorten one."""
+        with self._lock:
+            current = self._cooldown_until.get(provider_key_id, 0.0)
+            self._cooldown_until[provider_key_id] = max(current, until)
+
+    def in_cooldown(self, provider_key_id: int, now: float) -> bool:
+        return self._cooldown_until.get(provider_key_id, 0.0) > now
+
+    def _next_turn(self, group: tuple[int, ...]) -> int:
+        with self._lock:
+            counter = self._turns.get(group)
+            if counter is None:
+                counter = self._turns[group] = itertools.count()
+            return next(counter)
+
+    def candidates(self, model: str, tenant_id: int | None, now: float) -> list[Upstream]:
+        """Keys to try for this model and tenant, best first.
+
+        Keys dedicated to the tenant come before shared ones, then higher priority first; keys
+        of equal rank take turns at the front (round robin, per process). Keys dedicated to
+        another tenant and keys in cooldown are left out.
+        """
+        ranked: dict[tuple[bool, int], list[Upstream]] = {}
+        for upstream in self._upstreams:
+            if not upstream.serves(model) or not upstream.usable_by(tenant_id):
+                continue
+            if self.in_cooldown(upstream.id, now):
+                continue
+            dedicated = upstream.tenant_id is not None
+            ranked.setdefault((dedicated, upstream.priority), []).append(upstream)
+        ordered: list[Upstream] = []
+        for rank in sorted(ranked, reverse=True):
+            group = ranked[rank]
+            if len(group) > 1:
+                turn = self._next_turn(tuple(upstream.id for upstream in group)) % len(group)
+                group = group[turn:] + group[:turn]
+            ordered.extend(group)
+        return ordered
+
+
+def upstream_from_key(provider_key: ProviderKey) -> Upstream:
+    return Upstream(
+        id=provider_key.pk,
+        public_id=provider_key.public_id,
+        base_url=normalize_base_url(provider_key.base_url),
+        secret=decrypt_secret(provider_key.secret_encrypted),
+        rpm_capacity=provider_key.rpm_capacity,
+        tpm_capacity=provider_key.tpm_capacity,
+        priority=provider_key.priority,
+        models=frozenset(provider_key.models or ()),
+        tenant_id=provider_key.tenant_id,
+    )
+
+
+def load_pool() -> ProviderPool:
+    """A pool of every enabled provider key, in one query.
+
+    A key whose secret no configured encryption key opens is left out and logged (by public
+    id), so one bad row does not take the gateway down with it.
+    """
+    upstreams: list[Upstream] = []
+    for provider_key in ProviderKey.objects.filter(enabled=True).order_by("id"):
+        try:
+            upstreams.append(upstream_from_key(provider_key))
+        except SecretDecryptionError:
+            logger.error(
+                "provider key %s left out of the pool: its secret cannot be decrypted with "
+                "TOLLGATE_ENCRYPTION_KEYS",
+                provider_key.public_id,
+            )
+    return ProviderPool(upstreams)
