@@ -195,6 +195,20 @@ class ProviderPool:
     def in_cooldown(self, provider_key_id: int, now: float) -> bool:
         return self._cooldown_until.get(provider_key_id, 0.0) > now
 
+    def cooldowns(self) -> dict[int, float]:
+        """A copy of the cooldown deadlines, e.g. to carry them into a reloaded pool."""
+        with self._lock:
+            return dict(self._cooldown_until)
+
+    def serves(self, model: str, tenant_id: int | None) -> bool:
+        """Whether any key usable by this tenant serves the model, cooling down or not.
+
+        For "does this model exist here" checks (request validation, /v1/models). Unlike
+        candidates() it does not take a round-robin turn: calling candidates() once to check
+        and once to forward would hand every forward the same key of a pair.
+        """
+        return any(u.serves(model) and u.usable_by(tenant_id) for u in self._upstreams)
+
     def _next_turn(self, group: tuple[int, ...]) -> int:
         with self._lock:
             counter = self._turns.get(group)
@@ -207,7 +221,8 @@ class ProviderPool:
 
         Keys dedicated to the tenant come before shared ones, then higher priority first; keys
         of equal rank take turns at the front (round robin, per process). Keys dedicated to
-        another tenant and keys in cooldown are left out.
+        another tenant and keys in cooldown are left out. Each call takes a turn: call it once
+        per upstream attempt sequence, and use serves() for existence checks.
         """
         ranked: dict[tuple[bool, int], list[Upstream]] = {}
         for upstream in self._upstreams:

@@ -244,6 +244,38 @@ def test_an_earlier_cooldown_arriving_late_does_not_shorten_a_later_one():
     assert pool.in_cooldown(1, now=180.0)
 
 
+def test_serves_checks_existence_without_taking_a_round_robin_turn():
+    pool = ProviderPool([
+        upstream(1, models=("gpt-4o",)),
+        upstream(2, models=("gpt-4o",)),
+        upstream(3, models=("gpt-4.1",), tenant_id=7),
+    ])
+    pool.cool_down(1, until=100.0)
+    pool.cool_down(2, until=100.0)
+
+    assert pool.serves("gpt-4o", None)  # cooling down is not "not served"
+    assert pool.serves("gpt-4.1", 7)
+    assert not pool.serves("gpt-4.1", 8)
+    fronts = []
+    for _ in range(4):
+        assert pool.serves("gpt-4o", None)
+        fronts.append(ids(pool.candidates("gpt-4o", None, now=200.0))[0])
+    assert fronts == [1, 2, 1, 2]
+
+
+def test_cooldowns_snapshot_carries_into_a_reloaded_pool():
+    old = ProviderPool([upstream(1), upstream(2)])
+    old.cool_down(2, until=300.0)
+    snapshot = old.cooldowns()
+    snapshot[1] = 999.0  # a copy: changing it does not cool key 1 down
+    assert not old.in_cooldown(1, now=0.0)
+
+    fresh = ProviderPool([upstream(1), upstream(2)])
+    for provider_key_id, until in old.cooldowns().items():
+        fresh.cool_down(provider_key_id, until)
+    assert ids(fresh.candidates("gpt-4o", None, now=0.0)) == [1]
+
+
 def test_only_keys_serving_the_model():
     pool = ProviderPool([upstream(1, models=("gpt-4o",)), upstream(2, models=("gpt-4.1",)),
                          upstream(3)])
