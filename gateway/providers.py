@@ -41,7 +41,9 @@ def apply_provider_secret(provider_key: ProviderKey, plaintext: str) -> None:
     provider_key.secret_last4 = secret[-4:] if len(secret) >= MIN_LENGTH_TO_SHOW_LAST4 else ""
 
 
-def set_provider_secret(provider_key: ProviderKey, plaintext: str, *, actor: str = "system") -> None:
+def set_provider_secret(
+    provider_key: ProviderKey, plaintext: str, *, actor: str = "system"
+) -> None:
     """Replace a saved key's secret, and record who did it (never the secret)."""
     apply_provider_secret(provider_key, plaintext)
     with transaction.atomic():

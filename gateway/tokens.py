@@ -89,7 +89,7 @@ class EncodingCacheError(RuntimeError):
 
 
 def tiktoken_cache_dir() -> Path:
-    """Where tiktoken looks: TIKTOKEN_CACHE_DIR if the environment sets it, else DATA_DIR/tiktoken."""
+    """Where tiktoken will look: $TIKTOKEN_CACHE_DIR if set, else DATA_DIR/tiktoken."""
     configured = os.environ.get("TIKTOKEN_CACHE_DIR")
     if configured is not None:
         if not configured:

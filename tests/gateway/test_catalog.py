@@ -151,7 +151,11 @@ def test_inconsistent_specs_are_refused_by_the_form_and_the_database():
 
 def test_unknown_models_fall_back_to_documented_defaults():
     fallback = fallback_model_info("mystery-model")
-    assert (fallback.name, fallback.tokenizer, fallback.kind) == ("mystery-model", "heuristic", "chat")
+    assert (fallback.name, fallback.tokenizer, fallback.kind) == (
+        "mystery-model",
+        "heuristic",
+        "chat",
+    )
     assert (fallback.context_window, fallback.default_output_tokens) == (128_000, 4_096)
     assert not fallback.known
     catalog = Catalog.of([info(name="gpt-4o")])

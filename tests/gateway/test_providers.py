@@ -306,7 +306,8 @@ def test_load_pool_is_one_query_of_enabled_keys(
 ):
     shared = create_provider_key("shared", base_url="https://a.test/v1/", secret=SECRET,
                                  priority=1, rpm_capacity=500, tpm_capacity=90_000)
-    mine = create_provider_key("acme-own", base_url="https://b.test/v1", secret="sk-acme-0000000000",
+    mine = create_provider_key("acme-own", base_url="https://b.test/v1",
+                               secret="sk-acme-0000000000",
                                tenant=acme, models=["gpt-4o"])
     create_provider_key("off", base_url="https://c.test/v1", secret=SECRET, enabled=False)
 

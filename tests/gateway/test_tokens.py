@@ -315,7 +315,9 @@ def test_text_parts_count_like_string_content():
         ("some-local-vlm", "high", 1445),
     ],
 )
-def test_image_tokens_hold_the_most_an_image_can_cost(model: str, detail: str | None, expected: int):
+def test_image_tokens_hold_the_most_an_image_can_cost(
+    model: str, detail: str | None, expected: int
+):
     assert image_tokens(model, detail) == expected
 
 
