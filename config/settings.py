@@ -142,6 +142,31 @@ QUOTA_SWEEP_BATCH = _positive_int("QUOTA_SWEEP_BATCH", 200)
 # guards memory when nothing drains it for a long time.
 QUOTA_USAGE_STREAM_MAXLEN = _positive_int("QUOTA_USAGE_STREAM_MAXLEN", 1_000_000)
 
+# The /v1 gateway (gateway/). Durations in seconds.
+GATEWAY_UPSTREAM_CONNECT_TIMEOUT = env.float("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", default=5.0)
+# Longest wait for the first byte (and between bytes) of an upstream answer.
+GATEWAY_UPSTREAM_READ_TIMEOUT = env.float("GATEWAY_UPSTREAM_READ_TIMEOUT", default=120.0)
+# Longest whole call, streams included; must stay below QUOTA_STALE_HOLD_SECONDS.
+GATEWAY_UPSTREAM_TOTAL_TIMEOUT = env.float("GATEWAY_UPSTREAM_TOTAL_TIMEOUT", default=300.0)
+GATEWAY_UPSTREAM_MAX_CONNECTIONS = _positive_int("GATEWAY_UPSTREAM_MAX_CONNECTIONS", 32)
+# After a client leaves mid-stream, keep reading the upstream this long for its usage event.
+GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default=10.0)
+GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)
+# Cached API keys are re-read at least this often even without an invalidation message.
+GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=300.0)
+GATEWAY_LAST_USED_FLUSH_SECONDS = env.float("GATEWAY_LAST_USED_FLUSH_SECONDS", default=5.0)
+for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",
+              "GATEWAY_UPSTREAM_TOTAL_TIMEOUT", "GATEWAY_STREAM_DRAIN_SECONDS",
+              "GATEWAY_AUTH_CACHE_SECONDS", "GATEWAY_LAST_USED_FLUSH_SECONDS"):
+    if globals()[_name] <= 0:
+        raise ImproperlyConfigured(f"{_name} must be > 0 seconds")
+if GATEWAY_UPSTREAM_TOTAL_TIMEOUT >= QUOTA_STALE_HOLD_SECONDS:
+    raise ImproperlyConfigured(
+        "GATEWAY_UPSTREAM_TOTAL_TIMEOUT must be below QUOTA_STALE_HOLD_SECONDS, or the sweep "
+        "would release holds of calls still running")
+# Django refuses larger bodies before the gateway sees them; keep one limit.
+DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -164,4 +189,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    # One line per upstream call is noise at thousands of requests per second.
+    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
 }

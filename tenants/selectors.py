@@ -130,3 +130,12 @@ def api_key_by_public_id(public_id: str) -> ApiKey:
         return ApiKey.objects.select_related("project__tenant__plan").get(public_id=public_id)
     except ApiKey.DoesNotExist:
         raise ApiKeyNotFound(public_id) from None
+
+
+def secret_by_prefix(prefix: str) -> ApiKeySecret | None:
+    """The secret with this lookup prefix, with its key, project, tenant and plan (one query)."""
+    return (
+        ApiKeySecret.objects.select_related("api_key__project__tenant__plan")
+        .filter(prefix=prefix)
+        .first()
+    )

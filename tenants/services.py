@@ -18,7 +18,8 @@ from django.utils import timezone
 from tenants.exceptions import ApiKeyNotFound, KeyExpired, KeyRevoked, SlugTaken, TenantNotFound
 from tenants.keys import digest_key, digests_match, generate_key, mask_plaintext, parse_key
 from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Project, Tenant
-from tenants.selectors import plan_by_name
+from tenants.invalidation import publish
+from tenants.selectors import plan_by_name, secret_by_prefix
 
 # What set_tenant_limits (and create_tenant's **overrides) may change.
 TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
@@ -261,6 +262,7 @@ def rotate_key(api_key: ApiKey, *, actor: str, grace_seconds: int = 0) -> Issued
                 "previous_valid_until": valid_until.isoformat(),
             },
         )
+        publish("api_key", locked.pk)
     return IssuedKey(api_key=locked, plaintext=plaintext)
 
 
@@ -283,6 +285,7 @@ def revoke_key(api_key: ApiKey, *, actor: str) -> bool:
             target=locked.public_id,
             data={"secrets_revoked": secrets_revoked},
         )
+        publish("api_key", locked.pk)
     api_key.revoked_at = now
     return True
 
@@ -302,6 +305,7 @@ def change_plan(tenant: Tenant, plan_name: str, *, actor: str) -> Tenant:
                 target=locked.public_id,
                 data={"from": previous.name, "to": plan.name},
             )
+            publish("tenant", locked.pk)
     tenant.plan = plan
     return tenant
 
@@ -330,6 +334,7 @@ def set_tenant_limits(tenant: Tenant, *, actor: str, **overrides: Any) -> Tenant
                 target=locked.public_id,
                 data={"changes": changes},
             )
+            publish("tenant", locked.pk)
     for name in TENANT_OVERRIDE_FIELDS:
         setattr(tenant, name, getattr(locked, name))
     return tenant
@@ -353,6 +358,7 @@ def set_tenant_status(tenant: Tenant, status: str, *, actor: str) -> Tenant:
                 target=locked.public_id,
                 data={"from": previous, "to": status},
             )
+            publish("tenant", locked.pk)
     tenant.status = status
     return tenant
 
@@ -366,11 +372,7 @@ def authenticate_key(plaintext: str, *, now: datetime | None = None) -> ApiKey |
     prefix = parse_key(plaintext)
     if prefix is None:
         return None
-    secret = (
-        ApiKeySecret.objects.select_related("api_key__project__tenant__plan")
-        .filter(prefix=prefix)
-        .first()
-    )
+    secret = secret_by_prefix(prefix)
     if secret is None:
         # Spend the same HMAC work as for a known prefix, so timing does not tell callers
         # which prefixes exist.

@@ -1,0 +1,164 @@
+"""Admission: estimate a call's worst case, reserve it, and apply the plan's over-quota policy.
+
+Exactly one reserve script call on the hot path; the policies (queue, soft, fallback) add calls
+only for requests that were refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, replace
+
+from gateway.auth import KeyContext
+from gateway.bodies import Endpoint, ParsedBody
+from gateway.catalog import ModelInfo, hold_for, output_cap_for_hold, reservation_tokens
+from gateway.errors import GatewayError, bad_request, insufficient_quota, rate_limited
+from gateway.runtime import GatewayRuntime
+from gateway.tokens import estimate_chat_prompt, estimate_completion_prompt, estimate_embedding_input
+from quotas.engine import UNLIMITED, Outcome, Reservation, ReserveRequest, ScopeLimit
+from tenants.models import OverQuotaPolicy
+
+
+@dataclass(frozen=True)
+class Estimate:
+    info: ModelInfo
+    prompt_tokens: int
+    amount: int  # tokens to hold
+    output_cap: int | None  # per choice; None for embeddings
+
+
+@dataclass(frozen=True)
+class Admission:
+    reservation: Reservation
+    model: str  # the model forwarded upstream (differs from the asked one after a fallback)
+    estimate: Estimate
+    output_cap: int | None  # max_tokens to impose upstream (None: leave the client's as is)
+    fallback_from: str | None = None
+    soft: bool = False
+
+
+def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext) -> Estimate:
+    body = parsed.body
+    if parsed.endpoint is Endpoint.CHAT:
+        prompt = estimate_chat_prompt(body["messages"], model=info.name, tools=body.get("tools"),
+                                      functions=body.get("functions"), tokenizer=info.tokenizer)
+    elif parsed.endpoint is Endpoint.COMPLETIONS:
+        prompt = estimate_completion_prompt(body["prompt"], info.tokenizer)
+    else:
+        prompt = estimate_embedding_input(body["input"], info.tokenizer)
+        return Estimate(info, prompt, max(1, hold_for(prompt, 0, ctx.limits.safety_factor)), None)
+    # Legacy completions default to 16 output tokens upstream, so that is their real bound.
+    requested = parsed.max_output
+    if requested is None and parsed.endpoint is Endpoint.COMPLETIONS:
+        requested = 16
+    amount, cap = reservation_tokens(prompt, requested, info, ctx.limits.safety_factor,
+                                     choices=parsed.choices)
+    if cap == 0:
+        raise bad_request(
+            f"This model's maximum context length is {info.context_window} tokens; your "
+            f"request has about {prompt} prompt tokens, which leaves no room for an answer.",
+            "messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
+            "context_length_exceeded")
+    return Estimate(info, prompt, amount, cap)
+
+
+def _meta(ctx: KeyContext, parsed: ParsedBody, model: str) -> str:
+    return json.dumps({"p": ctx.project.pk, "k": ctx.api_key.pk, "m": parsed.model,
+                       "served": model, "ep": parsed.endpoint.value}, separators=(",", ":"))
+
+
+def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, est: Estimate,
+             scopes: tuple[ScopeLimit, ...]) -> ReserveRequest:
+    min_amount = None
+    if ctx.limits.shrink_hold_to_headroom and est.output_cap is not None:
+        # The smallest hold still worth sending: the prompt plus one output token per choice.
+        min_amount = min(est.amount, hold_for(est.prompt_tokens, parsed.choices,
+                                              ctx.limits.safety_factor))
+    return ReserveRequest(
+        tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
+        min_amount=min_amount, rates=ctx.rates(), concurrency=ctx.concurrency(),
+        meta=_meta(ctx, parsed, model),
+    )
+
+
+def _seconds_until(ms: int) -> int:
+    return max(1, -(-ms // 1000))
+
+
+def refusal_error(reservation: Reservation) -> GatewayError:
+    if reservation.outcome is Outcome.RATE:
+        rate = reservation.refused_rate
+        return rate_limited(
+            f"Rate limit reached for {rate.scope}: {rate.capacity} requests per "
+            f"{rate.period_ms // 1000 or 1}s.", _seconds_until(reservation.retry_after_ms))
+    if reservation.outcome is Outcome.CONCURRENCY:
+        return rate_limited(
+            f"Too many concurrent requests for this API key ({reservation.in_flight} in "
+            "flight).", 1)
+    refused = reservation.refused
+    assert refused is not None
+    return insufficient_quota(refused.scope, refused.window.kind.value,
+                              _seconds_until(refused.window.end_ms - reservation.server_time_ms))
+
+
+def _with_output_cap(est: Estimate, reservation: Reservation, parsed: ParsedBody,
+                     ctx: KeyContext) -> int | None:
+    """The max_tokens to force upstream: only when the hold was shrunk below the estimate."""
+    if est.output_cap is None or reservation.granted >= est.amount:
+        return None
+    return output_cap_for_hold(reservation.granted, est.prompt_tokens, ctx.limits.safety_factor,
+                               choices=parsed.choices)
+
+
+async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+                request_id: str) -> Admission:
+    """Reserve, or apply the plan's policy to a quota refusal; raises GatewayError (429)."""
+    if ctx.request_rate_blocked():
+        raise rate_limited("Your plan allows no requests at the moment.", 60)
+    info = runtime.catalog.resolve(parsed.model)
+    est = estimate(parsed, info, ctx)
+    engine = runtime.engine
+    request = _request(ctx, parsed, request_id, parsed.model, est, ctx.scopes(parsed.model))
+    reservation = await engine.reserve(request)
+    if reservation.admitted:
+        return Admission(reservation, parsed.model, est, _with_output_cap(est, reservation, parsed, ctx))
+    if reservation.outcome is not Outcome.QUOTA:
+        raise refusal_error(reservation)
+
+    policy = ctx.limits.over_quota_policy
+    if policy == OverQuotaPolicy.QUEUE:
+        deadline = time.monotonic() + ctx.limits.queue_timeout_seconds
+        # Higher plans poll more often, so they get the capacity that frees up first.
+        pause = 0.05 / (1 + max(0, ctx.limits.queue_priority) / 10)
+        while time.monotonic() + pause < deadline:
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 1.0)
+            again = await engine.reserve(request)
+            if again.admitted:
+                return Admission(again, parsed.model, est,
+                                 _with_output_cap(est, again, parsed, ctx))
+            if again.outcome is not Outcome.QUOTA:
+                raise refusal_error(again)
+    elif policy == OverQuotaPolicy.SOFT:
+        percent = ctx.limits.soft_limit_percent
+        ceiling = tuple(
+            s if s.limit == UNLIMITED else replace(s, limit=s.limit * percent // 100)
+            for s in request.limits)
+        soft = await engine.reserve(replace(request, limits=ceiling))
+        if soft.admitted:
+            return Admission(soft, parsed.model, est, _with_output_cap(est, soft, parsed, ctx),
+                             soft=True)
+    elif policy == OverQuotaPolicy.FALLBACK:
+        target = ctx.limits.fallback_model
+        if target and target != parsed.model and ctx.allows(target):
+            fb_info = runtime.catalog.resolve(target)
+            fb_est = estimate(parsed, fb_info, ctx)
+            fb_request = _request(ctx, parsed, request_id, target, fb_est, ctx.scopes(target))
+            fb = await engine.reserve(fb_request)
+            if fb.admitted:
+                return Admission(fb, target, fb_est, _with_output_cap(fb_est, fb, parsed, ctx),
+                                 fallback_from=parsed.model)
+            if fb.outcome is not Outcome.QUOTA:
+                raise refusal_error(fb)
+    raise refusal_error(reservation)

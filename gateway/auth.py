@@ -1,0 +1,147 @@
+"""API key authentication for /v1 from an in-process cache.
+
+The hot path makes no database query: a key is looked up once (one query), kept as an immutable
+`KeyContext`, and re-checked on every request in memory (HMAC digest in constant time, secret and
+key expiry). Changes reach the cache through Redis pub/sub (tenants/invalidation.py,
+gateway/listener.py); while the subscription is down the cache is bypassed, so a revoked key can
+never outlive its revocation by more than the pub/sub latency.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from asgiref.sync import sync_to_async
+
+from quotas import keys as quota_keys
+from quotas.engine import UNLIMITED, ConcurrencyLimit, RateLimit, ScopeLimit
+from quotas.limits import scope_limits, tenant_tag
+from quotas.windows import WindowKind
+from tenants.keys import digests_match, parse_key
+from tenants.models import ApiKey, Project, Tenant
+from tenants.selectors import EffectiveLimits, allowed_models_for_key, effective_limits, secret_by_prefix
+
+
+@dataclass(frozen=True)
+class KeyContext:
+    """Everything the hot path needs to know about the caller, frozen at lookup time."""
+
+    digest: str
+    valid_until: float | None  # epoch seconds: the earlier of secret and key expiry
+    api_key: ApiKey
+    project: Project
+    tenant_id: int
+    tenant_tag: str
+    limits: EffectiveLimits
+    allowed_models: frozenset[str] | None  # None: every model
+    _scopes: dict[str, tuple[ScopeLimit, ...]] = field(default_factory=dict, compare=False)
+
+    def allows(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+    def scopes(self, model: str) -> tuple[ScopeLimit, ...]:
+        """Token quota counters for a call of `model` (memoised per model)."""
+        cached = self._scopes.get(model)
+        if cached is None:
+            cached = scope_limits(self.limits, self.project, self.api_key, model)
+            if self.limits.tokens_per_minute != UNLIMITED:
+                cached += (ScopeLimit(quota_keys.tenant_scope(), WindowKind.MINUTE,
+                                      self.limits.tokens_per_minute),)
+            self._scopes[model] = cached
+        return cached
+
+    def rates(self) -> tuple[RateLimit, ...]:
+        rates = []
+        if self.limits.requests_per_second > 0:
+            rates.append(RateLimit(quota_keys.tenant_scope(), self.limits.requests_per_second, 1000))
+        rpm = self.api_key.requests_per_minute
+        if rpm:
+            rates.append(RateLimit(quota_keys.api_key_scope(self.api_key.pk), rpm, 60_000))
+        return tuple(rates)
+
+    def request_rate_blocked(self) -> bool:
+        """A plan or key rate of 0 admits nothing (a bucket cannot have zero capacity)."""
+        return self.limits.requests_per_second == 0 or self.api_key.requests_per_minute == 0
+
+    def concurrency(self) -> ConcurrencyLimit | None:
+        cap = self.api_key.max_concurrency
+        if cap is None:
+            return None
+        return ConcurrencyLimit(quota_keys.api_key_scope(self.api_key.pk), cap)
+
+
+def _epoch(moment: datetime | None) -> float | None:
+    return moment.timestamp() if moment is not None else None
+
+
+def load_key_context(prefix: str) -> KeyContext | None:
+    """One query: the context of the secret with this prefix, or None if it cannot be used."""
+    secret = secret_by_prefix(prefix)
+    if secret is None:
+        return None
+    api_key = secret.api_key
+    tenant = api_key.project.tenant
+    if secret.revoked_at is not None or api_key.revoked_at is not None:
+        return None
+    if tenant.status != Tenant.Status.ACTIVE:
+        return None
+    ends = [t for t in (_epoch(secret.expires_at), _epoch(api_key.expires_at)) if t is not None]
+    allowed = allowed_models_for_key(api_key)
+    return KeyContext(
+        digest=secret.digest,
+        valid_until=min(ends) if ends else None,
+        api_key=api_key,
+        project=api_key.project,
+        tenant_id=tenant.pk,
+        tenant_tag=tenant_tag(tenant.pk),
+        limits=effective_limits(tenant),
+        allowed_models=frozenset(allowed) if allowed is not None else None,
+    )
+
+
+_MISSING = object()
+
+
+class AuthCache:
+    """Prefix -> KeyContext (or None for a prefix known to be unusable), per process."""
+
+    def __init__(self, max_age_s: float, max_entries: int = 100_000) -> None:
+        self.max_age_s = max_age_s
+        self.max_entries = max_entries
+        self.trusted = False  # set by the pub/sub listener while it is subscribed
+        self._entries: dict[str, tuple[float, KeyContext | None]] = {}
+
+    async def authenticate(self, plaintext: str) -> KeyContext | None:
+        prefix = parse_key(plaintext)
+        if prefix is None:
+            return None
+        now = time.time()
+        entry = self._entries.get(prefix, _MISSING) if self.trusted else _MISSING
+        if entry is _MISSING or now - entry[0] > self.max_age_s:
+            context = await sync_to_async(load_key_context)(prefix)
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()  # crude bound: a refill costs one query per live key
+            self._entries[prefix] = (now, context)
+        else:
+            context = entry[1]
+        if context is None or not digests_match(plaintext, context.digest):
+            return None
+        if context.valid_until is not None and now >= context.valid_until:
+            return None
+        return context
+
+    def forget_key(self, api_key_id: int) -> None:
+        self._drop(lambda c: c.api_key.pk == api_key_id)
+
+    def forget_tenant(self, tenant_id: int) -> None:
+        self._drop(lambda c: c.tenant_id == tenant_id)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _drop(self, matches) -> None:  # type: ignore[no-untyped-def]
+        for prefix, (_, context) in list(self._entries.items()):
+            # Unknown prefixes (None) may have been issued since: drop them too.
+            if context is None or matches(context):
+                self._entries.pop(prefix, None)

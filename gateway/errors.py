@@ -1,0 +1,68 @@
+"""Errors in OpenAI's shape, so the official SDKs raise the right exception and retry where they
+should: `{"error": {"message", "type", "param", "code"}}` with the status codes of DESIGN.md §8."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from django.http import HttpResponse
+
+
+@dataclass(frozen=True)
+class GatewayError(Exception):
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+    retry_after_s: int | None = None
+
+    def response(self, headers: dict[str, str] | None = None) -> HttpResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+        response = HttpResponse(json.dumps(body), status=self.status,
+                                content_type="application/json")
+        for name, value in (headers or {}).items():
+            response[name] = value
+        if self.retry_after_s is not None:
+            response["Retry-After"] = str(self.retry_after_s)
+        return response
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", code, param)
+
+
+def invalid_api_key(message: str = "Incorrect API key provided.") -> GatewayError:
+    return GatewayError(401, message, "invalid_request_error", "invalid_api_key")
+
+
+def model_not_allowed(model: str) -> GatewayError:
+    return GatewayError(403, f"This API key is not allowed to use the model '{model}'.",
+                        "invalid_request_error", "model_not_allowed", "model")
+
+
+def not_found(message: str) -> GatewayError:
+    return GatewayError(404, message, "invalid_request_error", "not_found")
+
+
+def insufficient_quota(scope: str, window: str, retry_after_s: int) -> GatewayError:
+    return GatewayError(
+        429,
+        f"You exceeded your current quota ({scope}, {window} window). The quota resets at the "
+        "end of the window; ask your administrator for more.",
+        "insufficient_quota", "insufficient_quota", None, retry_after_s,
+    )
+
+
+def rate_limited(message: str, retry_after_s: int) -> GatewayError:
+    return GatewayError(429, message, "requests", "rate_limit_exceeded", None, retry_after_s)
+
+
+def quota_store_unavailable() -> GatewayError:
+    return GatewayError(503, "The quota service is unavailable; the request was not forwarded. "
+                        "Please retry shortly.", "server_error", "quota_store_unavailable")
+
+
+def upstream_error(status: int, message: str) -> GatewayError:
+    return GatewayError(status, message, "server_error", "upstream_error")

@@ -1,0 +1,356 @@
+"""Forwarding an admitted call upstream, streaming it back, and ending its hold exactly once.
+
+Settle with the upstream's `usage` (prompt + completion tokens). If a stream breaks or the client
+leaves after tokens were produced, charge what was produced: keep reading the upstream for the
+usage event for a bounded time, else count the text received. Release only when the upstream
+produced nothing (connection error, timeout before the first byte, an error status).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from django.conf import settings
+from django.http import HttpResponse, StreamingHttpResponse
+
+from gateway.admission import Admission
+from gateway.auth import KeyContext
+from gateway.bodies import Endpoint, ParsedBody
+from gateway.errors import GatewayError, upstream_error
+from gateway.listener import publish_cooldown
+from gateway.providers import Upstream
+from gateway.runtime import GatewayRuntime
+from gateway.tokens import count_stream_text
+from quotas.engine import QuotaStoreUnavailable
+
+log = logging.getLogger(__name__)
+
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@dataclass
+class Call:
+    """One admitted request on its way upstream and back."""
+
+    runtime: GatewayRuntime
+    ctx: KeyContext
+    parsed: ParsedBody
+    admission: Admission
+    request_id: str
+    started: float  # time.monotonic() when the request arrived
+    headers: dict[str, str]  # rate / quota / request-id headers for the client
+    upstream: Upstream | None = None
+    ended: bool = field(default=False)
+
+    # -- ending the hold ------------------------------------------------------------------
+
+    def _event(self, status: int, input_tokens: int, output_tokens: int, outcome: str) -> str:
+        return json.dumps({
+            "in": input_tokens, "out": output_tokens, "st": status, "outcome": outcome,
+            "pk": self.upstream.id if self.upstream else None,
+            "lat": round((time.monotonic() - self.started) * 1000),
+            "stream": self.parsed.stream, "soft": self.admission.soft,
+            "fb": self.admission.fallback_from,
+        }, separators=(",", ":"))
+
+    async def settle(self, input_tokens: int, output_tokens: int, *, status: int = 200,
+                     outcome: str = "complete") -> None:
+        if self.ended:
+            return
+        self.ended = True
+        hold = self.admission.reservation.hold
+        assert hold is not None
+        event = self._event(status, input_tokens, output_tokens, outcome)
+        await self._end(lambda: self.runtime.engine.settle(hold, input_tokens + output_tokens, event))
+
+    async def release(self, status: int, reason: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        hold = self.admission.reservation.hold
+        assert hold is not None
+        event = self._event(status, 0, 0, reason)
+        await self._end(lambda: self.runtime.engine.release(hold, event))
+
+    async def _end(self, operation) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await operation()
+        except QuotaStoreUnavailable:
+            # The hold stays open; retry in the background rather than leave it to the sweep,
+            # which would release it unbilled.
+            self.runtime.spawn(lambda: _retry_end(operation, self.request_id))
+
+    # -- the upstream -------------------------------------------------------------------------
+
+    def payload(self) -> bytes:
+        body = dict(self.parsed.body)
+        body["model"] = self.admission.model
+        cap = self.admission.output_cap
+        if cap is not None:
+            field_name = ("max_completion_tokens" if "max_completion_tokens" in body
+                          else "max_tokens")
+            body[field_name] = cap
+            if field_name == "max_completion_tokens":
+                body.pop("max_tokens", None)
+        if self.parsed.stream:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def request_for(self, upstream: Upstream, payload: bytes) -> httpx.Request:
+        return self.runtime.http.build_request(
+            "POST", f"{upstream.base_url}/{self.parsed.endpoint.value}", content=payload,
+            headers={"Authorization": f"Bearer {upstream.secret}",
+                     "Content-Type": "application/json", "X-Request-Id": self.request_id},
+        )
+
+    def response_headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers = dict(self.headers)
+        if self.admission.fallback_from:
+            headers["X-Tollgate-Fallback-Model"] = self.admission.model
+        if self.admission.soft:
+            headers["X-Tollgate-Soft-Limit"] = "exceeded"
+        headers.update(extra or {})
+        return headers
+
+
+async def _retry_end(operation, request_id: str) -> None:  # type: ignore[no-untyped-def]
+    for delay in (0.2, 0.5, 1, 2, 5, 10, 20):
+        await asyncio.sleep(delay)
+        try:
+            await operation()
+            return
+        except QuotaStoreUnavailable:
+            continue
+    log.error("could not end hold %s: Redis unreachable; the sweep will release it", request_id)
+
+
+def _usage_tokens(usage: Any) -> tuple[int, int] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return prompt, completion
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return max(1.0, float(response.headers.get("retry-after", "1")))
+    except ValueError:
+        return 1.0
+
+
+def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError | HttpResponse:
+    """A client error of the upstream is passed through (it is OpenAI-shaped and about the
+    request); a server error becomes our 502."""
+    if response.status_code < 500:
+        return HttpResponse(body, status=response.status_code,
+                            content_type=response.headers.get("content-type", "application/json"))
+    return upstream_error(502, f"The upstream provider failed with HTTP {response.status_code}.")
+
+
+def _text_of(endpoint: Endpoint, data: dict[str, Any]) -> str:
+    parts: list[str] = []
+    for choice in data.get("choices") or ():
+        if endpoint is Endpoint.CHAT:
+            message = choice.get("message") or choice.get("delta") or {}
+            parts.append(message.get("content") or "")
+            for call in message.get("tool_calls") or ():
+                function = call.get("function") or {}
+                parts.append(function.get("name") or "")
+                parts.append(function.get("arguments") or "")
+        else:
+            parts.append(choice.get("text") or "")
+    return "".join(parts)
+
+
+async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
+    runtime = call.runtime
+    payload = call.payload()
+    candidates = runtime.pool.candidates(call.admission.model, call.ctx.tenant_id, time.time())
+    last_429: httpx.Response | None = None
+    for upstream in candidates:
+        call.upstream = upstream
+        request = call.request_for(upstream, payload)
+        try:
+            response = await runtime.http.send(request, stream=True)
+        except _CONNECT_ERRORS:
+            log.warning("provider key %s unreachable; trying the next", upstream.public_id)
+            continue
+        except httpx.TimeoutException:
+            await call.release(504, "upstream_timeout")
+            raise upstream_error(504, "The upstream provider did not answer in time.") from None
+        except httpx.HTTPError as exc:
+            await call.release(502, "upstream_error")
+            raise upstream_error(502, f"The upstream provider failed: {exc}") from None
+
+        if response.status_code == 429:
+            await response.aclose()
+            last_429 = response
+            await publish_cooldown(runtime, upstream.id, time.time() + _retry_after(response))
+            continue
+        if response.status_code >= 400:
+            try:
+                body = await response.aread()
+            except httpx.HTTPError:
+                body = b""
+            await response.aclose()
+            await call.release(response.status_code, "upstream_status")
+            failure = _upstream_failure(response, body)
+            if isinstance(failure, GatewayError):
+                raise failure
+            for name, value in call.response_headers().items():
+                failure[name] = value
+            return failure
+        if call.parsed.stream:
+            return StreamRelay(call, response).response()
+        return await _complete(call, response)
+
+    await call.release(429 if last_429 is not None else 502, "no_upstream")
+    if last_429 is not None:
+        raise GatewayError(429, "Every upstream provider key for this model is rate limited; "
+                           "retry shortly.", "requests", "rate_limit_exceeded", None,
+                           int(_retry_after(last_429)))
+    raise upstream_error(502, "No upstream provider for this model could be reached.")
+
+
+async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
+    try:
+        async with asyncio.timeout(settings.GATEWAY_UPSTREAM_TOTAL_TIMEOUT):
+            body = await response.aread()
+    except (httpx.HTTPError, TimeoutError):
+        # Headers arrived but the body did not: the upstream may have produced and billed
+        # tokens we cannot see, so charge the worst case we held rather than nothing.
+        await response.aclose()
+        est = call.admission.estimate
+        await call.settle(est.prompt_tokens, call.admission.reservation.granted - est.prompt_tokens,
+                          status=504, outcome="upstream_broken")
+        raise upstream_error(504, "The upstream provider stopped answering mid-response.") from None
+    await response.aclose()
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = {}
+    tokens = _usage_tokens(data.get("usage")) if isinstance(data, dict) else None
+    if tokens is None:
+        info = call.admission.estimate.info
+        text = _text_of(call.parsed.endpoint, data) if isinstance(data, dict) else ""
+        tokens = (call.admission.estimate.prompt_tokens, count_stream_text(text, info.tokenizer))
+        await call.settle(*tokens, outcome="no_usage")
+    else:
+        await call.settle(*tokens)
+    return HttpResponse(body, status=200, content_type="application/json",
+                        headers=call.response_headers())
+
+
+class StreamRelay:
+    """Pass SSE events through as they arrive; capture usage; end the hold exactly once."""
+
+    def __init__(self, call: Call, response: httpx.Response) -> None:
+        self.call = call
+        self.upstream = response
+        self.buffer = b""
+        self.usage: tuple[int, int] | None = None
+        self.text_events: list[bytes] = []  # parsed only when no usage arrives
+        self.handed_off = False
+
+    def response(self) -> StreamingHttpResponse:
+        response = StreamingHttpResponse(self.relay(), content_type="text/event-stream",
+                                         headers=self.call.response_headers())
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return response
+
+    def _inspect(self, event: bytes) -> bytes | None:
+        """The event to send to the client (None: drop it), recording usage on the way."""
+        if b'"usage"' not in event:
+            self.text_events.append(event)
+            return event
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                return event
+            if not isinstance(data, dict):
+                return event
+            tokens = _usage_tokens(data.get("usage"))
+            if tokens is not None:
+                self.usage = tokens
+            if self.call.parsed.include_usage:
+                return event
+            if not data.get("choices"):
+                return None  # the extra usage chunk the client did not ask for
+            data.pop("usage", None)
+            self.text_events.append(event)
+            return b"data: " + json.dumps(data, separators=(",", ":")).encode()
+        return event
+
+    def _events(self, chunk: bytes) -> list[bytes]:
+        self.buffer += chunk
+        if b"\r\n" in self.buffer:
+            self.buffer = self.buffer.replace(b"\r\n", b"\n")
+        *events, self.buffer = self.buffer.split(b"\n\n")
+        return events
+
+    def _received_tokens(self) -> int:
+        text = []
+        for event in self.text_events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    try:
+                        text.append(_text_of(self.call.parsed.endpoint, json.loads(line[5:])))
+                    except (ValueError, AttributeError):
+                        continue
+        return count_stream_text("".join(text), self.call.admission.estimate.info.tokenizer)
+
+    async def _settle_produced(self, status: int, outcome: str) -> None:
+        if self.usage is not None:
+            await self.call.settle(*self.usage, status=status, outcome=outcome)
+        else:
+            await self.call.settle(self.call.admission.estimate.prompt_tokens,
+                                   self._received_tokens(), status=status,
+                                   outcome=f"{outcome}_counted")
+
+    async def relay(self):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + settings.GATEWAY_UPSTREAM_TOTAL_TIMEOUT
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                for event in self._events(chunk):
+                    out = self._inspect(event)
+                    if out is not None:
+                        yield out + b"\n\n"
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+            await self._settle_produced(200, "complete")
+        except (httpx.HTTPError, TimeoutError):
+            # The upstream broke mid-stream: charge what was produced, end the client's stream.
+            await self._settle_produced(502, "upstream_broken")
+        finally:
+            if not self.call.ended:
+                # The client went away (cancelled or closed us mid-stream): finish reading the
+                # upstream for its usage in a task of its own, then settle.
+                self.handed_off = True
+                self.call.runtime.spawn(self._drain)
+            else:
+                await self.upstream.aclose()
+
+    async def _drain(self) -> None:
+        try:
+            async with asyncio.timeout(settings.GATEWAY_STREAM_DRAIN_SECONDS):
+                async for chunk in self.upstream.aiter_raw():
+                    for event in self._events(chunk):
+                        self._inspect(event)
+        except (httpx.HTTPError, TimeoutError):
+            pass
+        finally:
+            await self.upstream.aclose()
+            await self._settle_produced(499, "client_disconnected")

@@ -1,0 +1,45 @@
+"""Rate and quota headers on every /v1 response, in OpenAI's names where they exist.
+
+`x-ratelimit-*-requests` describe the first request-rate bucket of the call (the tenant's
+requests per second, else the key's per minute); `x-ratelimit-*-tokens` describe the tightest
+limited token counter after this call's hold. Resets use OpenAI's duration format ("1s", "6m0s",
+"13h2m5s").
+"""
+from __future__ import annotations
+
+from gateway.auth import KeyContext
+from quotas.engine import UNLIMITED, Reservation
+
+
+def duration(ms: int) -> str:
+    ms = max(0, ms)
+    if ms < 1000:
+        return f"{ms}ms"
+    seconds = ms // 1000
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+def rate_headers(ctx: KeyContext, reservation: Reservation) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    rates = ctx.rates()
+    if rates and reservation.rate_remaining:
+        rate, left = rates[0], reservation.rate_remaining[0]
+        headers["x-ratelimit-limit-requests"] = str(rate.capacity)
+        headers["x-ratelimit-remaining-requests"] = str(left)
+        # Time for the bucket to refill from what is left to full.
+        headers["x-ratelimit-reset-requests"] = duration(
+            (rate.capacity - left) * rate.period_ms // rate.capacity)
+    limited = [c for c in reservation.counters if c.limit != UNLIMITED]
+    if limited:
+        tightest = min(limited, key=lambda c: c.remaining)
+        headers["x-ratelimit-limit-tokens"] = str(tightest.limit)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, tightest.remaining))
+        headers["x-ratelimit-reset-tokens"] = duration(
+            tightest.window.end_ms - reservation.server_time_ms)
+    return headers

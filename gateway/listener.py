@@ -1,0 +1,99 @@
+"""Background tasks of a gateway worker: the pub/sub listener that keeps the in-process caches
+honest, and the batched `last_used_at` writer that keeps the database off the hot path."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from datetime import UTC, datetime
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from gateway.runtime import GatewayRuntime
+from quotas.client import make_async_redis
+from tenants.invalidation import CHANNEL
+from tenants.services import touch_last_used
+
+log = logging.getLogger(__name__)
+COOLDOWN_CHANNEL = "tg:provider-cooldown"
+
+
+async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
+    message = json.loads(data)
+    if channel == COOLDOWN_CHANNEL:
+        runtime.pool.cool_down(int(message["id"]), float(message["until"]))
+        return
+    kind, ident = message.get("kind"), message.get("id")
+    if kind == "api_key":
+        runtime.auth.forget_key(int(ident))
+    elif kind == "tenant":
+        runtime.auth.forget_tenant(int(ident))
+    elif kind == "catalog":
+        await runtime.reload_catalog()
+    elif kind == "providers":
+        await runtime.reload_pool()
+
+
+async def listen(runtime: GatewayRuntime) -> None:
+    """Subscribe forever. The auth cache is trusted only while subscribed, and emptied on every
+    (re)subscription because messages sent while disconnected are lost."""
+    while True:
+        client = make_async_redis()
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(CHANNEL, COOLDOWN_CHANNEL)
+            runtime.auth.clear()
+            runtime.auth.trusted = True
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                if message is not None:
+                    await _apply(runtime, message["channel"], message["data"])
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - any failure: distrust the cache, reconnect
+            log.warning("invalidation subscription lost; authenticating from the database "
+                        "until it is back", exc_info=True)
+        finally:
+            runtime.auth.trusted = False
+            try:
+                await pubsub.aclose()
+                await client.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+        await asyncio.sleep(0.5)
+
+
+def start_listener(runtime: GatewayRuntime) -> None:
+    runtime.spawn(lambda: listen(runtime))
+
+
+async def publish_cooldown(runtime: GatewayRuntime, provider_key_id: int, until: float) -> None:
+    """Tell every process (this one included, through the same message) to skip a provider key
+    that answered 429 until `until`."""
+    runtime.pool.cool_down(provider_key_id, until)
+    try:
+        await runtime.engine.client.publish(
+            COOLDOWN_CHANNEL, json.dumps({"id": provider_key_id, "until": until}))
+    except Exception:  # noqa: BLE001 - the local cooldown still applies
+        log.warning("could not publish the cooldown of provider key %s", provider_key_id)
+
+
+async def flush_last_used(runtime: GatewayRuntime) -> None:
+    if not runtime.used_keys:
+        return
+    ids, runtime.used_keys = runtime.used_keys, set()
+    await sync_to_async(touch_last_used)(ids, datetime.now(UTC))
+
+
+async def _flush_forever(runtime: GatewayRuntime) -> None:
+    while True:
+        await asyncio.sleep(settings.GATEWAY_LAST_USED_FLUSH_SECONDS)
+        try:
+            await flush_last_used(runtime)
+        except Exception:  # noqa: BLE001 - telemetry; retried with the next batch
+            log.warning("could not record last use of API keys", exc_info=True)
+
+
+def start_last_used_flusher(runtime: GatewayRuntime) -> None:
+    runtime.spawn(lambda: _flush_forever(runtime))

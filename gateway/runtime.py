@@ -1,0 +1,98 @@
+"""The per-process state of a gateway worker, built on its first request.
+
+Django's ASGI handler has no lifespan hooks, so the first request of each worker process loads
+the model catalog and the provider pool (two queries), builds the quota engine and the HTTP
+client, and starts the pub/sub listener. Everything here belongs to one event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from gateway.auth import AuthCache
+from gateway.catalog import Catalog, load_catalog
+from gateway.providers import ProviderPool, load_pool
+from gateway.tokens import ensure_encodings_cached
+from quotas.client import make_async_redis
+from quotas.engine import AsyncQuotaEngine, EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayRuntime:
+    engine: AsyncQuotaEngine
+    http: httpx.AsyncClient
+    auth: AuthCache
+    catalog: Catalog
+    pool: ProviderPool
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    used_keys: set[int] = field(default_factory=set)  # API key ids used since the last flush
+
+    def spawn(self, coro_factory: Callable[[], object]) -> None:
+        """Run a coroutine detached from the request (draining a stream after the client left,
+        settling after a disconnect); keep a reference so it is not garbage collected."""
+        task = asyncio.ensure_future(coro_factory())  # type: ignore[arg-type]
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def reload_catalog(self) -> None:
+        self.catalog = await sync_to_async(load_catalog)()
+
+    async def reload_pool(self) -> None:
+        fresh = await sync_to_async(load_pool)()
+        # Cooldowns learnt so far still hold for the same keys.
+        for upstream_id, until in self.pool._cooldown_until.items():
+            fresh.cool_down(upstream_id, until)
+        self.pool = fresh
+
+
+_runtime: GatewayRuntime | None = None
+_lock: asyncio.Lock | None = None
+
+
+def _http_client() -> httpx.AsyncClient:
+    timeouts = httpx.Timeout(
+        connect=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
+        read=settings.GATEWAY_UPSTREAM_READ_TIMEOUT,
+        write=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
+        pool=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
+    )
+    limits = httpx.Limits(max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS,
+                          max_keepalive_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
+    return httpx.AsyncClient(timeout=timeouts, limits=limits, http2=False)
+
+
+async def get_runtime() -> GatewayRuntime:
+    global _runtime, _lock
+    if _runtime is not None:
+        return _runtime
+    if _lock is None:
+        _lock = asyncio.Lock()
+    async with _lock:
+        if _runtime is None:
+            await sync_to_async(ensure_encodings_cached)()
+            redis_client = make_async_redis()
+            if settings.REDIS_CLUSTER:
+                await redis_client.initialize()  # before concurrent use (redis-py cluster)
+            runtime = GatewayRuntime(
+                engine=AsyncQuotaEngine(redis_client, EngineSettings.from_django()),
+                http=_http_client(),
+                auth=AuthCache(max_age_s=settings.GATEWAY_AUTH_CACHE_SECONDS),
+                catalog=await sync_to_async(load_catalog)(),
+                pool=await sync_to_async(load_pool)(),
+            )
+            from gateway.listener import start_listener, start_last_used_flusher
+
+            start_listener(runtime)
+            start_last_used_flusher(runtime)
+            log.info("gateway worker ready: %d models, %d provider keys",
+                     len(runtime.catalog), len(runtime.pool))
+            _runtime = runtime
+    return _runtime

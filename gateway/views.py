@@ -1,0 +1,166 @@
+"""The OpenAI-compatible /v1 endpoints: async DRF views (adrf) that parse, call the gateway's
+services (auth, admission, forwarding) and render. Nothing here decides about quota."""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from adrf.views import APIView
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import connection
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+
+from gateway.admission import admit
+from gateway.auth import KeyContext
+from gateway.bodies import Endpoint, parse_body
+from gateway.errors import (
+    GatewayError,
+    bad_request,
+    invalid_api_key,
+    model_not_allowed,
+    not_found,
+    quota_store_unavailable,
+)
+from gateway.forward import Call, forward
+from gateway.headers import rate_headers
+from gateway.runtime import GatewayRuntime, get_runtime
+from quotas.engine import QuotaStoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def _bearer(request: HttpRequest) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _read_body(request: HttpRequest) -> bytes:
+    length = request.headers.get("Content-Length")
+    limit = settings.GATEWAY_MAX_BODY_BYTES
+    if length and length.isdigit() and int(length) > limit:
+        raise bad_request(f"The request body is larger than {limit} bytes.", None,
+                          "request_too_large")
+    body = request.body
+    if len(body) > limit:
+        raise bad_request(f"The request body is larger than {limit} bytes.", None,
+                          "request_too_large")
+    return body
+
+
+async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyContext:
+    token = _bearer(request)
+    if token is None:
+        raise invalid_api_key("You didn't provide an API key. Send it as 'Authorization: "
+                              "Bearer tgk_...'.")
+    ctx = await runtime.auth.authenticate(token)
+    if ctx is None:
+        raise invalid_api_key()
+    runtime.used_keys.add(ctx.api_key.pk)
+    return ctx
+
+
+class ProxyView(APIView):
+    """POST /v1/chat/completions, /v1/completions, /v1/embeddings."""
+
+    # The gateway authenticates API keys itself (from its cache), so DRF's session and CSRF
+    # machinery stays out of the hot path.
+    authentication_classes: list[Any] = []
+    permission_classes: list[Any] = []
+    endpoint: Endpoint = Endpoint.CHAT
+
+    async def post(self, request: Any) -> HttpResponse | StreamingHttpResponse:
+        started = time.monotonic()
+        request_id = f"req_{secrets.token_hex(12)}"
+        try:
+            response = await self._handle(request._request, request_id, started)
+        except GatewayError as error:
+            response = error.response()
+        except QuotaStoreUnavailable:
+            log.error("quota store unreachable: refusing request %s (fail closed)", request_id)
+            response = quota_store_unavailable().response()
+        response["x-request-id"] = request_id
+        return response
+
+    async def _handle(self, request: HttpRequest, request_id: str,
+                      started: float) -> HttpResponse | StreamingHttpResponse:
+        runtime = await get_runtime()
+        ctx = await _authenticate(runtime, request)
+        parsed = parse_body(self.endpoint, _read_body(request))
+        if not ctx.allows(parsed.model):
+            raise model_not_allowed(parsed.model)
+        if not runtime.pool.candidates(parsed.model, ctx.tenant_id, time.time()):
+            raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
+        admission = await admit(runtime, ctx, parsed, request_id)
+        call = Call(runtime, ctx, parsed, admission, request_id, started,
+                    rate_headers(ctx, admission.reservation))
+        try:
+            return await forward(call)
+        except GatewayError as error:
+            return error.response(call.response_headers())
+
+
+class ChatCompletionsView(ProxyView):
+    endpoint = Endpoint.CHAT
+
+
+class CompletionsView(ProxyView):
+    endpoint = Endpoint.COMPLETIONS
+
+
+class EmbeddingsView(ProxyView):
+    endpoint = Endpoint.EMBEDDINGS
+
+
+class ModelsView(APIView):
+    """GET /v1/models: the models this key may use (and that an upstream serves)."""
+
+    authentication_classes: list[Any] = []
+    permission_classes: list[Any] = []
+
+    async def get(self, request: Any) -> HttpResponse:
+        try:
+            runtime = await get_runtime()
+            ctx = await _authenticate(runtime, request._request)
+        except GatewayError as error:
+            return error.response()
+        now = int(time.time())
+        names = [name for name in runtime.catalog.names() if ctx.allows(name)
+                 and runtime.pool.candidates(name, ctx.tenant_id, time.time())]
+        return JsonResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "tollgate"}
+            for name in names]})
+
+
+async def healthz(request: HttpRequest) -> HttpResponse:
+    """The process is up (no dependency is checked)."""
+    return JsonResponse({"status": "ok"})
+
+
+def _database_ok() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        return cursor.fetchone() == (1,)
+
+
+async def readyz(request: HttpRequest) -> HttpResponse:
+    """Redis and the database are reachable: the process can serve /v1."""
+    checks: dict[str, str] = {}
+    try:
+        runtime = await get_runtime()
+        await runtime.engine.client.ping()
+        checks["redis"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - readiness reports any failure
+        checks["redis"] = f"error: {type(exc).__name__}"
+    try:
+        checks["database"] = "ok" if await sync_to_async(_database_ok)() else "error"
+    except Exception as exc:  # noqa: BLE001
+        checks["database"] = f"error: {type(exc).__name__}"
+    ready = all(v == "ok" for v in checks.values())
+    return JsonResponse({"status": "ok" if ready else "unavailable", **checks},
+                        status=200 if ready else 503)
