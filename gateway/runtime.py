@@ -48,7 +48,7 @@ class GatewayRuntime:
     async def reload_pool(self) -> None:
         fresh = await sync_to_async(load_pool)()
         # Cooldowns learnt so far still hold for the same keys.
-        for upstream_id, until in self.pool._cooldown_until.items():
+        for upstream_id, until in self.pool.cooldowns().items():
             fresh.cool_down(upstream_id, until)
         self.pool = fresh
 

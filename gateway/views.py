@@ -94,7 +94,7 @@ class ProxyView(APIView):
         parsed = parse_body(self.endpoint, _read_body(request))
         if not ctx.allows(parsed.model):
             raise model_not_allowed(parsed.model)
-        if not runtime.pool.candidates(parsed.model, ctx.tenant_id, time.time()):
+        if not runtime.pool.serves(parsed.model, ctx.tenant_id):
             raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
         admission = await admit(runtime, ctx, parsed, request_id)
         call = Call(runtime, ctx, parsed, admission, request_id, started,
@@ -130,8 +130,8 @@ class ModelsView(APIView):
         except GatewayError as error:
             return error.response()
         now = int(time.time())
-        names = [name for name in runtime.catalog.names() if ctx.allows(name)
-                 and runtime.pool.candidates(name, ctx.tenant_id, time.time())]
+        names = [name for name in runtime.catalog.names()
+                 if ctx.allows(name) and runtime.pool.serves(name, ctx.tenant_id)]
         return JsonResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "tollgate"}
             for name in names]})
