@@ -62,6 +62,12 @@ SECRET_KEY = _secret("SECRET_KEY")
 # The pepper for API key digests is deliberately not SECRET_KEY: rotating the session secret
 # must not invalidate every API key, and leaking one must not leak the other.
 TOLLGATE_KEY_PEPPER = _secret("TOLLGATE_KEY_PEPPER")
+# Fernet keys for provider secrets at rest, comma-separated: the first encrypts, all decrypt
+# (add a new key in front to rotate, then run reencrypt). Outside production an empty value
+# derives a key from SECRET_KEY (gateway/crypto.py); production must set it.
+TOLLGATE_ENCRYPTION_KEYS = env.list("TOLLGATE_ENCRYPTION_KEYS", default=[])
+if TOLLGATE_ENV == "production" and not TOLLGATE_ENCRYPTION_KEYS:
+    raise ImproperlyConfigured("TOLLGATE_ENCRYPTION_KEYS must be set in production")
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 

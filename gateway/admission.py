@@ -104,9 +104,13 @@ def refusal_error(reservation: Reservation) -> GatewayError:
 
 def _with_output_cap(est: Estimate, reservation: Reservation, parsed: ParsedBody,
                      ctx: KeyContext) -> int | None:
-    """The max_tokens to force upstream: only when the hold was shrunk below the estimate."""
-    if est.output_cap is None or reservation.granted >= est.amount:
+    """The max_tokens to impose upstream, so the upstream cannot produce more than was held:
+    the estimate's cap (the client's, else the model's default reservation), or less when the
+    hold was shrunk to the headroom."""
+    if est.output_cap is None:
         return None
+    if reservation.granted >= est.amount:
+        return est.output_cap
     return output_cap_for_hold(reservation.granted, est.prompt_tokens, ctx.limits.safety_factor,
                                choices=parsed.choices)
 

@@ -82,6 +82,13 @@ def _check_text_or_tokens(value: Any, name: str) -> None:
         "token arrays.", name)
 
 
+def _prompt_count(prompt: Any) -> int:
+    """A string or one token array is one prompt; a list of strings or of token arrays is many."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
     try:
         body = json.loads(raw)
@@ -122,7 +129,8 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
         _check_text_or_tokens(body["prompt"], "prompt")
         max_output = _int_field(body, "max_tokens", minimum=1, maximum=ABSURD_MAX_TOKENS)
         best_of = _int_field(body, "best_of", minimum=1, maximum=MAX_CHOICES) or 1
-        choices = max(choices, best_of)
+        # Each prompt of a batch gets its own n (or best_of) completions.
+        choices = max(choices, best_of) * _prompt_count(body["prompt"])
     else:
         if "input" not in body:
             raise bad_request("You must provide an input.", "input")

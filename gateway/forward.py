@@ -92,11 +92,9 @@ class Call:
         body["model"] = self.admission.model
         cap = self.admission.output_cap
         if cap is not None:
-            field_name = ("max_completion_tokens" if "max_completion_tokens" in body
-                          else "max_tokens")
-            body[field_name] = cap
-            if field_name == "max_completion_tokens":
-                body.pop("max_tokens", None)
+            name = _output_cap_field(self.parsed.endpoint, self.admission.model, body)
+            body.pop("max_tokens", None)
+            body[name] = cap
         if self.parsed.stream:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return json.dumps(body, separators=(",", ":")).encode()
@@ -127,6 +125,20 @@ async def _retry_end(operation, request_id: str) -> None:  # type: ignore[no-unt
         except QuotaStoreUnavailable:
             continue
     log.error("could not end hold %s: Redis unreachable; the sweep will release it", request_id)
+
+
+def _output_cap_field(endpoint: Endpoint, model: str, body: dict[str, Any]) -> str:
+    """The field that caps output upstream: the one the client used; else `max_tokens`, which
+    every OpenAI-compatible server knows, except for OpenAI's reasoning models (o1, o3, ...),
+    which accept only `max_completion_tokens`."""
+    if endpoint is not Endpoint.CHAT:
+        return "max_tokens"
+    if "max_completion_tokens" in body:
+        return "max_completion_tokens"
+    if "max_tokens" in body:
+        return "max_tokens"
+    reasoning = len(model) > 1 and model[0] == "o" and model[1].isdigit()
+    return "max_completion_tokens" if reasoning else "max_tokens"
 
 
 def _usage_tokens(usage: Any) -> tuple[int, int] | None:

@@ -18,6 +18,7 @@ from django.db import transaction
 from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret, reencrypt
 from gateway.models import ProviderKey
 from tenants.models import Tenant
+from tenants.invalidation import publish
 from tenants.services import record_audit_event
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def set_provider_secret(
     apply_provider_secret(provider_key, plaintext)
     with transaction.atomic():
         provider_key.save(update_fields=["secret_encrypted", "secret_last4", "updated_at"])
+        publish("providers")  # every gateway process reloads its pool
         record_audit_event(
             actor=actor,
             action="provider_key.secret_set",
@@ -90,6 +92,7 @@ def create_provider_key(
     provider_key.full_clean()
     with transaction.atomic():
         provider_key.save()
+        publish("providers")  # every gateway process reloads its pool
         record_audit_event(
             actor=actor,
             action="provider_key.create",
@@ -125,6 +128,7 @@ def update_provider_key(
     provider_key.full_clean()
     with transaction.atomic():
         provider_key.save(update_fields=[*fields, "updated_at"])
+        publish("providers")  # every gateway process reloads its pool
         record_audit_event(
             actor=actor,
             action="provider_key.update",
