@@ -127,6 +127,8 @@ if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
 # A Redis Cluster is addressed by any one node's URL; every tenant's keys share one hash tag.
 REDIS_CLUSTER = _bool("REDIS_CLUSTER", default=False)
 REDIS_SOCKET_TIMEOUT = env.float("REDIS_SOCKET_TIMEOUT", default=2.0)
+# Connections per process (per node on a cluster); callers beyond it wait for a free one.
+REDIS_MAX_CONNECTIONS = _positive_int("REDIS_MAX_CONNECTIONS", 64)
 if REDIS_SOCKET_TIMEOUT <= 0:
     raise ImproperlyConfigured(f"REDIS_SOCKET_TIMEOUT must be > 0 seconds, got {REDIS_SOCKET_TIMEOUT}")
 
@@ -154,13 +156,16 @@ GATEWAY_UPSTREAM_CONNECT_TIMEOUT = env.float("GATEWAY_UPSTREAM_CONNECT_TIMEOUT",
 GATEWAY_UPSTREAM_READ_TIMEOUT = env.float("GATEWAY_UPSTREAM_READ_TIMEOUT", default=120.0)
 # Longest whole call, streams included; must stay below QUOTA_STALE_HOLD_SECONDS.
 GATEWAY_UPSTREAM_TOTAL_TIMEOUT = env.float("GATEWAY_UPSTREAM_TOTAL_TIMEOUT", default=300.0)
-GATEWAY_UPSTREAM_MAX_CONNECTIONS = _positive_int("GATEWAY_UPSTREAM_MAX_CONNECTIONS", 32)
+# Upstream connections per worker; a call beyond it waits (up to the read timeout) for one.
+GATEWAY_UPSTREAM_MAX_CONNECTIONS = _positive_int("GATEWAY_UPSTREAM_MAX_CONNECTIONS", 256)
 # After a client leaves mid-stream, keep reading the upstream this long for its usage event.
 GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default=10.0)
 GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)
 # Cached API keys are re-read at least this often even without an invalidation message.
 GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=300.0)
 GATEWAY_LAST_USED_FLUSH_SECONDS = env.float("GATEWAY_LAST_USED_FLUSH_SECONDS", default=5.0)
+# Threads (hence database connections) per gateway worker for cache misses and reloads.
+GATEWAY_DB_THREADS = _positive_int("GATEWAY_DB_THREADS", 2)
 for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",
               "GATEWAY_UPSTREAM_TOTAL_TIMEOUT", "GATEWAY_STREAM_DRAIN_SECONDS",
               "GATEWAY_AUTH_CACHE_SECONDS", "GATEWAY_LAST_USED_FLUSH_SECONDS"):

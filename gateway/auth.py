@@ -8,11 +8,12 @@ never outlive its revocation by more than the pub/sub latency.
 """
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from asgiref.sync import sync_to_async
 
 from quotas import keys as quota_keys
 from quotas.engine import UNLIMITED, ConcurrencyLimit, RateLimit, ScopeLimit
@@ -103,14 +104,43 @@ def load_key_context(prefix: str) -> KeyContext | None:
 _MISSING = object()
 
 
-class AuthCache:
-    """Prefix -> KeyContext (or None for a prefix known to be unusable), per process."""
+Loader = Callable[[str], Awaitable["KeyContext | None"]]
 
-    def __init__(self, max_age_s: float, max_entries: int = 100_000) -> None:
+
+class AuthCache:
+    """Prefix -> KeyContext (or None for a prefix known to be unusable), per process.
+
+    Concurrent misses of one prefix share one database query: a burst of requests with a key
+    not yet cached must not open a connection each.
+    """
+
+    def __init__(self, max_age_s: float, load: Loader, max_entries: int = 100_000) -> None:
         self.max_age_s = max_age_s
         self.max_entries = max_entries
         self.trusted = False  # set by the pub/sub listener while it is subscribed
+        self._load = load
         self._entries: dict[str, tuple[float, KeyContext | None]] = {}
+        self._loading: dict[str, asyncio.Future[KeyContext | None]] = {}
+
+    async def _lookup(self, prefix: str, now: float) -> KeyContext | None:
+        pending = self._loading.get(prefix)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[KeyContext | None] = asyncio.get_running_loop().create_future()
+        self._loading[prefix] = future
+        try:
+            context = await self._load(prefix)
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()  # crude bound: a refill costs one query per live key
+            self._entries[prefix] = (now, context)
+            future.set_result(context)
+            return context
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters get it, nobody logs "never retrieved"
+            raise
+        finally:
+            del self._loading[prefix]
 
     async def authenticate(self, plaintext: str) -> KeyContext | None:
         prefix = parse_key(plaintext)
@@ -119,10 +149,7 @@ class AuthCache:
         now = time.time()
         entry = self._entries.get(prefix, _MISSING) if self.trusted else _MISSING
         if entry is _MISSING or now - entry[0] > self.max_age_s:
-            context = await sync_to_async(load_key_context)(prefix)
-            if len(self._entries) >= self.max_entries:
-                self._entries.clear()  # crude bound: a refill costs one query per live key
-            self._entries[prefix] = (now, context)
+            context = await self._lookup(prefix, now)
         else:
             context = entry[1]
         if context is None or not digests_match(plaintext, context.digest):

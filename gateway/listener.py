@@ -7,7 +7,6 @@ import json
 import logging
 from datetime import UTC, datetime
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from gateway.runtime import GatewayRuntime
@@ -83,7 +82,7 @@ async def flush_last_used(runtime: GatewayRuntime) -> None:
     if not runtime.used_keys:
         return
     ids, runtime.used_keys = runtime.used_keys, set()
-    await sync_to_async(touch_last_used)(ids, datetime.now(UTC))
+    await runtime.db.run(touch_last_used, ids, datetime.now(UTC))
 
 
 async def _flush_forever(runtime: GatewayRuntime) -> None:

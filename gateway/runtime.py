@@ -11,11 +11,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-from asgiref.sync import sync_to_async
-from django.conf import settings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
-from gateway.auth import AuthCache
+import httpx
+from django.conf import settings
+from django.db import close_old_connections
+
+from gateway.auth import AuthCache, load_key_context
 from gateway.catalog import Catalog, load_catalog
 from gateway.providers import ProviderPool, load_pool
 from gateway.tokens import ensure_encodings_cached
@@ -23,6 +26,23 @@ from quotas.client import make_async_redis
 from quotas.engine import AsyncQuotaEngine, EngineSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Database:
+    """Runs ORM work off the event loop on a few long-lived threads, each with its own
+    connection. Django's per-request thread (sync_to_async under ASGI) would open a connection
+    per concurrent request and exhaust PostgreSQL under a burst."""
+
+    def __init__(self, threads: int) -> None:
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="gateway-db")
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        def job() -> T:
+            close_old_connections()  # drop a connection the server has closed meanwhile
+            return work(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
 
 
 @dataclass
@@ -32,6 +52,7 @@ class GatewayRuntime:
     auth: AuthCache
     catalog: Catalog
     pool: ProviderPool
+    db: Database
     background: set[asyncio.Task[None]] = field(default_factory=set)
     used_keys: set[int] = field(default_factory=set)  # API key ids used since the last flush
 
@@ -43,10 +64,10 @@ class GatewayRuntime:
         task.add_done_callback(self.background.discard)
 
     async def reload_catalog(self) -> None:
-        self.catalog = await sync_to_async(load_catalog)()
+        self.catalog = await self.db.run(load_catalog)
 
     async def reload_pool(self) -> None:
-        fresh = await sync_to_async(load_pool)()
+        fresh = await self.db.run(load_pool)
         # Cooldowns learnt so far still hold for the same keys.
         for upstream_id, until in self.pool.cooldowns().items():
             fresh.cool_down(upstream_id, until)
@@ -62,7 +83,7 @@ def _http_client() -> httpx.AsyncClient:
         connect=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
         read=settings.GATEWAY_UPSTREAM_READ_TIMEOUT,
         write=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
-        pool=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
+        pool=settings.GATEWAY_UPSTREAM_READ_TIMEOUT,
     )
     limits = httpx.Limits(max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS,
                           max_keepalive_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
@@ -77,16 +98,19 @@ async def get_runtime() -> GatewayRuntime:
         _lock = asyncio.Lock()
     async with _lock:
         if _runtime is None:
-            await sync_to_async(ensure_encodings_cached)()
+            db = Database(settings.GATEWAY_DB_THREADS)
+            await db.run(ensure_encodings_cached)
             redis_client = make_async_redis()
             if settings.REDIS_CLUSTER:
                 await redis_client.initialize()  # before concurrent use (redis-py cluster)
             runtime = GatewayRuntime(
                 engine=AsyncQuotaEngine(redis_client, EngineSettings.from_django()),
                 http=_http_client(),
-                auth=AuthCache(max_age_s=settings.GATEWAY_AUTH_CACHE_SECONDS),
-                catalog=await sync_to_async(load_catalog)(),
-                pool=await sync_to_async(load_pool)(),
+                auth=AuthCache(settings.GATEWAY_AUTH_CACHE_SECONDS,
+                               lambda prefix: db.run(load_key_context, prefix)),
+                catalog=await db.run(load_catalog),
+                pool=await db.run(load_pool),
+                db=db,
             )
             from gateway.listener import start_listener, start_last_used_flusher
 

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 from adrf.views import APIView
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -151,14 +150,14 @@ def _database_ok() -> bool:
 async def readyz(request: HttpRequest) -> HttpResponse:
     """Redis and the database are reachable: the process can serve /v1."""
     checks: dict[str, str] = {}
+    runtime = await get_runtime()
     try:
-        runtime = await get_runtime()
         await runtime.engine.client.ping()
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001 - readiness reports any failure
         checks["redis"] = f"error: {type(exc).__name__}"
     try:
-        checks["database"] = "ok" if await sync_to_async(_database_ok)() else "error"
+        checks["database"] = "ok" if await runtime.db.run(_database_ok) else "error"
     except Exception as exc:  # noqa: BLE001
         checks["database"] = f"error: {type(exc).__name__}"
     ready = all(v == "ok" for v in checks.values())

@@ -28,7 +28,12 @@ def make_redis(url: str | None = None, *, cluster: bool | None = None) -> redis.
     url = url or settings.REDIS_URL
     if settings.REDIS_CLUSTER if cluster is None else cluster:
         return redis.RedisCluster.from_url(url, **_options())
-    return redis.Redis.from_url(url, **_options())
+    # A blocking pool: under a burst, a request waits (up to the socket timeout) for a free
+    # connection instead of failing with "too many connections".
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=settings.REDIS_SOCKET_TIMEOUT,
+        **_options())
+    return redis.Redis(connection_pool=pool)
 
 
 def make_async_redis(
@@ -36,5 +41,9 @@ def make_async_redis(
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     url = url or settings.REDIS_URL
     if settings.REDIS_CLUSTER if cluster is None else cluster:
-        return redis.asyncio.RedisCluster.from_url(url, **_options(asynchronous=True))
-    return redis.asyncio.Redis.from_url(url, **_options(asynchronous=True))
+        return redis.asyncio.RedisCluster.from_url(
+            url, max_connections=settings.REDIS_MAX_CONNECTIONS, **_options(asynchronous=True))
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=settings.REDIS_SOCKET_TIMEOUT,
+        **_options(asynchronous=True))
+    return redis.asyncio.Redis(connection_pool=pool)

@@ -27,6 +27,12 @@ def pytest_configure(config: pytest.Config) -> None:
     embedded.start_all(DATA_DIR, persistent=False)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # End-to-end tests commit tenants and provider keys for the running gateway to see; run
+    # them last so the other database tests start from the migrated state they expect.
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     embedded.stop_all(DATA_DIR)
     if _OWN_DATA_DIR:

@@ -65,7 +65,8 @@ def gateway_env(**overrides: str) -> dict[str, str]:
     test_db = settings.DATABASES["default"]["NAME"]
     database_url = embedded_database_url(settings.DATA_DIR).replace("/tollgate?", f"/{test_db}?")
     env = {**os.environ, "DATABASE_URL": database_url, "PYTHONPATH": str(ROOT),
-           "LOG_LEVEL": "WARNING", "GATEWAY_LAST_USED_FLUSH_SECONDS": "0.5"}
+           "LOG_LEVEL": os.environ.get("TOLLGATE_TEST_GATEWAY_LOG_LEVEL", "WARNING"),
+           "GATEWAY_LAST_USED_FLUSH_SECONDS": "0.5"}
     env.update(overrides)
     return env
 

@@ -18,7 +18,7 @@ from tests.gateway.conftest import (
     client_for,
 )
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 
 

@@ -19,7 +19,7 @@ from tenants.models import Plan
 from tenants.services import revoke_key, rotate_key
 from tests.gateway.conftest import GatewayServer, MakeTenant, client_for, committed, wait_until
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 MESSAGES = [{"role": "user", "content": "policy test"}]
 
