@@ -14,13 +14,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Bring the system up on embedded defaults: Redis and PostgreSQL from pip packages under .data/,
-# migrations, the demo tenant / project / key (printed once), and the server on :8000.
+# Bring the whole system up on embedded defaults: Redis and PostgreSQL from pip packages under
+# .data/, migrations, the demo tenant / project / key (printed once), the mock upstream on :8099
+# as its provider, and the gateway on :8000 (2 uvicorn workers). Ctrl-C stops the servers;
+# `make down` stops Redis and PostgreSQL.
 up: $(STAMP)
 	$(PY) -m config.embedded start
 	$(PY) manage.py migrate --noinput
-	$(PY) manage.py demo_setup
-	$(PY) manage.py runserver 127.0.0.1:8000
+	$(PY) manage.py demo_setup --mock-upstream http://127.0.0.1:8099/v1
+	$(PY) -m config.serve --port 8000 --mock-port 8099
 
 # The whole test suite against real Redis, a real Redis Cluster and real PostgreSQL, which the
 # fixtures start under a temporary directory and stop at the end.

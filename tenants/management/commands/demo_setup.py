@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import secrets
+from argparse import ArgumentParser
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from gateway.models import ProviderKey
+from gateway.providers import create_provider_key
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.models import ApiKey, Membership, Project, Tenant
 from tenants.selectors import masked_key
@@ -18,11 +21,23 @@ DEMO_ADMIN = "admin"
 
 class Command(TenantsCommand):
     help = (
-        "Create (once) the demo tenant, project, API key and an admin user for a first local run. "
-        "Secrets are printed only when created; later runs show the masked key."
+        "Create (once) the demo tenant, project, API key and an admin user for a first local run, "
+        "and with --mock-upstream a provider key for the mock upstream. Secrets are printed only "
+        "when created; later runs show the masked key."
     )
 
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--mock-upstream", metavar="URL",
+                            help="Base URL of the mock upstream (e.g. http://127.0.0.1:8099/v1): "
+                            "registered as the provider key 'mock' if no provider key exists.")
+
     def run(self, **options: Any) -> tuple[dict[str, Any], str]:
+        provider = None
+        if options.get("mock_upstream") and not ProviderKey.objects.exists():
+            # The mock accepts any bearer token; this one is not a secret of anybody's.
+            provider = create_provider_key("mock", base_url=options["mock_upstream"],
+                                           secret="sk-mock-upstream-local", actor=ACTOR)
         with transaction.atomic():
             tenant = Tenant.objects.filter(slug=DEMO_TENANT).first() or create_tenant(
                 DEMO_TENANT, plan_name="standard", actor=ACTOR, name="Demo tenant"
@@ -53,7 +68,10 @@ class Command(TenantsCommand):
             "admin_user": DEMO_ADMIN,
             "admin_password": password,
         }
+        data["provider_key"] = provider.public_id if provider else None
         lines = [f"Demo tenant '{tenant.slug}' ({tenant.plan.name} plan), project '{project.slug}'."]
+        if provider:
+            lines.append(f"Upstream: the mock at {provider.base_url} (provider key {provider.public_id}).")
         if plaintext:
             lines.append(f"API key (shown once, store it now): {plaintext}")
         else:

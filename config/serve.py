@@ -1,0 +1,77 @@
+"""Serve Tollgate in the foreground: the gateway under uvicorn (several worker processes) and, for
+a first local run, the mock upstream it forwards to. Ctrl-C stops both.
+
+    python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock]
+
+`make up` runs this after starting the embedded services, migrating and creating the demo data.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _wait_for(url: str, process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{what} exited with status {process.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not come up at {url}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m config.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("GATEWAY_WORKERS", "2")))
+    parser.add_argument("--mock-port", type=int, default=8099)
+    parser.add_argument("--no-mock", action="store_true", help="do not start the mock upstream")
+    args = parser.parse_args(argv)
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        if not args.no_mock:
+            mock = subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port",
+                                     str(args.mock_port)], cwd=ROOT, env=env)
+            children.append(mock)
+            _wait_for(f"http://127.0.0.1:{args.mock_port}/v1/models", mock, "the mock upstream")
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", args.host,
+             "--port", str(args.port), "--workers", str(args.workers), "--loop", "uvloop",
+             "--http", "httptools", "--no-access-log"], cwd=ROOT, env=env)
+        children.append(gateway)
+        _wait_for(f"http://{args.host}:{args.port}/healthz", gateway, "the gateway")
+        print(f"Tollgate is up: http://{args.host}:{args.port}/v1 (admin: /admin/). Ctrl-C stops.",
+              flush=True)
+        gateway.wait()
+        return gateway.returncode or 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for child in reversed(children):
+            if child.poll() is None:
+                child.send_signal(signal.SIGINT)
+        for child in children:
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
