@@ -87,7 +87,8 @@ def _http_client() -> httpx.AsyncClient:
     )
     limits = httpx.Limits(max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS,
                           max_keepalive_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
-    return httpx.AsyncClient(timeout=timeouts, limits=limits, http2=False)
+    transport = httpx.AsyncHTTPTransport(limits=limits)
+    return httpx.AsyncClient(timeout=timeouts, transport=transport)
 
 
 async def get_runtime() -> GatewayRuntime:

@@ -2,6 +2,7 @@
 services (auth, admission, forwarding) and render. Nothing here decides about quota."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -98,10 +99,28 @@ class ProxyView(APIView):
         admission = await admit(runtime, ctx, parsed, request_id)
         call = Call(runtime, ctx, parsed, admission, request_id, started,
                     rate_headers(ctx, admission.reservation))
+        # From here the hold must end exactly once even if the client leaves and this request is
+        # cancelled: the forwarding runs in its own task, which settles or releases by itself.
+        task = asyncio.ensure_future(forward(call))
         try:
-            return await forward(call)
+            return await asyncio.shield(task)
         except GatewayError as error:
             return error.response(call.response_headers())
+        except asyncio.CancelledError:
+            task.add_done_callback(_start_drain_if_streaming)
+            runtime.background.add(task)
+            task.add_done_callback(runtime.background.discard)
+            raise
+
+
+def _start_drain_if_streaming(task: asyncio.Future[HttpResponse | StreamingHttpResponse]) -> None:
+    """The client left while the upstream's headers were awaited: nobody will read the stream
+    this task produced, so let it drain for its usage and settle."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    client_gone = getattr(task.result(), "tollgate_client_gone", None)
+    if client_gone is not None:
+        client_gone()
 
 
 class ChatCompletionsView(ProxyView):

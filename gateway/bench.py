@@ -1,0 +1,237 @@
+"""Benchmark: the same load sent directly to the mock upstream and through the gateway, in one run.
+
+    python -m gateway.bench [--duration 5] [--concurrency 1 32] [--gateway-workers 1]
+
+It starts its own embedded Redis and PostgreSQL (in a temporary directory), the mock upstream
+(one worker) and the gateway (uvicorn, `--gateway-workers`, every check on: API key auth,
+token estimation, the reserve script with tenant / project / key / model quotas, a monthly
+budget, tokens per minute, request-rate buckets and a concurrency cap, then settle with the
+usage event), and drives both with a minimal keep-alive HTTP/1.1 client on raw asyncio streams
+(an HTTP library in the load generator would measure itself, not the servers).
+
+Printed per scenario (non-streaming and streaming, each concurrency level): requests per second,
+p50 / p90 / p99 latency, direct and through the gateway, and the latency the gateway adds. Then,
+for the gateway runs: Redis commands per request (INFO commandstats: with the scripts loaded,
+each EVALSHA is one round trip), database transactions per request (pg_stat_database) and the
+gateway worker's peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Result:
+    requests: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    def pct(self, p: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] * 1000
+
+
+def _request_bytes(key: str, stream: bool) -> bytes:
+    body = {"model": "gpt-4o-mini", "max_tokens": 16,
+            "messages": [{"role": "user", "content": "hello there, how are you today?"}]}
+    if stream:
+        body["stream"] = True
+    payload = json.dumps(body).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+
+async def _client(port: int, request: bytes, deadline: float, latencies: list[float]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"unexpected answer: {head[:200]!r}")
+            lower = head.lower()
+            if b"transfer-encoding: chunked" in lower:
+                await reader.readuntil(b"\r\n0\r\n\r\n")
+            else:
+                start = lower.index(b"content-length: ") + 16
+                await reader.readexactly(int(lower[start:lower.index(b"\r\n", start)]))
+            latencies.append(time.perf_counter() - started)
+    finally:
+        writer.close()
+
+
+async def _load(port: int, request: bytes, concurrency: int, seconds: float) -> Result:
+    latencies: list[float] = []
+    started = time.monotonic()
+    await asyncio.gather(*(_client(port, request, started + seconds, latencies)
+                           for _ in range(concurrency)))
+    return Result(len(latencies), time.monotonic() - started, latencies)
+
+
+def load(port: int, key: str, stream: bool, concurrency: int, seconds: float) -> Result:
+    import uvloop
+
+    return uvloop.run(_load(port, _request_bytes(key, stream), concurrency, seconds))
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: server exited")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise SystemExit(f"{url}: server did not start")
+
+
+def _peak_rss_mb(parent_pid: int) -> float:
+    out = subprocess.run(["pgrep", "-P", str(parent_pid)], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()] or [parent_pid]
+    peak = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = max(peak, int(line.split()[1]))
+    return peak / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--gateway-workers", type=int, default=1)
+    parser.add_argument("--gateway-port", type=int, default=18000)
+    parser.add_argument("--mock-port", type=int, default=18099)
+    args = parser.parse_args(argv)
+
+    data_dir = Path(tempfile.mkdtemp(prefix="tgb-", dir="/tmp"))
+    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
+                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
+    os.environ.pop("DATABASE_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    from config import embedded
+
+    embedded.start_all(data_dir, persistent=False)
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        import django
+
+        django.setup()
+        key = _setup_tenant(args.mock_port)
+
+        mock = subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port",
+                                 str(args.mock_port)], cwd=ROOT, env=env)
+        children.append(mock)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port",
+             str(args.gateway_port), "--workers", str(args.gateway_workers), "--loop", "uvloop",
+             "--http", "httptools", "--log-level", "warning", "--no-access-log"],
+            cwd=ROOT, env=env)
+        children.append(gateway)
+        _wait_http(f"http://127.0.0.1:{args.mock_port}/v1/models", mock)
+        _wait_http(f"http://127.0.0.1:{args.gateway_port}/healthz", gateway)
+        # Warm up: every worker loads its caches, scripts and connections.
+        load(args.gateway_port, key, False, 4, 1.0)
+        load(args.mock_port, "sk-bench", False, 4, 1.0)
+
+        print(f"{'scenario':<22} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
+              f"{'p99 ms':>8}")
+        totals = {"requests": 0}
+        counters_before = _server_counters()
+        for stream in (False, True):
+            for level in args.concurrency:
+                direct = load(args.mock_port, "sk-bench", stream, level, args.duration)
+                through = load(args.gateway_port, key, stream, level, args.duration)
+                totals["requests"] += through.requests
+                kind = "stream" if stream else "plain"
+                for name, r in ((f"{kind} direct", direct), (f"{kind} via gateway", through)):
+                    print(f"{name:<22} {level:>7} {r.rps:>8.0f} {r.pct(50):>8.2f} "
+                          f"{r.pct(90):>8.2f} {r.pct(99):>8.2f}")
+                print(f"{'  added by gateway':<22} {level:>7} {'':>8} "
+                      f"{through.pct(50) - direct.pct(50):>8.2f} "
+                      f"{through.pct(90) - direct.pct(90):>8.2f} "
+                      f"{through.pct(99) - direct.pct(99):>8.2f}")
+        counters_after = _server_counters()
+        n = totals["requests"]
+        warmup_free = {k: counters_after[k] - counters_before[k] for k in counters_before}
+        print()
+        print(f"gateway requests measured:       {n}")
+        print(f"Redis commands per request:      {warmup_free['redis_calls'] / n:.2f} "
+              f"(EVALSHA: {warmup_free['evalsha'] / n:.2f})")
+        print(f"database transactions / request: {warmup_free['db_xacts'] / n:.4f}")
+        print(f"gateway worker peak RSS:         {_peak_rss_mb(gateway.pid):.0f} MB")
+        return 0
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait(timeout=15)
+        embedded.stop_all(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _setup_tenant(mock_port: int) -> str:
+    from gateway.providers import create_provider_key
+    from tenants.services import create_project, create_tenant, issue_key
+
+    create_provider_key("mock", base_url=f"http://127.0.0.1:{mock_port}/v1", secret="sk-bench")
+    # Every limit on and far from binding, so each request runs every check.
+    tenant = create_tenant("bench", plan_name="enterprise", actor="bench",
+                           requests_per_second=1_000_000, tokens_per_minute=10**12,
+                           monthly_token_budget=10**13,
+                           model_tokens_per_day={"gpt-4o-mini": 10**12})
+    project = create_project(tenant, "load", actor="bench", tokens_per_day=10**12,
+                             tokens_per_month=10**13)
+    issued = issue_key(project, actor="bench", tokens_per_day=10**12, requests_per_minute=10**8,
+                       max_concurrency=10_000)
+    return issued.plaintext
+
+
+def _server_counters() -> dict[str, Any]:
+    from django.db import connection
+
+    from quotas.client import make_redis
+
+    client = make_redis()
+    stats = client.info("commandstats")
+    # INFO itself and the per-second PINGs of health checks are not request work.
+    calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
+    evalsha = stats.get("cmdstat_evalsha", {}).get("calls", 0)
+    client.close()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                       "WHERE datname = current_database()")
+        xacts = cursor.fetchone()[0]
+    connection.close()
+    return {"redis_calls": calls, "evalsha": evalsha, "db_xacts": xacts}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
