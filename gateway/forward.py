@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,12 +227,25 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
             return StreamRelay(call, response).response()
         return await _complete(call, response)
 
-    await call.release(429 if last_429 is not None else 502, "no_upstream")
-    if last_429 is not None:
+    cooling = _cooldown_left(runtime, call)
+    if last_429 is not None or cooling is not None:
+        await call.release(429, "upstream_rate_limited")
+        retry_after = int(_retry_after(last_429)) if last_429 is not None else cooling
         raise GatewayError(429, "Every upstream provider key for this model is rate limited; "
-                           "retry shortly.", "requests", "rate_limit_exceeded", None,
-                           int(_retry_after(last_429)))
+                           "retry shortly.", "requests", "rate_limit_exceeded", None, retry_after)
+    await call.release(502, "no_upstream")
     raise upstream_error(502, "No upstream provider for this model could be reached.")
+
+
+def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:
+    """Seconds until the first key for this call leaves its cooldown; None if none cools."""
+    now = time.time()
+    waits = [
+        until - now for key_id, until in runtime.pool.cooldowns().items()
+        if until > now and (upstream := runtime.pool.get(key_id)) is not None
+        and upstream.serves(call.admission.model) and upstream.usable_by(call.ctx.tenant_id)
+    ]
+    return max(1, math.ceil(min(waits))) if waits else None
 
 
 async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
@@ -273,6 +287,24 @@ class StreamRelay:
         self.usage: tuple[int, int] | None = None
         self.text_events: list[bytes] = []  # parsed only when no usage arrives
         self.handed_off = False
+        # One iterator over the upstream body, shared by the relay and the drain; a read in
+        # flight when the client leaves is not cancelled with it (see _next_chunk).
+        self.chunks = response.aiter_raw()
+        self.reading: asyncio.Future[bytes] | None = None
+
+    async def _next_chunk(self) -> bytes | None:
+        """The next raw chunk of the upstream body, None at its end. Shielded: cancelling the
+        client's side must not break the upstream stream the drain still has to read."""
+        if self.reading is None:
+            self.reading = asyncio.ensure_future(self.chunks.__anext__())
+        reading = self.reading
+        try:
+            return await asyncio.shield(reading)
+        except StopAsyncIteration:
+            return None
+        finally:
+            if reading.done():
+                self.reading = None
 
     def response(self) -> StreamingHttpResponse:
         response = StreamingHttpResponse(self.relay(), content_type="text/event-stream",
@@ -346,7 +378,7 @@ class StreamRelay:
     async def relay(self):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + settings.GATEWAY_UPSTREAM_TOTAL_TIMEOUT
         try:
-            async for chunk in self.upstream.aiter_raw():
+            while (chunk := await self._next_chunk()) is not None:
                 for event in self._events(chunk):
                     out = self._inspect(event)
                     if out is not None:
@@ -366,11 +398,13 @@ class StreamRelay:
     async def _drain(self) -> None:
         try:
             async with asyncio.timeout(settings.GATEWAY_STREAM_DRAIN_SECONDS):
-                async for chunk in self.upstream.aiter_raw():
+                while (chunk := await self._next_chunk()) is not None:
                     for event in self._events(chunk):
                         self._inspect(event)
         except (httpx.HTTPError, TimeoutError):
-            pass
+            pass  # the upstream broke or took too long: settle what we have seen
+        except Exception:  # noqa: BLE001 - whatever happened, the hold must still end
+            log.exception("draining the stream of %s failed", self.call.request_id)
         finally:
             await self.upstream.aclose()
             await self._settle_produced(499, "client_disconnected")

@@ -10,6 +10,7 @@ from typing import Any
 
 from adrf.views import APIView
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
@@ -46,7 +47,11 @@ def _read_body(request: HttpRequest) -> bytes:
     if length and length.isdigit() and int(length) > limit:
         raise bad_request(f"The request body is larger than {limit} bytes.", None,
                           "request_too_large")
-    body = request.body
+    try:
+        body = request.body
+    except RequestDataTooBig:  # a chunked body has no Content-Length to check beforehand
+        raise bad_request(f"The request body is larger than {limit} bytes.", None,
+                          "request_too_large") from None
     if len(body) > limit:
         raise bad_request(f"The request body is larger than {limit} bytes.", None,
                           "request_too_large")

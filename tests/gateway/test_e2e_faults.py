@@ -33,7 +33,7 @@ from tests.gateway.conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 SHARED_PROVIDER_SECRET = "sk-mock-upstream"  # the conftest's shared provider key
 
@@ -297,7 +297,7 @@ def test_upstream_429_cools_the_key_in_every_worker_and_refuses_with_429_until_r
         assert engine.open_hold_ids(t.tag) == []
         events = usage_events(engine, t.tag)
         assert [e["outcome"] for e in events] == ["released"] * 5 + ["settled"]
-        assert [e["event"]["outcome"] for e in events] == ["no_upstream"] * 5 + ["complete"]
+        assert [e["event"]["outcome"] for e in events] == ["upstream_rate_limited"] * 5 + ["complete"]
 
         # Every key for the model is cooling down: that is a 429 with Retry-After, like the first.
         assert all(isinstance(r, openai.RateLimitError) for r in refused), refused
