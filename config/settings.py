@@ -164,6 +164,9 @@ GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024
 # Cached API keys are re-read at least this often even without an invalidation message.
 GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=300.0)
 GATEWAY_LAST_USED_FLUSH_SECONDS = env.float("GATEWAY_LAST_USED_FLUSH_SECONDS", default=5.0)
+# Redis unreachable: refuse with 503 (default, fail closed), or forward unmetered (fail open:
+# every such call is logged at ERROR and marked X-Tollgate-Unmetered).
+GATEWAY_FAIL_OPEN = _bool("GATEWAY_FAIL_OPEN", default=False)
 # Threads (hence database connections) per gateway worker for cache misses and reloads.
 GATEWAY_DB_THREADS = _positive_int("GATEWAY_DB_THREADS", 2)
 for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",

@@ -37,6 +37,19 @@ class Admission:
     fallback_from: str | None = None
     soft: bool = False
 
+    @property
+    def metered(self) -> bool:
+        return self.reservation.hold is not None
+
+
+def unmetered(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+              request_id: str) -> Admission:
+    """Admission without a hold, for the operator's fail-open mode while Redis is unreachable."""
+    est = estimate(parsed, runtime.catalog.resolve(parsed.model), ctx)
+    reservation = Reservation(admitted=True, request_id=request_id, granted=0, counters=(),
+                              refused=None, server_time_ms=0, hold=None)
+    return Admission(reservation, parsed.model, est, est.output_cap)
+
 
 def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext) -> Estimate:
     body = parsed.body

@@ -65,8 +65,11 @@ class Call:
             return
         self.ended = True
         hold = self.admission.reservation.hold
-        assert hold is not None
         event = self._event(status, input_tokens, output_tokens, outcome)
+        if hold is None:
+            log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
+                      self.ctx.tenant_id, event)
+            return
         await self._end(lambda: self.runtime.engine.settle(hold, input_tokens + output_tokens, event))
 
     async def release(self, status: int, reason: str) -> None:
@@ -74,7 +77,8 @@ class Call:
             return
         self.ended = True
         hold = self.admission.reservation.hold
-        assert hold is not None
+        if hold is None:
+            return  # fail-open: nothing was held
         event = self._event(status, 0, 0, reason)
         await self._end(lambda: self.runtime.engine.release(hold, event))
 
@@ -113,6 +117,8 @@ class Call:
             headers["X-Tollgate-Fallback-Model"] = self.admission.model
         if self.admission.soft:
             headers["X-Tollgate-Soft-Limit"] = "exceeded"
+        if not self.admission.metered:
+            headers["X-Tollgate-Unmetered"] = "true"
         headers.update(extra or {})
         return headers
 

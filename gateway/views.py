@@ -14,7 +14,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
-from gateway.admission import admit
+from gateway.admission import admit, unmetered
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, parse_body
 from gateway.errors import (
@@ -101,7 +101,14 @@ class ProxyView(APIView):
             raise model_not_allowed(parsed.model)
         if not runtime.pool.serves(parsed.model, ctx.tenant_id):
             raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
-        admission = await admit(runtime, ctx, parsed, request_id)
+        try:
+            admission = await admit(runtime, ctx, parsed, request_id)
+        except QuotaStoreUnavailable:
+            if not settings.GATEWAY_FAIL_OPEN:
+                raise
+            log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
+                      "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
+            admission = unmetered(runtime, ctx, parsed, request_id)
         call = Call(runtime, ctx, parsed, admission, request_id, started,
                     rate_headers(ctx, admission.reservation))
         # From here the hold must end exactly once even if the client leaves and this request is
