@@ -194,7 +194,15 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
     payload = call.payload()
     candidates = runtime.pool.candidates(call.admission.model, call.ctx.tenant_id, time.time())
     last_429: httpx.Response | None = None
+    capacity_wait_ms: int | None = None
     for upstream in candidates:
+        if upstream.rpm_capacity or upstream.tpm_capacity:
+            taken = await runtime.engine.take_capacity(
+                upstream.id, upstream.rpm_capacity, upstream.tpm_capacity,
+                call.admission.reservation.granted)
+            if not taken.taken:
+                capacity_wait_ms = min(taken.retry_after_ms, capacity_wait_ms or 10**9)
+                continue
         call.upstream = upstream
         request = call.request_for(upstream, payload)
         try:
@@ -234,6 +242,8 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
         return await _complete(call, response)
 
     cooling = _cooldown_left(runtime, call)
+    if capacity_wait_ms is not None and cooling is None and last_429 is None:
+        cooling = max(1, math.ceil(capacity_wait_ms / 1000))
     if last_429 is not None or cooling is not None:
         await call.release(429, "upstream_rate_limited")
         retry_after = int(_retry_after(last_429)) if last_429 is not None else cooling

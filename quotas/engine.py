@@ -221,6 +221,29 @@ class RechargeResult:
 
 
 @dataclass(frozen=True)
+class CapacityResult:
+    taken: bool
+    retry_after_ms: int = 0  # when refused
+    requests_left: int = UNLIMITED
+    tokens_left: int = UNLIMITED
+
+
+def _capacity_args(rpm: int | None, tpm: int | None, tokens: int) -> list[int]:
+    if not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+    for value in (rpm, tpm):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"a capacity must be None or an integer >= 1, got {value!r}")
+    return [rpm or UNLIMITED, tpm or UNLIMITED, tokens]
+
+
+def _capacity_result(reply: Sequence[Any]) -> CapacityResult:
+    if int(reply[0]) == 1:
+        return CapacityResult(True, 0, int(reply[1]), int(reply[2]))
+    return CapacityResult(False, int(reply[1]))
+
+
+@dataclass(frozen=True)
 class CounterSnapshot:
     key: str
     limit: int | None  # None when the counter does not exist (nothing reserved yet)
@@ -544,6 +567,13 @@ class QuotaEngine:
                 return RechargeResult(limit.scope, window, credit, remaining)
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
+    def take_capacity(self, provider_key_id: int, rpm: int | None, tpm: int | None,
+                      tokens: int) -> CapacityResult:
+        """Take one request and `tokens` from an upstream key's RPM / TPM buckets."""
+        args = _capacity_args(rpm, tpm, tokens)
+        reply = self._run("provider_take", [keys.provider_capacity_key(provider_key_id)], args)
+        return _capacity_result(reply)
+
     def counter(
         self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0
     ) -> CounterSnapshot:
@@ -603,6 +633,14 @@ class AsyncQuotaEngine:
         args = self._calls.release_args(hold, event)
         outcome, released = await self._run("release", self._calls.end_keys(hold), args)
         return ReleaseResult(hold.request_id, _str(outcome), int(released))
+
+    async def take_capacity(self, provider_key_id: int, rpm: int | None, tpm: int | None,
+                            tokens: int) -> CapacityResult:
+        """Take one request and `tokens` from an upstream key's RPM / TPM buckets."""
+        args = _capacity_args(rpm, tpm, tokens)
+        reply = await self._run("provider_take", [keys.provider_capacity_key(provider_key_id)],
+                                args)
+        return _capacity_result(reply)
 
     async def counter(
         self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0

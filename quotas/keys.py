@@ -9,6 +9,7 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:rate:<scope>:<period>ms  token bucket hash {tokens, ts} (request rate)
     tg:{t<tenant>}:conc:<scope>         zset of requests in flight (concurrency cap)
     tg:{t<tenant>}:usage                stream of usage events (one per ended hold)
+    tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
 Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
@@ -78,3 +79,8 @@ def gauge_key(tenant: str, scope: str) -> str:
 
 def usage_stream_key(tenant: str) -> str:
     return f"{_tag(tenant)}:usage"
+
+
+def provider_capacity_key(provider_key_id: int) -> str:
+    """Capacity buckets of an upstream provider key: shared by tenants, so a tag of its own."""
+    return f"tg:{{p{int(provider_key_id)}}}:cap"

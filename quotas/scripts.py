@@ -27,5 +27,6 @@ SETTLE = _read("settle")
 RELEASE = _read("release")
 SWEEP = _read("sweep")
 RECHARGE = _read("recharge")
+PROVIDER_TAKE = _read("provider_take")
 
-ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE)
+ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE)

@@ -100,3 +100,27 @@ def test_each_call_leaves_one_usage_event_with_everything_the_ledger_needs(
                                               completion.usage.completion_tokens)
     assert details["st"] == 200 and details["lat"] >= 0 and details["stream"] is False
     assert details["pk"] == _provider_id(django_db_blocker, "mock")
+
+
+def test_a_provider_key_at_its_rpm_capacity_is_skipped(
+    gateway: GatewayServer, make_tenant: MakeTenant, django_db_blocker: Any, engine: QuotaEngine,
+    mock_upstream: MockUpstream, tmp_path: Any
+) -> None:
+    from gateway.providers import create_provider_key
+    from tenants.models import Tenant
+
+    t = make_tenant()
+    limited = committed(django_db_blocker, lambda: create_provider_key(
+        "two-per-minute", base_url=mock_upstream.base_url, secret="sk-limited-upstream-key",
+        priority=100, rpm_capacity=2, tenant=Tenant.objects.get(pk=t.tenant_id)))
+    server = start_gateway(tmp_path, workers=1)
+    try:
+        client = client_for(server, t.plaintext)
+        for _ in range(3):
+            client.chat.completions.create(model="gpt-4o-mini", max_tokens=1,
+                                           messages=[{"role": "user", "content": "hi"}])
+    finally:
+        server.stop()
+    used = [e["event"]["pk"] for e in usage_events(engine, t.tag)]
+    # The dedicated key serves two calls a minute; the third goes to the shared key.
+    assert used == [limited.pk, limited.pk, _provider_id(django_db_blocker, "mock")]
