@@ -1,7 +1,8 @@
-"""Serve Tollgate in the foreground: the gateway under uvicorn (several worker processes) and, for
-a first local run, the mock upstream it forwards to. Ctrl-C stops both.
+"""Serve Tollgate in the foreground: the gateway under uvicorn (several worker processes), a
+Celery worker with beat (sweep, ledger), and, for a first local run, the mock upstream the
+gateway forwards to. Ctrl-C stops them all.
 
-    python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock]
+    python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock] [--no-celery]
 
 `make up` runs this after starting the embedded services, migrating and creating the demo data.
 """
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=int(os.environ.get("GATEWAY_WORKERS", "2")))
     parser.add_argument("--mock-port", type=int, default=8099)
     parser.add_argument("--no-mock", action="store_true", help="do not start the mock upstream")
+    parser.add_argument("--no-celery", action="store_true",
+                        help="do not start the Celery worker with beat")
     args = parser.parse_args(argv)
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                                      str(args.mock_port)], cwd=ROOT, env=env)
             children.append(mock)
             _wait_for(f"http://127.0.0.1:{args.mock_port}/v1/models", mock, "the mock upstream")
+        if not args.no_celery:
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "config", "worker", "--beat",
+                 "--concurrency", "2", "--loglevel", "WARNING",
+                 "--schedule", str(ROOT / ".data" / "celerybeat-schedule")], cwd=ROOT, env=env))
         gateway = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", args.host,
              "--port", str(args.port), "--workers", str(args.workers), "--loop", "uvloop",

@@ -181,6 +181,35 @@ if GATEWAY_UPSTREAM_TOTAL_TIMEOUT >= QUOTA_STALE_HOLD_SECONDS:
 # Django refuses larger bodies before the gateway sees them; keep one limit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 
+# Celery (config/celery.py): the broker is the Redis server (a standalone one: Celery cannot use
+# a Redis Cluster as its broker, so a cluster deployment sets CELERY_BROKER_URL to another).
+def _celery_url(redis_url: str) -> str:
+    if redis_url.startswith("unix://"):
+        # kombu names a socket's database "virtual_host"; the embedded server uses db 0.
+        return "redis+socket://" + redis_url[len("unix://"):].partition("?")[0]
+    return redis_url
+
+
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="" if REDIS_CLUSTER else _celery_url(REDIS_URL))
+if not CELERY_BROKER_URL:
+    raise ImproperlyConfigured("REDIS_CLUSTER is set: set CELERY_BROKER_URL to a standalone Redis")
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True  # a task killed mid-way runs again (they are all idempotent)
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ALWAYS_EAGER = False
+TOLLGATE_SWEEP_INTERVAL_SECONDS = env.float("TOLLGATE_SWEEP_INTERVAL_SECONDS", default=60.0)
+TOLLGATE_DRAIN_INTERVAL_SECONDS = env.float("TOLLGATE_DRAIN_INTERVAL_SECONDS", default=5.0)
+for _name in ("TOLLGATE_SWEEP_INTERVAL_SECONDS", "TOLLGATE_DRAIN_INTERVAL_SECONDS"):
+    if globals()[_name] <= 0:
+        raise ImproperlyConfigured(f"{_name} must be > 0 seconds")
+CELERY_BEAT_SCHEDULE = {
+    "sweep-stale-holds": {"task": "quotas.tasks.sweep_stale_holds",
+                          "schedule": TOLLGATE_SWEEP_INTERVAL_SECONDS},
+    "drain-usage-ledger": {"task": "billing.tasks.drain_usage",
+                           "schedule": TOLLGATE_DRAIN_INTERVAL_SECONDS},
+}
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

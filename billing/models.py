@@ -1,0 +1,84 @@
+"""The usage ledger and model prices: the durable truth about what every request cost."""
+from __future__ import annotations
+
+from django.core.validators import MinValueValidator
+from django.db import models
+
+
+class UsageRecord(models.Model):
+    """One row per finished request (unique request id), written from the gateway's usage events
+    off the hot path (billing/ledger.py)."""
+
+    class Status(models.TextChoices):
+        SETTLED = "settled", "Settled with the upstream's usage"
+        PARTIAL = "partial", "Settled with what was produced (stream cut, client left, no usage)"
+        RELEASED = "released", "Released: the upstream produced nothing"
+        SWEPT = "swept", "Swept: the gateway process never ended its hold"
+
+    request_id = models.CharField(max_length=128, unique=True)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage")
+    project = models.ForeignKey("tenants.Project", on_delete=models.SET_NULL, null=True,
+                                related_name="usage")
+    api_key = models.ForeignKey("tenants.ApiKey", on_delete=models.SET_NULL, null=True,
+                                related_name="usage")
+    provider_key = models.ForeignKey("gateway.ProviderKey", on_delete=models.SET_NULL, null=True,
+                                     related_name="usage")
+    endpoint = models.CharField(max_length=32, blank=True)
+    model = models.CharField(max_length=200, help_text="The model the client asked for.")
+    served_model = models.CharField(max_length=200, help_text="The model forwarded (fallback).")
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    held_tokens = models.BigIntegerField(default=0)
+    cost_micros = models.BigIntegerField(default=0, help_text="Micro-dollars (1e-6 USD).")
+    status = models.CharField(max_length=16, choices=Status.choices)
+    detail = models.CharField(max_length=64, blank=True, help_text="How the call ended.")
+    http_status = models.PositiveSmallIntegerField(null=True)
+    latency_ms = models.PositiveIntegerField(null=True)
+    streamed = models.BooleanField(default=False)
+    over_soft_limit = models.BooleanField(default=False)
+    started_at = models.DateTimeField(help_text="When the hold was made (Redis clock).")
+    ended_at = models.DateTimeField(db_index=True, help_text="When it ended (Redis clock).")
+    recorded_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["tenant", "ended_at"]),
+            models.Index(fields=["provider_key", "served_model", "ended_at"]),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                name="usage_non_negative",
+                condition=models.Q(input_tokens__gte=0, output_tokens__gte=0, held_tokens__gte=0,
+                                   cost_micros__gte=0)),
+        ]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+class ModelPrice(models.Model):
+    """A model's price over a period; overrides the catalog's list price (gateway.ModelSpec)."""
+
+    model = models.CharField(max_length=200)
+    input_micros_per_mtok = models.BigIntegerField(validators=[MinValueValidator(0)])
+    output_micros_per_mtok = models.BigIntegerField(validators=[MinValueValidator(0)])
+    valid_from = models.DateTimeField()
+    valid_to = models.DateTimeField(null=True, blank=True, help_text="Exclusive; empty: open.")
+
+    class Meta:
+        ordering = ["model", "-valid_from"]
+        constraints = [
+            models.CheckConstraint(
+                name="price_non_negative",
+                condition=models.Q(input_micros_per_mtok__gte=0, output_micros_per_mtok__gte=0)),
+            models.CheckConstraint(
+                name="price_period_ordered",
+                condition=models.Q(valid_to__isnull=True) | models.Q(valid_to__gt=models.F("valid_from"))),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} from {self.valid_from:%Y-%m-%d}"

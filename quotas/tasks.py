@@ -1,0 +1,29 @@
+"""Background jobs of the quota engine (scheduled in config/settings.py CELERY_BEAT_SCHEDULE)."""
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from quotas.limits import tenant_tag
+from quotas.runtime import get_engine
+from tenants.models import Tenant
+
+log = logging.getLogger(__name__)
+
+
+@shared_task
+def sweep_stale_holds() -> int:
+    """Release holds older than QUOTA_STALE_HOLD_SECONDS for every tenant, in bounded batches.
+
+    Tenants come from PostgreSQL, so the keyspace is never scanned. Two workers running this at
+    once are harmless: the sweep script ends a hold only while it is open, exactly once. Each
+    swept hold leaves a usage event, which the ledger drain records with status "swept".
+    """
+    engine = get_engine()
+    swept = 0
+    for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+        swept += len(engine.sweep(tenant_tag(tenant_id)).swept)
+    if swept:
+        log.warning("swept %d stale holds (gateway processes that never ended them)", swept)
+    return swept
