@@ -274,6 +274,8 @@ def stop_postgres(folder: Path) -> None:
         "pg_ctl", ["-D", str(folder), "-m", "fast", "-w", "stop"], server.bin_path,
         user=server.system_user,
     )
+    # pgserver caches a handle per data directory; a later start must make a fresh one.
+    type(server)._instances.pop(server.pgdata, None)
 
 
 # -- the CLI ------------------------------------------------------------------------------------

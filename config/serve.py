@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from config.embedded import data_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             children.append(subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "config", "worker", "--beat",
                  "--concurrency", "2", "--loglevel", "WARNING",
-                 "--schedule", str(ROOT / ".data" / "celerybeat-schedule")], cwd=ROOT, env=env))
+                 "--schedule", str(data_dir() / "celerybeat-schedule")], cwd=ROOT, env=env))
         gateway = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", args.host,
              "--port", str(args.port), "--workers", str(args.workers), "--loop", "uvloop",

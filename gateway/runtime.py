@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
 
 from gateway.auth import AuthCache, load_key_context
 from gateway.catalog import Catalog, load_catalog
@@ -39,8 +39,14 @@ class Database:
 
     async def run(self, work: Callable[..., T], *args: Any) -> T:
         def job() -> T:
-            close_old_connections()  # drop a connection the server has closed meanwhile
-            return work(*args)
+            close_old_connections()
+            try:
+                return work(*args)
+            except (InterfaceError, OperationalError):
+                # A connection that died with a database restart fails its first query; a
+                # fresh one works as soon as the database is back.
+                connection.close()
+                return work(*args)
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, job)
 
