@@ -1,0 +1,110 @@
+"""Finance reports: every total equals the ledger's sums exactly."""
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, datetime
+from decimal import Decimal
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db.models import Count, Sum
+from openpyxl import load_workbook
+
+from billing.models import UsageRecord
+from billing.reports import Month, platform_month, tenant_month, to_csv, to_xlsx, usd
+from tenants.models import Tenant
+from tenants.services import create_project, create_tenant, issue_key
+
+pytestmark = pytest.mark.django_db
+
+
+def record(tenant: Tenant, rid: str, day: int, model: str, inp: int, out: int, cost: int,
+           project=None, key=None, status: str = "settled", month: int = 11) -> None:
+    moment = datetime(2026, month, day, 12, tzinfo=UTC)
+    UsageRecord.objects.create(
+        request_id=rid, tenant=tenant, project=project, api_key=key, model=model,
+        served_model=model, input_tokens=inp, output_tokens=out, cost_micros=cost,
+        status=status, started_at=moment, ended_at=moment)
+
+
+@pytest.fixture
+def ledger() -> tuple[Tenant, Tenant]:
+    acme = create_tenant("acme", plan_name="standard", actor="test")
+    globex = create_tenant("globex", plan_name="free", actor="test")
+    web = create_project(acme, "web", actor="test")
+    batch = create_project(acme, "batch", actor="test")
+    k1 = issue_key(web, actor="test").api_key
+    k2 = issue_key(batch, actor="test").api_key
+    record(acme, "a1", 1, "gpt-4o", 1000, 500, 7_500, web, k1)
+    record(acme, "a2", 1, "gpt-4o", 10, 5, 75, web, k1)
+    record(acme, "a3", 1, "gpt-4o-mini", 333, 777, 516_123, web, k1)
+    record(acme, "a4", 2, "gpt-4o", 1, 1, 13, batch, k2)
+    record(acme, "a5", 2, "gpt-4o", 0, 0, 0, batch, k2, status="released")
+    record(acme, "a6", 30, "gpt-4o", 9, 9, 1_000_001, batch, k2)
+    record(acme, "dec", 1, "gpt-4o", 50, 50, 999, batch, k2, month=12)  # another month
+    record(globex, "g1", 15, "gpt-4o-mini", 7, 7, 3)
+    return acme, globex
+
+
+def ledger_sums(**filters) -> dict:
+    return UsageRecord.objects.filter(
+        ended_at__gte=datetime(2026, 11, 1, tzinfo=UTC), ended_at__lt=datetime(2026, 12, 1, tzinfo=UTC),
+        **filters).aggregate(n=Count("id"), i=Sum("input_tokens"), o=Sum("output_tokens"),
+                             c=Sum("cost_micros"))
+
+
+def test_tenant_month_groups_by_day_project_key_model_and_totals_match_the_ledger(ledger) -> None:
+    acme, _ = ledger
+    report = tenant_month(acme, Month.parse("2026-11"))
+    assert [r[:4] for r in report.rows] == [
+        ("2026-11-01", "web", acme.projects.get(slug="web").api_keys.get().public_id, "gpt-4o"),
+        ("2026-11-01", "web", acme.projects.get(slug="web").api_keys.get().public_id, "gpt-4o-mini"),
+        ("2026-11-02", "batch", acme.projects.get(slug="batch").api_keys.get().public_id, "gpt-4o"),
+        ("2026-11-30", "batch", acme.projects.get(slug="batch").api_keys.get().public_id, "gpt-4o"),
+    ]
+    assert report.rows[0][4:] == (2, 1010, 505, Decimal("0.007575"))
+    sums = ledger_sums(tenant=acme)
+    assert report.totals[4:7] == (sums["n"], sums["i"], sums["o"])
+    assert report.cost_micros == sums["c"] == 1_523_712
+    assert report.totals[7] == Decimal("1.523712")
+
+
+def test_platform_report_has_one_row_per_tenant(ledger) -> None:
+    report = platform_month(Month.parse("2026-11"))
+    assert [r[:2] for r in report.rows] == [("acme", "standard"), ("globex", "free")]
+    assert report.cost_micros == ledger_sums()["c"]
+    assert report.totals[2] == ledger_sums()["n"] == 7
+
+
+def test_csv_and_xlsx_carry_the_same_figures(ledger, tmp_path: Path) -> None:
+    acme, _ = ledger
+    report = tenant_month(acme, Month.parse("2026-11"))
+    rows = list(csv.reader(io.StringIO(to_csv(report).decode())))
+    assert rows[0] == list(report.columns)
+    assert rows[-1][-1] == "1.523712" and len(rows) == len(report.rows) + 2
+    book = load_workbook(io.BytesIO(to_xlsx(report)))
+    sheet = book.active
+    assert [c.value for c in sheet[1]] == list(report.columns)
+    assert sheet.cell(row=sheet.max_row, column=5).value == report.totals[4]
+    assert round(sheet.cell(row=sheet.max_row, column=8).value, 6) == 1.523712
+
+
+def test_cost_report_command(ledger, tmp_path: Path) -> None:
+    out = StringIO()
+    call_command("cost_report", "2026-11", "--tenant", "acme", stdout=out)
+    assert out.getvalue().splitlines()[-1].endswith(",1.523712")
+    target = tmp_path / "all.xlsx"
+    call_command("cost_report", "2026-11", "--all", "--format", "xlsx", "--out", str(target),
+                 stdout=StringIO())
+    assert load_workbook(target).active.max_row == 4  # header, two tenants, total
+    for bad in (["2026-13", "--tenant", "acme"], ["2026-11", "--tenant", "nope"],
+                ["2026-11", "--all", "--format", "xlsx"]):
+        with pytest.raises(CommandError):
+            call_command("cost_report", *bad, stdout=StringIO())
+
+
+def test_usd_is_exact() -> None:
+    assert usd(1) == Decimal("0.000001") and usd(123_456_789) == Decimal("123.456789")
