@@ -27,6 +27,12 @@ class Estimate:
     amount: int  # tokens to hold
     output_cap: int | None  # per choice; None for embeddings
 
+    @property
+    def worst_cost_micros(self) -> int:
+        """An upper bound of the call's cost: every held token at the dearer of the two prices."""
+        price = max(self.info.input_price_micros_per_mtok, self.info.output_price_micros_per_mtok)
+        return -(-self.amount * price // 1_000_000)
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -91,7 +97,7 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
     return ReserveRequest(
         tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
         min_amount=min_amount, rates=ctx.rates(), concurrency=ctx.concurrency(),
-        meta=_meta(ctx, parsed, model),
+        meta=_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
     )
 
 

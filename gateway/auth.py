@@ -16,7 +16,7 @@ from datetime import datetime
 
 
 from quotas import keys as quota_keys
-from quotas.engine import UNLIMITED, ConcurrencyLimit, RateLimit, ScopeLimit
+from quotas.engine import UNLIMITED, ConcurrencyLimit, RateLimit, ScopeLimit, Unit
 from quotas.limits import scope_limits, tenant_tag
 from quotas.windows import WindowKind
 from tenants.keys import digests_match, parse_key
@@ -49,6 +49,9 @@ class KeyContext:
             if self.limits.tokens_per_minute != UNLIMITED:
                 cached += (ScopeLimit(quota_keys.tenant_scope(), WindowKind.MINUTE,
                                       self.limits.tokens_per_minute),)
+            if self.limits.monthly_spend_budget_micros != UNLIMITED:
+                cached += (ScopeLimit(quota_keys.tenant_scope(), WindowKind.MONTH,
+                                      self.limits.monthly_spend_budget_micros, Unit.MICROS),)
             self._scopes[model] = cached
         return cached
 

@@ -22,6 +22,7 @@ from django.http import HttpResponse, StreamingHttpResponse
 from gateway.admission import Admission
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
+from gateway.catalog import cost_micros
 from gateway.errors import GatewayError, upstream_error
 from gateway.listener import publish_cooldown
 from gateway.providers import Upstream
@@ -70,7 +71,9 @@ class Call:
             log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
                       self.ctx.tenant_id, event)
             return
-        await self._end(lambda: self.runtime.engine.settle(hold, input_tokens + output_tokens, event))
+        cost = cost_micros(self.admission.estimate.info, input_tokens, output_tokens)
+        await self._end(lambda: self.runtime.engine.settle(hold, input_tokens + output_tokens,
+                                                          event, cost))
 
     async def release(self, status: int, reason: str) -> None:
         if self.ended:

@@ -39,7 +39,8 @@ if not tombstone_ttl or tombstone_ttl < 1 or not maxlen or maxlen < 1 then
   return redis.error_reply('release: tombstone_ttl and stream_maxlen must be >= 1')
 end
 
-local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys', 'gauge', 'created', 'meta')
+local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys', 'gauge', 'created', 'meta',
+  'units', 'money')
 if hold[1] == false then
   return { 'unknown', 0 }
 end
@@ -58,9 +59,11 @@ for i = 1, #keys do
 end
 
 local amount = tonumber(hold[2])
+local units = hold[7] and cjson.decode(hold[7]) or {}
+local money = tonumber(hold[8]) or 0
 for i = 1, #keys do
   if redis.call('EXISTS', KEYS[i + 3]) == 1 then
-    redis.call('HINCRBY', KEYS[i + 3], 'pending', -amount)
+    redis.call('HINCRBY', KEYS[i + 3], 'pending', units[i] == 1 and -money or -amount)
   end
 end
 if gauge ~= '' then

@@ -6,7 +6,8 @@ Checked in one atomic step, in this order (the first refusal is reported):
      itself: members older than stale_ms are dropped, so a crashed process cannot leak a slot)
   2. request rate: one token from each token bucket (requests per second / per minute)
   3. token quota: for EVERY counter, used + pending + amount <= limit + credit
-     (day and month windows for tenant, project, key and model; a minute window for TPM)
+     (day and month windows for tenant, project, key and model; a minute window for TPM),
+     and for every money counter (monthly spend budget, micro-dollars) the call's worst-case cost
 
 KEYS (all of one tenant, sharing its hash tag `{t<id>}`, so this runs on one cluster slot)
   KEYS[1]            hold record   tg:{t<id>}:hold:<request_id>   hash, see "hold record"
@@ -27,8 +28,11 @@ ARGV
   ARGV[7]  cap            concurrency cap of the gauge; -1: no gauge key is passed
   ARGV[8]  stale_ms       gauge members older than this are dead requests and are dropped
   ARGV[9]  meta           opaque string stored in the hold and copied into its usage event
-  then for counter i, four values:  limit (-1 unlimited, 0 refuse all), window_start ms
-                                    (inclusive), window_end ms (exclusive), expire_at unix s
+  ARGV[10] money          the call's worst-case cost in micro-dollars, integer >= 0, held in the
+                          money counters (never shrunk: it stays an upper bound of the bill)
+  then for counter i, five values:  limit (-1 unlimited, 0 refuse all), window_start ms
+                                    (inclusive), window_end ms (exclusive), expire_at unix s,
+                                    unit (0: tokens, held `granted`; 1: micro-dollars, held `money`)
   then for bucket j, two values:    capacity (requests), period_ms (refills capacity per period)
 
 Clock
@@ -38,6 +42,7 @@ Clock
 
 Return table (integers only)
   admitted:          { 1, granted, now_ms, rem_1..rem_N, bucket_1..bucket_R }
+                     (granted is in tokens; money counters hold `money` in full)
   refused, quota:    { 0, i, now_ms, rem_1..rem_N, bucket_1..bucket_R }  i = first refusing counter
   window mismatch:   { -1, i, now_ms }
   duplicate id:      { -2, 0, now_ms }                  a hold (or its tombstone) has this id
@@ -48,8 +53,9 @@ Return table (integers only)
   In a dry run, figures are as if the hold had been made; nothing is written.
 
 Hold record (hash KEYS[1])
-  amount, created (now_ms), keys (JSON array of the counter keys), gauge (the gauge key or ""),
-  meta, state "open" (later "settled" | "released" | "swept", then a short-lived tombstone).
+  amount, money, created (now_ms), keys (JSON array of the counter keys), units (JSON array,
+  0 tokens / 1 money, per key), gauge (the gauge key or ""), meta,
+  state "open" (later "settled" | "released" | "swept", then a short-lived tombstone).
   It expires with the latest counter (never before the counters it will decrement); each hold is
   its own key, so no expiry can drop other requests' holds at once.
 
@@ -62,9 +68,9 @@ stale_ms after its last admission. The index has no TTL; Redis deletes it when e
 local n, r = tonumber(ARGV[5]), tonumber(ARGV[6])
 local cap = tonumber(ARGV[7])
 if not n or n < 1 or not r or r < 0 or not cap or cap < -1
-  or #ARGV ~= 9 + 4 * n + 2 * r
+  or #ARGV ~= 10 + 5 * n + 2 * r
   or #KEYS ~= 2 + n + r + (cap >= 0 and 1 or 0) then
-  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge]; ARGV = 9 + 4N + 2R values')
+  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge]; ARGV = 10 + 5N + 2R values')
 end
 
 local request_id = ARGV[1]
@@ -72,19 +78,21 @@ local amount = tonumber(ARGV[2])
 local min_amount = tonumber(ARGV[3])
 local dry_run = ARGV[4] == '1'
 local stale_ms = tonumber(ARGV[8])
+local money = tonumber(ARGV[10])
 if not amount or amount < 1 or not min_amount or min_amount < 1 or min_amount > amount
-  or not stale_ms or stale_ms < 1 then
-  return redis.error_reply('reserve: amount must be >= 1, 1 <= min_amount <= amount, stale_ms >= 1')
+  or not stale_ms or stale_ms < 1 or not money or money < 0 then
+  return redis.error_reply('reserve: amount must be >= 1, 1 <= min_amount <= amount, stale_ms >= 1, money >= 0')
 end
 
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local limits, expire_ats = {}, {}
+local limits, expire_ats, units = {}, {}, {}
 for i = 1, n do
-  local base = 9 + 4 * (i - 1)
+  local base = 10 + 5 * (i - 1)
   limits[i] = tonumber(ARGV[base + 1])
   expire_ats[i] = tonumber(ARGV[base + 4])
+  units[i] = tonumber(ARGV[base + 5])
   if now_ms < tonumber(ARGV[base + 2]) or now_ms >= tonumber(ARGV[base + 3]) then
     return { -1, i, now_ms }
   end
@@ -108,7 +116,7 @@ end
 -- 2. request rate: token buckets, one request each
 local bucket_left, bucket_cap, bucket_period = {}, {}, {}
 for j = 1, r do
-  local base = 9 + 4 * n + 2 * (j - 1)
+  local base = 10 + 5 * n + 2 * (j - 1)
   local capacity, period = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
   local f = redis.call('HMGET', KEYS[2 + n + j], 'tokens', 'ts')
   local tokens = tonumber(f[1]) or capacity
@@ -121,7 +129,7 @@ for j = 1, r do
   bucket_left[j], bucket_cap[j], bucket_period[j] = tokens - 1, capacity, period
 end
 
--- 3. token quota
+-- 3. token quota and money budgets
 local headroom, exists, stored_limit = {}, {}, {}
 local tightest = nil
 for i = 1, n do
@@ -131,7 +139,7 @@ for i = 1, n do
   if limits[i] >= 0 then
     local h = limits[i] + (tonumber(f[3]) or 0) - (tonumber(f[1]) or 0) - (tonumber(f[2]) or 0)
     headroom[i] = h
-    if tightest == nil or h < tightest then tightest = h end
+    if units[i] == 0 and (tightest == nil or h < tightest) then tightest = h end
   end
 end
 
@@ -142,17 +150,24 @@ if tightest ~= nil and tightest < amount then
     granted = tightest
   else
     for i = 1, n do
-      if headroom[i] ~= nil and headroom[i] < min_amount then refused = i; break end
+      if units[i] == 0 and headroom[i] ~= nil and headroom[i] < min_amount then refused = i; break end
     end
   end
 end
+for i = 1, n do
+  if units[i] == 1 and headroom[i] ~= nil and headroom[i] < money and (refused == 0 or i < refused) then
+    refused = i
+    break
+  end
+end
+local function held(i) return units[i] == 1 and money or granted end
 
 local out = { refused == 0 and 1 or 0, refused == 0 and granted or refused, now_ms }
 for i = 1, n do
   if headroom[i] == nil then
     out[#out + 1] = -1
   elseif refused == 0 then
-    out[#out + 1] = headroom[i] - granted
+    out[#out + 1] = headroom[i] - held(i)
   else
     out[#out + 1] = headroom[i]
   end
@@ -180,7 +195,7 @@ for i = 1, n do
   local key = KEYS[i + 2]
   -- stored for readers (dashboards); the check above always uses the limit passed in ARGV
   if stored_limit[i] ~= limits[i] then redis.call('HSET', key, 'limit', limits[i]) end
-  redis.call('HINCRBY', key, 'pending', granted)
+  redis.call('HINCRBY', key, 'pending', held(i))
   if not exists[i] then
     redis.call('HSET', key, 'used', 0)
     redis.call('EXPIREAT', key, expire_ats[i])
@@ -190,7 +205,8 @@ end
 
 local counter_keys = {}
 for i = 1, n do counter_keys[i] = KEYS[i + 2] end
-redis.call('HSET', KEYS[1], 'amount', granted, 'created', now_ms, 'keys', cjson.encode(counter_keys),
+redis.call('HSET', KEYS[1], 'amount', granted, 'money', money, 'created', now_ms,
+  'keys', cjson.encode(counter_keys), 'units', cjson.encode(units),
   'gauge', gauge or '', 'meta', ARGV[9], 'state', 'open')
 redis.call('EXPIREAT', KEYS[1], hold_expire_at)
 redis.call('ZADD', KEYS[2], now_ms, request_id)

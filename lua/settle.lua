@@ -21,6 +21,8 @@ ARGV
   ARGV[3]  tombstone_ttl   seconds to keep the closed hold record (duplicate ids refused meanwhile)
   ARGV[4]  event           opaque string (the caller's JSON: model, tokens in/out, latency, ...)
   ARGV[5]  stream_maxlen   approximate cap of the usage stream (memory guard if nobody drains it)
+  ARGV[6]  actual_money    what the call really cost, micro-dollars >= 0, added to `used` of the
+                           hold's money counters (their `pending` drops by the hold's `money`)
 
 Return table
   { outcome, held, charged }
@@ -36,17 +38,20 @@ Counters that have already expired (a settle long after the window) are skipped 
 recreated without a TTL. Tokens used above the hold are added to the counter's `over` field.
 ]]
 
-if #KEYS < 4 or #ARGV ~= 5 then
-  return redis.error_reply('settle: expected KEYS = hold, index, stream, counters..., [gauge] and 5 ARGV')
+if #KEYS < 4 or #ARGV ~= 6 then
+  return redis.error_reply('settle: expected KEYS = hold, index, stream, counters..., [gauge] and 6 ARGV')
 end
 local actual = tonumber(ARGV[2])
 local tombstone_ttl = tonumber(ARGV[3])
 local maxlen = tonumber(ARGV[5])
-if not actual or actual < 0 or not tombstone_ttl or tombstone_ttl < 1 or not maxlen or maxlen < 1 then
-  return redis.error_reply('settle: actual must be >= 0, tombstone_ttl >= 1, stream_maxlen >= 1')
+local actual_money = tonumber(ARGV[6])
+if not actual or actual < 0 or not tombstone_ttl or tombstone_ttl < 1 or not maxlen or maxlen < 1
+  or not actual_money or actual_money < 0 then
+  return redis.error_reply('settle: actual and actual_money must be >= 0, tombstone_ttl and stream_maxlen >= 1')
 end
 
-local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys', 'gauge', 'created', 'meta')
+local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys', 'gauge', 'created', 'meta',
+  'units', 'money')
 if hold[1] == false then
   return { 'unknown', 0, 0 }
 end
@@ -65,13 +70,17 @@ for i = 1, #keys do
 end
 
 local amount = tonumber(hold[2])
+local units = hold[7] and cjson.decode(hold[7]) or {}
+local money = tonumber(hold[8]) or 0
 for i = 1, #keys do
   local key = KEYS[i + 3]
   if redis.call('EXISTS', key) == 1 then
-    redis.call('HINCRBY', key, 'pending', -amount)
-    redis.call('HINCRBY', key, 'used', actual)
-    if actual > amount then
-      redis.call('HINCRBY', key, 'over', actual - amount)
+    local held, used = amount, actual
+    if units[i] == 1 then held, used = money, actual_money end
+    redis.call('HINCRBY', key, 'pending', -held)
+    redis.call('HINCRBY', key, 'used', used)
+    if used > held then
+      redis.call('HINCRBY', key, 'over', used - held)
     end
   end
 end
@@ -86,5 +95,6 @@ redis.call('EXPIRE', KEYS[1], tombstone_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*',
   'request_id', ARGV[1], 'outcome', 'settled', 'held', amount, 'actual', actual,
+  'money', actual_money,
   'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[4])
 return { 'settled', amount, actual }

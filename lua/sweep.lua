@@ -50,7 +50,8 @@ local ended = {}
 for i = 1, h do
   local hold_key = KEYS[i + 2]
   local request_id = ARGV[i + 4]
-  local hold = redis.call('HMGET', hold_key, 'state', 'created', 'amount', 'keys', 'gauge', 'meta')
+  local hold = redis.call('HMGET', hold_key, 'state', 'created', 'amount', 'keys', 'gauge', 'meta',
+    'units', 'money')
   if hold[1] ~= 'open' then  -- ended, or expired (false)
     redis.call('ZREM', KEYS[1], request_id)
     dropped = dropped + 1
@@ -67,9 +68,11 @@ for i = 1, h do
       fresh = fresh + 1
     else
       local amount = tonumber(hold[3])
+      local units = hold[7] and cjson.decode(hold[7]) or {}
+      local money = tonumber(hold[8]) or 0
       for j = 1, #keys do
         if redis.call('EXISTS', keys[j]) == 1 then
-          redis.call('HINCRBY', keys[j], 'pending', -amount)
+          redis.call('HINCRBY', keys[j], 'pending', units[j] == 1 and -money or -amount)
         end
       end
       if gauge ~= '' then

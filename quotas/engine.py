@@ -56,13 +56,19 @@ def _store_errors() -> Iterator[None]:
 # -- requests and results -----------------------------------------------------------------------
 
 
+class Unit(StrEnum):
+    TOKENS = "tokens"  # the counter holds the request's tokens (amount, may shrink)
+    MICROS = "micros"  # the counter holds the request's worst-case cost in micro-dollars
+
+
 @dataclass(frozen=True)
 class ScopeLimit:
     """One counter a request is checked against: a scope, a window kind and its limit."""
 
     scope: str
     window: WindowKind
-    limit: int  # tokens per window; UNLIMITED (-1) tracks usage without refusing; 0 refuses all
+    limit: int  # per window; UNLIMITED (-1) tracks usage without refusing; 0 refuses all
+    unit: Unit = Unit.TOKENS
 
     def __post_init__(self) -> None:
         keys.validate_scope(self.scope)
@@ -112,6 +118,8 @@ class ReserveRequest:
     rates: tuple[RateLimit, ...] = ()
     concurrency: ConcurrencyLimit | None = None
     meta: str = ""  # stored with the hold and copied into its usage event (e.g. JSON)
+    # Worst-case cost in micro-dollars, held in full by the MICROS counters (spend budgets).
+    money_amount: int = 0
 
     def __post_init__(self) -> None:
         keys.validate_request_id(self.request_id)
@@ -121,9 +129,11 @@ class ReserveRequest:
             raise ValueError(f"amount must be an integer >= 1, got {self.amount!r}")
         if self.min_amount is not None and not (1 <= self.min_amount <= self.amount):
             raise ValueError("min_amount must be between 1 and amount")
-        seen = {(s.scope, s.window) for s in self.limits}
+        if not isinstance(self.money_amount, int) or self.money_amount < 0:
+            raise ValueError(f"money_amount must be an integer >= 0, got {self.money_amount!r}")
+        seen = {(s.scope, s.window, s.unit) for s in self.limits}
         if len(seen) != len(self.limits):
-            raise ValueError("each (scope, window) may appear once")
+            raise ValueError("each (scope, window, unit) may appear once")
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,7 @@ class Hold:
     amount: int
     counter_keys: tuple[str, ...]
     gauge_key: str = ""  # the concurrency gauge the request occupies, if any
+    money_amount: int = 0  # micro-dollars held in the spend-budget counters
 
 
 class Outcome(StrEnum):
@@ -287,6 +298,12 @@ class _ReserveCall:
     args: list[Any]
 
 
+def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
+    # Money counters live beside the token counters of the same scope, under their own name.
+    scope = f"{limit.scope}:usd" if limit.unit is Unit.MICROS else limit.scope
+    return keys.counter_key(tenant, scope, window.id)
+
+
 def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -323,12 +340,14 @@ class _Calls:
             cap,
             self.settings.stale_hold_s * 1000,
             req.meta,
+            req.money_amount,
         ]
         for limit in req.limits:
             window = cal.window(limit.window, now_ms)
-            key = keys.counter_key(req.tenant, limit.scope, window.id)
+            key = _counter_key(req.tenant, limit, window)
             counters.append((limit, window, key))
-            args += [limit.limit, window.start_ms, window.end_ms, self.expire_at(window)]
+            args += [limit.limit, window.start_ms, window.end_ms, self.expire_at(window),
+                     1 if limit.unit is Unit.MICROS else 0]
         call_keys = [keys.hold_key(req.tenant, req.request_id), keys.hold_index_key(req.tenant)]
         call_keys += [c[2] for c in counters]
         for rate in req.rates:
@@ -368,7 +387,8 @@ class _Calls:
         hold = None
         if admitted and not req.dry_run:
             gauge = keys.gauge_key(req.tenant, req.concurrency.scope) if req.concurrency else ""
-            hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states), gauge)
+            hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states), gauge,
+                        req.money_amount)
         return Reservation(
             admitted=admitted,
             request_id=req.request_id,
@@ -392,11 +412,13 @@ class _Calls:
             call_keys.append(hold.gauge_key)
         return call_keys
 
-    def settle_args(self, hold: Hold, actual: int, event: str) -> list[Any]:
+    def settle_args(self, hold: Hold, actual: int, event: str, actual_money: int) -> list[Any]:
         if not isinstance(actual, int) or actual < 0:
             raise ValueError(f"actual tokens must be an integer >= 0, got {actual!r}")
+        if not isinstance(actual_money, int) or actual_money < 0:
+            raise ValueError(f"actual_money must be an integer >= 0, got {actual_money!r}")
         return [hold.request_id, actual, self.settings.tombstone_s, event,
-                self.settings.stream_maxlen]
+                self.settings.stream_maxlen, actual_money]
 
     def release_args(self, hold: Hold, event: str) -> list[Any]:
         return [hold.request_id, self.settings.tombstone_s, event, self.settings.stream_maxlen]
@@ -440,13 +462,14 @@ class _Calls:
         if not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
         window = self.calendar(utc_offset_s).window(limit.window, self.clock.now_ms())
-        key = keys.counter_key(tenant, limit.scope, window.id)
+        key = _counter_key(tenant, limit, window)
         return window, key, [tokens, limit.limit, window.start_ms, window.end_ms,
                              self.expire_at(window)]
 
-    def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, utc_offset_s: int) -> str:
+    def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, utc_offset_s: int,
+                        unit: Unit = Unit.TOKENS) -> str:
         window = self.calendar(utc_offset_s).window(kind, self.clock.now_ms())
-        return keys.counter_key(tenant, scope, window.id)
+        return _counter_key(tenant, ScopeLimit(scope, kind, UNLIMITED, unit), window)
 
 
 def _snapshot(key: str, fields: Sequence[Any], ttl: int) -> CounterSnapshot:
@@ -496,8 +519,8 @@ class QuotaEngine:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
-    def settle(self, hold: Hold, actual: int, event: str = "") -> SettleResult:
-        args = self._calls.settle_args(hold, actual, event)
+    def settle(self, hold: Hold, actual: int, event: str = "", actual_money: int = 0) -> SettleResult:
+        args = self._calls.settle_args(hold, actual, event, actual_money)
         outcome, held, charged = self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 
@@ -575,10 +598,11 @@ class QuotaEngine:
         return _capacity_result(reply)
 
     def counter(
-        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0
+        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0,
+        unit: Unit = Unit.TOKENS,
     ) -> CounterSnapshot:
         """The current window's counter of one scope (for dashboards and tests)."""
-        return self.counter_at(self._calls.counter_key_now(tenant, scope, kind, utc_offset_s))
+        return self.counter_at(self._calls.counter_key_now(tenant, scope, kind, utc_offset_s, unit))
 
     def counter_at(self, key: str) -> CounterSnapshot:
         with _store_errors():
@@ -624,8 +648,9 @@ class AsyncQuotaEngine:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
-    async def settle(self, hold: Hold, actual: int, event: str = "") -> SettleResult:
-        args = self._calls.settle_args(hold, actual, event)
+    async def settle(self, hold: Hold, actual: int, event: str = "",
+                     actual_money: int = 0) -> SettleResult:
+        args = self._calls.settle_args(hold, actual, event, actual_money)
         outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 

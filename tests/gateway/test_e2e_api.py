@@ -195,3 +195,28 @@ def test_a_model_outside_the_catalog_is_metered_with_the_fallback_estimate(
     assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 500_000 - completion.usage.total_tokens
     counter = tenant_counter(engine, t.tag)
     assert (counter.used, counter.pending) == (completion.usage.total_tokens, 0)
+
+
+def test_monthly_spend_budget_holds_the_worst_case_cost(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
+) -> None:
+    from gateway.catalog import load_catalog
+    from quotas.engine import Unit
+
+    t = make_tenant(monthly_spend_budget_micros=400)
+    client = client_for(gateway, t.plaintext)
+    price = load_catalog().spec("gpt-4o")
+    costs = []
+    for _ in range(2):  # each holds about 240 micro-dollars and costs about 105
+        completion = client.chat.completions.create(
+            model="gpt-4o", max_tokens=10, messages=[{"role": "user", "content": "hi there"}])
+        # Micro-dollars, rounded half up once per call (gateway.catalog.cost_micros).
+        costs.append((completion.usage.prompt_tokens * price.input_price_micros_per_mtok
+                      + completion.usage.completion_tokens * price.output_price_micros_per_mtok
+                      + 500_000) // 1_000_000)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="gpt-4o", max_tokens=10,
+                                       messages=[{"role": "user", "content": "hi there"}])
+    assert info.value.code == "insufficient_quota"
+    spend = engine.counter(t.tag, "tenant", WindowKind.MONTH, unit=Unit.MICROS)
+    assert (spend.limit, spend.used, spend.pending) == (400, sum(costs), 0)
