@@ -82,3 +82,100 @@ class ModelPrice(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} from {self.valid_from:%Y-%m-%d}"
+
+
+# -- threshold alerts and webhooks (billing/alerts.py, billing/webhooks.py) ---------------------
+
+
+def _new_webhook_id() -> str:
+    from tenants.ids import PUBLIC_ID_RANDOM_LENGTH, random_base62
+
+    return "whk_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
+
+
+class WebhookEvent(models.TextChoices):
+    THRESHOLD = "quota.threshold", "A quota crossed one of the tenant's alert thresholds"
+    EXHAUSTED = "quota.exhausted", "A quota has nothing left"
+    TEST = "test", "A test event sent on request"
+
+
+class WebhookEndpoint(models.Model):
+    """Where a tenant wants its alerts. The signing secret is stored encrypted (gateway.crypto);
+    its plaintext is shown once, at creation (billing.webhooks.create_endpoint)."""
+
+    public_id = models.CharField(max_length=32, unique=True, editable=False,
+                                 default=_new_webhook_id)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE,
+                               related_name="webhook_endpoints")
+    url = models.URLField(max_length=2000)
+    secret_encrypted = models.TextField(editable=False, help_text="Fernet ciphertext.")
+    events = models.JSONField(default=list, blank=True,
+                              help_text='Event types sent here, e.g. ["quota.threshold"].')
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["tenant_id", "created_at"]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def secret(self) -> str:
+        from gateway.crypto import decrypt_secret
+
+        return decrypt_secret(self.secret_encrypted)
+
+
+class WebhookDelivery(models.Model):
+    """One event for one endpoint, and the log of its delivery attempts."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        DELIVERED = "delivered", "Delivered"
+        FAILED = "failed", "Failed (gave up)"
+
+    endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE,
+                                 related_name="deliveries")
+    event_type = models.CharField(max_length=32, choices=WebhookEvent.choices)
+    payload = models.JSONField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    next_attempt_at = models.DateTimeField(null=True, blank=True,
+                                           help_text="When the next attempt is due (pending).")
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "webhook deliveries"
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["status", "next_attempt_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} to {self.endpoint_id} ({self.status})"
+
+
+class AlertState(models.Model):
+    """A threshold alert that has fired. The unique constraint is what makes an alert fire once
+    per threshold per window, whatever the number of detectors racing (billing/alerts.py)."""
+
+    EXHAUSTED = 0  # the threshold value of "nothing left"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE,
+                               related_name="alert_states")
+    scope = models.CharField(max_length=64, help_text='"tenant" or "project:<id>".')
+    window = models.CharField(max_length=32, help_text='e.g. "d2026-11-30" or "m2026-11".')
+    threshold = models.PositiveSmallIntegerField(help_text="Percent remaining; 0: exhausted.")
+    fired_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "scope", "window", "threshold"],
+                                    name="alert_state_once_per_window"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.scope} {self.window} {self.threshold}%"
+

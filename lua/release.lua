@@ -63,7 +63,8 @@ local units = hold[7] and cjson.decode(hold[7]) or {}
 local money = tonumber(hold[8]) or 0
 for i = 1, #keys do
   if redis.call('EXISTS', KEYS[i + 3]) == 1 then
-    redis.call('HINCRBY', KEYS[i + 3], 'pending', units[i] == 1 and -money or -amount)
+    -- 0 - x, not -x: Lua's -0 is sent as "-0", which HINCRBY refuses
+    redis.call('HINCRBY', KEYS[i + 3], 'pending', 0 - (units[i] == 1 and money or amount))
   end
 end
 if gauge ~= '' then

@@ -77,7 +77,7 @@ for i = 1, #keys do
   if redis.call('EXISTS', key) == 1 then
     local held, used = amount, actual
     if units[i] == 1 then held, used = money, actual_money end
-    redis.call('HINCRBY', key, 'pending', -held)
+    redis.call('HINCRBY', key, 'pending', 0 - held)  -- not -held: Lua's -0 is "-0" to HINCRBY
     redis.call('HINCRBY', key, 'used', used)
     if used > held then
       redis.call('HINCRBY', key, 'over', used - held)

@@ -72,7 +72,7 @@ for i = 1, h do
       local money = tonumber(hold[8]) or 0
       for j = 1, #keys do
         if redis.call('EXISTS', keys[j]) == 1 then
-          redis.call('HINCRBY', keys[j], 'pending', units[j] == 1 and -money or -amount)
+          redis.call('HINCRBY', keys[j], 'pending', 0 - (units[j] == 1 and money or amount))
         end
       end
       if gauge ~= '' then

@@ -2,7 +2,8 @@
 
 After every step, for every counter ever touched:
     used + pending <= limit + credit   (settled amounts never exceed their hold here)
-    pending == the sum of the open holds made in it
+    pending == the sum of the open holds made in it (tokens, or micro-dollars in the money
+    counter of the monthly spend budget)
     no counter is negative
     the usage stream holds exactly one event per ended hold
 and every reply matches a plain Python model of what the answer must be.
@@ -27,7 +28,15 @@ from hypothesis.stateful import (
 )
 
 from quotas import keys
-from quotas.engine import UNLIMITED, EngineSettings, Hold, QuotaEngine, ReserveRequest, ScopeLimit
+from quotas.engine import (
+    UNLIMITED,
+    EngineSettings,
+    Hold,
+    QuotaEngine,
+    ReserveRequest,
+    ScopeLimit,
+    Unit,
+)
 from quotas.windows import WindowKind
 
 SCOPES = ["tenant", "project:p1", "project:p2", "key:k1", "model:m1"]
@@ -40,6 +49,7 @@ class Expected:
     used: int = 0
     pending: int = 0
     credit: int = 0
+    money: bool = False  # a spend-budget counter: holds the request's money_amount
 
 
 @dataclass
@@ -67,37 +77,46 @@ class QuotaMachine(RuleBasedStateMachine):
     @initialize(
         day=st.fixed_dictionaries({s: limit_values for s in SCOPES}),
         month=st.one_of(st.just(UNLIMITED), st.integers(min_value=0, max_value=1500)),
+        budget=st.one_of(st.just(UNLIMITED), st.integers(min_value=0, max_value=3000)),
     )
-    def set_limits(self, day: dict[str, int], month: int) -> None:
+    def set_limits(self, day: dict[str, int], month: int, budget: int) -> None:
         self.day_limits = day
         self.month_limit = month
+        self.budget = budget
 
     def _limits(self, scopes: list[str]) -> tuple[ScopeLimit, ...]:
         chosen = [ScopeLimit(s, WindowKind.DAY, self.day_limits[s]) for s in scopes]
-        return (*chosen, ScopeLimit("tenant", WindowKind.MONTH, self.month_limit))
+        return (*chosen, ScopeLimit("tenant", WindowKind.MONTH, self.month_limit),
+                ScopeLimit("tenant", WindowKind.MONTH, self.budget, Unit.MICROS))
 
     @rule(
         target=holds,
         scopes=st.lists(st.sampled_from(SCOPES), min_size=1, max_size=5, unique=True),
         amount=st.integers(min_value=1, max_value=150),
+        money=st.integers(min_value=0, max_value=400),
         shrink=st.booleans(),
         dry_run=st.booleans(),
     )
-    def reserve(self, scopes: list[str], amount: int, shrink: bool, dry_run: bool) -> OpenHold | None:
+    def reserve(self, scopes: list[str], amount: int, money: int, shrink: bool,
+                dry_run: bool) -> OpenHold | None:
         self.n += 1
         min_amount = max(1, amount // 3) if shrink else None
         request = ReserveRequest(
             self.tenant, f"r{self.n}", amount, self._limits(scopes), min_amount=min_amount,
-            dry_run=dry_run, utc_offset_s=self.day_shift,
+            dry_run=dry_run, utc_offset_s=self.day_shift, money_amount=money,
         )
         result = self.engine.reserve(request)
 
-        expected = [self.counters.get(c.key) or Expected(c.limit) for c in result.counters]
-        headrooms = [e.limit + e.credit - e.used - e.pending
-                     for e, c in zip(expected, result.counters) if c.limit != UNLIMITED]
-        tightest = min(headrooms) if headrooms else None
+        is_money = [c.key.split(":q:")[1].startswith("tenant:usd:") for c in result.counters]
+        expected = [self.counters.get(c.key) or Expected(c.limit, money=m)
+                    for c, m in zip(result.counters, is_money)]
+        room = [(e.limit + e.credit - e.used - e.pending, m)
+                for e, c, m in zip(expected, result.counters, is_money) if c.limit != UNLIMITED]
+        token_rooms = [h for h, m in room if not m]
+        tightest = min(token_rooms) if token_rooms else None
         floor = min_amount or amount
-        should_admit = tightest is None or tightest >= floor
+        should_admit = ((tightest is None or tightest >= floor)
+                        and all(h >= money for h, m in room if m))
         assert result.admitted == should_admit, (result, expected)
         if not result.admitted:
             return None
@@ -105,20 +124,20 @@ class QuotaMachine(RuleBasedStateMachine):
         if dry_run:
             assert result.hold is None
             return None
-        for c in result.counters:
-            e = self.counters.setdefault(c.key, Expected(c.limit))
+        for c, m in zip(result.counters, is_money):
+            e = self.counters.setdefault(c.key, Expected(c.limit, money=m))
             e.limit = c.limit
-            e.pending += result.granted
+            e.pending += money if m else result.granted
         entry = OpenHold(result.hold)
         self.open[result.request_id] = entry
         return entry
 
-    def _end(self, entry: OpenHold, used: int | None) -> None:
+    def _end(self, entry: OpenHold, used: int | None, used_money: int = 0) -> None:
         for key in entry.hold.counter_keys:
             e = self.counters[key]
-            e.pending -= entry.hold.amount
+            e.pending -= entry.hold.money_amount if e.money else entry.hold.amount
             if used is not None:
-                e.used += used
+                e.used += used_money if e.money else used
         entry.open = False
         self.open.pop(entry.hold.request_id, None)
         self.ended += 1
@@ -128,11 +147,12 @@ class QuotaMachine(RuleBasedStateMachine):
         if entry is None:
             return
         actual = int(entry.hold.amount * fraction)
+        actual_money = int(entry.hold.money_amount * fraction)
         was_open = entry.open
-        result = self.engine.settle(entry.hold, actual)
+        result = self.engine.settle(entry.hold, actual, actual_money=actual_money)
         assert (result.outcome == "settled" and result.held > 0) == was_open
         if was_open:
-            self._end(entry, actual)
+            self._end(entry, actual, actual_money)
 
     @rule(entry=consumes(holds))
     def release(self, entry: OpenHold | None) -> None:
@@ -179,7 +199,8 @@ class QuotaMachine(RuleBasedStateMachine):
         per_key: dict[str, int] = {}
         for entry in self.open.values():
             for key in entry.hold.counter_keys:
-                per_key[key] = per_key.get(key, 0) + entry.hold.amount
+                held = entry.hold.money_amount if self.counters[key].money else entry.hold.amount
+                per_key[key] = per_key.get(key, 0) + held
         for key in self.counters:
             assert self.engine.counter_at(key).pending == per_key.get(key, 0)
         assert sorted(self.engine.open_hold_ids(self.tenant)) == sorted(self.open)

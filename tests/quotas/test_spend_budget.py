@@ -56,3 +56,17 @@ def test_a_zero_budget_refuses_any_call_that_costs_something(engine: QuotaEngine
 def test_bad_money_amounts_are_refused(tenant: str, bad: object) -> None:
     with pytest.raises(ValueError):
         ReserveRequest(tenant, "x", 1, LIMITS, money_amount=bad)
+
+
+def test_a_free_call_under_a_budget_ends_cleanly(engine: QuotaEngine, tenant: str) -> None:
+    # Found by the state machine: holding 0 micro-dollars once made release and sweep send
+    # HINCRBY "-0", which Redis refuses, leaving the hold open.
+    a = reserve(engine, tenant, "a", 10, 0)
+    b = reserve(engine, tenant, "b", 10, 0)
+    c = reserve(engine, tenant, "c", 10, 0)
+    assert engine.release(a.hold).outcome == "released"
+    assert engine.settle(b.hold, 5, actual_money=0).outcome == "settled"
+    time.sleep(0.002)
+    assert [h.request_id for h in engine.sweep(tenant, stale_s=0).swept] == [c.request_id]
+    money = engine.counter(tenant, "tenant", MONTH, unit=Unit.MICROS)
+    assert (money.used, money.pending) == (0, 0)

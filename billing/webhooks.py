@@ -1,0 +1,358 @@
+"""Tenant webhooks: endpoints, signed deliveries, retries with backoff, and the SSRF guard.
+
+Payload (JSON, UTF-8), one object per event:
+
+    {"id": "evt_...", "type": "quota.threshold" | "quota.exhausted" | "test",
+     "created": <unix seconds>, "tenant": "<slug>", "scope": "tenant" | "project:<slug>",
+     "window": "d2026-11-30" | "m2026-11", "limit": int, "used": int, "pending": int,
+     "remaining": int, "threshold": <percent remaining; 0 for quota.exhausted>}
+
+`id` is the event's: the same on every retry and redelivery (receivers dedupe on it).
+
+Headers: `Tollgate-Timestamp: <unix seconds of this attempt>` and
+`Tollgate-Signature: v1=<hex HMAC-SHA256(secret, f"{timestamp}.{raw body}")>`; receivers check
+them with `verify_signature` (or its five lines, in any language).
+
+Delivery: one attempt at a time is claimed with a conditional UPDATE (two workers never send the
+same attempt); a failed attempt is retried after TOLLGATE_WEBHOOK_BACKOFF_SECONDS (10 s, 30 s,
+2 min, 10 min, 1 h) up to TOLLGATE_WEBHOOK_MAX_ATTEMPTS (6), then the delivery is `failed`.
+This module never talks to the broker: the Celery tasks (billing/tasks.py) dispatch.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
+from gateway.crypto import SecretDecryptionError, encrypt_secret
+from tenants.ids import random_base62
+from tenants.models import Tenant
+from tenants.services import record_audit_event
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "Tollgate-Signature"
+TIMESTAMP_HEADER = "Tollgate-Timestamp"
+SIGNATURE_VERSION = "v1"
+SECRET_PREFIX = "whsec_"
+# How long a claimed attempt is reserved for the worker sending it. Longer than any attempt can
+# take (the timeouts below); after it, a worker that died mid-attempt is retried by the beat.
+CLAIM_SECONDS = 120
+_DEFAULT_BACKOFF = (10, 30, 120, 600, 3600)
+_USER_AGENT = "Tollgate-Webhooks/1"
+
+
+class WebhookUrlRefused(ValueError):
+    """The URL is malformed or its host resolves to an address webhooks may not reach (SSRF)."""
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+def allow_private() -> bool:
+    return bool(getattr(settings, "TOLLGATE_WEBHOOK_ALLOW_PRIVATE", False))
+
+
+def _timeout_s() -> float:
+    return float(getattr(settings, "TOLLGATE_WEBHOOK_TIMEOUT_SECONDS", 5.0))
+
+
+def _max_attempts() -> int:
+    return int(getattr(settings, "TOLLGATE_WEBHOOK_MAX_ATTEMPTS", 6))
+
+
+def backoff_s(attempt: int) -> float:
+    """The wait after failed attempt number `attempt` (1-based); the last value repeats."""
+    delays: Sequence[float] = getattr(settings, "TOLLGATE_WEBHOOK_BACKOFF_SECONDS",
+                                      _DEFAULT_BACKOFF)
+    return float(delays[min(attempt, len(delays)) - 1]) if delays else 0.0
+
+
+# -- SSRF guard ---------------------------------------------------------------------------------
+
+
+def _forbidden(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
+            or ip.is_reserved or ip.is_unspecified or not ip.is_global)
+
+
+def _split(url: str) -> tuple[Any, str, int]:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise WebhookUrlRefused(f"invalid URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise WebhookUrlRefused("webhook URLs must use http or https")
+    if not parts.hostname:
+        raise WebhookUrlRefused("webhook URL has no host")
+    if parts.username is not None or parts.password is not None:
+        raise WebhookUrlRefused("credentials in webhook URLs are not supported")
+    return parts, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def resolve_allowed(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to, or WebhookUrlRefused when one of them is private,
+    loopback, link-local, multicast or reserved (unless TOLLGATE_WEBHOOK_ALLOW_PRIVATE)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise WebhookUrlRefused(f"cannot resolve {host!r}: {exc}") from None
+    addresses = list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+    if not addresses:
+        raise WebhookUrlRefused(f"{host!r} resolves to no address")
+    if not allow_private():
+        for address in addresses:
+            if _forbidden(ipaddress.ip_address(address)):
+                raise WebhookUrlRefused(
+                    f"{host!r} resolves to {address}, a private, loopback, link-local, "
+                    "multicast or reserved address (TOLLGATE_WEBHOOK_ALLOW_PRIVATE is off)")
+    return addresses
+
+
+def check_url(url: str) -> None:
+    """Refuse a URL webhooks may not call (see resolve_allowed); resolves its host now."""
+    if len(url) > 2000:
+        raise WebhookUrlRefused("webhook URL is longer than 2000 characters")
+    _parts, host, port = _split(url)
+    resolve_allowed(host, port)
+
+
+def pinned_request(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The URL to connect to, with extra headers and httpx extensions.
+
+    The host is resolved and checked here, and the connection goes to that checked address (the
+    Host header and TLS server name keep the original name, so virtual hosts and certificate
+    checks are unchanged): a DNS answer that changes between check and connect (DNS rebinding)
+    cannot send the request elsewhere.
+    """
+    parts, host, port = _split(url)
+    addresses = resolve_allowed(host, port)
+    if allow_private():
+        return url, {}, {}
+    address = addresses[0]
+    netloc = f"[{address}]" if ":" in address else address
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
+    return pinned, {"Host": parts.netloc}, extensions
+
+
+# -- signatures ---------------------------------------------------------------------------------
+
+
+def _bytes(body: bytes | str) -> bytes:
+    return body.encode() if isinstance(body, str) else body
+
+
+def sign(secret: str, timestamp: int | str, body: bytes | str) -> str:
+    """The Tollgate-Signature header value: `v1=<hex HMAC-SHA256 of "{timestamp}.{body}">`."""
+    message = f"{timestamp}.".encode() + _bytes(body)
+    digest = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return f"{SIGNATURE_VERSION}={digest}"
+
+
+def verify_signature(secret: str, timestamp: str | int, body: bytes | str, header: str,
+                     tolerance_s: int = 300, *, now: float | None = None) -> bool:
+    """For receivers: True when `header` (Tollgate-Signature) signs `body` (the raw request
+    body, before any JSON parsing) at `timestamp` (Tollgate-Timestamp) with `secret`, and the
+    timestamp is within `tolerance_s` of now (replay protection). The header may carry several
+    comma-separated `v1=` values; one match is enough."""
+    try:
+        ts = int(str(timestamp).strip())
+    except ValueError:
+        return False
+    if abs((time.time() if now is None else now) - ts) > tolerance_s:
+        return False
+    expected = sign(secret, ts, body)
+    return any(hmac.compare_digest(expected, candidate.strip())
+               for candidate in (header or "").split(","))
+
+
+# -- endpoints ----------------------------------------------------------------------------------
+
+
+def _check_events(events: Iterable[str]) -> list[str]:
+    events = list(dict.fromkeys(events))
+    unknown = sorted(set(events) - set(WebhookEvent.values))
+    if unknown:
+        raise ValueError(f"unknown webhook event(s): {', '.join(unknown)}; "
+                         f"known: {', '.join(WebhookEvent.values)}")
+    return events
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def create_endpoint(tenant: Tenant, url: str, events: Iterable[str], *,
+                    actor: str) -> tuple[WebhookEndpoint, str]:
+    """A new endpoint and its signing secret, whose plaintext is returned once and stored only
+    encrypted. Raises WebhookUrlRefused (a ValueError) for a URL webhooks may not call."""
+    events = _check_events(events)
+    check_url(url)
+    secret = new_secret()
+    with transaction.atomic():
+        endpoint = WebhookEndpoint.objects.create(
+            tenant=tenant, url=url, secret_encrypted=encrypt_secret(secret), events=events)
+        record_audit_event(tenant=tenant, actor=actor, action="webhook.created",
+                           target=endpoint.public_id, data={"url": url, "events": events})
+    return endpoint, secret
+
+
+# -- deliveries ---------------------------------------------------------------------------------
+
+
+def new_event_id() -> str:
+    return "evt_" + random_base62(24)
+
+
+def event_payload(event_type: str, tenant: Tenant, **fields: Any) -> dict[str, Any]:
+    return {"id": new_event_id(), "type": str(event_type), "created": int(time.time()),
+            "tenant": tenant.slug, **fields}
+
+
+def create_deliveries(tenant: Tenant, event_type: str,
+                      payload: dict[str, Any]) -> list[WebhookDelivery]:
+    """One pending delivery, due now, per enabled endpoint of the tenant subscribed to the
+    event. Dispatching them is the caller's business (billing.tasks.dispatch_deliveries)."""
+    now = timezone.now()
+    endpoints = [e for e in WebhookEndpoint.objects.filter(tenant=tenant, enabled=True)
+                 if event_type in (e.events or [])]
+    return WebhookDelivery.objects.bulk_create([
+        WebhookDelivery(endpoint=e, event_type=event_type, payload=payload, next_attempt_at=now)
+        for e in endpoints
+    ])
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _claim(delivery: WebhookDelivery, now: datetime) -> bool:
+    """Take the next attempt of a due delivery; False when another worker has it, or it is not
+    due, or it has ended. PostgreSQL re-checks the WHERE after a concurrent update, so of two
+    workers claiming the same attempt exactly one gets a row."""
+    claimed = WebhookDelivery.objects.filter(
+        pk=delivery.pk, status=WebhookDelivery.Status.PENDING, attempts=delivery.attempts,
+        next_attempt_at__lte=now,
+    ).update(attempts=F("attempts") + 1, next_attempt_at=now + timedelta(seconds=CLAIM_SECONDS))
+    return claimed == 1
+
+
+def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
+          delivery_id: int) -> tuple[int | None, str]:
+    """POST one attempt; (status code or None, error text)."""
+    try:
+        url, headers, extensions = pinned_request(endpoint.url)
+    except WebhookUrlRefused as exc:
+        return None, f"refused: {exc}"
+    try:
+        secret = endpoint.secret
+    except SecretDecryptionError:
+        return None, "the endpoint's secret cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"
+    timestamp = int(time.time())
+    headers.update({
+        "Content-Type": "application/json",
+        "User-Agent": _USER_AGENT,
+        "Tollgate-Event": event_type,
+        "Tollgate-Delivery": str(delivery_id),
+        TIMESTAMP_HEADER: str(timestamp),
+        SIGNATURE_HEADER: sign(secret, timestamp, body),
+    })
+    try:
+        # No proxies from the environment (they would bypass the address check), no redirects
+        # (a 3xx is a failure), and the response body is never read.
+        with httpx.Client(timeout=_timeout_s(), trust_env=False, follow_redirects=False) as client:
+            with client.stream("POST", url, content=body, headers=headers,
+                               extensions=extensions) as response:
+                return response.status_code, ""
+    except Exception as exc:  # noqa: BLE001 - any failure is a failed attempt, retried later
+        return None, f"{type(exc).__name__}: {exc}"[:500]
+
+
+def deliver(delivery_id: int) -> WebhookDelivery | None:
+    """One attempt of a delivery if it is pending and due; idempotent. Returns the delivery as
+    left (None when it does not exist). Safe when several workers call it at once."""
+    delivery = (WebhookDelivery.objects.select_related("endpoint__tenant")
+                .filter(pk=delivery_id).first())
+    if delivery is None or delivery.status != WebhookDelivery.Status.PENDING:
+        return delivery
+    now = timezone.now()
+    if delivery.next_attempt_at is None or delivery.next_attempt_at > now:
+        return delivery
+    if not _claim(delivery, now):
+        delivery.refresh_from_db()
+        return delivery
+    attempt = delivery.attempts + 1
+    code, error = _send(delivery.endpoint, encode(delivery.payload), delivery.event_type,
+                        delivery.pk)
+    done = timezone.now()
+    ok = code is not None and 200 <= code < 300
+    if ok:
+        update: dict[str, Any] = {"status": WebhookDelivery.Status.DELIVERED,
+                                  "delivered_at": done, "next_attempt_at": None,
+                                  "last_status_code": code, "last_error": ""}
+    else:
+        error = error or f"HTTP {code}"
+        update = {"last_status_code": code, "last_error": error}
+        if attempt >= _max_attempts():
+            update.update(status=WebhookDelivery.Status.FAILED, next_attempt_at=None)
+            log.warning("webhook delivery %s to %s failed for good after %d attempts: %s",
+                        delivery.pk, delivery.endpoint.public_id, attempt, error)
+        else:
+            update["next_attempt_at"] = done + timedelta(seconds=backoff_s(attempt))
+            log.info("webhook delivery %s to %s: attempt %d failed (%s), retry at %s",
+                     delivery.pk, delivery.endpoint.public_id, attempt, error,
+                     update["next_attempt_at"])
+    # Only if the attempt is still ours (a manual redelivery may have started another).
+    WebhookDelivery.objects.filter(pk=delivery.pk, attempts=attempt,
+                                   status=WebhookDelivery.Status.PENDING).update(**update)
+    delivery.refresh_from_db()
+    return delivery
+
+
+def due_delivery_ids(*, limit: int = 500) -> list[int]:
+    """Pending deliveries whose next attempt is due (new ones, retries, and attempts whose
+    worker died after claiming them)."""
+    return list(WebhookDelivery.objects
+                .filter(status=WebhookDelivery.Status.PENDING, next_attempt_at__lte=timezone.now())
+                .order_by("next_attempt_at").values_list("pk", flat=True)[:limit])
+
+
+def redeliver(delivery: WebhookDelivery) -> WebhookDelivery:
+    """Manual redelivery: one new attempt now, whatever the delivery's state (same event id,
+    fresh timestamp and signature). If it fails, automatic retries continue while attempts
+    remain; past the maximum the delivery is `failed` again."""
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(
+        status=WebhookDelivery.Status.PENDING, next_attempt_at=timezone.now(), delivered_at=None)
+    return deliver(delivery.pk) or delivery
+
+
+def send_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
+    """Send a `test` event to the endpoint now (whether or not it subscribes to `test`)."""
+    payload = event_payload(WebhookEvent.TEST, endpoint.tenant, scope="tenant", window="",
+                            limit=0, used=0, pending=0, remaining=0, threshold=0)
+    delivery = WebhookDelivery.objects.create(
+        endpoint=endpoint, event_type=WebhookEvent.TEST, payload=payload,
+        next_attempt_at=timezone.now())
+    return deliver(delivery.pk) or delivery
