@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from celery import shared_task
+from django.utils import timezone
 
+from billing.alerts import all_tenant_ids, check_thresholds, tenants_with_usage_events
+from billing.alerts import check_pending_health as check_pending_health_now
 from billing.ledger import drain_all
+from billing.models import WebhookDelivery
+from billing.webhooks import deliver, due_delivery_ids
 from quotas.runtime import get_engine
 
 log = logging.getLogger(__name__)
@@ -15,7 +22,102 @@ log = logging.getLogger(__name__)
 def drain_usage() -> int:
     """Move the gateway's usage events into the ledger. Idempotent (unique request ids), and
     safe on several workers: a batch drained twice inserts nothing the second time."""
-    result = drain_all(get_engine().client)
+    client = get_engine().client
+    check_alerts = _alerts_after_drain(client)
+    result = drain_all(client)
     if result.events:
         log.info("recorded %d usage events of %d tenants", result.events, result.tenants)
+    check_alerts()
     return result.events
+
+
+# -- threshold alerts, webhooks and health (billing/alerts.py, billing/webhooks.py) -------------
+# Beat entries (CELERY_BEAT_SCHEDULE): check_quota_thresholds and retry_due_webhooks every
+# minute, check_pending_health every five minutes. Detection at settle time runs in drain_usage.
+
+# Retries due within this long are queued with a countdown; later ones are left to the beat
+# (retry_due_webhooks), so no task waits for hours in a worker (or past the broker's
+# visibility timeout).
+_COUNTDOWN_MAX_S = 300
+
+
+def dispatch_deliveries(delivery_ids: Iterable[int]) -> int:
+    """Queue one deliver_webhook task per delivery. A broker error is logged, not raised: the
+    deliveries are due in PostgreSQL and retry_due_webhooks queues them within a minute."""
+    queued = 0
+    for delivery_id in delivery_ids:
+        try:
+            deliver_webhook.delay(delivery_id)
+            queued += 1
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.warning("could not queue webhook delivery %s; the beat will", delivery_id,
+                        exc_info=True)
+    return queued
+
+
+def _fire_alerts(tenant_ids: Iterable[int]) -> int:
+    alerts = check_thresholds(tenant_ids)
+    dispatch_deliveries([i for alert in alerts for i in alert.delivery_ids])
+    return len(alerts)
+
+
+def _alerts_after_drain(client: Any) -> Callable[[], None]:
+    """Detection at settle time, off the gateway's hot path: the tenants with usage events
+    before the drain are the ones whose counters moved; check them once the drain is done."""
+    try:
+        active = tenants_with_usage_events(client)
+    except Exception:  # noqa: BLE001 - detection must never stop the ledger drain
+        log.exception("could not list the tenants with usage events; the beat will check them")
+        active = []
+
+    def check() -> None:
+        if not active:
+            return
+        try:
+            _fire_alerts(active)
+        except Exception:  # noqa: BLE001 - check_quota_thresholds catches up within a minute
+            log.exception("threshold check after the drain failed; the beat will catch up")
+
+    return check
+
+
+@shared_task
+def check_quota_thresholds() -> int:
+    """Every tenant's threshold alerts (catch-up for anything the drain-time check missed).
+    Safe on several workers: each alert is fired by the one detector that inserts its state."""
+    fired = _fire_alerts(all_tenant_ids())
+    if fired:
+        log.info("fired %d quota alerts", fired)
+    return fired
+
+
+@shared_task
+def deliver_webhook(delivery_id: int) -> str:
+    """One attempt of a webhook delivery if due (idempotent: a delivered or not-yet-due one is
+    skipped, and a conditional UPDATE gives each attempt to exactly one worker). A failed
+    attempt is queued again after its backoff."""
+    delivery = deliver(delivery_id)
+    if delivery is None:
+        return "missing"
+    if delivery.status == WebhookDelivery.Status.PENDING and delivery.next_attempt_at:
+        wait = (delivery.next_attempt_at - timezone.now()).total_seconds()
+        if wait <= _COUNTDOWN_MAX_S:
+            try:
+                deliver_webhook.apply_async((delivery_id,), countdown=max(wait, 0))
+            except Exception:  # noqa: BLE001 - retry_due_webhooks queues it when due
+                log.warning("could not queue the retry of delivery %s", delivery_id,
+                            exc_info=True)
+    return str(delivery.status)
+
+
+@shared_task
+def retry_due_webhooks() -> int:
+    """Queue every pending delivery that is due (retries, new ones whose task was lost, attempts
+    whose worker died). Duplicated tasks are harmless: deliver() claims each attempt once."""
+    return dispatch_deliveries(due_delivery_ids())
+
+
+@shared_task
+def check_pending_health() -> int:
+    """Alert operators when a tenant's pending holds stay high (billing.alerts)."""
+    return len(check_pending_health_now())
