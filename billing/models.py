@@ -179,3 +179,146 @@ class AlertState(models.Model):
     def __str__(self) -> str:
         return f"{self.tenant_id} {self.scope} {self.window} {self.threshold}%"
 
+
+# ---------------------------------------------------------------------------------------------
+# Reconciliation against the upstream bill (billing/reconciliation.py, billing/bills.py)
+# ---------------------------------------------------------------------------------------------
+
+from datetime import date  # noqa: E402 - kept with the reconciliation models
+from decimal import Decimal  # noqa: E402
+
+from tenants.ids import PUBLIC_ID_RANDOM_LENGTH, random_base62  # noqa: E402
+
+
+def new_reconciliation_run_id() -> str:
+    return "rec_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
+
+
+class UpstreamKeyAlias(models.Model):
+    """How an upstream bill names one of our provider keys.
+
+    The mock upstream (and CSV exports made in its shape) name a key
+    `gateway.mock_upstream.api_key_id(secret)` = "key_" + 12 hex digits of sha256(secret):
+    reconciliation computes that alias itself (`derived`) whenever it runs. OpenAI's usage API
+    reports its own key ids ("key_..."), which nothing here can compute: an operator enters them
+    in the admin. A provider key may have several aliases (e.g. its secret was rotated).
+    """
+
+    provider_key = models.ForeignKey("gateway.ProviderKey", on_delete=models.CASCADE,
+                                     related_name="upstream_aliases")
+    upstream_key_id = models.CharField(max_length=200, unique=True,
+                                       help_text="The key id as the upstream's bill names it.")
+    derived = models.BooleanField(default=False, help_text="Computed from the secret (mock "
+                                  "naming), not entered by an operator.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "upstream key alias"
+        verbose_name_plural = "upstream key aliases"
+        ordering = ["provider_key_id", "-created_at"]
+
+    def __str__(self) -> str:
+        return self.upstream_key_id
+
+
+class ReconciliationRun(models.Model):
+    """One comparison of the ledger with an upstream bill over [period_start, period_end).
+
+    Every run is kept (the history): a later run of the same period, source and provider key
+    points the earlier ones at itself with `superseded_by`, so "the current result" is the run
+    with no successor.
+    """
+
+    class Source(models.TextChoices):
+        OPENAI_API = "openai_api", "OpenAI organization usage API"
+        CSV = "csv", "CSV import"
+        MOCK = "mock", "Mock upstream's bill endpoint"
+
+    class Status(models.TextChoices):
+        OK = "ok", "OK: every row within tolerance"
+        DRIFT = "drift", "Drift: some rows flagged"
+        FAILED = "failed", "Failed: the bill could not be read"
+
+    public_id = models.CharField(max_length=32, unique=True, editable=False,
+                                 default=new_reconciliation_run_id)
+    period_start = models.DateField(help_text="First UTC day compared.")
+    period_end = models.DateField(help_text="UTC day after the last one compared (exclusive).")
+    source = models.CharField(max_length=16, choices=Source.choices)
+    source_detail = models.CharField(max_length=500, blank=True,
+                                     help_text="Where the bill came from (URL or file name).")
+    provider_key = models.ForeignKey("gateway.ProviderKey", on_delete=models.SET_NULL, null=True,
+                                     blank=True, related_name="reconciliation_runs",
+                                     help_text="Empty: every provider key.")
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField()
+    status = models.CharField(max_length=8, choices=Status.choices)
+    tolerance = models.DecimalField(max_digits=7, decimal_places=6, default=Decimal("0.05"))
+    ours_input_tokens = models.BigIntegerField(default=0)
+    ours_output_tokens = models.BigIntegerField(default=0)
+    ours_cost_micros = models.BigIntegerField(default=0)
+    theirs_input_tokens = models.BigIntegerField(default=0)
+    theirs_output_tokens = models.BigIntegerField(default=0)
+    theirs_cost_micros = models.BigIntegerField(null=True, blank=True,
+                                                help_text="Empty: the bill gives no cost.")
+    rows_count = models.PositiveIntegerField(default=0)
+    flagged_count = models.PositiveIntegerField(default=0)
+    max_difference_rate = models.DecimalField(max_digits=9, decimal_places=6, default=Decimal(0))
+    error = models.TextField(blank=True)
+    superseded_by = models.ForeignKey("self", on_delete=models.SET_NULL, null=True, blank=True,
+                                      related_name="superseded")
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["period_start", "source", "provider_key"])]
+        constraints = [
+            models.CheckConstraint(name="reconciliation_period_ordered",
+                                   condition=models.Q(period_end__gt=models.F("period_start"))),
+        ]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def day(self) -> date | None:
+        """The UTC day compared, for a one-day run."""
+        days = (self.period_end - self.period_start).days
+        return self.period_start if days == 1 else None
+
+
+class ReconciliationRow(models.Model):
+    """Ours and theirs for one (provider key, model, UTC day) of a run."""
+
+    run = models.ForeignKey(ReconciliationRun, on_delete=models.CASCADE, related_name="rows")
+    provider_key = models.ForeignKey("gateway.ProviderKey", on_delete=models.SET_NULL, null=True,
+                                     blank=True, related_name="+",
+                                     help_text="Empty: the bill's key is none of ours.")
+    api_key_id = models.CharField(max_length=500, blank=True,
+                                  help_text="The upstream's key id(s) as the bill names them.")
+    model = models.CharField(max_length=200)
+    day = models.DateField()
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.SET_NULL, null=True, blank=True,
+                               related_name="+",
+                               help_text="Set when the provider key is dedicated to one tenant.")
+    ours_requests = models.BigIntegerField(default=0)
+    ours_input = models.BigIntegerField(default=0)
+    ours_output = models.BigIntegerField(default=0)
+    ours_cost_micros = models.BigIntegerField(default=0)
+    theirs_requests = models.BigIntegerField(default=0)
+    theirs_input = models.BigIntegerField(default=0)
+    theirs_output = models.BigIntegerField(default=0)
+    theirs_cost_micros = models.BigIntegerField(null=True, blank=True,
+                                                help_text="Empty: the bill gives no cost.")
+    difference = models.BigIntegerField(default=0,
+                                        help_text="Their tokens minus ours (input + output).")
+    difference_rate = models.DecimalField(
+        max_digits=9, decimal_places=6, default=Decimal(0),
+        help_text="|difference| / max(ours, theirs) in tokens; 0 when both are 0.")
+    flagged = models.BooleanField(default=False)
+    note = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["day", "provider_key_id", "model"]
+        indexes = [models.Index(fields=["run", "flagged"])]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.api_key_id or self.provider_key_id} {self.model}"

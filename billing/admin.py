@@ -1,0 +1,124 @@
+"""Django admin for the ledger (read-only), prices (append-mostly) and reconciliation.
+
+The ledger is the truth about what requests cost: nobody edits or deletes it here. A price that
+has been used to cost requests should not change either: a new price is a new row, and an
+existing one can only be closed (its `valid_to` set). Reconciliation runs are a history: they
+are read here, with their rows inline; upstream key aliases are edited here (OpenAI key ids).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from billing.models import (
+    ModelPrice,
+    ReconciliationRow,
+    ReconciliationRun,
+    UpstreamKeyAlias,
+    UsageRecord,
+)
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Every field shown, nothing added, changed or deleted."""
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in self.model._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Viewing needs only the view permission; saving is refused.
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(ReadOnlyAdmin):
+    list_display = ("request_id", "tenant", "served_model", "provider_key", "status",
+                    "input_tokens", "output_tokens", "cost_micros", "http_status", "ended_at")
+    list_filter = ("status", "endpoint", "streamed")
+    search_fields = ("request_id", "served_model", "model")
+    date_hierarchy = "ended_at"
+    list_select_related = ("tenant", "provider_key")
+    show_full_result_count = False  # COUNT(*) over the whole ledger on every page is slow
+
+
+@admin.register(ModelPrice)
+class ModelPriceAdmin(admin.ModelAdmin):
+    list_display = ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from",
+                    "valid_to")
+    search_fields = ("model",)
+    list_filter = ("model",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        if obj is None:
+            return ()
+        return ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from")
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class ReconciliationRowInline(admin.TabularInline):
+    model = ReconciliationRow
+    extra = 0
+    can_delete = False
+    show_change_link = True
+    fields = ("flagged", "day", "provider_key", "api_key_id", "model", "tenant", "ours_input",
+              "ours_output", "theirs_input", "theirs_output", "difference", "difference_rate",
+              "ours_cost_micros", "theirs_cost_micros", "note")
+    readonly_fields = fields
+    ordering = ("-flagged", "day", "model")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ReconciliationRow]:
+        return super().get_queryset(request).select_related("provider_key", "tenant")
+
+
+@admin.register(ReconciliationRun)
+class ReconciliationRunAdmin(ReadOnlyAdmin):
+    list_display = ("public_id", "period_start", "source", "provider_key", "status",
+                    "flagged_count", "rows_count", "max_difference_rate", "is_current",
+                    "started_at")
+    list_filter = ("status", "source", "period_start")
+    search_fields = ("public_id", "provider_key__public_id", "provider_key__name")
+    date_hierarchy = "started_at"
+    list_select_related = ("provider_key",)
+    inlines = [ReconciliationRowInline]
+
+    @admin.display(boolean=True, description="current")
+    def is_current(self, run: ReconciliationRun) -> bool:
+        return run.superseded_by_id is None
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Old history may be pruned by a superuser.
+        return bool(request.user.is_superuser)
+
+
+@admin.register(ReconciliationRow)
+class ReconciliationRowAdmin(ReadOnlyAdmin):
+    list_display = ("run", "day", "provider_key", "api_key_id", "model", "tenant", "ours_input",
+                    "ours_output", "theirs_input", "theirs_output", "difference_rate", "flagged",
+                    "note")
+    list_filter = ("flagged", "day", "run__source")
+    search_fields = ("run__public_id", "model", "api_key_id", "note")
+    list_select_related = ("run", "provider_key", "tenant")
+
+
+@admin.register(UpstreamKeyAlias)
+class UpstreamKeyAliasAdmin(admin.ModelAdmin):
+    list_display = ("upstream_key_id", "provider_key", "derived", "created_at")
+    list_filter = ("derived",)
+    search_fields = ("upstream_key_id", "provider_key__public_id", "provider_key__name")
+    autocomplete_fields = ("provider_key",)
+    readonly_fields = ("derived", "created_at")
+    list_select_related = ("provider_key",)
