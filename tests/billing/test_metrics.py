@@ -1,0 +1,125 @@
+"""/metrics: Prometheus text format behind a bearer token, from the session's Redis and
+PostgreSQL."""
+from __future__ import annotations
+
+import re
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from billing import metrics
+from billing.ledger import drain_tenant
+from billing.models import WebhookDelivery
+from billing.webhooks import create_endpoint, create_deliveries
+from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
+from quotas.limits import tenant_tag
+from quotas.runtime import get_engine
+from quotas.windows import WindowKind
+from tenants.services import create_tenant
+
+pytestmark = [pytest.mark.django_db, pytest.mark.urls("billing.urls")]
+
+TOKEN = "metrics-token-for-tests"
+_SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
+
+
+def samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return out
+
+
+@pytest.fixture
+def token(settings: Any) -> str:
+    settings.TOLLGATE_METRICS_TOKEN = TOKEN
+    return TOKEN
+
+
+def test_metrics_are_closed_when_no_token_is_set(client: Client, settings: Any) -> None:
+    settings.TOLLGATE_METRICS_TOKEN = ""
+    assert client.get("/metrics").status_code == 403
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 403
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {TOKEN}", TOKEN,
+                                    f"Bearer {TOKEN}x"])
+def test_a_missing_or_wrong_token_is_refused(client: Client, token: str,
+                                             header: str | None) -> None:
+    extra = {"HTTP_AUTHORIZATION": header} if header is not None else {}
+    response = client.get("/metrics", **extra)
+    assert response.status_code == 403 and b"tollgate" not in response.content
+
+
+def test_metrics_report_holds_ledger_webhooks_and_reconciliation(
+        client: Client, token: str, settings: Any) -> None:
+    settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = True
+    engine: QuotaEngine = get_engine()
+    acme = create_tenant("acme", plan_name="free", actor="t")
+    quiet = create_tenant("quiet", plan_name="free", actor="t")
+    limits = (ScopeLimit("tenant", WindowKind.DAY, 10**6),)
+    tag = tenant_tag(acme.pk)
+    for i in range(3):
+        engine.reserve(ReserveRequest(tag, f"open-{i}", 10, limits))
+    done = engine.reserve(ReserveRequest(tag, "done", 10, limits)).hold
+    engine.settle(done, 5)
+    engine.reserve(ReserveRequest(tag, "stale", 10, limits))
+    engine.sweep(tag, stale_s=0)  # sweeps the four open holds
+    engine.reserve(ReserveRequest(tag, "open-now-1", 10, limits))
+    engine.reserve(ReserveRequest(tag, "open-now-2", 10, limits))
+    drain_tenant(engine.client, acme.pk)
+    endpoint, _ = create_endpoint(acme, "http://127.0.0.1:9/x", ["quota.threshold"], actor="t")
+    create_deliveries(acme, "quota.threshold", {"id": "evt_1"})
+    create_deliveries(acme, "quota.threshold", {"id": "evt_2"})
+    WebhookDelivery.objects.filter(endpoint=endpoint).filter(
+        pk=WebhookDelivery.objects.filter(endpoint=endpoint).order_by("pk").first().pk
+    ).update(status="failed")
+
+    response = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = response.content.decode()
+    assert "# TYPE tollgate_open_holds gauge" in text
+    assert "# TYPE tollgate_usage_records_total counter" in text
+    got = samples(text)
+    assert got['tollgate_open_holds{tenant="acme"}'] == 2
+    assert got[f'tollgate_open_holds{{tenant="{quiet.slug}"}}'] == 0
+    assert got['tollgate_usage_records_total{status="swept"}'] == 4
+    assert got['tollgate_usage_records_total{status="settled"}'] == 1
+    assert got['tollgate_usage_records_total{status="released"}'] == 0
+    assert got['tollgate_webhook_deliveries_total{status="pending"}'] == 1
+    assert got['tollgate_webhook_deliveries_total{status="failed"}'] == 1
+    assert got['tollgate_webhook_deliveries_total{status="delivered"}'] == 0
+    assert got["tollgate_reconciliation_difference_rate"] == 0
+
+
+def test_reconciliation_rate_is_the_latest_runs_maximum() -> None:
+    models = pytest.importorskip("billing.models")
+    run_model = getattr(models, "ReconciliationRun", None)
+    if run_model is None:
+        pytest.skip("the reconciliation models are not installed")
+    assert metrics.reconciliation_difference_rate() == 0.0
+
+    def run(day: int, rate: str, started: int) -> Any:
+        return run_model.objects.create(
+            period_start=date(2026, 11, day), period_end=date(2026, 11, day + 1), source="csv",
+            started_at=datetime(2026, 11, 30, started, tzinfo=UTC),
+            finished_at=datetime(2026, 11, 30, started, 1, tzinfo=UTC), status="drift",
+            max_difference_rate=Decimal(rate))
+
+    run(28, "0.300000", started=1)
+    run(29, "0.070000", started=2)
+    assert metrics.reconciliation_difference_rate() == pytest.approx(0.07)
+    assert 'tollgate_reconciliation_difference_rate 0.07' in metrics.render()
+
+
+def test_label_values_are_escaped() -> None:
+    lines = list(metrics._family("m", "gauge", "h", [({"tenant": 'a"b\\c\nd'}, 1)]))
+    assert lines[-1] == 'm{tenant="a\\"b\\\\c\\nd"} 1'
