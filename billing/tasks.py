@@ -121,3 +121,32 @@ def retry_due_webhooks() -> int:
 def check_pending_health() -> int:
     """Alert operators when a tenant's pending holds stay high (billing.alerts)."""
     return len(check_pending_health_now())
+
+
+@shared_task
+def reconcile_daily(day: str | None = None) -> dict[str, object]:
+    """Reconcile one UTC day (default: yesterday) against the upstream bill for every enabled
+    provider key the configured source covers (settings.TOLLGATE_RECONCILE_SOURCE: "mock",
+    "openai", or "" to disable). Safe on several workers: a Redis lock per day (SET NX PX) lets
+    one of them run it and the others skip; running it again later stores new runs that
+    supersede the earlier ones (billing/reconciliation.py)."""
+    from datetime import date
+
+    from django.conf import settings
+
+    from billing.reconciliation import DayLocked, reconcile_configured, yesterday_utc
+
+    kind = getattr(settings, "TOLLGATE_RECONCILE_SOURCE", "") or ""
+    target = date.fromisoformat(day) if day else yesterday_utc()
+    if not kind:
+        log.info("reconciliation disabled (TOLLGATE_RECONCILE_SOURCE is empty)")
+        return {"day": target.isoformat(), "skipped": "disabled", "runs": []}
+    try:
+        runs = reconcile_configured(target, kind, client=get_engine().client)
+    except DayLocked:
+        log.info("reconciliation of %s skipped: another worker holds its lock", target)
+        return {"day": target.isoformat(), "skipped": "locked", "runs": []}
+    log.info("reconciled %s (%s): %s", target, kind,
+             ", ".join(f"{run.public_id}={run.status}" for run in runs) or "no provider keys")
+    return {"day": target.isoformat(), "skipped": "",
+            "runs": [{"id": run.public_id, "status": run.status} for run in runs]}

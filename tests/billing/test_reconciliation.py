@@ -1,8 +1,9 @@
 """Reconciliation of the ledger against upstream bills: CSV, OpenAI usage API (over a mock
 transport: it is the external API), the mock upstream's bill, drift flags, alerts, the daily
-job's lock."""
+task's lock and the management command."""
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, time, timedelta
@@ -14,17 +15,20 @@ from typing import Any
 import httpx
 import pytest
 from django.core import mail
+from django.core.management import CommandError, call_command
 
 from billing.bills import BillError, BillFormatError, BillLine, CsvBill, MockBill, OpenAIUsageAPI
 from billing.bills import usd_to_micros
 from billing.models import ReconciliationRun, UpstreamKeyAlias, UsageRecord
 from billing.reconciliation import (
+    DayLocked,
     day_lock,
     difference_rate,
     lock_key,
     reconcile,
     upstream_key_id_for,
 )
+from billing.tasks import reconcile_daily
 from gateway.mock_upstream import MockUpstream, api_key_id, ledger, start_in_thread
 from gateway.models import ProviderKey
 from gateway.providers import create_provider_key
@@ -465,6 +469,39 @@ def test_the_mock_bill_matches_the_ledger(mock_key: ProviderKey, acme: Tenant) -
     assert (run.theirs_input_tokens, run.theirs_output_tokens) == (312, 30)
 
 
+def test_the_daily_task_reconciles_yesterday_under_a_lock(
+    mock_key: ProviderKey, acme: Tenant, settings: Any
+) -> None:
+    settings.TOLLGATE_RECONCILE_SOURCE = "mock"
+    yesterday = _bill_yesterday("gpt-4o-mini", 1000, 100)
+    usage(mock_key, "gpt-4o-mini", yesterday, 1000, 100, tenant=acme)
+    disabled = create_provider_key("off", base_url=mock_key.base_url, secret="sk-disabled-0003",
+                                   enabled=False)
+
+    # Another worker is reconciling yesterday: this one skips it and stores nothing.
+    client = get_engine().client
+    with day_lock(yesterday, client=client):
+        assert client.pttl(lock_key(yesterday)) > 0
+        with pytest.raises(DayLocked):
+            with day_lock(yesterday, client=client):
+                pass
+        assert reconcile_daily() == {"day": yesterday.isoformat(), "skipped": "locked",
+                                     "runs": []}
+        assert not ReconciliationRun.objects.exists()
+    assert client.get(lock_key(yesterday)) is None  # released by its owner
+
+    result = reconcile_daily()
+    [run] = ReconciliationRun.objects.all()
+    assert result == {"day": yesterday.isoformat(), "skipped": "",
+                      "runs": [{"id": run.public_id, "status": "ok"}]}
+    assert (run.provider_key, run.day, run.source) == (mock_key, yesterday, "mock")
+    assert run.provider_key != disabled and client.get(lock_key(yesterday)) is None
+
+    # An explicit day, e.g. a backfill: the mock has nothing for it, ours neither.
+    earlier = (yesterday - timedelta(days=3)).isoformat()
+    assert reconcile_daily(earlier)["runs"][0]["status"] == "ok"
+
+
 def test_an_expired_lock_is_not_released_by_its_former_owner() -> None:
     client = get_engine().client
     day = date(2001, 1, 1)
@@ -476,6 +513,58 @@ def test_an_expired_lock_is_not_released_by_its_former_owner() -> None:
         client.set(lock_key(day), "someone-else", px=10_000)
     assert client.get(lock_key(day)) == "someone-else"
     client.delete(lock_key(day))
+
+
+def test_the_daily_task_is_disabled_without_a_source(settings: Any) -> None:
+    settings.TOLLGATE_RECONCILE_SOURCE = ""
+    assert reconcile_daily("2026-11-01") == {"day": "2026-11-01", "skipped": "disabled",
+                                             "runs": []}
+
+
+def test_openai_source_without_an_admin_key_fails_visibly(key: ProviderKey, settings: Any,
+                                                          monkeypatch: Any) -> None:
+    settings.TOLLGATE_RECONCILE_SOURCE = "openai"
+    settings.TOLLGATE_OPENAI_USAGE_BASE_URL = "https://upstream.test/v1"
+    settings.TOLLGATE_OPENAI_ADMIN_KEY_ENV = "TOLLGATE_TEST_OPENAI_ADMIN_KEY"
+    monkeypatch.delenv("TOLLGATE_TEST_OPENAI_ADMIN_KEY", raising=False)
+    create_provider_key("elsewhere", base_url="https://other.test/v1", secret="sk-other-0004")
+    result = reconcile_daily("2026-11-01")
+    [run] = ReconciliationRun.objects.all()  # only the key on the usage API's host
+    assert run.provider_key == key and run.status == "failed"
+    assert "TOLLGATE_TEST_OPENAI_ADMIN_KEY is not set" in run.error
+    assert result["runs"] == [{"id": run.public_id, "status": "failed"}]
+
+
+# --- the management command ------------------------------------------------------------------
+
+
+def test_the_command_imports_a_csv_bill(key: ProviderKey, tmp_path: Path) -> None:
+    usage(key, "gpt-4o", DAY, 1000, 0)
+    path = tmp_path / "bill.csv"
+    path.write_text(HEADER + f"{DAY},{KID},gpt-4o,1070,0,3,0.5\n")
+    out = StringIO()
+    call_command("reconcile", "--day", DAY.isoformat(), "--source", "csv", "--csv", str(path),
+                 "--json", stdout=out)
+    [run] = json.loads(out.getvalue())
+    assert (run["status"], run["source"], run["provider_key"]) == ("drift", "csv", None)
+    [row] = run["rows"]
+    assert row["flagged"] and row["provider_key"] == key.public_id
+    assert row["theirs"] == [1070, 0, 500_000] and row["difference"] == 70
+
+    out = StringIO()
+    call_command("reconcile", "--day", DAY.isoformat(), "--source", "csv", "--csv", str(path),
+                 "--tolerance", "0.1", "--provider-key", key.public_id, stdout=out)
+    assert "OK (0 of 1 rows flagged, tolerance 0.100000)" in out.getvalue()
+    assert ReconciliationRun.objects.filter(superseded_by__isnull=True).count() == 2
+
+    path.write_text(HEADER + f"{DAY},{KID},gpt-4o,1070,0,3,abc\n")
+    with pytest.raises(CommandError, match="1 run\\(s\\) failed: .*line 2: not a decimal"):
+        call_command("reconcile", "--day", DAY.isoformat(), "--source", "csv", "--csv",
+                     str(path), stdout=StringIO())
+    with pytest.raises(CommandError, match="--csv FILE goes with --source csv"):
+        call_command("reconcile", "--day", DAY.isoformat(), "--source", "csv")
+    with pytest.raises(CommandError, match="--day must be YYYY-MM-DD"):
+        call_command("reconcile", "--day", "yesterday", "--source", "mock")
 
 
 # --- admin -----------------------------------------------------------------------------------
