@@ -208,7 +208,40 @@ CELERY_BEAT_SCHEDULE = {
                           "schedule": TOLLGATE_SWEEP_INTERVAL_SECONDS},
     "drain-usage-ledger": {"task": "billing.tasks.drain_usage",
                            "schedule": TOLLGATE_DRAIN_INTERVAL_SECONDS},
+    "check-quota-thresholds": {"task": "billing.tasks.check_quota_thresholds", "schedule": 60.0},
+    "retry-due-webhooks": {"task": "billing.tasks.retry_due_webhooks", "schedule": 60.0},
+    "check-pending-health": {"task": "billing.tasks.check_pending_health", "schedule": 300.0},
 }
+
+# Webhooks (billing/webhooks.py). Private, loopback and link-local targets are refused (server-side
+# request forgery) unless this is on; the tests and a local `make up` may turn it on.
+TOLLGATE_WEBHOOK_ALLOW_PRIVATE = _bool("TOLLGATE_WEBHOOK_ALLOW_PRIVATE", default=False)
+TOLLGATE_WEBHOOK_TIMEOUT_SECONDS = env.float("TOLLGATE_WEBHOOK_TIMEOUT_SECONDS", default=5.0)
+TOLLGATE_WEBHOOK_MAX_ATTEMPTS = _positive_int("TOLLGATE_WEBHOOK_MAX_ATTEMPTS", 6)
+TOLLGATE_WEBHOOK_BACKOFF_SECONDS = tuple(
+    int(v) for v in env.list("TOLLGATE_WEBHOOK_BACKOFF_SECONDS", default=["10", "30", "120", "600", "3600"]))
+if TOLLGATE_WEBHOOK_TIMEOUT_SECONDS <= 0 or not TOLLGATE_WEBHOOK_BACKOFF_SECONDS or min(
+        TOLLGATE_WEBHOOK_BACKOFF_SECONDS) <= 0:
+    raise ImproperlyConfigured("webhook timeout and backoff steps must be > 0 seconds")
+# Pending-holds health: alert operators when pending stays above this share of a tenant's daily
+# limit for this long (a leak sign).
+TOLLGATE_PENDING_ALERT_SECONDS = _positive_int("TOLLGATE_PENDING_ALERT_SECONDS", 600)
+TOLLGATE_PENDING_ALERT_PERCENT = _positive_int("TOLLGATE_PENDING_ALERT_PERCENT", 20)
+# Bearer token for GET /metrics (Prometheus); empty: /metrics answers 403.
+TOLLGATE_METRICS_TOKEN = env.str("TOLLGATE_METRICS_TOKEN", default="")
+# Daily reconciliation against the upstream bill: "mock", "openai" or "" (off).
+TOLLGATE_RECONCILE_SOURCE = env.str("TOLLGATE_RECONCILE_SOURCE", default="")
+if TOLLGATE_RECONCILE_SOURCE not in {"", "mock", "openai"}:
+    raise ImproperlyConfigured("TOLLGATE_RECONCILE_SOURCE must be mock, openai or empty")
+TOLLGATE_OPENAI_ADMIN_KEY_ENV = env.str("TOLLGATE_OPENAI_ADMIN_KEY_ENV", default="OPENAI_ADMIN_KEY")
+
+# Operators' alerts (drift, leaks) go to ADMINS by email: "Name <a@b.c>, ..." in TOLLGATE_ADMINS.
+ADMINS = [(addr.split("<")[0].strip() or addr, addr.split("<")[-1].rstrip(">").strip())
+          for addr in env.list("TOLLGATE_ADMINS", default=[])]
+EMAIL_CONFIG = env.email_url("EMAIL_URL", default="consolemail://")
+vars().update(EMAIL_CONFIG)
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="tollgate@localhost")
+SERVER_EMAIL = DEFAULT_FROM_EMAIL
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
