@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import environ
+from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from config.embedded import embedded_database_url, embedded_redis_url, local_secret
@@ -234,6 +235,16 @@ TOLLGATE_RECONCILE_SOURCE = env.str("TOLLGATE_RECONCILE_SOURCE", default="")
 if TOLLGATE_RECONCILE_SOURCE not in {"", "mock", "openai"}:
     raise ImproperlyConfigured("TOLLGATE_RECONCILE_SOURCE must be mock, openai or empty")
 TOLLGATE_OPENAI_ADMIN_KEY_ENV = env.str("TOLLGATE_OPENAI_ADMIN_KEY_ENV", default="OPENAI_ADMIN_KEY")
+TOLLGATE_OPENAI_USAGE_BASE_URL = env.str("TOLLGATE_OPENAI_USAGE_BASE_URL",
+                                         default="https://api.openai.com/v1")
+TOLLGATE_RECONCILE_TOLERANCE = env.str("TOLLGATE_RECONCILE_TOLERANCE", default="0.05")
+TOLLGATE_RECONCILE_HOUR = env.int("TOLLGATE_RECONCILE_HOUR", default=2)  # UTC, for yesterday
+if not 0 <= TOLLGATE_RECONCILE_HOUR <= 23:
+    raise ImproperlyConfigured("TOLLGATE_RECONCILE_HOUR must be 0..23")
+CELERY_BEAT_SCHEDULE["reconcile-daily"] = {
+    "task": "billing.tasks.reconcile_daily",
+    "schedule": crontab(hour=TOLLGATE_RECONCILE_HOUR, minute=15),
+}
 
 # Operators' alerts (drift, leaks) go to ADMINS by email: "Name <a@b.c>, ..." in TOLLGATE_ADMINS.
 ADMINS = [(addr.split("<")[0].strip() or addr, addr.split("<")[-1].rstrip(">").strip())
