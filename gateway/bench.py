@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--gateway-workers", type=int, default=1)
+    parser.add_argument("--modes", nargs="+", choices=["plain", "stream"],
+                        default=["plain", "stream"], help="which scenarios to run")
     parser.add_argument("--gateway-port", type=int, default=18000)
     parser.add_argument("--mock-port", type=int, default=18099)
     args = parser.parse_args(argv)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'p99 ms':>8}")
         totals = {"requests": 0}
         counters_before = _server_counters()
-        for stream in (False, True):
+        for stream in [mode == "stream" for mode in args.modes]:
             for level in args.concurrency:
                 direct = load(args.mock_port, "sk-bench", stream, level, args.duration)
                 through = load(args.gateway_port, key, stream, level, args.duration)
