@@ -170,6 +170,9 @@ GATEWAY_LAST_USED_FLUSH_SECONDS = env.float("GATEWAY_LAST_USED_FLUSH_SECONDS", d
 GATEWAY_FAIL_OPEN = _bool("GATEWAY_FAIL_OPEN", default=False)
 # Threads (hence database connections) per gateway worker for cache misses and reloads.
 GATEWAY_DB_THREADS = _positive_int("GATEWAY_DB_THREADS", 2)
+# A gateway worker freezes its startup heap out of the cyclic GC and collects the young
+# generation after this many allocations (Python's default is 700); 0 leaves the GC as is.
+GATEWAY_GC_GEN0_THRESHOLD = env.int("GATEWAY_GC_GEN0_THRESHOLD", default=20_000)
 for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",
               "GATEWAY_UPSTREAM_TOTAL_TIMEOUT", "GATEWAY_STREAM_DRAIN_SECONDS",
               "GATEWAY_AUTH_CACHE_SECONDS", "GATEWAY_LAST_USED_FLUSH_SECONDS"):

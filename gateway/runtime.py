@@ -7,6 +7,7 @@ client, and starts the pub/sub listener. Everything here belongs to one event lo
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,4 +127,19 @@ async def get_runtime() -> GatewayRuntime:
             log.info("gateway worker ready: %d models, %d provider keys",
                      len(runtime.catalog), len(runtime.pool))
             _runtime = runtime
+            _tune_gc()
     return _runtime
+
+
+def _tune_gc() -> None:
+    """Per request the gateway allocates thousands of short-lived containers, so the cyclic GC
+    ran often and its older generations kept rescanning everything loaded at startup (Django,
+    the apps, the caches just built). Freeze that startup heap out of the collector and
+    collect the young generation less often; cycles are still collected."""
+    threshold = settings.GATEWAY_GC_GEN0_THRESHOLD
+    if threshold <= 0:
+        return
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(threshold, gen1, gen2)
