@@ -109,16 +109,14 @@ class Call:
         return json.dumps(body, separators=(",", ":")).encode()
 
     def request_for(self, upstream: Upstream, payload: bytes) -> httpx.Request:
-        # What the client's build_request() makes (its default headers and timeouts), without
-        # re-merging its base URL, headers, cookies and query parameters on every call: the
-        # client has no base URL, cookies or params, and its defaults are read once.
-        http = self.runtime.http
-        defaults = _client_defaults(http)
-        headers = {**defaults[0], "Authorization": f"Bearer {upstream.secret}",
+        # What the client's build_request() makes (its default headers and timeouts, read once
+        # in the runtime), without re-merging base URL, cookies and params on every call.
+        runtime = self.runtime
+        headers = {**runtime.upstream_headers, "Authorization": f"Bearer {upstream.secret}",
                    "Content-Type": "application/json", "X-Request-Id": self.request_id}
         return httpx.Request("POST", _upstream_url(upstream.base_url, self.parsed.endpoint.value),
                              content=payload, headers=headers,
-                             extensions={"timeout": defaults[1]})
+                             extensions={"timeout": runtime.upstream_timeout})
 
     def response_headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         headers = dict(self.headers)
@@ -135,20 +133,6 @@ class Call:
 @functools.lru_cache(maxsize=1024)
 def _upstream_url(base_url: str, path: str) -> httpx.URL:
     return httpx.URL(f"{base_url}/{path}")
-
-
-_DEFAULTS: dict[int, tuple[httpx.AsyncClient, dict[str, str], dict[str, float | None]]] = {}
-
-
-def _client_defaults(http: httpx.AsyncClient) -> tuple[dict[str, str], dict[str, float | None]]:
-    """The client's default headers and its timeouts in the transport's format."""
-    cached = _DEFAULTS.get(id(http))
-    if cached is None or cached[0] is not http:
-        if http.cookies or http.params or str(http.base_url):
-            raise RuntimeError("the upstream client must have no cookies, params or base URL")
-        headers = {k.decode(): v.decode() for k, v in http.headers.raw}  # as sent, casing kept
-        cached = _DEFAULTS[id(http)] = (http, headers, http.timeout.as_dict())
-    return cached[1], cached[2]
 
 
 async def _retry_end(operation, request_id: str) -> None:  # type: ignore[no-untyped-def]

@@ -61,6 +61,10 @@ class GatewayRuntime:
     pool: ProviderPool
     db: Database
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # The upstream client's default headers (as sent) and timeouts, for building requests
+    # directly (gateway/forward.py); the client has no base URL, cookies or params to merge.
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+    upstream_timeout: dict[str, float | None] = field(default_factory=dict)
     used_keys: set[int] = field(default_factory=set)  # API key ids used since the last flush
 
     def spawn(self, coro_factory: Callable[[], object]) -> None:
@@ -120,6 +124,9 @@ async def get_runtime() -> GatewayRuntime:
                 pool=await db.run(load_pool),
                 db=db,
             )
+            runtime.upstream_headers = {k.decode(): v.decode()
+                                        for k, v in runtime.http.headers.raw}
+            runtime.upstream_timeout = runtime.http.timeout.as_dict()
             from gateway.listener import start_listener, start_last_used_flusher
 
             start_listener(runtime)
