@@ -108,3 +108,41 @@ def test_cost_report_command(ledger, tmp_path: Path) -> None:
 
 def test_usd_is_exact() -> None:
     assert usd(1) == Decimal("0.000001") and usd(123_456_789) == Decimal("123.456789")
+
+
+def _user(username: str, **fields):
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.create_user(username, password="x-pass-123", **fields)
+
+
+def test_report_downloads_are_scoped_to_the_callers_tenant(ledger, client) -> None:
+    from tenants.models import Membership
+
+    acme, globex = ledger
+    owner, member, outsider = _user("owner"), _user("member"), _user("outsider")
+    Membership.objects.create(user=owner, tenant=acme, role=Membership.Role.OWNER)
+    Membership.objects.create(user=member, tenant=acme, role=Membership.Role.MEMBER)
+    Membership.objects.create(user=outsider, tenant=globex, role=Membership.Role.OWNER)
+    url = "/api/tenants/acme/reports/2026-11.csv"
+
+    assert client.get(url).status_code in (401, 403)  # anonymous
+    client.force_login(owner)
+    response = client.get(url)
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
+    assert 'filename="acme-2026-11.csv"' in response["Content-Disposition"]
+    assert response.content == to_csv(tenant_month(acme, Month.parse("2026-11")))
+    xlsx = client.get("/api/tenants/acme/reports/2026-11.xlsx")
+    assert load_workbook(io.BytesIO(xlsx.content)).active.max_row == 6
+    assert client.get("/api/tenants/acme/reports/2026-13.csv").status_code == 400
+    assert client.get("/api/reports/2026-11.csv").status_code == 403  # platform: staff only
+
+    for user in (member, outsider):  # a member without report rights, another tenant's owner
+        client.force_login(user)
+        assert client.get(url).status_code == 404
+    assert client.get("/api/tenants/nope/reports/2026-11.csv").status_code == 404
+
+    client.force_login(_user("operator", is_staff=True))
+    platform = client.get("/api/reports/2026-11.xlsx")
+    assert platform.status_code == 200
+    assert load_workbook(io.BytesIO(platform.content)).active.max_row == 4
