@@ -36,6 +36,11 @@ def _wait_for(url: str, process: subprocess.Popen[bytes], what: str) -> None:
     raise SystemExit(f"{what} did not come up at {url}")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """`kill` (SIGTERM) must stop the children too, not orphan them: the Ctrl-C cleanup."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m config.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -49,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     children: list[subprocess.Popen[bytes]] = []
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not args.no_mock:
             mock = subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port",
