@@ -14,6 +14,7 @@ helpers run at import time of settings.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import secrets
@@ -274,7 +275,9 @@ def stop_postgres(folder: Path) -> None:
         "pg_ctl", ["-D", str(folder), "-m", "fast", "-w", "stop"], server.bin_path,
         user=server.system_user,
     )
-    # pgserver caches a handle per data directory; a later start must make a fresh one.
+    # pgserver caches a handle per data directory (and an exit hook that removes it); a later
+    # start in this process must make a fresh one.
+    atexit.unregister(server._cleanup)
     type(server)._instances.pop(server.pgdata, None)
 
 
