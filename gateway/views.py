@@ -11,7 +11,7 @@ from typing import Any
 from adrf.views import APIView
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from gateway.admission import admit, unmetered
@@ -58,12 +58,29 @@ def _read_body(request: HttpRequest) -> bytes:
     return body
 
 
+async def _runtime() -> GatewayRuntime:
+    """The worker's runtime; its first build reads the catalog and the provider keys, so a
+    worker that starts while PostgreSQL is down answers 503 until it can."""
+    try:
+        return await get_runtime()
+    except DatabaseError as exc:
+        log.error("gateway worker cannot start: database unreachable (%s)", exc)
+        raise GatewayError(503, "The gateway is starting and cannot reach its database; retry "
+                           "shortly.", "server_error", "gateway_starting") from None
+
+
 async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyContext:
     token = _bearer(request)
     if token is None:
         raise invalid_api_key("You didn't provide an API key. Send it as 'Authorization: "
                               "Bearer tgk_...'.")
-    ctx = await runtime.auth.authenticate(token)
+    try:
+        ctx = await runtime.auth.authenticate(token)
+    except DatabaseError:
+        # Only a key not yet cached needs the database; cached keys keep working through an
+        # outage (the hot path never touches PostgreSQL).
+        raise GatewayError(503, "The API key cannot be checked right now; retry shortly.",
+                           "server_error", "auth_unavailable") from None
     if ctx is None:
         raise invalid_api_key()
     runtime.used_keys.add(ctx.api_key.pk)
@@ -128,7 +145,7 @@ class ProxyView(GatewayAPIView):
 
     async def _handle(self, request: HttpRequest, request_id: str,
                       started: float) -> HttpResponse | StreamingHttpResponse:
-        runtime = await get_runtime()
+        runtime = await _runtime()
         ctx = await _authenticate(runtime, request)
         parsed = parse_body(self.endpoint, _read_body(request))
         if not ctx.allows(parsed.model):
@@ -186,7 +203,7 @@ class ModelsView(GatewayAPIView):
 
     async def get(self, request: Any) -> HttpResponse:
         try:
-            runtime = await get_runtime()
+            runtime = await _runtime()
             ctx = await _authenticate(runtime, request._request)
         except GatewayError as error:
             return error.response()
@@ -212,7 +229,11 @@ def _database_ok() -> bool:
 async def readyz(request: HttpRequest) -> HttpResponse:
     """Redis and the database are reachable: the process can serve /v1."""
     checks: dict[str, str] = {}
-    runtime = await get_runtime()
+    try:
+        runtime = await _runtime()
+    except GatewayError:
+        return JsonResponse({"status": "unavailable", "database": "error: unreachable"},
+                            status=503)
     try:
         await runtime.engine.client.ping()
         checks["redis"] = "ok"
