@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from billing.models import ModelPrice
-from gateway.catalog import ModelInfo, cost_micros
+from gateway.catalog import price_micros
 from gateway.models import ModelSpec
 
 
@@ -17,12 +17,9 @@ class Price:
     output_micros_per_mtok: int
 
     def cost(self, input_tokens: int, output_tokens: int) -> int:
-        """Micro-dollars, rounded half up once per call (gateway.catalog.cost_micros)."""
-        info = ModelInfo(name="", tokenizer="", kind="", context_window=0,
-                         default_output_tokens=0, max_output_tokens=0,
-                         input_price_micros_per_mtok=self.input_micros_per_mtok,
-                         output_price_micros_per_mtok=self.output_micros_per_mtok)
-        return cost_micros(info, input_tokens, output_tokens)
+        """Micro-dollars, rounded half up once per call."""
+        return price_micros(self.input_micros_per_mtok, self.output_micros_per_mtok,
+                            input_tokens, output_tokens)
 
 
 FREE = Price(0, 0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 
 from django.db.models import Count, Sum
@@ -66,55 +66,52 @@ def usd(micros: int) -> Decimal:
     return Decimal(micros).scaleb(-6).quantize(Decimal("0.000001"))
 
 
+_SUMS = {"requests": Count("id"), "input_tokens": Sum("input_tokens"),
+         "output_tokens": Sum("output_tokens"), "cost": Sum("cost_micros")}
+
+
+def _totals(groups: list[dict]) -> tuple[int, int, int, int]:
+    return tuple(sum(g[name] for g in groups)  # type: ignore[return-value]
+                 for name in ("requests", "input_tokens", "output_tokens", "cost"))
+
+
 def tenant_month(tenant: Tenant, month: Month) -> Report:
-    records = UsageRecord.objects.filter(tenant=tenant, ended_at__gte=month.start,
-                                         ended_at__lt=month.end)
-    grouped = (
-        records.annotate(day=TruncDate("ended_at", tzinfo=UTC))
+    groups = list(
+        UsageRecord.objects.filter(tenant=tenant, ended_at__gte=month.start, ended_at__lt=month.end)
+        .annotate(day=TruncDate("ended_at", tzinfo=UTC))
         .values("day", "project__slug", "api_key__public_id", "served_model")
-        .annotate(requests=Count("id"), input_tokens=Sum("input_tokens"),
-                  output_tokens=Sum("output_tokens"), cost=Sum("cost_micros"))
+        .annotate(**_SUMS)
         .order_by("day", "project__slug", "api_key__public_id", "served_model")
     )
-    rows = []
-    totals = [0, 0, 0, 0]
-    for g in grouped:
-        day: date = g["day"]
-        rows.append((day.isoformat(), g["project__slug"] or "(deleted)",
-                     g["api_key__public_id"] or "(deleted)", g["served_model"], g["requests"],
-                     g["input_tokens"], g["output_tokens"], usd(g["cost"])))
-        for i, name in enumerate(("requests", "input_tokens", "output_tokens", "cost")):
-            totals[i] += g[name]
+    rows = [(g["day"].isoformat(), g["project__slug"] or "(deleted)",
+             g["api_key__public_id"] or "(deleted)", g["served_model"], g["requests"],
+             g["input_tokens"], g["output_tokens"], usd(g["cost"])) for g in groups]
+    requests, input_tokens, output_tokens, cost = _totals(groups)
     return Report(
         title=f"{tenant.slug} {month}",
         columns=TENANT_COLUMNS,
         rows=rows,
-        totals=("total", "", "", "", totals[0], totals[1], totals[2], usd(totals[3])),
-        cost_micros=totals[3],
+        totals=("total", "", "", "", requests, input_tokens, output_tokens, usd(cost)),
+        cost_micros=cost,
     )
 
 
 def platform_month(month: Month) -> Report:
-    grouped = (
+    groups = list(
         UsageRecord.objects.filter(ended_at__gte=month.start, ended_at__lt=month.end)
         .values("tenant__slug", "tenant__plan__name")
-        .annotate(requests=Count("id"), input_tokens=Sum("input_tokens"),
-                  output_tokens=Sum("output_tokens"), cost=Sum("cost_micros"))
+        .annotate(**_SUMS)
         .order_by("tenant__slug")
     )
-    rows = []
-    totals = [0, 0, 0, 0]
-    for g in grouped:
-        rows.append((g["tenant__slug"], g["tenant__plan__name"], g["requests"], g["input_tokens"],
-                     g["output_tokens"], usd(g["cost"])))
-        for i, name in enumerate(("requests", "input_tokens", "output_tokens", "cost")):
-            totals[i] += g[name]
+    rows = [(g["tenant__slug"], g["tenant__plan__name"], g["requests"], g["input_tokens"],
+             g["output_tokens"], usd(g["cost"])) for g in groups]
+    requests, input_tokens, output_tokens, cost = _totals(groups)
     return Report(
         title=f"all tenants {month}",
         columns=PLATFORM_COLUMNS,
         rows=rows,
-        totals=("total", "", totals[0], totals[1], totals[2], usd(totals[3])),
-        cost_micros=totals[3],
+        totals=("total", "", requests, input_tokens, output_tokens, usd(cost)),
+        cost_micros=cost,
     )
 
 

@@ -160,7 +160,14 @@ def output_cap_for_hold(
 
 
 def cost_micros(info: ModelInfo, input_tokens: int, output_tokens: int) -> int:
-    """What the call costs in micro-dollars, rounded half up once per call.
+    """What a call of this model costs in micro-dollars (see price_micros)."""
+    return price_micros(info.input_price_micros_per_mtok, info.output_price_micros_per_mtok,
+                        input_tokens, output_tokens)
+
+
+def price_micros(input_micros_per_mtok: int, output_micros_per_mtok: int, input_tokens: int,
+                 output_tokens: int) -> int:
+    """Tokens at per-million prices, in micro-dollars, rounded half up once per call.
 
     Rounding the exact total (not each component) keeps every call within half a micro-dollar
     of the exact figure. Ceil would add half a micro-dollar per call on average: a steady drift
@@ -168,8 +175,6 @@ def cost_micros(info: ModelInfo, input_tokens: int, output_tokens: int) -> int:
     """
     if input_tokens < 0 or output_tokens < 0:
         raise ValueError("token counts must be >= 0")
-    exact_times_million = (
-        input_tokens * info.input_price_micros_per_mtok
-        + output_tokens * info.output_price_micros_per_mtok
-    )
+    exact_times_million = (input_tokens * input_micros_per_mtok
+                           + output_tokens * output_micros_per_mtok)
     return (exact_times_million + MICROS_PER_MTOK_DIVISOR // 2) // MICROS_PER_MTOK_DIVISOR
