@@ -46,7 +46,7 @@ async def _race(url: str, cluster: bool, tenant: str, worker: int, n: int, amoun
 
     outcomes = await asyncio.gather(*(finish(i, r) for i, r in enumerate(results)))
     await client.aclose()
-    return [(r.request_id, r.admitted, r.granted, o) for r, o in zip(results, outcomes)]
+    return [(r.request_id, r.admitted, r.granted, o) for r, o in zip(results, outcomes, strict=True)]
 
 
 def run(url: str, cluster: bool, tenant: str, worker: int, n: int, amount: int,

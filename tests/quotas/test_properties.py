@@ -109,9 +109,9 @@ class QuotaMachine(RuleBasedStateMachine):
 
         is_money = [c.key.split(":q:")[1].startswith("tenant:usd:") for c in result.counters]
         expected = [self.counters.get(c.key) or Expected(c.limit, money=m)
-                    for c, m in zip(result.counters, is_money)]
+                    for c, m in zip(result.counters, is_money, strict=True)]
         room = [(e.limit + e.credit - e.used - e.pending, m)
-                for e, c, m in zip(expected, result.counters, is_money) if c.limit != UNLIMITED]
+                for e, c, m in zip(expected, result.counters, is_money, strict=True) if c.limit != UNLIMITED]
         token_rooms = [h for h, m in room if not m]
         tightest = min(token_rooms) if token_rooms else None
         floor = min_amount or amount
@@ -124,7 +124,7 @@ class QuotaMachine(RuleBasedStateMachine):
         if dry_run:
             assert result.hold is None
             return None
-        for c, m in zip(result.counters, is_money):
+        for c, m in zip(result.counters, is_money, strict=True):
             e = self.counters.setdefault(c.key, Expected(c.limit, money=m))
             e.limit = c.limit
             e.pending += money if m else result.granted
