@@ -10,6 +10,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from gateway.models import ModelSpec, ProviderKey
@@ -20,6 +21,7 @@ from gateway.providers import (
     set_provider_secret,
     update_provider_key,
 )
+from tenants.invalidation import publish
 
 
 def _actor(request: HttpRequest) -> str:
@@ -42,6 +44,20 @@ class ModelSpecAdmin(admin.ModelAdmin):
     list_filter = ("kind", "tokenizer", "enabled")
     search_fields = ("name",)
     readonly_fields = ("created_at", "updated_at")
+
+    # Every gateway worker keeps the catalog in memory: tell them to reload it.
+    def save_model(self, request: HttpRequest, obj: ModelSpec, form: forms.ModelForm,
+                   change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        publish("catalog")
+
+    def delete_model(self, request: HttpRequest, obj: ModelSpec) -> None:
+        super().delete_model(request, obj)
+        publish("catalog")
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
+        super().delete_queryset(request, queryset)
+        publish("catalog")
 
 
 class ProviderKeyForm(forms.ModelForm):

@@ -16,6 +16,7 @@ from django.forms import ModelForm
 from django.http import HttpRequest
 
 from tenants import services
+from tenants.invalidation import publish
 from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Membership, Plan, Project, Tenant
 from tenants.selectors import masked_key
 
@@ -110,6 +111,7 @@ class ProjectAdmin(admin.ModelAdmin):
     def save_model(self, request: HttpRequest, obj: Project, form: ModelForm, change: bool) -> None:
         if change:
             super().save_model(request, obj, form, change)
+            publish("tenant", obj.tenant_id)  # gateways cache projects with the keys
             return
         created = services.create_project(
             obj.tenant,
@@ -190,6 +192,10 @@ class ApiKeyAdmin(admin.ModelAdmin):
         return False
 
     @admin.display(description="Key")
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: ModelForm, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        publish("api_key", obj.pk)  # sub-limits and allowed models are cached by the gateways
+
     def masked(self, api_key: ApiKey) -> str:
         return masked_key(api_key)
 
