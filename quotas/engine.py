@@ -19,7 +19,13 @@ from typing import Any
 
 import redis
 import redis.asyncio
-from redis.exceptions import BusyLoadingError, ClusterDownError, ConnectionError, TimeoutError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    ConnectionError,
+    ResponseError,
+    TimeoutError,
+)
 
 from quotas import keys, scripts
 from quotas.windows import Calendar, RedisClock, Window, WindowKind
@@ -42,7 +48,8 @@ class QuotaClockError(QuotaError):
 
 
 class DuplicateRequestId(QuotaError):
-    """A hold with this request id exists already; request ids must be unique."""
+    """A hold with this request id has already ended (its tombstone remains); request ids must
+    be unique. (Reserving an id whose hold is still open returns that hold: see `reserve`.)"""
 
 
 @contextlib.contextmanager
@@ -51,6 +58,9 @@ def _store_errors() -> Iterator[None]:
         yield
     except (ConnectionError, TimeoutError, ClusterDownError, BusyLoadingError, OSError) as exc:
         raise QuotaStoreUnavailable(f"quota store unreachable: {exc}") from exc
+    except ResponseError as exc:
+        # OOM, READONLY after a failover, BUSY, or a script error: the store cannot meter now.
+        raise QuotaStoreUnavailable(f"quota store refused the operation: {exc}") from exc
 
 
 # -- requests and results -----------------------------------------------------------------------
@@ -142,7 +152,8 @@ class CounterState:
     window: Window
     key: str
     limit: int
-    remaining: int  # after this call; UNLIMITED for unlimited counters
+    remaining: int  # after this call; UNLIMITED for unlimited counters (or unknown)
+    unit: Unit = Unit.TOKENS
 
 
 @dataclass(frozen=True)
@@ -181,8 +192,9 @@ class Reservation:
 
     @property
     def remaining(self) -> int:
-        """Tokens left in the tightest limited scope, UNLIMITED when none is limited."""
-        limited = [c.remaining for c in self.counters if c.limit != UNLIMITED]
+        """Tokens left in the tightest limited token scope, UNLIMITED when none is limited."""
+        limited = [c.remaining for c in self.counters
+                   if c.limit != UNLIMITED and c.unit is Unit.TOKENS]
         return min(limited) if limited else UNLIMITED
 
 
@@ -365,7 +377,7 @@ class _Calls:
             return None
         req = call.request
         if code == -2:
-            raise DuplicateRequestId(f"request id {req.request_id!r} already has a hold")
+            return _DUPLICATE
         if code in (-3, -4):
             rate = code == -3
             return Reservation(
@@ -379,7 +391,7 @@ class _Calls:
         n = len(call.counters)
         states = tuple(
             CounterState(scope=limit.scope, window=window, key=key, limit=limit.limit,
-                         remaining=int(remaining))
+                         remaining=int(remaining), unit=limit.unit)
             for (limit, window, key), remaining in zip(call.counters, reply[3:3 + n], strict=True)
         )
         admitted = code == 1
@@ -424,11 +436,30 @@ class _Calls:
         return [hold.request_id, self.settings.tombstone_s, event, self.settings.stream_maxlen]
 
     def hold_from_record(self, tenant: str, request_id: str, record: Sequence[Any]) -> Hold | None:
-        state, amount, counter_keys, gauge = record
+        state, amount, counter_keys, gauge, money = record
         if state is None or _str(state) != "open":
             return None
         return Hold(tenant, request_id, int(amount), tuple(json.loads(_str(counter_keys))),
-                    _str(gauge) if gauge else "")
+                    _str(gauge) if gauge else "", int(money or 0))
+
+    def recovered(self, call: _ReserveCall, record: Sequence[Any]) -> Reservation:
+        """The reservation a repeated reserve call already made.
+
+        A reserve whose reply was lost (a socket timeout after Redis ran the script) is sent
+        again by the client's retry; the second call finds the first one's hold. If it is open
+        and made in the same counters, that is this request's reservation; otherwise the id was
+        reused, which is an error.
+        """
+        req = call.request
+        hold = self.hold_from_record(req.tenant, req.request_id, record)
+        if hold is None or hold.counter_keys != tuple(c[2] for c in call.counters):
+            raise DuplicateRequestId(f"request id {req.request_id!r} was used before")
+        states = tuple(CounterState(scope=limit.scope, window=window, key=key, limit=limit.limit,
+                                    remaining=UNLIMITED, unit=limit.unit)
+                       for limit, window, key in call.counters)
+        return Reservation(admitted=True, request_id=req.request_id, granted=hold.amount,
+                           counters=states, refused=None, server_time_ms=self.clock.now_ms(),
+                           hold=hold)
 
     def sweep_call(
         self, tenant: str, ids: Sequence[str], records: Sequence[Any], stale_s: int
@@ -486,7 +517,8 @@ def _snapshot(key: str, fields: Sequence[Any], ttl: int) -> CounterSnapshot:
 
 
 _COUNTER_FIELDS = ("limit", "used", "pending", "credit", "over")
-_HOLD_FIELDS = ("state", "amount", "keys", "gauge")
+_HOLD_FIELDS = ("state", "amount", "keys", "gauge", "money")
+_DUPLICATE = object()  # reserve_reply: a hold with this id exists
 
 
 # -- sync ---------------------------------------------------------------------------------------
@@ -512,9 +544,15 @@ class QuotaEngine:
             return self._scripts[name](keys=call_keys, args=args)
 
     def reserve(self, request: ReserveRequest) -> Reservation:
+        """Reserve, or refuse. Idempotent per request id while the hold is open: a repeated call
+        returns the hold the first one made (see _Calls.recovered)."""
         for _ in range(_MAX_CLOCK_RETRIES):
             call = self._calls.reserve(request)
             result = self._calls.reserve_reply(call, self._run("reserve", call.keys, call.args))
+            if result is _DUPLICATE:
+                with _store_errors():
+                    record = self.client.hmget(call.keys[0], _HOLD_FIELDS)
+                return self._calls.recovered(call, record)
             if result is not None:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
@@ -644,6 +682,10 @@ class AsyncQuotaEngine:
             call = self._calls.reserve(request)
             reply = await self._run("reserve", call.keys, call.args)
             result = self._calls.reserve_reply(call, reply)
+            if result is _DUPLICATE:
+                with _store_errors():
+                    record = await self.client.hmget(call.keys[0], _HOLD_FIELDS)
+                return self._calls.recovered(call, record)
             if result is not None:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")

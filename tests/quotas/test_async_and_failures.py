@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from unittest import mock
 
 import pytest
@@ -87,3 +89,25 @@ def test_a_timeout_mid_call_is_reported_as_unavailable(engine: QuotaEngine, tena
         with pytest.raises(QuotaStoreUnavailable, match="timed out"):
             engine.reserve(ReserveRequest(tenant, "a", 1, LIMITS))
     assert engine.open_hold_ids(tenant) == []
+
+
+def test_a_reserve_retried_after_a_lost_reply_gets_the_first_calls_hold(
+    redis_url: str, tenant: str
+) -> None:
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # The production client retries once; a reply slower than the socket timeout is "lost".
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.3, decode_responses=True,
+                                  retry=Retry(NoBackoff(), 1))
+    engine = QuotaEngine(client)
+    engine.reserve(ReserveRequest(tenant, "warm", 1, LIMITS))  # scripts loaded, clock learnt
+    blocker = redis.Redis.from_url(redis_url)
+    sleeper = threading.Thread(target=lambda: blocker.execute_command("DEBUG", "SLEEP", "0.5"))
+    sleeper.start()
+    time.sleep(0.05)  # the server is now busy for 0.5 s: the first reply misses 0.3 s
+    result = engine.reserve(ReserveRequest(tenant, "slow", 7, LIMITS))
+    sleeper.join()
+    assert result.admitted and result.hold.amount == 7
+    assert QuotaEngine(blocker).counter(tenant, "tenant").pending == 1 + 7  # held once, not twice
+    assert engine.settle(result.hold, 7).outcome == "settled"

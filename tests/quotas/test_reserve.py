@@ -132,12 +132,21 @@ def test_shrinking_refuses_below_min_amount(engine: QuotaEngine, tenant: str) ->
     assert not result.admitted and result.refused.remaining == 5
 
 
-def test_duplicate_request_id_is_refused_while_the_hold_or_its_tombstone_exists(
-    engine: QuotaEngine, tenant: str
-) -> None:
+def test_reserve_is_idempotent_while_the_hold_is_open(engine: QuotaEngine, tenant: str) -> None:
+    # A reserve whose reply was lost (socket timeout after Redis ran it) is sent again by the
+    # client's retry: it must get the first call's hold, not a second one.
     first = reserve(engine, tenant, "same", 10)
+    again = reserve(engine, tenant, "same", 10)
+    assert again.admitted and again.hold == first.hold
+    assert engine.counter(tenant, "tenant").pending == 10
+    # The same id with other counters is a reused id, not a retry.
     with pytest.raises(DuplicateRequestId):
-        reserve(engine, tenant, "same", 10)
+        reserve(engine, tenant, "same", 10, limits(tenant_limit=100, key=50)[:2])
+    assert engine.counter(tenant, "tenant").pending == 10
+
+
+def test_a_request_id_is_refused_once_its_hold_has_ended(engine: QuotaEngine, tenant: str) -> None:
+    first = reserve(engine, tenant, "same", 10)
     engine.settle(first.hold, 5)
     with pytest.raises(DuplicateRequestId):
         reserve(engine, tenant, "same", 10)
