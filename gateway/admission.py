@@ -96,7 +96,7 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
                                               ctx.limits.safety_factor))
     return ReserveRequest(
         tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
-        min_amount=min_amount, rates=ctx.rates(), concurrency=ctx.concurrency(),
+        min_amount=min_amount, rates=ctx.rates, concurrency=ctx.concurrency,
         meta=_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
     )
 

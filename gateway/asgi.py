@@ -14,12 +14,20 @@ then told so, and finishes reading the upstream for its usage in the background.
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
+import tempfile
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import IO, Any
 
-from django.core.handlers.asgi import ASGIHandler
+from django.conf import settings
 from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
+
+from gateway.errors import bad_request
+
+log = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -39,8 +47,15 @@ class GatewayRouter:
             return
         handler = self.django_app
         try:
-            body_file = await handler.read_body(receive)
+            body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES)
         except RequestAborted:
+            return
+        if body_file is None:  # too large: refused before reading it, and before any auth
+            refusal = bad_request(
+                f"The request body is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.",
+                None, "request_too_large").response()
+            refusal["x-request-id"] = f"req_{secrets.token_hex(12)}"
+            await handler.send_response(refusal, send)
             return
         request, error_response = handler.create_request(scope, body_file)
         if request is None:
@@ -64,11 +79,39 @@ class GatewayRouter:
                 await task
             except (asyncio.CancelledError, RequestAborted):
                 pass
+            except Exception:  # noqa: BLE001 - e.g. sending to a socket that broke
+                log.exception("sending the response of %s failed", scope.get("path"))
         response = sent.get("response")
-        if response is not None and not tasks[1].cancelled() and tasks[1].exception() is None:
-            response.close()
-        elif response is not None:
-            client_gone = getattr(response, "tollgate_client_gone", None)
-            if client_gone is not None:
-                client_gone()
+        if response is not None:
+            if tasks[1].cancelled():
+                client_gone = getattr(response, "tollgate_client_gone", None)
+                if client_gone is not None:
+                    client_gone()
+            else:
+                response.close()
         body_file.close()
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> IO[bytes] | None:
+    """The request body, or None when it exceeds `limit` (checked before reading when the
+    client says its length, and while reading a chunked one), so nobody can fill the disk."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            return None
+    body = tempfile.SpooledTemporaryFile(max_size=1024 * 1024, mode="w+b")
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            body.close()
+            raise RequestAborted
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            body.close()
+            return None
+        body.write(chunk)
+        if not message.get("more_body", False):
+            break
+    body.seek(0)
+    return body

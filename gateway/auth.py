@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime
 
 
@@ -22,6 +23,9 @@ from quotas.windows import WindowKind
 from tenants.keys import digests_match, parse_key
 from tenants.models import ApiKey, Project, Tenant
 from tenants.selectors import EffectiveLimits, allowed_models_for_key, effective_limits, secret_by_prefix
+
+
+_MAX_MODELS_PER_KEY = 256
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class KeyContext:
         """Token quota counters for a call of `model` (memoised per model)."""
         cached = self._scopes.get(model)
         if cached is None:
+            if len(self._scopes) >= _MAX_MODELS_PER_KEY:
+                self._scopes.clear()  # bounded: clients may send any model name
             cached = scope_limits(self.limits, self.project, self.api_key, model)
             if self.limits.tokens_per_minute != UNLIMITED:
                 cached += (ScopeLimit(quota_keys.tenant_scope(), WindowKind.MINUTE,
@@ -55,6 +61,7 @@ class KeyContext:
             self._scopes[model] = cached
         return cached
 
+    @cached_property
     def rates(self) -> tuple[RateLimit, ...]:
         rates = []
         if self.limits.requests_per_second > 0:
@@ -68,6 +75,7 @@ class KeyContext:
         """A plan or key rate of 0 admits nothing (a bucket cannot have zero capacity)."""
         return self.limits.requests_per_second == 0 or self.api_key.requests_per_minute == 0
 
+    @cached_property
     def concurrency(self) -> ConcurrencyLimit | None:
         cap = self.api_key.max_concurrency
         if cap is None:
@@ -123,27 +131,29 @@ class AuthCache:
         self.trusted = False  # set by the pub/sub listener while it is subscribed
         self._load = load
         self._entries: dict[str, tuple[float, KeyContext | None]] = {}
-        self._loading: dict[str, asyncio.Future[KeyContext | None]] = {}
+        self._loading: dict[str, asyncio.Task[KeyContext | None]] = {}
 
     async def _lookup(self, prefix: str, now: float) -> KeyContext | None:
-        pending = self._loading.get(prefix)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[KeyContext | None] = asyncio.get_running_loop().create_future()
-        self._loading[prefix] = future
-        try:
-            context = await self._load(prefix)
-            if len(self._entries) >= self.max_entries:
-                self._entries.clear()  # crude bound: a refill costs one query per live key
-            self._entries[prefix] = (now, context)
-            future.set_result(context)
-            return context
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: waiters get it, nobody logs "never retrieved"
-            raise
-        finally:
-            del self._loading[prefix]
+        # The load runs as a task of its own: a caller that is cancelled (its client left) must
+        # not cancel it for the other callers waiting on the same key.
+        task = self._loading.get(prefix)
+        if task is None:
+            task = asyncio.ensure_future(self._load_and_keep(prefix, now))
+            self._loading[prefix] = task
+            task.add_done_callback(lambda done: self._finished(prefix, done))
+        return await asyncio.shield(task)
+
+    async def _load_and_keep(self, prefix: str, now: float) -> KeyContext | None:
+        context = await self._load(prefix)
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()  # crude bound: a refill costs one query per live key
+        self._entries[prefix] = (now, context)
+        return context
+
+    def _finished(self, prefix: str, task: asyncio.Task[KeyContext | None]) -> None:
+        self._loading.pop(prefix, None)
+        if not task.cancelled():
+            task.exception()  # retrieved even if every waiter has gone
 
     async def authenticate(self, plaintext: str) -> KeyContext | None:
         prefix = parse_key(plaintext)

@@ -8,6 +8,7 @@ reservation is made.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -36,6 +37,7 @@ class ParsedBody:
     choices: int  # n (times best_of for legacy completions): output is reserved per choice
 
 
+_MODEL_NAME = re.compile(r"^[\x21-\x7e]{1,128}$")  # what a quota key can carry
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -99,6 +101,9 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise bad_request("You must provide a model parameter.", "model")
+    if not _MODEL_NAME.match(model):
+        raise bad_request("The model name must be 1 to 128 printable ASCII characters without "
+                          "spaces.", "model", "model_not_found")
 
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):

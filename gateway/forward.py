@@ -34,6 +34,7 @@ from quotas.engine import QuotaStoreUnavailable
 log = logging.getLogger(__name__)
 
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_BAD_KEY_COOLDOWN_S = 60.0
 
 
 @dataclass
@@ -88,11 +89,15 @@ class Call:
 
     async def _end(self, operation) -> None:  # type: ignore[no-untyped-def]
         try:
-            await operation()
+            result = await operation()
         except QuotaStoreUnavailable:
             # The hold stays open; retry in the background rather than leave it to the sweep,
             # which would release it unbilled.
             self.runtime.spawn(lambda: _retry_end(operation, self.request_id))
+            return
+        if result.outcome not in ("settled", "released"):
+            log.error("hold of %s had already ended as %r: its usage is not counted again",
+                      self.request_id, result.outcome)
 
     # -- the upstream -------------------------------------------------------------------------
 
@@ -167,6 +172,8 @@ def _usage_tokens(usage: Any) -> tuple[int, int] | None:
     completion = usage.get("completion_tokens", 0)
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
+    if prompt < 0 or completion < 0:
+        return None  # nonsense from the upstream: count what we saw instead
     return prompt, completion
 
 
@@ -206,6 +213,7 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
     payload = call.payload()
     candidates = runtime.pool.candidates(call.admission.model, call.ctx.tenant_id, time.time())
     last_429: httpx.Response | None = None
+    refused_key = False  # an upstream refused a provider key (401 / 403)
     capacity_wait_ms: int | None = None
     for upstream in candidates:
         if upstream.rpm_capacity or upstream.tpm_capacity:
@@ -236,6 +244,15 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
             last_429 = response
             await publish_cooldown(runtime, upstream.id, time.time() + _retry_after(response))
             continue
+        if response.status_code in (401, 403):
+            # The provider key itself is refused: not the tenant's fault and not theirs to see
+            # (the upstream's message may name the key). Rest it and try the next one.
+            await response.aclose()
+            log.error("provider key %s refused by its upstream (HTTP %s): cooling it down for "
+                      "%s s", upstream.public_id, response.status_code, _BAD_KEY_COOLDOWN_S)
+            await publish_cooldown(runtime, upstream.id, time.time() + _BAD_KEY_COOLDOWN_S)
+            refused_key = True
+            continue
         if response.status_code >= 400:
             try:
                 body = await response.aread()
@@ -253,6 +270,10 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
             return StreamRelay(call, response).response()
         return await _complete(call, response)
 
+    if refused_key and last_429 is None:
+        await call.release(502, "upstream_refused_key")
+        raise upstream_error(502, "The upstream refused the gateway's provider key; the operators "
+                             "have been alerted.")
     cooling = _cooldown_left(runtime, call)
     if capacity_wait_ms is not None and cooling is None and last_429 is None:
         cooling = max(1, math.ceil(capacity_wait_ms / 1000))
@@ -352,7 +373,7 @@ class StreamRelay:
 
     def _inspect(self, event: bytes) -> bytes | None:
         """The event to send to the client (None: drop it), recording usage on the way."""
-        if b'"usage"' not in event:
+        if b'"usage"' not in event or b'"usage":null' in event:
             self.text_events.append(event)
             return event
         for line in event.split(b"\n"):
@@ -369,6 +390,8 @@ class StreamRelay:
             if tokens is not None:
                 self.usage = tokens
             if self.call.parsed.include_usage:
+                if data.get("choices"):
+                    self.text_events.append(event)  # counted if the usage never arrives
                 return event
             if not data.get("choices"):
                 return None  # the extra usage chunk the client did not ask for

@@ -8,7 +8,7 @@ limited token counter after this call's hold. Resets use OpenAI's duration forma
 from __future__ import annotations
 
 from gateway.auth import KeyContext
-from quotas.engine import UNLIMITED, Reservation
+from quotas.engine import UNLIMITED, Reservation, Unit
 
 
 def duration(ms: int) -> str:
@@ -27,7 +27,7 @@ def duration(ms: int) -> str:
 
 def rate_headers(ctx: KeyContext, reservation: Reservation) -> dict[str, str]:
     headers: dict[str, str] = {}
-    rates = ctx.rates()
+    rates = ctx.rates
     if rates and reservation.rate_remaining:
         rate, left = rates[0], reservation.rate_remaining[0]
         headers["x-ratelimit-limit-requests"] = str(rate.capacity)
@@ -35,7 +35,8 @@ def rate_headers(ctx: KeyContext, reservation: Reservation) -> dict[str, str]:
         # Time for the bucket to refill from what is left to full.
         headers["x-ratelimit-reset-requests"] = duration(
             (rate.capacity - left) * rate.period_ms // rate.capacity)
-    limited = [c for c in reservation.counters if c.limit != UNLIMITED]
+    limited = [c for c in reservation.counters
+               if c.limit != UNLIMITED and c.unit is Unit.TOKENS]
     if limited:
         tightest = min(limited, key=lambda c: c.remaining)
         headers["x-ratelimit-limit-tokens"] = str(tightest.limit)

@@ -16,6 +16,7 @@ from tenants.services import touch_last_used
 
 log = logging.getLogger(__name__)
 COOLDOWN_CHANNEL = "tg:provider-cooldown"
+_PING_SECONDS = 5.0
 
 
 async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
@@ -28,6 +29,8 @@ async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
         runtime.auth.forget_key(int(ident))
     elif kind == "tenant":
         runtime.auth.forget_tenant(int(ident))
+    elif kind == "plan":
+        runtime.auth.clear()  # plans are shared by many tenants: start afresh
     elif kind == "catalog":
         await runtime.reload_catalog()
     elif kind == "providers":
@@ -44,10 +47,17 @@ async def listen(runtime: GatewayRuntime) -> None:
             await pubsub.subscribe(CHANNEL, COOLDOWN_CHANNEL)
             runtime.auth.clear()
             runtime.auth.trusted = True
+            last_ping = asyncio.get_running_loop().time()
             while True:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
-                if message is not None:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is not None and message["type"] == "message":  # not our pongs
                     await _apply(runtime, message["channel"], message["data"])
+                # A half-open connection delivers nothing and raises nothing: prove it is alive,
+                # or the cache would keep trusting it through missed revocations.
+                now = asyncio.get_running_loop().time()
+                if now - last_ping >= _PING_SECONDS:
+                    await asyncio.wait_for(pubsub.ping(), timeout=_PING_SECONDS)
+                    last_ping = now
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - any failure: distrust the cache, reconnect

@@ -16,7 +16,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 
 from gateway.admission import admit, unmetered
 from gateway.auth import KeyContext
-from gateway.bodies import Endpoint, parse_body
+from gateway.bodies import Endpoint, ParsedBody, parse_body
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -28,7 +28,7 @@ from gateway.errors import (
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
 from gateway.runtime import GatewayRuntime, get_runtime
-from quotas.engine import QuotaStoreUnavailable
+from quotas.engine import QuotaError, QuotaStoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,14 @@ class ProxyView(GatewayAPIView):
             response = await self._handle(request._request, request_id, started)
         except GatewayError as error:
             response = error.response()
-        except QuotaStoreUnavailable:
-            log.error("quota store unreachable: refusing request %s (fail closed)", request_id)
+        except QuotaError as error:
+            log.error("quota store unusable: refusing request %s (fail closed): %s",
+                      request_id, error)
             response = quota_store_unavailable().response()
+        except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
+            log.exception("request %s failed", request_id)
+            response = GatewayError(500, "The gateway failed to handle the request.",
+                                    "server_error", "internal_error").response()
         response["x-request-id"] = request_id
         return response
 
@@ -152,28 +157,38 @@ class ProxyView(GatewayAPIView):
             raise model_not_allowed(parsed.model)
         if not runtime.pool.serves(parsed.model, ctx.tenant_id):
             raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
-        try:
-            admission = await admit(runtime, ctx, parsed, request_id)
-        except QuotaStoreUnavailable:
-            if not settings.GATEWAY_FAIL_OPEN:
-                raise
-            log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
-                      "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
-            admission = unmetered(runtime, ctx, parsed, request_id)
-        call = Call(runtime, ctx, parsed, admission, request_id, started,
-                    rate_headers(ctx, admission.reservation))
-        # From here the hold must end exactly once even if the client leaves and this request is
-        # cancelled: the forwarding runs in its own task, which settles or releases by itself.
-        task = asyncio.ensure_future(forward(call))
+        # From the reservation on, the hold must end exactly once even if the client leaves and
+        # this request is cancelled (even mid-reserve, when the script may already have run):
+        # reserve and forward run in a task of their own, which settles or releases by itself.
+        task = asyncio.ensure_future(_admit_and_forward(runtime, ctx, parsed, request_id, started))
         try:
             return await asyncio.shield(task)
-        except GatewayError as error:
-            return error.response(call.response_headers())
         except asyncio.CancelledError:
             task.add_done_callback(_start_drain_if_streaming)
             runtime.background.add(task)
             task.add_done_callback(runtime.background.discard)
             raise
+
+
+async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+                             request_id: str, started: float) -> HttpResponse | StreamingHttpResponse:
+    try:
+        admission = await admit(runtime, ctx, parsed, request_id)
+    except QuotaStoreUnavailable:
+        if not settings.GATEWAY_FAIL_OPEN:
+            raise
+        log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
+                  "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
+        admission = unmetered(runtime, ctx, parsed, request_id)
+    call = Call(runtime, ctx, parsed, admission, request_id, started,
+                rate_headers(ctx, admission.reservation))
+    try:
+        return await forward(call)
+    except QuotaStoreUnavailable:
+        await call.release(503, "quota_store_unavailable")
+        raise
+    except GatewayError as error:
+        return error.response(call.response_headers())
 
 
 def _start_drain_if_streaming(task: asyncio.Future[HttpResponse | StreamingHttpResponse]) -> None:

@@ -39,6 +39,11 @@ class PlanAdmin(admin.ModelAdmin):
     )
     readonly_fields = ("created_at", "updated_at")
 
+    def save_model(self, request: HttpRequest, obj: Plan, form: ModelForm, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        if change:
+            publish("plan", obj.pk)  # limits and policy take effect on the next request
+
 
 class ProjectInline(admin.TabularInline):
     model = Project

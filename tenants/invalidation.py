@@ -18,7 +18,7 @@ from django.db import transaction
 CHANNEL = "tg:invalidate"
 log = logging.getLogger(__name__)
 
-Kind = Literal["api_key", "tenant", "catalog", "providers"]
+Kind = Literal["api_key", "tenant", "plan", "catalog", "providers"]
 
 
 def _publish_now(kind: Kind, ident: int | None) -> None:
