@@ -71,6 +71,12 @@ class Unit(StrEnum):
     MICROS = "micros"  # the counter holds the request's worst-case cost in micro-dollars
 
 
+def _require_int(what: str, value: object, minimum: int) -> None:
+    # bool is an int subclass: True as a limit is a bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ScopeLimit:
     """One counter a request is checked against: a scope, a window kind and its limit."""
@@ -82,8 +88,7 @@ class ScopeLimit:
 
     def __post_init__(self) -> None:
         keys.validate_scope(self.scope)
-        if not isinstance(self.limit, int) or self.limit < UNLIMITED:
-            raise ValueError(f"limit must be an integer >= -1, got {self.limit!r}")
+        _require_int("limit", self.limit, UNLIMITED)
 
 
 @dataclass(frozen=True)
@@ -96,10 +101,8 @@ class RateLimit:
 
     def __post_init__(self) -> None:
         keys.validate_scope(self.scope)
-        if not isinstance(self.capacity, int) or self.capacity < 1:
-            raise ValueError(f"rate capacity must be an integer >= 1, got {self.capacity!r}")
-        if not isinstance(self.period_ms, int) or self.period_ms < 1:
-            raise ValueError(f"rate period must be an integer >= 1 ms, got {self.period_ms!r}")
+        _require_int("rate capacity", self.capacity, 1)
+        _require_int("rate period (ms)", self.period_ms, 1)
 
 
 @dataclass(frozen=True)
@@ -111,8 +114,7 @@ class ConcurrencyLimit:
 
     def __post_init__(self) -> None:
         keys.validate_scope(self.scope)
-        if not isinstance(self.cap, int) or self.cap < 0:
-            raise ValueError(f"concurrency cap must be an integer >= 0, got {self.cap!r}")
+        _require_int("concurrency cap", self.cap, 0)
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,10 @@ class ReserveRequest:
         keys.validate_request_id(self.request_id)
         if not self.limits:
             raise ValueError("a reservation needs at least one scope")
-        if not isinstance(self.amount, int) or self.amount < 1:
-            raise ValueError(f"amount must be an integer >= 1, got {self.amount!r}")
+        _require_int("amount", self.amount, 1)
         if self.min_amount is not None and not (1 <= self.min_amount <= self.amount):
             raise ValueError("min_amount must be between 1 and amount")
-        if not isinstance(self.money_amount, int) or self.money_amount < 0:
-            raise ValueError(f"money_amount must be an integer >= 0, got {self.money_amount!r}")
+        _require_int("money_amount", self.money_amount, 0)
         seen = {(s.scope, s.window, s.unit) for s in self.limits}
         if len(seen) != len(self.limits):
             raise ValueError("each (scope, window, unit) may appear once")
