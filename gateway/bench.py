@@ -108,15 +108,33 @@ def _wait_http(url: str, process: subprocess.Popen[bytes]) -> None:
     raise SystemExit(f"{url}: server did not start")
 
 
-def _peak_rss_mb(parent_pid: int) -> float:
+def soak(port: int, key: str, parent_pid: int, seconds: float) -> None:
+    """A long run at steady load: the worker's memory must stay flat (DESIGN.md section 10)."""
+    print()
+    print(f"{'soak s':>7} {'requests':>9} {'RSS MB':>8}")
+    started, served, stream = time.monotonic(), 0, False
+    while time.monotonic() - started < seconds:
+        served += load(port, key, stream, 16, 10.0).requests
+        stream = not stream
+        print(f"{time.monotonic() - started:>7.0f} {served:>9} {_rss_mb(parent_pid):>8.1f}")
+
+
+def _worker_pids(parent_pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(parent_pid)], capture_output=True, text=True).stdout
-    pids = [int(p) for p in out.split()] or [parent_pid]
-    peak = 0
-    for pid in pids:
+    return [int(p) for p in out.split()] or [parent_pid]
+
+
+def _rss_mb(parent_pid: int, field: str = "VmRSS:") -> float:
+    largest = 0
+    for pid in _worker_pids(parent_pid):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                peak = max(peak, int(line.split()[1]))
-    return peak / 1024
+            if line.startswith(field):
+                largest = max(largest, int(line.split()[1]))
+    return largest / 1024
+
+
+def _peak_rss_mb(parent_pid: int) -> float:
+    return _rss_mb(parent_pid, "VmHWM:")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-workers", type=int, default=1)
     parser.add_argument("--modes", nargs="+", choices=["plain", "stream"],
                         default=["plain", "stream"], help="which scenarios to run")
+    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                        help="after the measurements, keep 16 clients busy this long (plain and "
+                             "streaming in turn) and print the gateway worker's RSS every 10 s")
     parser.add_argument("--gateway-port", type=int, default=18000)
     parser.add_argument("--mock-port", type=int, default=18099)
     args = parser.parse_args(argv)
@@ -189,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(EVALSHA: {warmup_free['evalsha'] / n:.2f})")
         print(f"database transactions / request: {warmup_free['db_xacts'] / n:.4f}")
         print(f"gateway worker peak RSS:         {_peak_rss_mb(gateway.pid):.0f} MB")
+        if args.soak > 0:
+            soak(args.gateway_port, key, gateway.pid, args.soak)
         return 0
     finally:
         for child in children:
