@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -341,24 +338,15 @@ CELERY_BEAT_SCHEDULE = {
 
 @pytest.fixture
 def alert_worker(django_db_setup: None, tmp_path: Path) -> Iterator[Path]:
+    from tests.billing.conftest import celery_worker_process
     from tests.gateway.conftest import ROOT, gateway_env
 
     (tmp_path / "tg_alert_worker_settings.py").write_text(_WORKER_SETTINGS)
     env = gateway_env(TOLLGATE_DRAIN_INTERVAL_SECONDS="0.5",
                       DJANGO_SETTINGS_MODULE="tg_alert_worker_settings",
                       PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", LOG_LEVEL="INFO")
-    log = tmp_path / "celery.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--concurrency", "2",
-         "--loglevel", "INFO", "--schedule", str(tmp_path / "beat-schedule")],
-        cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    yield log
-    worker.send_signal(signal.SIGTERM)
-    try:
-        worker.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
+    with celery_worker_process(tmp_path, env) as log:
+        yield log
 
 
 @pytest.mark.e2e

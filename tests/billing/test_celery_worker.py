@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,31 +16,22 @@ from quotas.limits import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.services import create_project, create_tenant, issue_key
-from tests.gateway.conftest import ROOT, committed, gateway_env, wait_until
+from tests.billing.conftest import celery_worker_process
+from tests.gateway.conftest import committed, gateway_env, wait_until
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 
 @pytest.fixture
-def celery_worker(django_db_setup: None, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def celery_worker(django_db_setup: None, tmp_path: Path) -> Iterator[Path]:
     env = gateway_env(QUOTA_STALE_HOLD_SECONDS="1", GATEWAY_UPSTREAM_TOTAL_TIMEOUT="0.5",
                       TOLLGATE_SWEEP_INTERVAL_SECONDS="0.5", TOLLGATE_DRAIN_INTERVAL_SECONDS="0.5")
-    log = tmp_path / "celery.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--concurrency", "2",
-         "--loglevel", "INFO", "--schedule", str(tmp_path / "beat-schedule")],
-        cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    yield worker
-    worker.send_signal(signal.SIGTERM)
-    try:
-        worker.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
+    with celery_worker_process(tmp_path, env) as log:
+        yield log
 
 
 def test_worker_sweeps_a_crashed_hold_and_drains_every_call_into_the_ledger(
-    celery_worker: subprocess.Popen[bytes], django_db_blocker: Any
+    celery_worker: Path, django_db_blocker: Any
 ) -> None:
     def setup() -> tuple[int, int, int]:
         tenant = create_tenant(f"celery-{os.getpid()}", plan_name="free", actor="test")
