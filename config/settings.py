@@ -80,6 +80,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "tenants",
     "quotas",
     "gateway",
@@ -88,6 +90,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -271,6 +274,61 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = DATA_DIR / "static"
+# WhiteNoise serves app static files straight from the apps (no collectstatic step for the quick
+# start); production may still run collectstatic for compressed, cache-busted copies.
+WHITENOISE_USE_FINDERS = True
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns on every start without it
+WHITENOISE_AUTOREFRESH = DEBUG
+
+PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.Argon2PasswordHasher",
+    "django.contrib.auth.hashers.PBKDF2PasswordHasher",  # verifies older hashes, then upgrades
+]
+
+# The console (tenants/console/) and the management API (tenants/api/, billing/api.py).
+LOGIN_URL = "/console/login/"
+LOGIN_REDIRECT_URL = "/console/"
+LOGOUT_REDIRECT_URL = "/console/login/"
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+# Outside production the quick start is plain http on localhost, where Secure cookies would
+# never be sent back.
+SESSION_COOKIE_SECURE = _bool("SESSION_COOKIE_SECURE", default=TOLLGATE_ENV == "production")
+CSRF_COOKIE_SECURE = _bool("CSRF_COOKIE_SECURE", default=TOLLGATE_ENV == "production")
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+# Failed console logins allowed per username and per client address in the window, then refused
+# until the window passes.
+LOGIN_FAILURE_LIMIT = _positive_int("LOGIN_FAILURE_LIMIT", 5)
+LOGIN_FAILURE_WINDOW_SECONDS = _positive_int("LOGIN_FAILURE_WINDOW_SECONDS", 900)
+INVITATION_TTL_SECONDS = _positive_int("INVITATION_TTL_SECONDS", 7 * 86400)
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "tenants.api.authentication.ManagementTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Tollgate management API",
+    "DESCRIPTION": "Tenants, projects, API keys, limits, usage, webhooks, reports and audit "
+    "events. Authenticate with a session (the console) or `Authorization: Bearer tgm_...`.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 LOGGING = {

@@ -28,3 +28,11 @@ def new_project_id() -> str:
 
 def new_api_key_id() -> str:
     return "key_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
+
+
+def new_management_token_id() -> str:
+    return "tok_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
+
+
+def new_invitation_id() -> str:
+    return "inv_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)

@@ -15,7 +15,14 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from tenants.ids import PUBLIC_ID_MAX_LENGTH, new_api_key_id, new_project_id, new_tenant_id
+from tenants.ids import (
+    PUBLIC_ID_MAX_LENGTH,
+    new_api_key_id,
+    new_invitation_id,
+    new_management_token_id,
+    new_project_id,
+    new_tenant_id,
+)
 from tenants.keys import DIGEST_LENGTH, LAST4_LENGTH, PREFIX_LENGTH, masked
 from tenants.validators import (
     validate_alert_thresholds,
@@ -283,3 +290,69 @@ class AuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} {self.target} by {self.actor}"
+
+
+class ManagementToken(models.Model):
+    """A bearer token for the management API (/api/), for scripts. Not a /v1 API key.
+
+    A tenant token acts as an admin of its tenant and sees nothing else; an operator token
+    (no tenant) sees every tenant. Only a digest of the token is stored (tenants/management_tokens.py).
+    """
+
+    public_id = models.CharField(
+        max_length=PUBLIC_ID_MAX_LENGTH, unique=True, editable=False,
+        default=new_management_token_id,
+    )
+    tenant = models.ForeignKey(
+        Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="management_tokens",
+        help_text="Empty: an operator token that sees every tenant.",
+    )
+    name = models.CharField(max_length=200)
+    prefix = models.CharField(max_length=PREFIX_LENGTH, unique=True)
+    digest = models.CharField(max_length=DIGEST_LENGTH)
+    last4 = models.CharField(max_length=LAST4_LENGTH)
+    created_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def is_operator(self) -> bool:
+        return self.tenant_id is None
+
+
+class Invitation(models.Model):
+    """An invitation for someone to join a tenant's console. The link carries a secret of which
+    only a digest is stored; it works once, until it expires."""
+
+    public_id = models.CharField(
+        max_length=PUBLIC_ID_MAX_LENGTH, unique=True, editable=False, default=new_invitation_id
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
+    email = models.EmailField()
+    role = models.CharField(
+        max_length=16, choices=Membership.Role.choices, default=Membership.Role.ADMIN
+    )
+    digest = models.CharField(max_length=DIGEST_LENGTH, unique=True)
+    invited_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+        related_name="accepted_invitations",
+    )
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.email} to {self.tenant_id} ({self.role})"

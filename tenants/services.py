@@ -17,7 +17,8 @@ from django.utils import timezone
 
 from tenants.exceptions import ApiKeyNotFound, KeyExpired, KeyRevoked, SlugTaken, TenantNotFound
 from tenants.keys import digest_key, digests_match, generate_key, mask_plaintext, parse_key
-from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Project, Tenant
+from tenants.management_tokens import generate_token, masked_token
+from tenants.models import ApiKey, ApiKeySecret, AuditEvent, ManagementToken, Project, Tenant
 from tenants.invalidation import publish
 from tenants.selectors import plan_by_name, secret_by_prefix
 
@@ -407,3 +408,56 @@ def touch_last_used(api_key_ids: Iterable[int], when: datetime) -> int:
         .filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=when))
         .update(last_used_at=when)
     )
+
+
+# -- management API tokens ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    """A management token as returned once at issue: the only place its plaintext exists."""
+
+    token: ManagementToken
+    plaintext: str = field(repr=False)
+
+
+def issue_management_token(
+    tenant: Tenant | None, *, name: str, actor: str, expires_at: datetime | None = None
+) -> IssuedToken:
+    """A bearer token for /api/: scoped to `tenant` (as its admin), or an operator token that
+    sees every tenant when `tenant` is None."""
+    if not name.strip():
+        raise ValueError("A management token needs a name (what it is for).")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValueError("expires_at must be in the future")
+    plaintext, prefix, digest, last4 = generate_token()
+    with transaction.atomic():
+        token = ManagementToken(
+            tenant=tenant, name=name.strip(), prefix=prefix, digest=digest, last4=last4,
+            created_by=actor, expires_at=expires_at,
+        )
+        _clean(token)
+        token.save(force_insert=True)
+        record_audit_event(
+            tenant=tenant, actor=actor, action="token.issued", target=token.public_id,
+            data={"name": token.name, "masked": masked_token(prefix, last4),
+                  "operator": tenant is None,
+                  "expires_at": expires_at.isoformat() if expires_at else None},
+        )
+    return IssuedToken(token=token, plaintext=plaintext)
+
+
+def revoke_management_token(token: ManagementToken, *, actor: str) -> bool:
+    """True if this call revoked the token, False if it already was revoked."""
+    with transaction.atomic():
+        now = timezone.now()
+        changed = ManagementToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(
+            revoked_at=now
+        )
+        if changed:
+            token.revoked_at = now
+            record_audit_event(
+                tenant=token.tenant, actor=actor, action="token.revoked", target=token.public_id,
+                data={"name": token.name},
+            )
+    return bool(changed)

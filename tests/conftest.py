@@ -50,3 +50,11 @@ def redis_cluster_url() -> Iterator[str]:
     info = embedded.start_cluster(DATA_DIR / "cluster")
     yield info.url
     embedded.stop_cluster(DATA_DIR / "cluster")
+
+
+@pytest.fixture
+def world(db: None) -> "World":
+    """Two tenants and owner / member / outsider / operator users (tests/world.py)."""
+    from tests.world import build_world
+
+    return build_world()

@@ -1,0 +1,71 @@
+"""Console login, logout and tenant switching."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.decorators import login_required
+from django.contrib.auth.forms import AuthenticationForm
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from tenants.access import principal_for
+from tenants.console.base import SESSION_TENANT
+from tenants.console.throttle import clear_login_failures, login_blocked, record_login_failure
+
+THROTTLED_MESSAGE = "Too many failed logins. Wait a few minutes before trying again."
+
+
+def client_address(request: HttpRequest) -> str:
+    # REMOTE_ADDR only: X-Forwarded-For is client-controlled unless a trusted proxy sets it,
+    # and trusting it would let a guesser pick a fresh address per attempt.
+    return request.META.get("REMOTE_ADDR", "") or "unknown"
+
+
+class ConsoleLoginView(auth_views.LoginView):
+    template_name = "console/login.html"
+    redirect_authenticated_user = True
+
+    def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        username = request.POST.get("username", "")
+        address = client_address(request)
+        if login_blocked(username, address):
+            form = AuthenticationForm(request, data=None)
+            return render(request, self.template_name,
+                          {"form": form, "throttled": THROTTLED_MESSAGE}, status=429)
+        response = super().post(request, *args, **kwargs)
+        if request.user.is_authenticated:
+            clear_login_failures(username, address)
+        else:
+            record_login_failure(username, address)
+        return response
+
+
+class ConsoleLogoutView(auth_views.LogoutView):
+    pass
+
+
+@login_required
+def console_index(request: HttpRequest) -> HttpResponse:
+    """/console/: the tenant last worked on, else the first one; a page saying so when none."""
+    tenants = principal_for(request).visible_tenants().order_by("name")
+    last = request.session.get(SESSION_TENANT)
+    tenant = tenants.filter(public_id=last).first() if last else None
+    tenant = tenant or tenants.first()
+    if tenant is None:
+        return render(request, "console/no_tenants.html")
+    return redirect("console-dashboard", tenant.public_id)
+
+
+@login_required
+@require_POST
+def switch_tenant(request: HttpRequest) -> HttpResponse:
+    public_id = request.POST.get("tenant", "")
+    tenant = principal_for(request).visible_tenants().filter(public_id=public_id).first()
+    if tenant is None:
+        raise Http404("No such tenant.")
+    request.session[SESSION_TENANT] = tenant.public_id
+    return HttpResponseRedirect(reverse("console-dashboard", args=[tenant.public_id]))
