@@ -650,6 +650,21 @@ class QuotaEngine:
             fields, ttl = pipe.execute()
         return _snapshot(key, fields, ttl)
 
+    def counters(
+        self, tenant: str, scopes: Sequence[tuple[str, WindowKind]], *, utc_offset_s: int = 0,
+    ) -> list[CounterSnapshot]:
+        """The current window's counters of many scopes, in one round trip (dashboards)."""
+        counter_keys = [self._calls.counter_key_now(tenant, scope, kind, utc_offset_s, Unit.TOKENS)
+                        for scope, kind in scopes]
+        with _store_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for key in counter_keys:
+                pipe.hmget(key, _COUNTER_FIELDS)
+                pipe.ttl(key)
+            replies = pipe.execute()
+        return [_snapshot(key, replies[2 * i], replies[2 * i + 1])
+                for i, key in enumerate(counter_keys)]
+
     def open_hold_ids(self, tenant: str) -> list[str]:
         with _store_errors():
             return [_str(i) for i in self.client.zrange(keys.hold_index_key(tenant), 0, -1)]

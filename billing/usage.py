@@ -1,0 +1,89 @@
+"""A tenant's usage from the ledger, grouped for the console and the management API.
+
+The ledger is a few seconds behind the Redis counters (it is drained every 5 s); live
+"remaining" figures come from the quota counters instead (quotas/status.py).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any, Literal
+
+from django.db.models import Count, QuerySet, Sum
+from django.db.models.functions import TruncDate
+
+from billing.models import UsageRecord
+from tenants.models import Tenant
+
+GroupBy = Literal["day", "project", "key", "model"]
+GROUPINGS: dict[str, tuple[str, ...]] = {
+    "day": ("day",),
+    "project": ("project__public_id", "project__slug"),
+    "key": ("api_key__public_id", "api_key__name"),
+    "model": ("served_model",),
+}
+_SUMS = {
+    "requests": Count("id"),
+    "input_tokens": Sum("input_tokens"),
+    "output_tokens": Sum("output_tokens"),
+    "cost_micros": Sum("cost_micros"),
+}
+
+
+def day_start(day: date) -> datetime:
+    return datetime.combine(day, time.min, tzinfo=UTC)
+
+
+def records(tenant: Tenant, start: date, end: date) -> QuerySet[UsageRecord]:
+    """The tenant's ledger rows that ended on days start..end (inclusive, UTC)."""
+    return UsageRecord.objects.filter(
+        tenant=tenant, ended_at__gte=day_start(start), ended_at__lt=day_start(end + timedelta(days=1))
+    )
+
+
+def usage_totals(
+    tenant: Tenant, start: date, end: date, group_by: tuple[str, ...] = ("day",)
+) -> list[dict[str, Any]]:
+    """Requests, input / output / total tokens and cost per group, for days start..end.
+
+    group_by names from GROUPINGS, combined (("day", "model") is a row per day and model).
+    """
+    unknown = [name for name in group_by if name not in GROUPINGS]
+    if unknown:
+        raise ValueError(f"Unknown grouping {unknown[0]!r}; known: {', '.join(GROUPINGS)}")
+    fields = [field for name in group_by for field in GROUPINGS[name]]
+    rows = (
+        records(tenant, start, end)
+        .annotate(day=TruncDate("ended_at", tzinfo=UTC))
+        .values(*fields)
+        .annotate(**_SUMS)
+        .order_by(*fields)
+    )
+    out = []
+    for row in rows:
+        item: dict[str, Any] = {}
+        if "day" in row:
+            item["day"] = row["day"].isoformat()
+        if "project__public_id" in row:
+            item["project"] = row["project__public_id"]
+            item["project_slug"] = row["project__slug"]
+        if "api_key__public_id" in row:
+            item["key"] = row["api_key__public_id"]
+            item["key_name"] = row["api_key__name"]
+        if "served_model" in row:
+            item["model"] = row["served_model"]
+        item.update(
+            requests=row["requests"],
+            input_tokens=row["input_tokens"] or 0,
+            output_tokens=row["output_tokens"] or 0,
+            total_tokens=(row["input_tokens"] or 0) + (row["output_tokens"] or 0),
+            cost_micros=row["cost_micros"] or 0,
+        )
+        out.append(item)
+    return out
+
+
+def tokens_by_key(tenant: Tenant, start: date, end: date) -> dict[str, int]:
+    """Total tokens per API key public id over days start..end (keys with no usage absent)."""
+    return {row["key"]: row["total_tokens"]
+            for row in usage_totals(tenant, start, end, ("key",)) if row["key"]}

@@ -1,0 +1,101 @@
+"""A tenant's live quota picture: every counter it is checked against, with its limit, what is
+used and held right now, and what remains. Read from Redis in one round trip."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from quotas import keys
+from quotas.engine import UNLIMITED
+from quotas.limits import tenant_tag
+from quotas.runtime import get_engine
+from quotas.windows import WindowKind
+from tenants.models import ApiKey, Project, Tenant
+from tenants.selectors import effective_limits
+
+
+@dataclass(frozen=True)
+class ScopeStatus:
+    kind: str  # tenant / project / key / model
+    ref: str  # the tenant's slug, a project or key public id, a model name
+    label: str  # what a person reads: slug, key name, model
+    window: str  # "day" or "month"
+    limit: int  # UNLIMITED (-1): no limit
+    used: int
+    pending: int  # held by requests in flight
+    credit: int  # recharged on top of the limit
+    remaining: int  # UNLIMITED when there is no limit; never negative
+
+    @property
+    def limited(self) -> bool:
+        return self.limit != UNLIMITED
+
+    @property
+    def percent_used(self) -> float | None:
+        """(used + pending) as a percentage of limit + credit; None when unlimited."""
+        if not self.limited:
+            return None
+        capacity = self.limit + self.credit
+        if capacity <= 0:
+            return 100.0
+        return min(100.0, 100.0 * (self.used + self.pending) / capacity)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "scope": self.kind, "id": self.ref, "label": self.label, "window": self.window,
+            "limit": None if not self.limited else self.limit, "used": self.used,
+            "pending": self.pending, "credit": self.credit,
+            "remaining": None if not self.limited else self.remaining,
+        }
+
+
+@dataclass(frozen=True)
+class QuotaStatus:
+    scopes: list[ScopeStatus]
+    open_holds: int
+
+    def of(self, kind: str, window: str) -> list[ScopeStatus]:
+        return [s for s in self.scopes if s.kind == kind and s.window == window]
+
+
+def _limit(value: int | None) -> int:
+    return UNLIMITED if value is None else value
+
+
+def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
+    """Today's and this month's counters of the tenant, each project, each live key and each
+    model with a daily limit. Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
+    limits = effective_limits(tenant)
+    day, month = WindowKind.DAY, WindowKind.MONTH
+    wanted: list[tuple[str, str, str, WindowKind, str, int]] = [
+        ("tenant", tenant.slug, tenant.name, day, keys.tenant_scope(), limits.tokens_per_day),
+        ("tenant", tenant.slug, tenant.name, month, keys.tenant_scope(),
+         limits.monthly_token_budget),
+    ]
+    for project in Project.objects.filter(tenant=tenant).order_by("slug"):
+        scope = keys.project_scope(project.pk)
+        wanted.append(("project", project.public_id, project.slug, day, scope,
+                       _limit(project.tokens_per_day)))
+        wanted.append(("project", project.public_id, project.slug, month, scope,
+                       _limit(project.tokens_per_month)))
+    live_keys = ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
+    for api_key in live_keys.order_by("project__slug", "name", "public_id"):
+        scope = keys.api_key_scope(api_key.pk)
+        label = api_key.name or api_key.public_id
+        wanted.append(("key", api_key.public_id, label, day, scope, _limit(api_key.tokens_per_day)))
+        wanted.append(("key", api_key.public_id, label, month, scope,
+                       _limit(api_key.tokens_per_month)))
+    for model, limit in sorted(limits.model_tokens_per_day.items()):
+        wanted.append(("model", model, model, day, keys.model_scope(model), limit))
+
+    engine = engine or get_engine()
+    tag = tenant_tag(tenant.pk)
+    snaps = engine.counters(tag, [(scope, kind) for _, _, _, kind, scope, _ in wanted])
+    statuses = []
+    for (kind, ref, label, window, _, limit), snap in zip(wanted, snaps, strict=True):
+        remaining = (UNLIMITED if limit == UNLIMITED
+                     else max(0, limit + snap.credit - snap.used - snap.pending))
+        statuses.append(ScopeStatus(kind, ref, label, window.value, limit, snap.used,
+                                    snap.pending, snap.credit, remaining))
+    return QuotaStatus(scopes=statuses, open_holds=len(engine.open_hold_ids(tag)))
