@@ -9,6 +9,7 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:rate:<scope>:<period>ms  token bucket hash {tokens, ts} (request rate)
     tg:{t<tenant>}:conc:<scope>         zset of requests in flight (concurrency cap)
     tg:{t<tenant>}:usage                stream of usage events (one per ended hold)
+    tg:{t<tenant>}:refused:<day window> hash {reason: count} of requests refused that UTC day
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
@@ -79,6 +80,11 @@ def gauge_key(tenant: str, scope: str) -> str:
 
 def usage_stream_key(tenant: str) -> str:
     return f"{_tag(tenant)}:usage"
+
+
+def refused_key(tenant: str, day_window_id: str) -> str:
+    """Requests the gateway refused on one UTC day, counted per reason (gateway/refusals.py)."""
+    return f"{_tag(tenant)}:refused:{day_window_id}"
 
 
 def provider_capacity_key(provider_key_id: int) -> str:
