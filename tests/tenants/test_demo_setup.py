@@ -7,7 +7,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
-from tenants.models import ApiKey, Tenant
+from tenants.models import ApiKey, Membership, Tenant
 from tenants.services import authenticate_key
 
 
@@ -25,8 +25,17 @@ def test_demo_setup_creates_a_working_key_once_and_is_idempotent() -> None:
     assert api_key is not None and api_key.project.tenant.slug == "demo"
     assert get_user_model().objects.get(username="admin").check_password(first["admin_password"])
 
+    console_user = get_user_model().objects.get(username="demo")
+    assert console_user.check_password(first["console_password"])
+    assert console_user.password.startswith("argon2$")  # only the hash is stored
+    assert not console_user.is_staff  # the console as a tenant owner sees it, not an operator
+    assert Membership.objects.get(user=console_user).role == "owner"
+    assert first["console_url"] == "http://127.0.0.1:8000/console/"
+
     second = demo_setup()
     assert second["key"] is None and second["admin_password"] is None
+    assert second["console_password"] is None and second["console_user"] == "demo"
+    assert get_user_model().objects.get(username="demo").check_password(first["console_password"])
     assert second["key_id"] == first["key_id"] and second["masked"] == first["masked"]
     assert Tenant.objects.filter(slug="demo").count() == 1
     assert ApiKey.objects.filter(project__tenant__slug="demo").count() == 1
@@ -48,3 +57,20 @@ def test_demo_setup_registers_the_mock_upstream_once() -> None:
     call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
     assert json.loads(out.getvalue())["provider_key"] is None
     assert ProviderKey.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_demo_setup_prints_the_console_login_once() -> None:
+    # `make up` shows this text: the console address, user and password at the first run, and
+    # how to set a new password afterwards (the password itself is never shown again).
+    out = StringIO()
+    call_command("demo_setup", stdout=out)
+    first = out.getvalue()
+    assert "Console: http://127.0.0.1:8000/console/ user 'demo', password (shown once): " in first
+    password = first.split("password (shown once): ")[1].split()[0]
+    assert get_user_model().objects.get(username="demo").check_password(password)
+    out = StringIO()
+    call_command("demo_setup", stdout=out)
+    again = out.getvalue()
+    assert password not in again
+    assert "printed at the first setup" in again and "manage.py changepassword demo" in again

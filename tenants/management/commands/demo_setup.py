@@ -17,13 +17,18 @@ from tenants.services import create_project, create_tenant, issue_key
 DEMO_TENANT = "demo"
 DEMO_PROJECT = "default"
 DEMO_ADMIN = "admin"
+# The console's login for the quick start: a plain user (not staff) who owns the demo tenant,
+# so the console shows what a tenant admin sees.
+DEMO_CONSOLE_USER = "demo"
+DEFAULT_CONSOLE_URL = "http://127.0.0.1:8000/console/"
 
 
 class Command(TenantsCommand):
     help = (
-        "Create (once) the demo tenant, project, API key and an admin user for a first local run, "
-        "and with --mock-upstream a provider key for the mock upstream. Secrets are printed only "
-        "when created; later runs show the masked key."
+        "Create (once) the demo tenant, project, API key, a console user who owns the tenant and "
+        "a Django admin user for a first local run, and with --mock-upstream a provider key for "
+        "the mock upstream. Secrets and passwords are printed only when created (only their "
+        "hashes are stored); later runs show the masked key."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -31,6 +36,8 @@ class Command(TenantsCommand):
         parser.add_argument("--mock-upstream", metavar="URL",
                             help="Base URL of the mock upstream (e.g. http://127.0.0.1:8099/v1): "
                             "registered as the provider key 'mock' if no provider key exists.")
+        parser.add_argument("--console-url", default=DEFAULT_CONSOLE_URL,
+                            help=f"The console's address to print (default {DEFAULT_CONSOLE_URL}).")
 
     def run(self, **options: Any) -> tuple[dict[str, Any], str]:
         provider = None
@@ -59,6 +66,17 @@ class Command(TenantsCommand):
             Membership.objects.get_or_create(
                 user=admin, tenant=tenant, defaults={"role": Membership.Role.OWNER}
             )
+            console_password = None
+            console_user = user_model.objects.filter(username=DEMO_CONSOLE_USER).first()
+            if console_user is None:
+                console_password = secrets.token_urlsafe(12)
+                console_user = user_model.objects.create_user(
+                    DEMO_CONSOLE_USER, "", console_password
+                )
+            # Only when missing: an operator who changed the demo user's role keeps the change.
+            Membership.objects.get_or_create(
+                user=console_user, tenant=tenant, defaults={"role": Membership.Role.OWNER}
+            )
         data = {
             "tenant": tenant.slug,
             "project": project.slug,
@@ -67,6 +85,9 @@ class Command(TenantsCommand):
             "masked": masked_key(api_key),
             "admin_user": DEMO_ADMIN,
             "admin_password": password,
+            "console_url": options["console_url"],
+            "console_user": DEMO_CONSOLE_USER,
+            "console_password": console_password,
         }
         data["provider_key"] = provider.public_id if provider else None
         lines = [f"Demo tenant '{tenant.slug}' ({tenant.plan.name} plan), project '{project.slug}'."]
@@ -77,6 +98,13 @@ class Command(TenantsCommand):
         else:
             lines.append(f"API key {api_key.public_id} {masked_key(api_key)} exists already; "
                          f"`manage.py key_rotate {api_key.public_id}` prints a fresh one.")
+        if console_password:
+            lines.append(f"Console: {options['console_url']} user '{DEMO_CONSOLE_USER}', "
+                         f"password (shown once): {console_password}")
+        else:
+            lines.append(f"Console: {options['console_url']} user '{DEMO_CONSOLE_USER}' exists "
+                         "already (its password was printed at the first setup; "
+                         f"`manage.py changepassword {DEMO_CONSOLE_USER}` sets a new one).")
         if password:
             lines.append(f"Django admin: user '{DEMO_ADMIN}', password (shown once): {password}")
         else:
