@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 
-from django.db.models import Q
+from django.db.models import Prefetch, Q, QuerySet
 from django.utils import timezone
 
-from tenants.exceptions import ApiKeyNotFound, ProjectNotFound, TenantNotFound, UnknownPlan
-from tenants.models import UNLIMITED, ApiKey, ApiKeySecret, Plan, Project, Tenant
+from tenants.exceptions import (
+    ApiKeyNotFound,
+    ProjectNotFound,
+    TenantNotFound,
+    UnknownPlan,
+)
+from tenants.models import (
+    UNLIMITED,
+    ApiKey,
+    ApiKeySecret,
+    AuditEvent,
+    ManagementToken,
+    Plan,
+    Project,
+    Tenant,
+)
 
 
 @dataclass(frozen=True)
@@ -139,3 +153,110 @@ def secret_by_prefix(prefix: str) -> ApiKeySecret | None:
         .filter(prefix=prefix)
         .first()
     )
+
+
+# -- listings for the console and the management API ---------------------------------------------
+
+KEY_STATUSES: tuple[str, ...] = ("active", "expired", "revoked")
+
+
+def key_status(api_key: ApiKey, *, now: datetime | None = None) -> str:
+    """active / expired / revoked, as listings show it."""
+    if api_key.revoked_at is not None:
+        return "revoked"
+    if api_key.expires_at is not None and api_key.expires_at <= (now or timezone.now()):
+        return "expired"
+    return "active"
+
+
+def tenant_keys(
+    tenant: Tenant, *, project: Project | None = None, status: str | None = None
+) -> QuerySet[ApiKey]:
+    """The tenant's keys, newest first, with project and secrets loaded (see listed_masked_key).
+    status: one of KEY_STATUSES, or None for all."""
+    keys = ApiKey.objects.filter(project__tenant=tenant).select_related("project__tenant__plan")
+    if project is not None:
+        keys = keys.filter(project=project)
+    now = timezone.now()
+    if status == "revoked":
+        keys = keys.filter(revoked_at__isnull=False)
+    elif status == "expired":
+        keys = keys.filter(revoked_at__isnull=True, expires_at__lte=now)
+    elif status == "active":
+        keys = keys.filter(revoked_at__isnull=True).filter(
+            Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+        )
+    elif status is not None:
+        raise ValueError(f"Unknown key status {status!r}; expected one of {', '.join(KEY_STATUSES)}")
+    secrets = Prefetch("secrets", queryset=ApiKeySecret.objects.order_by("-created_at", "-id"))
+    return keys.prefetch_related(secrets).order_by("-created_at", "-id")
+
+
+def listed_masked_key(api_key: ApiKey, *, now: datetime | None = None) -> str:
+    """masked_key() from the prefetched secrets of tenant_keys(), without a query per key."""
+    now = now or timezone.now()
+    secrets = list(api_key.secrets.all())  # newest first
+    for secret in secrets:
+        if secret.revoked_at is None and (secret.expires_at is None or secret.expires_at > now):
+            return secret.masked
+    return secrets[0].masked if secrets else ""
+
+
+def month_start(day: date) -> date:
+    return day.replace(day=1)
+
+
+def usage_today_and_month(tenant: Tenant, by: str) -> dict[str, dict[str, int]]:
+    """Tokens per project or key public id (`by` = "project" / "key") today and this month
+    (UTC), from the usage ledger: {"prj_...": {"today": n, "month": n}}. Ids without usage are
+    absent. The ledger trails the live counters by a few seconds."""
+    from billing.usage import (
+        usage_totals,  # billing builds on tenants, not the other way round
+    )
+
+    today = timezone.now().date()
+    out: dict[str, dict[str, int]] = {}
+    for window, start in (("today", today), ("month", month_start(today))):
+        for row in usage_totals(tenant, start, today, (by,)):
+            ref = row.get(by)
+            if ref:
+                out.setdefault(ref, {"today": 0, "month": 0})[window] = row["total_tokens"]
+    return out
+
+
+def tenant_projects(tenant: Tenant) -> QuerySet[Project]:
+    return Project.objects.filter(tenant=tenant).select_related("tenant__plan").order_by("slug")
+
+
+def management_tokens(tenant: Tenant) -> QuerySet[ManagementToken]:
+    return ManagementToken.objects.filter(tenant=tenant).order_by("-created_at", "-id")
+
+
+def audit_events(
+    tenant: Tenant,
+    *,
+    start: date | None = None,
+    end: date | None = None,
+    action: str = "",
+    actor: str = "",
+) -> QuerySet[AuditEvent]:
+    """The tenant's audit trail, newest first; start..end are inclusive UTC days, action an exact
+    name (key.issued) or a family (key.), actor a substring (user:alice, token:)."""
+    from billing.usage import day_start
+
+    events = AuditEvent.objects.filter(tenant=tenant)
+    if start is not None:
+        events = events.filter(created_at__gte=day_start(start))
+    if end is not None:
+        events = events.filter(created_at__lt=day_start(end) + timedelta(days=1))
+    if action:
+        events = (events.filter(action__startswith=action) if action.endswith(".")
+                  else events.filter(action=action))
+    if actor:
+        events = events.filter(actor__icontains=actor)
+    return events.order_by("-created_at", "-id")
+
+
+def audit_actions(tenant: Tenant) -> list[str]:
+    """The action names in the tenant's trail, for a filter's choices."""
+    return sorted(set(AuditEvent.objects.filter(tenant=tenant).values_list("action", flat=True)))

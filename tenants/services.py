@@ -11,16 +11,38 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from tenants.exceptions import ApiKeyNotFound, KeyExpired, KeyRevoked, SlugTaken, TenantNotFound
-from tenants.keys import digest_key, digests_match, generate_key, mask_plaintext, parse_key
-from tenants.management_tokens import generate_token, masked_token
-from tenants.models import ApiKey, ApiKeySecret, AuditEvent, ManagementToken, Project, Tenant
+from tenants.exceptions import (
+    ApiKeyNotFound,
+    KeyExpired,
+    KeyRevoked,
+    SlugTaken,
+    TenantNotFound,
+)
 from tenants.invalidation import publish
-from tenants.selectors import plan_by_name, secret_by_prefix
+from tenants.keys import (
+    digest_key,
+    digests_match,
+    generate_key,
+    mask_plaintext,
+    parse_key,
+)
+from tenants.management_tokens import generate_token, masked_token
+from tenants.models import (
+    UNLIMITED,
+    ApiKey,
+    ApiKeySecret,
+    AuditEvent,
+    ManagementToken,
+    Plan,
+    Project,
+    Tenant,
+)
+from tenants.selectors import effective_limits, plan_by_name, secret_by_prefix
 
 # What set_tenant_limits (and create_tenant's **overrides) may change.
 TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
@@ -144,7 +166,12 @@ def create_project(
     name: str = "",
     tokens_per_day: int | None = None,
     tokens_per_month: int | None = None,
+    within_limits: bool = False,
 ) -> Project:
+    """With within_limits=True (the console and the API), sub-limits above the tenant's effective
+    limits are refused with a ValidationError naming the field; operator tools may skip that."""
+    if within_limits:
+        check_project_limits(tenant, tokens_per_day=tokens_per_day, tokens_per_month=tokens_per_month)
     with transaction.atomic():
         project = Project(
             tenant=tenant,
@@ -186,9 +213,17 @@ def issue_key(
     max_concurrency: int | None = None,
     allowed_models: list[str] | None = None,
     expires_at: datetime | None = None,
+    within_limits: bool = False,
 ) -> IssuedKey:
+    """With within_limits=True (the console and the API), sub-limits beyond the project's or the
+    tenant's and models outside the plan are refused with a ValidationError naming the field."""
     if expires_at is not None and expires_at <= timezone.now():
         raise ValueError("expires_at must be in the future")
+    if within_limits:
+        check_key_limits(
+            project, tokens_per_day=tokens_per_day, tokens_per_month=tokens_per_month,
+            requests_per_minute=requests_per_minute, allowed_models=allowed_models or [],
+        )
     with transaction.atomic():
         api_key = ApiKey(
             project=project,
@@ -461,3 +496,224 @@ def revoke_management_token(token: ManagementToken, *, actor: str) -> bool:
                 data={"name": token.name},
             )
     return bool(changed)
+
+
+# -- sub-limits, project and key edits, plans, tenant names -------------------------------------
+
+PROJECT_EDIT_FIELDS: tuple[str, ...] = ("name", "tokens_per_day", "tokens_per_month")
+KEY_EDIT_FIELDS: tuple[str, ...] = (
+    "name",
+    "tokens_per_day",
+    "tokens_per_month",
+    "requests_per_minute",
+    "max_concurrency",
+    "allowed_models",
+)
+PLAN_FIELDS: tuple[str, ...] = (
+    "display_name",
+    "tokens_per_day",
+    "tokens_per_minute",
+    "requests_per_second",
+    "over_quota_policy",
+    "queue_timeout_seconds",
+    "queue_priority",
+    "soft_limit_percent",
+    "fallback_model",
+    "safety_factor",
+    "allowed_models",
+    "shrink_hold_to_headroom",
+)
+
+
+def _at_most(
+    errors: dict[str, str], field_name: str, value: int | None, bound: int | None, what: str
+) -> None:
+    # A sub-limit can only narrow: None (no sub-limit) and an unlimited bound always pass.
+    if value is None or bound is None or bound == UNLIMITED or field_name in errors:
+        return
+    if value > bound:
+        errors[field_name] = f"Must be at most {bound:,}, {what}."
+
+
+def check_project_limits(
+    tenant: Tenant, *, tokens_per_day: int | None, tokens_per_month: int | None
+) -> None:
+    """ValidationError (per field) if a project's sub-limits exceed the tenant's effective
+    limits: the daily limit and the monthly token budget."""
+    limits = effective_limits(tenant)
+    errors: dict[str, str] = {}
+    _at_most(errors, "tokens_per_day", tokens_per_day, limits.tokens_per_day,
+             "the tenant's daily token limit")
+    _at_most(errors, "tokens_per_month", tokens_per_month, limits.monthly_token_budget,
+             "the tenant's monthly token budget")
+    if errors:
+        raise ValidationError(errors)
+
+
+def check_key_limits(
+    project: Project,
+    *,
+    tokens_per_day: int | None,
+    tokens_per_month: int | None,
+    requests_per_minute: int | None,
+    allowed_models: list[str],
+) -> None:
+    """ValidationError (per field) if a key's sub-limits exceed its project's or its tenant's,
+    or it names models its tenant's plan does not allow."""
+    tenant = project.tenant
+    limits = effective_limits(tenant)
+    errors: dict[str, str] = {}
+    _at_most(errors, "tokens_per_day", tokens_per_day, project.tokens_per_day,
+             "the project's daily token limit")
+    _at_most(errors, "tokens_per_day", tokens_per_day, limits.tokens_per_day,
+             "the tenant's daily token limit")
+    _at_most(errors, "tokens_per_month", tokens_per_month, project.tokens_per_month,
+             "the project's monthly token limit")
+    _at_most(errors, "tokens_per_month", tokens_per_month, limits.monthly_token_budget,
+             "the tenant's monthly token budget")
+    per_minute = (UNLIMITED if limits.requests_per_second == UNLIMITED
+                  else limits.requests_per_second * 60)
+    _at_most(errors, "requests_per_minute", requests_per_minute, per_minute,
+             "the tenant's request rate (60 x requests per second)")
+    if limits.allowed_models and isinstance(allowed_models, list):
+        outside = [m for m in allowed_models if m not in limits.allowed_models]
+        if outside:
+            errors["allowed_models"] = (
+                f"Not in the {limits.plan_name} plan: {', '.join(map(str, outside))}. "
+                f"The plan allows: {', '.join(limits.allowed_models)}."
+            )
+    if errors:
+        raise ValidationError(errors)
+
+
+def _check_edit_names(changes: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    unknown = sorted(set(changes) - set(allowed))
+    if unknown:
+        raise ValueError(f"Unknown {what} field(s): {', '.join(unknown)}; known: {', '.join(allowed)}")
+
+
+def _diff(instance: models.Model, changes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {"from": getattr(instance, name), "to": value}
+        for name, value in changes.items()
+        if getattr(instance, name) != value
+    }
+
+
+def update_project(project: Project, *, actor: str, **changes: Any) -> Project:
+    """Rename a project or change its sub-limits (None removes one), within the tenant's limits."""
+    _check_edit_names(changes, PROJECT_EDIT_FIELDS, "project")
+    with transaction.atomic():
+        locked = (
+            Project.objects.select_for_update(of=("self",)).select_related("tenant__plan")
+            .get(pk=project.pk)
+        )
+        diff = _diff(locked, changes)
+        for name, value in changes.items():
+            setattr(locked, name, value)
+        _clean(locked)
+        check_project_limits(
+            locked.tenant, tokens_per_day=locked.tokens_per_day,
+            tokens_per_month=locked.tokens_per_month,
+        )
+        if diff:
+            locked.save(update_fields=list(diff))
+            record_audit_event(
+                tenant=locked.tenant, actor=actor, action="project.updated",
+                target=locked.public_id, data={"changes": diff},
+            )
+            publish("tenant", locked.tenant_id)  # gateways cache projects with the keys
+    for name in PROJECT_EDIT_FIELDS:
+        setattr(project, name, getattr(locked, name))
+    return project
+
+
+def update_key(api_key: ApiKey, *, actor: str, **changes: Any) -> ApiKey:
+    """Rename a key or change its sub-limits and models (None removes a sub-limit), within its
+    project's and tenant's limits. A revoked key cannot be changed."""
+    _check_edit_names(changes, KEY_EDIT_FIELDS, "API key")
+    with transaction.atomic():
+        locked = _lock_api_key(api_key)
+        if locked.revoked_at is not None:
+            raise ValidationError("This key is revoked; it cannot be changed.")
+        diff = _diff(locked, changes)
+        for name, value in changes.items():
+            setattr(locked, name, value)
+        _clean(locked)
+        check_key_limits(
+            locked.project, tokens_per_day=locked.tokens_per_day,
+            tokens_per_month=locked.tokens_per_month,
+            requests_per_minute=locked.requests_per_minute, allowed_models=locked.allowed_models,
+        )
+        if diff:
+            locked.save(update_fields=list(diff))
+            record_audit_event(
+                tenant=locked.project.tenant, actor=actor, action="key.updated",
+                target=locked.public_id, data={"changes": diff},
+            )
+            publish("api_key", locked.pk)  # sub-limits and models are cached by the gateways
+    for name in KEY_EDIT_FIELDS:
+        setattr(api_key, name, getattr(locked, name))
+    return api_key
+
+
+def rename_tenant(tenant: Tenant, name: str, *, actor: str) -> Tenant:
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": "A tenant needs a name."})
+    with transaction.atomic():
+        locked = _lock_tenant(tenant)
+        previous = locked.name
+        if previous != name:
+            locked.name = name
+            _clean(locked)
+            locked.save(update_fields=["name"])
+            record_audit_event(
+                tenant=locked, actor=actor, action="tenant.renamed", target=locked.public_id,
+                data={"from": previous, "to": name},
+            )
+    tenant.name = name
+    return tenant
+
+
+def _plan_data(plan: Plan) -> dict[str, Any]:
+    # JSON-safe, for the audit trail.
+    return {name: str(value) if name == "safety_factor" else value
+            for name, value in ((n, getattr(plan, n)) for n in PLAN_FIELDS)}
+
+
+def create_plan(name: str, *, actor: str, **fields: Any) -> Plan:
+    _check_edit_names(fields, PLAN_FIELDS, "plan")
+    with transaction.atomic():
+        plan = Plan(name=name, **fields)
+        if not plan.display_name:
+            plan.display_name = name
+        _clean(plan)
+        _insert_with_slug(plan, taken=Plan.objects.filter(name=name), kind="plan", slug=name)
+        record_audit_event(
+            actor=actor, action="plan.created", target=plan.name, data=_plan_data(plan)
+        )
+    return plan
+
+
+def update_plan(plan: Plan, *, actor: str, **changes: Any) -> Plan:
+    """Change a plan's limits or policy; every gateway hears of it and applies it to the next
+    request of every tenant on the plan."""
+    _check_edit_names(changes, PLAN_FIELDS, "plan")
+    with transaction.atomic():
+        locked = Plan.objects.select_for_update().get(pk=plan.pk)
+        before = _plan_data(locked)
+        for name, value in changes.items():
+            setattr(locked, name, value)
+        _clean(locked)
+        after = _plan_data(locked)
+        diff = {n: {"from": before[n], "to": after[n]} for n in PLAN_FIELDS if before[n] != after[n]}
+        if diff:
+            locked.save()
+            record_audit_event(
+                actor=actor, action="plan.updated", target=locked.name, data={"changes": diff}
+            )
+            publish("plan", locked.pk)
+    for name in PLAN_FIELDS:
+        setattr(plan, name, getattr(locked, name))
+    return plan
