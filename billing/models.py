@@ -93,6 +93,12 @@ def _new_webhook_id() -> str:
     return "whk_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
 
 
+def new_delivery_id() -> str:
+    from tenants.ids import PUBLIC_ID_RANDOM_LENGTH, random_base62
+
+    return "dlv_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
+
+
 class WebhookEvent(models.TextChoices):
     THRESHOLD = "quota.threshold", "A quota crossed one of the tenant's alert thresholds"
     EXHAUSTED = "quota.exhausted", "A quota has nothing left"
@@ -135,6 +141,9 @@ class WebhookDelivery(models.Model):
         DELIVERED = "delivered", "Delivered"
         FAILED = "failed", "Failed (gave up)"
 
+    # What the API and the console call a delivery (database ids are never shown).
+    public_id = models.CharField(max_length=32, unique=True, editable=False,
+                                 default=new_delivery_id)
     endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE,
                                  related_name="deliveries")
     event_type = models.CharField(max_length=32, choices=WebhookEvent.choices)

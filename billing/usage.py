@@ -34,26 +34,36 @@ def day_start(day: date) -> datetime:
     return datetime.combine(day, time.min, tzinfo=UTC)
 
 
-def records(tenant: Tenant, start: date, end: date) -> QuerySet[UsageRecord]:
-    """The tenant's ledger rows that ended on days start..end (inclusive, UTC)."""
-    return UsageRecord.objects.filter(
+def records(tenant: Tenant, start: date, end: date, *, project: str | None = None,
+            key: str | None = None) -> QuerySet[UsageRecord]:
+    """The tenant's ledger rows that ended on days start..end (inclusive, UTC), optionally of one
+    project or API key (public ids; looked up through the tenant, so another tenant's id simply
+    matches nothing)."""
+    rows = UsageRecord.objects.filter(
         tenant=tenant, ended_at__gte=day_start(start), ended_at__lt=day_start(end + timedelta(days=1))
     )
+    if project is not None:
+        rows = rows.filter(project__public_id=project)
+    if key is not None:
+        rows = rows.filter(api_key__public_id=key)
+    return rows
 
 
 def usage_totals(
-    tenant: Tenant, start: date, end: date, group_by: tuple[str, ...] = ("day",)
+    tenant: Tenant, start: date, end: date, group_by: tuple[str, ...] = ("day",), *,
+    project: str | None = None, key: str | None = None,
 ) -> list[dict[str, Any]]:
     """Requests, input / output / total tokens and cost per group, for days start..end.
 
-    group_by names from GROUPINGS, combined (("day", "model") is a row per day and model).
+    group_by names from GROUPINGS, combined (("day", "model") is a row per day and model);
+    project / key (public ids) narrow the rows to one project or API key.
     """
     unknown = [name for name in group_by if name not in GROUPINGS]
     if unknown:
         raise ValueError(f"Unknown grouping {unknown[0]!r}; known: {', '.join(GROUPINGS)}")
     fields = [field for name in group_by for field in GROUPINGS[name]]
     rows = (
-        records(tenant, start, end)
+        records(tenant, start, end, project=project, key=key)
         .annotate(day=TruncDate("ended_at", tzinfo=UTC))
         .values(*fields)
         .annotate(**_SUMS)
@@ -87,3 +97,9 @@ def tokens_by_key(tenant: Tenant, start: date, end: date) -> dict[str, int]:
     """Total tokens per API key public id over days start..end (keys with no usage absent)."""
     return {row["key"]: row["total_tokens"]
             for row in usage_totals(tenant, start, end, ("key",)) if row["key"]}
+
+
+def total_tokens(tenant: Tenant, start: date, end: date) -> int:
+    """Input + output tokens of the tenant over days start..end."""
+    sums = records(tenant, start, end).aggregate(i=Sum("input_tokens"), o=Sum("output_tokens"))
+    return (sums["i"] or 0) + (sums["o"] or 0)

@@ -260,7 +260,7 @@ def _claim(delivery: WebhookDelivery, now: datetime) -> bool:
 
 
 def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
-          delivery_id: int) -> tuple[int | None, str]:
+          delivery_id: str) -> tuple[int | None, str]:
     """POST one attempt; (status code or None, error text)."""
     try:
         url, headers, extensions = pinned_request(endpoint.url)
@@ -275,7 +275,7 @@ def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
         "Content-Type": "application/json",
         "User-Agent": _USER_AGENT,
         "Tollgate-Event": event_type,
-        "Tollgate-Delivery": str(delivery_id),
+        "Tollgate-Delivery": delivery_id,  # the public id (dlv_...), as the API shows it
         TIMESTAMP_HEADER: str(timestamp),
         SIGNATURE_HEADER: sign(secret, timestamp, body),
     })
@@ -305,7 +305,7 @@ def deliver(delivery_id: int) -> WebhookDelivery | None:
         return delivery
     attempt = delivery.attempts + 1
     code, error = _send(delivery.endpoint, encode(delivery.payload), delivery.event_type,
-                        delivery.pk)
+                        delivery.public_id)
     done = timezone.now()
     ok = code is not None and 200 <= code < 300
     if ok:

@@ -3,14 +3,17 @@ used and held right now, and what remains. Read from Redis in one round trip."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from quotas import keys
-from quotas.engine import UNLIMITED
+from quotas.engine import UNLIMITED, QuotaStoreUnavailable
 from quotas.limits import tenant_tag
 from quotas.runtime import get_engine
-from quotas.windows import WindowKind
+from quotas.windows import Calendar, WindowKind
 from tenants.models import ApiKey, Project, Tenant
 from tenants.selectors import effective_limits
 
@@ -99,3 +102,53 @@ def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
         statuses.append(ScopeStatus(kind, ref, label, window.value, limit, snap.used,
                                     snap.pending, snap.credit, remaining))
     return QuotaStatus(scopes=statuses, open_holds=len(engine.open_hold_ids(tag)))
+
+
+# -- requests refused today, by reason (written by gateway/refusals.py) -------------------------
+
+# Why the gateway refused a request of a tenant: the field names of the refused-requests hash
+# (quotas.keys.refused_key), and what the console shows for each.
+REFUSAL_REASONS: dict[str, str] = {
+    "quota_tenant": "Tenant token quota used up",
+    "quota_project": "Project token quota used up",
+    "quota_key": "API key token quota used up",
+    "quota_model": "Model's daily token limit used up",
+    "tokens_per_minute": "Tokens-per-minute limit reached",
+    "spend_budget": "Monthly spend budget used up",
+    "queue_timeout": "Waited in the over-quota queue and timed out",
+    "rate_limit": "Request rate limit reached",
+    "concurrency": "Too many requests in flight",
+    "model_not_allowed": "Model not allowed for the API key",
+}
+# Refused-request counts are kept this long after their day (long enough to read yesterday's).
+REFUSED_TTL_SECONDS = 3 * 86400
+
+
+def utc_day_id(now_s: float | None = None) -> str:
+    """The UTC day's window id (d2026-11-30), as the quota counters name their day."""
+    moment = time.time() if now_s is None else now_s
+    return Calendar(0).window(WindowKind.DAY, int(moment * 1000)).id
+
+
+@dataclass(frozen=True)
+class RefusedCount:
+    reason: str
+    label: str
+    count: int
+
+
+def refused_today(tenant: Tenant, *, engine: Any = None,
+                  now_s: float | None = None) -> list[RefusedCount]:
+    """The tenant's requests refused today (UTC) per reason, most frequent first. Raises
+    QuotaStoreUnavailable when Redis is down."""
+    engine = engine or get_engine()
+    key = keys.refused_key(tenant_tag(tenant.pk), utc_day_id(now_s))
+    try:
+        raw = engine.client.hgetall(key)
+    except RedisError as exc:
+        raise QuotaStoreUnavailable(f"quota store unreachable: {exc}") from exc
+    counts = []
+    for field, value in raw.items():
+        reason = field.decode() if isinstance(field, bytes) else str(field)
+        counts.append(RefusedCount(reason, REFUSAL_REASONS.get(reason, reason), int(value)))
+    return sorted(counts, key=lambda c: (-c.count, c.reason))

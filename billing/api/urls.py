@@ -1,7 +1,19 @@
-"""Management API routes of the billing app: usage, live quota, webhooks and cost reports."""
+"""Management API routes of the billing app: usage, live quota, webhooks and cost reports.
+Included below /api/ (tenants/api/urls.py); tenants are addressed by public id (ten_...)."""
 
 from __future__ import annotations
 
-from django.urls import URLPattern
+from django.urls import URLPattern, path, re_path
 
-urlpatterns: list[URLPattern] = []
+from billing.api import views
+
+_MONTH_FILE = r"(?P<month>\d{4}-\d{2})\.(?P<fmt>csv|xlsx)"
+
+urlpatterns: list[URLPattern] = [
+    path("tenants/<str:tenant_id>/usage", views.UsageView.as_view(), name="api-usage"),
+    path("tenants/<str:tenant_id>/quota", views.QuotaView.as_view(), name="api-quota"),
+    re_path(rf"^tenants/(?P<tenant_id>[^/]+)/reports/{_MONTH_FILE}$",
+            views.TenantCostReportView.as_view(), name="api-tenant-cost-report"),
+    re_path(rf"^reports/{_MONTH_FILE}$", views.PlatformCostReportView.as_view(),
+            name="platform-cost-report"),
+]

@@ -1,0 +1,174 @@
+"""Serializers of the billing management API: query validation and response shapes (the
+response serializers also document the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from rest_framework import serializers
+
+from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
+from billing.usage import GROUPINGS
+
+DEFAULT_USAGE_DAYS = 30
+MAX_USAGE_DAYS = 366
+
+
+def today_utc() -> date:
+    return datetime.now(UTC).date()
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    """?from=YYYY-MM-DD&to=YYYY-MM-DD&group_by=day,model&project=prj_..&key=key_.."""
+
+    from_ = serializers.DateField(required=False, help_text="First UTC day (default: 29 days "
+                                  "before `to`).")
+    to = serializers.DateField(required=False, help_text="Last UTC day, inclusive (default: "
+                               "today).")
+    group_by = serializers.CharField(required=False, default="day",
+                                     help_text="Comma-separated, of: " + ", ".join(GROUPINGS))
+    project = serializers.CharField(required=False, max_length=64,
+                                    help_text="Only this project (prj_...).")
+    key = serializers.CharField(required=False, max_length=64,
+                                help_text="Only this API key (key_...).")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `from` is a Python keyword: the field is from_ in code, `from` on the wire.
+        self.fields["from"] = self.fields.pop("from_")
+
+    def validate_group_by(self, value: str) -> list[str]:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        unknown = [n for n in names if n not in GROUPINGS]
+        if unknown:
+            raise serializers.ValidationError(
+                f"Unknown grouping {unknown[0]!r}; use some of: {', '.join(GROUPINGS)}.")
+        if not names:
+            raise serializers.ValidationError("Give at least one grouping.")
+        return list(dict.fromkeys(names))
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        end = attrs.get("to") or today_utc()
+        start = attrs.get("from") or end - timedelta(days=DEFAULT_USAGE_DAYS - 1)
+        if start > end:
+            raise serializers.ValidationError({"from": ["`from` must not be after `to`."]})
+        if (end - start).days + 1 > MAX_USAGE_DAYS:
+            raise serializers.ValidationError(
+                {"to": [f"A range covers at most {MAX_USAGE_DAYS} days."]})
+        attrs["from"], attrs["to"] = start, end
+        attrs.setdefault("group_by", ["day"])
+        if isinstance(attrs["group_by"], str):  # the default skipped validate_group_by
+            attrs["group_by"] = self.validate_group_by(attrs["group_by"])
+        return attrs
+
+
+class UsageRowSerializer(serializers.Serializer):
+    day = serializers.DateField(required=False)
+    project = serializers.CharField(required=False, allow_null=True)
+    project_slug = serializers.CharField(required=False, allow_null=True)
+    key = serializers.CharField(required=False, allow_null=True)
+    key_name = serializers.CharField(required=False, allow_null=True)
+    model = serializers.CharField(required=False)
+    requests = serializers.IntegerField()
+    input_tokens = serializers.IntegerField()
+    output_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    cost_micros = serializers.IntegerField(
+        required=False, help_text="Micro-dollars; left out for members (finance data).")
+
+
+class UsageResponseSerializer(serializers.Serializer):
+    from_ = serializers.DateField()
+    to = serializers.DateField()
+    group_by = serializers.ListField(child=serializers.CharField())
+    results = UsageRowSerializer(many=True)
+    note = serializers.CharField()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["from"] = self.fields.pop("from_")
+
+
+class ScopeStatusSerializer(serializers.Serializer):
+    scope = serializers.ChoiceField(choices=["tenant", "project", "key", "model"])
+    id = serializers.CharField(help_text="Tenant slug, project or key public id, model name.")
+    label = serializers.CharField()
+    window = serializers.ChoiceField(choices=["day", "month"])
+    limit = serializers.IntegerField(allow_null=True, help_text="null: unlimited.")
+    used = serializers.IntegerField()
+    pending = serializers.IntegerField(help_text="Held by requests in flight.")
+    credit = serializers.IntegerField()
+    remaining = serializers.IntegerField(allow_null=True, help_text="null: unlimited.")
+
+
+class RefusedSerializer(serializers.Serializer):
+    reason = serializers.CharField()
+    label = serializers.CharField()
+    count = serializers.IntegerField()
+
+
+class RefusedTodaySerializer(serializers.Serializer):
+    day = serializers.CharField(help_text="The UTC day, e.g. d2026-11-30.")
+    total = serializers.IntegerField()
+    by_reason = RefusedSerializer(many=True)
+
+
+class QuotaResponseSerializer(serializers.Serializer):
+    scopes = ScopeStatusSerializer(many=True)
+    open_holds = serializers.IntegerField()
+    refused_today = RefusedTodaySerializer()
+
+
+class ErrorSerializer(serializers.Serializer):
+    detail = serializers.CharField()
+
+
+# -- webhooks -----------------------------------------------------------------------------------
+
+
+class WebhookEndpointSerializer(serializers.ModelSerializer):
+    id = serializers.CharField(source="public_id", read_only=True)
+    events = serializers.ListField(child=serializers.ChoiceField(choices=WebhookEvent.choices),
+                                   allow_empty=True)
+
+    class Meta:
+        model = WebhookEndpoint
+        fields = ["id", "url", "events", "enabled", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class WebhookEndpointCreateSerializer(serializers.Serializer):
+    url = serializers.URLField(max_length=2000)
+    events = serializers.ListField(
+        child=serializers.ChoiceField(choices=WebhookEvent.choices),
+        default=[WebhookEvent.THRESHOLD.value, WebhookEvent.EXHAUSTED.value])
+
+
+class WebhookEndpointCreatedSerializer(WebhookEndpointSerializer):
+    secret = serializers.CharField(read_only=True, help_text="The signing secret: shown in this "
+                                   "response only, never again.")
+
+    class Meta(WebhookEndpointSerializer.Meta):
+        fields = [*WebhookEndpointSerializer.Meta.fields, "secret"]
+
+
+class WebhookEndpointUpdateSerializer(serializers.Serializer):
+    url = serializers.URLField(max_length=2000, required=False)
+    events = serializers.ListField(child=serializers.ChoiceField(choices=WebhookEvent.choices),
+                                   required=False)
+    enabled = serializers.BooleanField(required=False)
+
+
+class WebhookDeliverySerializer(serializers.ModelSerializer):
+    id = serializers.CharField(source="public_id", read_only=True)
+    event_id = serializers.SerializerMethodField()
+
+    class Meta:
+        model = WebhookDelivery
+        fields = ["id", "event_type", "event_id", "status", "attempts", "last_status_code",
+                  "last_error", "next_attempt_at", "created_at", "delivered_at"]
+        read_only_fields = fields
+
+    def get_event_id(self, delivery: WebhookDelivery) -> str:
+        return str((delivery.payload or {}).get("id", ""))

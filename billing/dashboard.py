@@ -1,0 +1,151 @@
+"""What the console dashboard shows of a tenant, gathered in one place (views only render it).
+
+Live figures (gauges, open holds, refused today) come from the Redis counters, so a /v1 call
+shows at once; the 30-day chart comes from the ledger, a few seconds behind. When Redis is down
+the live part is None and the page says so; the ledger part still renders.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+
+from billing.charts import StackedChart, stacked_by_model
+from billing.models import AlertState, WebhookDelivery
+from billing.usage import total_tokens, usage_totals
+from quotas.engine import QuotaStoreUnavailable
+from quotas.status import QuotaStatus, RefusedCount, ScopeStatus, quota_status, refused_today
+from tenants.models import Project, Tenant
+
+log = logging.getLogger(__name__)
+
+CHART_DAYS = 30
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """One scope's usage in one window, as the dashboard draws it."""
+
+    label: str
+    window: str  # "day" / "month"
+    used: int
+    pending: int
+    limit: int | None  # None: unlimited (usage shown without a bar)
+    remaining: int | None
+    percent: float | None
+
+    @property
+    def level(self) -> str:
+        """CSS class of the bar: green below 75 %, amber below 90 %, red above."""
+        if self.percent is None or self.percent < 75:
+            return ""
+        return "warn" if self.percent < 90 else "bad"
+
+    @property
+    def percent_text(self) -> str:
+        return "" if self.percent is None else f"{self.percent:.0f}%"
+
+    @property
+    def width(self) -> str:
+        """The bar's CSS width (a dot, not a comma, whatever the locale)."""
+        return "0%" if self.percent is None else f"{self.percent:.1f}%"
+
+
+@dataclass(frozen=True)
+class ScopeGauges:
+    label: str
+    kind: str  # tenant / project
+    ref: str
+    day: Gauge
+    month: Gauge
+
+
+@dataclass(frozen=True)
+class LiveStatus:
+    scopes: list[ScopeGauges]
+    open_holds: int
+    refused: list[RefusedCount]
+
+    @property
+    def refused_total(self) -> int:
+        return sum(r.count for r in self.refused)
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    tenant: Tenant
+    live: LiveStatus | None  # None: Redis is unreachable
+    chart: StackedChart
+    alerts: list[AlertState]
+    deliveries: list[WebhookDelivery]
+    month_tokens: int  # from the ledger
+    today: date
+    project_labels: dict[str, str] = field(default_factory=dict)
+
+
+def _gauge(status: ScopeStatus, label: str) -> Gauge:
+    return Gauge(label=label, window=status.window, used=status.used, pending=status.pending,
+                 limit=status.limit if status.limited else None,
+                 remaining=status.remaining if status.limited else None,
+                 percent=status.percent_used)
+
+
+def scope_gauges(status: QuotaStatus, tenant: Tenant) -> list[ScopeGauges]:
+    """The tenant's gauges first, then one per project (with its own limits or not)."""
+    out = []
+    for kind in ("tenant", "project"):
+        days = {s.ref: s for s in status.of(kind, "day")}
+        months = {s.ref: s for s in status.of(kind, "month")}
+        for ref, day in days.items():
+            month = months[ref]
+            label = tenant.name if kind == "tenant" else day.label
+            out.append(ScopeGauges(label=label, kind=kind, ref=ref,
+                                   day=_gauge(day, "Today"), month=_gauge(month, "This month")))
+    return out
+
+
+def live_status(tenant: Tenant) -> LiveStatus | None:
+    try:
+        status = quota_status(tenant)
+        refused = refused_today(tenant)
+    except QuotaStoreUnavailable as exc:
+        log.warning("dashboard of %s without live counters: %s", tenant.public_id, exc)
+        return None
+    return LiveStatus(scope_gauges(status, tenant), status.open_holds, refused)
+
+
+def usage_chart(tenant: Tenant, today: date, days: int = CHART_DAYS) -> StackedChart:
+    first = today - timedelta(days=days - 1)
+    return stacked_by_model(usage_totals(tenant, first, today, ("day", "model")), first, today)
+
+
+def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
+    today = (now or datetime.now(UTC)).astimezone(UTC).date()
+    chart = usage_chart(tenant, today)
+    month_start = today.replace(day=1)
+    month_tokens = total_tokens(tenant, month_start, today)
+    alerts = list(AlertState.objects.filter(tenant=tenant).order_by("-fired_at", "-id")[:10])
+    deliveries = list(WebhookDelivery.objects.filter(endpoint__tenant=tenant)
+                      .select_related("endpoint").order_by("-created_at", "-id")[:10])
+    projects = {f"project:{pk}": slug for pk, slug in
+                Project.objects.filter(tenant=tenant).values_list("pk", "slug")}
+    return Dashboard(tenant=tenant, live=live_status(tenant), chart=chart, alerts=alerts,
+                     deliveries=deliveries, month_tokens=month_tokens, today=today,
+                     project_labels=projects)
+
+
+def alert_rows(dashboard: Dashboard) -> list[dict[str, object]]:
+    """AlertState rows in words: which quota, which window, which threshold."""
+    rows = []
+    for alert in dashboard.alerts:
+        scope = ("Tenant" if alert.scope == "tenant"
+                 else f"Project {dashboard.project_labels.get(alert.scope, '(deleted)')}")
+        what = ("exhausted" if alert.threshold == AlertState.EXHAUSTED
+                else f"{alert.threshold}% or less left")
+        window = alert.window
+        period = (f"day {window[1:]}" if window.startswith("d")
+                  else f"month {window[1:]}" if window.startswith("m") else window)
+        rows.append({"scope": scope, "what": what, "window": period, "fired_at": alert.fired_at,
+                     "exhausted": alert.threshold == AlertState.EXHAUSTED})
+    return rows
