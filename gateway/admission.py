@@ -16,7 +16,16 @@ from gateway.catalog import ModelInfo, hold_for, output_cap_for_hold, reservatio
 from gateway.errors import GatewayError, bad_request, insufficient_quota, rate_limited
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import estimate_chat_prompt, estimate_completion_prompt, estimate_embedding_input
-from quotas.engine import UNLIMITED, Outcome, Reservation, ReserveRequest, ScopeLimit
+from quotas.engine import (
+    UNLIMITED,
+    CounterState,
+    Outcome,
+    Reservation,
+    ReserveRequest,
+    ScopeLimit,
+    Unit,
+)
+from quotas.windows import WindowKind
 from tenants.models import OverQuotaPolicy
 
 
@@ -114,11 +123,21 @@ def refusal_error(reservation: Reservation) -> GatewayError:
     if reservation.outcome is Outcome.CONCURRENCY:
         return rate_limited(
             f"Too many concurrent requests for this API key ({reservation.in_flight} in "
-            "flight).", 1)
+            "flight).", 1, refusal="concurrency")
     refused = reservation.refused
     assert refused is not None
     return insufficient_quota(refused.scope, refused.window.kind.value,
-                              _seconds_until(refused.window.end_ms - reservation.server_time_ms))
+                              _seconds_until(refused.window.end_ms - reservation.server_time_ms),
+                              refusal=_quota_reason(refused))
+
+
+def _quota_reason(refused: CounterState) -> str:
+    """The refused-today reason (quotas.status.REFUSAL_REASONS) of a full quota counter."""
+    if refused.unit is Unit.MICROS:
+        return "spend_budget"
+    if refused.window.kind is WindowKind.MINUTE:
+        return "tokens_per_minute"
+    return "quota_" + refused.scope.split(":", 1)[0]
 
 
 def _with_output_cap(est: Estimate, reservation: Reservation, parsed: ParsedBody,
@@ -163,6 +182,7 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
                                  _with_output_cap(est, again, parsed, ctx))
             if again.outcome is not Outcome.QUOTA:
                 raise refusal_error(again)
+        raise replace(refusal_error(reservation), refusal="queue_timeout")
     elif policy == OverQuotaPolicy.SOFT:
         percent = ctx.limits.soft_limit_percent
         ceiling = tuple(

@@ -16,6 +16,9 @@ class GatewayError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after_s: int | None = None
+    # Why a tenant's request was refused (quotas.status.REFUSAL_REASONS), for the refused-today
+    # counters; None for errors that are not a refusal (bad input, upstream failures, ...).
+    refusal: str | None = None
 
     def response(self, headers: dict[str, str] | None = None) -> HttpResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -39,24 +42,27 @@ def invalid_api_key(message: str = "Incorrect API key provided.") -> GatewayErro
 
 def model_not_allowed(model: str) -> GatewayError:
     return GatewayError(403, f"This API key is not allowed to use the model '{model}'.",
-                        "invalid_request_error", "model_not_allowed", "model")
+                        "invalid_request_error", "model_not_allowed", "model",
+                        refusal="model_not_allowed")
 
 
 def not_found(message: str) -> GatewayError:
     return GatewayError(404, message, "invalid_request_error", "not_found")
 
 
-def insufficient_quota(scope: str, window: str, retry_after_s: int) -> GatewayError:
+def insufficient_quota(scope: str, window: str, retry_after_s: int,
+                       refusal: str = "quota_tenant") -> GatewayError:
     return GatewayError(
         429,
         f"You exceeded your current quota ({scope}, {window} window). The quota resets at the "
         "end of the window; ask your administrator for more.",
-        "insufficient_quota", "insufficient_quota", None, retry_after_s,
+        "insufficient_quota", "insufficient_quota", None, retry_after_s, refusal,
     )
 
 
-def rate_limited(message: str, retry_after_s: int) -> GatewayError:
-    return GatewayError(429, message, "requests", "rate_limit_exceeded", None, retry_after_s)
+def rate_limited(message: str, retry_after_s: int, refusal: str = "rate_limit") -> GatewayError:
+    return GatewayError(429, message, "requests", "rate_limit_exceeded", None, retry_after_s,
+                        refusal)
 
 
 def quota_store_unavailable() -> GatewayError:

@@ -27,6 +27,7 @@ from gateway.errors import (
 )
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
+from gateway.refusals import count_refusal
 from gateway.runtime import GatewayRuntime, get_runtime
 from quotas.engine import QuotaError, QuotaStoreUnavailable
 
@@ -152,6 +153,15 @@ class ProxyView(GatewayAPIView):
                       started: float) -> HttpResponse | StreamingHttpResponse:
         runtime = await _runtime()
         ctx = await _authenticate(runtime, request)
+        try:
+            return await self._admitted(runtime, ctx, request, request_id, started)
+        except GatewayError as error:
+            if error.refusal is not None:  # only refusals pay for the count
+                await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal)
+            raise
+
+    async def _admitted(self, runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
+                        request_id: str, started: float) -> HttpResponse | StreamingHttpResponse:
         parsed = parse_body(self.endpoint, _read_body(request))
         if not ctx.allows(parsed.model):
             raise model_not_allowed(parsed.model)

@@ -50,7 +50,8 @@ class UsageQuerySerializer(serializers.Serializer):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         end = attrs.get("to") or today_utc()
-        start = attrs.get("from") or end - timedelta(days=DEFAULT_USAGE_DAYS - 1)
+        # The renamed field keeps its first binding's source: validated data calls it from_.
+        start = attrs.pop("from_", None) or end - timedelta(days=DEFAULT_USAGE_DAYS - 1)
         if start > end:
             raise serializers.ValidationError({"from": ["`from` must not be after `to`."]})
         if (end - start).days + 1 > MAX_USAGE_DAYS:
