@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up down test bench bench-quota clean
+.PHONY: install up down test test-browser ci bench bench-quota clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ up: $(STAMP)
 # fixtures start under a temporary directory and stop at the end.
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Only the console in headless Chromium (Debian's /usr/bin/chromium, or TOLLGATE_CHROMIUM) against
+# a running gateway; screenshots go to build/screenshots/ (TOLLGATE_SCREENSHOT_DIR).
+test-browser: $(STAMP)
+	$(PY) -m pytest tests/browser
+
+# What CI runs: installs Debian's chromium when it is missing, then `make test`.
+ci:
+	.ci/run
 
 # The same load straight at the mock upstream and through the gateway (all checks on), in one
 # run on its own embedded services; prints throughput, latency, Redis and database work per
