@@ -219,6 +219,39 @@ def create_endpoint(tenant: Tenant, url: str, events: Iterable[str], *,
     return endpoint, secret
 
 
+def update_endpoint(endpoint: WebhookEndpoint, *, actor: str, url: str | None = None,
+                    events: Iterable[str] | None = None,
+                    enabled: bool | None = None) -> WebhookEndpoint:
+    """Change an endpoint's URL, events or enabled flag (None: unchanged); the secret stays.
+    Raises WebhookUrlRefused / ValueError before writing anything."""
+    changes: dict[str, Any] = {}
+    if url is not None and url != endpoint.url:
+        check_url(url)
+        changes["url"] = url
+    if events is not None:
+        checked = _check_events(events)
+        if checked != list(endpoint.events or []):
+            changes["events"] = checked
+    if enabled is not None and enabled != endpoint.enabled:
+        changes["enabled"] = bool(enabled)
+    if not changes:
+        return endpoint
+    with transaction.atomic():
+        WebhookEndpoint.objects.filter(pk=endpoint.pk).update(**changes)
+        record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.updated",
+                           target=endpoint.public_id, data=changes)
+    endpoint.refresh_from_db()
+    return endpoint
+
+
+def delete_endpoint(endpoint: WebhookEndpoint, *, actor: str) -> None:
+    """Delete an endpoint and its delivery log."""
+    with transaction.atomic():
+        record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.deleted",
+                           target=endpoint.public_id, data={"url": endpoint.url})
+        endpoint.delete()
+
+
 # -- deliveries ---------------------------------------------------------------------------------
 
 
@@ -356,3 +389,18 @@ def send_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
         endpoint=endpoint, event_type=WebhookEvent.TEST, payload=payload,
         next_attempt_at=timezone.now())
     return deliver(delivery.pk) or delivery
+
+
+def request_test_event(endpoint: WebhookEndpoint, *, actor: str) -> WebhookDelivery:
+    """A person's "send test event": audited, then sent now (see send_test_event)."""
+    record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.test_sent",
+                       target=endpoint.public_id)
+    return send_test_event(endpoint)
+
+
+def request_redelivery(delivery: WebhookDelivery, *, actor: str) -> WebhookDelivery:
+    """A person's "redeliver": audited, then one attempt now (see redeliver)."""
+    record_audit_event(tenant=delivery.endpoint.tenant, actor=actor, action="webhook.redelivered",
+                       target=delivery.public_id, data={"endpoint": delivery.endpoint.public_id,
+                                                        "event_type": delivery.event_type})
+    return redeliver(delivery)

@@ -163,6 +163,11 @@ class WebhookEndpointUpdateSerializer(serializers.Serializer):
 
 class WebhookDeliverySerializer(serializers.ModelSerializer):
     id = serializers.CharField(source="public_id", read_only=True)
+    # Plain strings in the schema: the event names are the `events` enum of the endpoint, and a
+    # second enum of the same values would collide in the generated OpenAPI names.
+    event_type = serializers.CharField(read_only=True, help_text="quota.threshold, "
+                                       "quota.exhausted or test.")
+    status = serializers.CharField(read_only=True, help_text="pending, delivered or failed.")
     event_id = serializers.SerializerMethodField()
 
     class Meta:

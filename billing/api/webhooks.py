@@ -1,0 +1,143 @@
+"""Management API: a tenant's webhook endpoints, their test events, delivery log and redelivery.
+
+Reading is for everyone in the tenant (a member too); every change, a test send and a
+redelivery are for owners and admins (403 for a member). The signing secret is in the creation
+response only: no other response carries it. Endpoints and deliveries are addressed by public id
+(whk_..., dlv_...) through the tenant, so another tenant's are a 404.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import status as http
+from rest_framework.exceptions import ValidationError
+from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from billing import webhooks
+from billing.api.serializers import (
+    WebhookDeliverySerializer,
+    WebhookEndpointCreatedSerializer,
+    WebhookEndpointCreateSerializer,
+    WebhookEndpointSerializer,
+    WebhookEndpointUpdateSerializer,
+)
+from billing.models import WebhookDelivery, WebhookEndpoint
+from tenants.api.base import TenantScopedAPIView, get_in_tenant
+from tenants.models import Tenant
+
+
+def _refused(field: str, exc: Exception) -> ValidationError:
+    return ValidationError({field: [str(exc)]})
+
+
+class _EndpointView(TenantScopedAPIView):
+    def endpoints(self, tenant: Tenant) -> QuerySet[WebhookEndpoint]:
+        return WebhookEndpoint.objects.filter(tenant=tenant).select_related("tenant")
+
+    def endpoint(self, *, manage: bool = False) -> WebhookEndpoint:
+        return get_in_tenant(self.endpoints(self.tenant(manage=manage)), "webhook endpoint",
+                             public_id=self.kwargs["webhook_id"])
+
+
+class WebhookListView(_EndpointView):
+    """GET /api/tenants/<tenant_id>/webhooks/ (paginated) and POST (create; the response holds
+    the signing secret, once)."""
+
+    pagination_class = LimitOffsetPagination
+
+    @extend_schema(responses=WebhookEndpointSerializer(many=True))
+    def get(self, request: Request, tenant_id: str) -> Response:
+        rows = self.endpoints(self.tenant()).order_by("created_at", "pk")
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(rows, request, view=self)
+        return paginator.get_paginated_response(WebhookEndpointSerializer(page, many=True).data)
+
+    @extend_schema(request=WebhookEndpointCreateSerializer,
+                   responses={201: WebhookEndpointCreatedSerializer,
+                              400: OpenApiResponse(description="Field messages.")})
+    def post(self, request: Request, tenant_id: str) -> Response:
+        tenant = self.tenant(manage=True)
+        data = WebhookEndpointCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            endpoint, secret = webhooks.create_endpoint(
+                tenant, data.validated_data["url"], data.validated_data["events"],
+                actor=self.actor)
+        except webhooks.WebhookUrlRefused as exc:
+            raise _refused("url", exc) from None
+        except ValueError as exc:
+            raise _refused("events", exc) from None
+        body = WebhookEndpointSerializer(endpoint).data
+        return Response({**body, "secret": secret}, status=http.HTTP_201_CREATED)
+
+
+class WebhookDetailView(_EndpointView):
+    """GET / PATCH (url, events, enabled) / DELETE /api/tenants/<tenant_id>/webhooks/<id>/."""
+
+    @extend_schema(responses=WebhookEndpointSerializer)
+    def get(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
+        return Response(WebhookEndpointSerializer(self.endpoint()).data)
+
+    @extend_schema(request=WebhookEndpointUpdateSerializer,
+                   responses={200: WebhookEndpointSerializer,
+                              400: OpenApiResponse(description="Field messages.")})
+    def patch(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
+        endpoint = self.endpoint(manage=True)
+        data = WebhookEndpointUpdateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            endpoint = webhooks.update_endpoint(endpoint, actor=self.actor, **data.validated_data)
+        except webhooks.WebhookUrlRefused as exc:
+            raise _refused("url", exc) from None
+        except ValueError as exc:
+            raise _refused("events", exc) from None
+        return Response(WebhookEndpointSerializer(endpoint).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
+        webhooks.delete_endpoint(self.endpoint(manage=True), actor=self.actor)
+        return Response(status=http.HTTP_204_NO_CONTENT)
+
+
+class WebhookTestView(_EndpointView):
+    """POST /api/tenants/<tenant_id>/webhooks/<id>/test: send a `test` event now; the answer is
+    the delivery after its first attempt."""
+
+    @extend_schema(request=None, responses={201: WebhookDeliverySerializer})
+    def post(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
+        delivery = webhooks.request_test_event(self.endpoint(manage=True), actor=self.actor)
+        return Response(WebhookDeliverySerializer(delivery).data, status=http.HTTP_201_CREATED)
+
+
+class DeliveryListView(_EndpointView):
+    """GET /api/tenants/<tenant_id>/webhooks/<id>/deliveries/: newest first, paginated."""
+
+    pagination_class = LimitOffsetPagination
+
+    @extend_schema(responses=WebhookDeliverySerializer(many=True))
+    def get(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
+        rows: Any = WebhookDelivery.objects.filter(endpoint=self.endpoint()).order_by(
+            "-created_at", "-id")
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(rows, request, view=self)
+        return paginator.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)
+
+
+class RedeliverView(_EndpointView):
+    """POST /api/tenants/<tenant_id>/webhooks/<id>/deliveries/<delivery_id>/redeliver: one new
+    attempt now (same event id); the answer is the delivery after it."""
+
+    @extend_schema(request=None, responses=WebhookDeliverySerializer)
+    def post(self, request: Request, tenant_id: str, webhook_id: str,
+             delivery_id: str) -> Response:
+        endpoint = self.endpoint(manage=True)
+        delivery = get_in_tenant(WebhookDelivery.objects.filter(endpoint=endpoint)
+                                 .select_related("endpoint__tenant"), "delivery",
+                                 public_id=delivery_id)
+        delivery = webhooks.request_redelivery(delivery, actor=self.actor)
+        return Response(WebhookDeliverySerializer(delivery).data)

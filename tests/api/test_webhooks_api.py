@@ -1,0 +1,149 @@
+"""Webhook endpoints through the management API: the secret once, SSRF refusals as field
+errors that write nothing, updates, test sends, the delivery log and redelivery, and isolation
+(owner changes, member reads, outsider and foreign ids 404)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from billing.models import WebhookDelivery, WebhookEndpoint
+from billing.webhooks import create_endpoint, verify_signature
+from tenants.models import AuditEvent
+from tests.billing.test_webhooks import Receiver
+from tests.world import World
+
+
+@pytest.fixture
+def receiver(settings: Any) -> Iterator[Receiver]:
+    settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver listens on 127.0.0.1
+    with Receiver() as r:
+        yield r
+
+
+def _base(world: World) -> str:
+    return f"/api/tenants/{world.acme.public_id}/webhooks/"
+
+
+def test_create_shows_the_secret_once_and_never_again(world: World, receiver: Receiver) -> None:
+    owner = world.client(world.owner)
+    created = owner.post(_base(world), {"url": receiver.url, "events": ["quota.exhausted"]},
+                         format="json")
+    assert created.status_code == 201
+    body = created.json()
+    assert body["id"].startswith("whk_") and body["secret"].startswith("whsec_")
+    assert body["events"] == ["quota.exhausted"] and body["enabled"] is True
+    endpoint = WebhookEndpoint.objects.get(public_id=body["id"])
+    assert endpoint.secret == body["secret"] and body["secret"] not in endpoint.secret_encrypted
+
+    listed = owner.get(_base(world)).json()
+    assert listed["count"] == 1 and "secret" not in listed["results"][0]
+    detail = owner.get(f"{_base(world)}{body['id']}/")
+    assert "secret" not in detail.json() and body["secret"] not in detail.content.decode()
+    audit = AuditEvent.objects.get(action="webhook.created", target=body["id"])
+    assert body["secret"] not in json.dumps(audit.data)
+
+
+def test_default_events_are_the_two_quota_alerts(world: World, receiver: Receiver) -> None:
+    body = world.client(world.owner).post(_base(world), {"url": receiver.url},
+                                          format="json").json()
+    assert sorted(body["events"]) == ["quota.exhausted", "quota.threshold"]
+
+
+@pytest.mark.parametrize("payload, field", [
+    ({"url": "http://127.0.0.1:9/hook"}, "url"),  # loopback: SSRF guard (private off)
+    ({"url": "http://169.254.169.254/latest/meta-data"}, "url"),
+    ({"url": "ftp://example.com/x"}, "url"),
+    ({"url": "not a url"}, "url"),
+    ({"url": "https://example.com/x", "events": ["quota.nope"]}, "events"),
+])
+def test_refused_input_is_a_field_error_and_writes_nothing(world: World, settings: Any,
+                                                           payload: dict, field: str) -> None:
+    settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = False
+    audits = AuditEvent.objects.count()
+    response = world.client(world.owner).post(_base(world), payload, format="json")
+    assert response.status_code == 400 and field in response.json()
+    assert not WebhookEndpoint.objects.exists() and AuditEvent.objects.count() == audits
+
+
+def test_update_enable_disable_and_delete(world: World, receiver: Receiver, settings: Any) -> None:
+    endpoint, _ = create_endpoint(world.acme, receiver.url, ["quota.threshold"], actor="test")
+    url = f"{_base(world)}{endpoint.public_id}/"
+    owner = world.client(world.owner)
+    patched = owner.patch(url, {"enabled": False, "events": ["quota.threshold", "test"]},
+                          format="json")
+    assert patched.status_code == 200
+    assert patched.json()["enabled"] is False and patched.json()["events"] == [
+        "quota.threshold", "test"]
+    settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = False
+    refused = owner.patch(url, {"url": "http://10.0.0.1/x"}, format="json")
+    assert refused.status_code == 400 and "url" in refused.json()
+    endpoint.refresh_from_db()
+    assert endpoint.url == receiver.url
+    assert owner.delete(url).status_code == 204
+    assert not WebhookEndpoint.objects.filter(pk=endpoint.pk).exists()
+    assert AuditEvent.objects.filter(action="webhook.deleted", target=endpoint.public_id).exists()
+
+
+def test_test_send_log_and_redeliver(world: World, receiver: Receiver) -> None:
+    endpoint, secret = create_endpoint(world.acme, receiver.url, ["quota.threshold"],
+                                       actor="test")
+    owner = world.client(world.owner)
+    base = f"{_base(world)}{endpoint.public_id}/"
+    sent = owner.post(f"{base}test")
+    assert sent.status_code == 201
+    delivery = sent.json()
+    assert delivery["id"].startswith("dlv_") and delivery["status"] == "delivered"
+    assert delivery["attempts"] == 1 and delivery["last_status_code"] == 200
+    request = receiver.requests[-1]
+    assert request["headers"]["Tollgate-Delivery"] == delivery["id"]
+    assert verify_signature(secret, request["headers"]["Tollgate-Timestamp"], request["body"],
+                            request["headers"]["Tollgate-Signature"])
+
+    log = owner.get(f"{base}deliveries/").json()
+    assert log["count"] == 1 and log["results"][0]["id"] == delivery["id"]
+    assert "payload" not in log["results"][0]
+    again = owner.post(f"{base}deliveries/{delivery['id']}/redeliver")
+    assert again.status_code == 200 and again.json()["attempts"] == 2
+    assert len(receiver.requests) == 2
+    first, second = (json.loads(r["body"]) for r in receiver.requests)
+    assert first["id"] == second["id"]  # the same event, again
+    assert AuditEvent.objects.filter(action="webhook.redelivered",
+                                     target=delivery["id"]).exists()
+
+
+def test_member_reads_but_cannot_change(world: World, receiver: Receiver) -> None:
+    endpoint, _ = create_endpoint(world.acme, receiver.url, ["quota.threshold"], actor="test")
+    delivery = WebhookDelivery.objects.create(endpoint=endpoint, event_type="test", payload={})
+    member = world.client(world.member)
+    base = f"{_base(world)}{endpoint.public_id}/"
+    assert member.get(_base(world)).status_code == 200
+    assert member.get(base).status_code == 200
+    assert member.get(f"{base}deliveries/").status_code == 200
+    assert member.post(_base(world), {"url": receiver.url}, format="json").status_code == 403
+    assert member.patch(base, {"enabled": False}, format="json").status_code == 403
+    assert member.delete(base).status_code == 403
+    assert member.post(f"{base}test").status_code == 403
+    assert member.post(f"{base}deliveries/{delivery.public_id}/redeliver").status_code == 403
+    assert WebhookEndpoint.objects.get(pk=endpoint.pk).enabled and receiver.requests == []
+
+
+def test_outsider_and_foreign_ids_are_404(world: World, receiver: Receiver) -> None:
+    mine, _ = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    theirs, _ = create_endpoint(world.globex, receiver.url, ["test"], actor="test")
+    their_delivery = WebhookDelivery.objects.create(endpoint=theirs, event_type="test",
+                                                    payload={})
+    outsider = world.client(world.outsider)
+    assert outsider.get(_base(world)).status_code == 404
+    assert outsider.get(f"{_base(world)}{mine.public_id}/").status_code == 404
+    assert outsider.delete(f"{_base(world)}{mine.public_id}/").status_code == 404
+    owner = world.client(world.owner)
+    assert owner.get(f"{_base(world)}{theirs.public_id}/").status_code == 404
+    assert owner.post(f"{_base(world)}{theirs.public_id}/test").status_code == 404
+    assert owner.post(f"{_base(world)}{mine.public_id}/deliveries/{their_delivery.public_id}"
+                      "/redeliver").status_code == 404
+    assert owner.get(f"{_base(world)}whk_nope/deliveries/").status_code == 404
+    assert WebhookEndpoint.objects.filter(pk=mine.pk).exists() and receiver.requests == []
