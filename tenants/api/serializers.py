@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from tenants.models import Tenant
+from tenants import selectors
+from tenants.management_tokens import masked_token
+from tenants.models import ApiKey, AuditEvent, ManagementToken, Plan, Project, Tenant
 
 
 class TenantSerializer(serializers.ModelSerializer):
@@ -20,3 +27,316 @@ class TenantSerializer(serializers.ModelSerializer):
     def get_role(self, tenant: Tenant) -> str | None:
         principal = self.context.get("principal")
         return principal.role_in(tenant) if principal is not None else None
+
+
+# -- projects and keys -----------------------------------------------------------------------------
+# Read serializers take `usage` ({public id: {"today": n, "month": n}}) and `now` in their
+# context, computed once per request (tenants.selectors), so a page of keys costs no query per key.
+
+MAX_GRACE_SECONDS = 7 * 24 * 3600
+
+
+def _sub_limit(help_text: str = "Tokens; null: no sub-limit of its own.") -> serializers.IntegerField:
+    return serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                    help_text=help_text)
+
+
+class UsageSerializer(serializers.Serializer):
+    today = serializers.IntegerField(help_text="Tokens used today (UTC), from the ledger.")
+    month = serializers.IntegerField(help_text="Tokens used this month (UTC), from the ledger.")
+
+
+def _usage(serializer: serializers.Serializer, public_id: str) -> dict[str, int]:
+    usage = serializer.context.get("usage", {}).get(public_id, {})
+    return {"today": usage.get("today", 0), "month": usage.get("month", 0)}
+
+
+class ProjectSerializer(serializers.ModelSerializer):
+    id = serializers.CharField(source="public_id", read_only=True)
+    usage = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Project
+        fields = ["id", "slug", "name", "tokens_per_day", "tokens_per_month", "usage", "created_at"]
+        read_only_fields = fields
+
+    @extend_schema_field(UsageSerializer)
+    def get_usage(self, project: Project) -> dict[str, int]:
+        return _usage(self, project.public_id)
+
+
+class ProjectCreateSerializer(serializers.Serializer):
+    slug = serializers.SlugField(max_length=63)
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    tokens_per_day = _sub_limit()
+    tokens_per_month = _sub_limit()
+
+
+class ProjectUpdateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200, required=False)
+    tokens_per_day = _sub_limit()
+    tokens_per_month = _sub_limit()
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    id = serializers.CharField(source="public_id", read_only=True)
+    project = serializers.CharField(source="project.public_id", read_only=True)
+    masked = serializers.SerializerMethodField()
+    status = serializers.SerializerMethodField(help_text="active, expired or revoked")
+    usage = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id", "project", "name", "masked", "status", "tokens_per_day", "tokens_per_month",
+            "requests_per_minute", "max_concurrency", "allowed_models", "expires_at",
+            "revoked_at", "last_used_at", "created_at", "created_by", "usage",
+        ]
+        read_only_fields = fields
+
+    def _now(self) -> Any:
+        return self.context.get("now") or timezone.now()
+
+    def get_masked(self, api_key: ApiKey) -> str:
+        return selectors.listed_masked_key(api_key, now=self._now())
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_status(self, api_key: ApiKey) -> str:
+        return selectors.key_status(api_key, now=self._now())
+
+    @extend_schema_field(UsageSerializer)
+    def get_usage(self, api_key: ApiKey) -> dict[str, int]:
+        return _usage(self, api_key.public_id)
+
+
+class IssuedApiKeySerializer(ApiKeySerializer):
+    key = serializers.SerializerMethodField(
+        help_text="The plaintext key. Shown in this response only: store it now."
+    )
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]
+        read_only_fields = fields
+
+    def get_key(self, api_key: ApiKey) -> str:
+        return self.context["plaintext"]
+
+
+class _KeyLimitFields(serializers.Serializer):
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    tokens_per_day = _sub_limit()
+    tokens_per_month = _sub_limit()
+    requests_per_minute = _sub_limit("Requests per minute; null: no sub-limit.")
+    max_concurrency = _sub_limit("Requests in flight at once; null: no sub-limit.")
+    allowed_models = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False, allow_empty=True,
+        help_text="Narrows the plan's models; empty: every model the plan allows.",
+    )
+
+    def validate_allowed_models(self, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise serializers.ValidationError("Model names must not repeat.")
+        return value
+
+
+class KeyIssueSerializer(_KeyLimitFields):
+    project = serializers.CharField(help_text="The project's id (prj_...), in this tenant.")
+    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+
+    def validate_expires_at(self, value: Any) -> Any:
+        if value is not None and value <= timezone.now():
+            raise serializers.ValidationError("Must be in the future.")
+        return value
+
+
+class KeyUpdateSerializer(_KeyLimitFields):
+    pass
+
+
+class KeyRotateSerializer(serializers.Serializer):
+    grace_seconds = serializers.IntegerField(
+        min_value=0, max_value=MAX_GRACE_SECONDS, default=0,
+        help_text="How long the previous secret keeps working (0: it stops now; at most 7 days).",
+    )
+
+
+# -- plans, tenants and limits -------------------------------------------------------------------
+
+
+class PlanSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Plan
+        fields = [
+            "name", "display_name", "tokens_per_day", "tokens_per_minute", "requests_per_second",
+            "over_quota_policy", "queue_timeout_seconds", "queue_priority", "soft_limit_percent",
+            "fallback_model", "safety_factor", "allowed_models", "shrink_hold_to_headroom",
+            "created_at", "updated_at",
+        ]
+        read_only_fields = ["created_at", "updated_at"]
+        extra_kwargs = {"display_name": {"required": False}}
+
+
+class PlanUpdateSerializer(PlanSerializer):
+    class Meta(PlanSerializer.Meta):
+        read_only_fields = ["name", "created_at", "updated_at"]
+
+
+class TenantCreateSerializer(serializers.Serializer):
+    slug = serializers.SlugField(max_length=63)
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    plan = serializers.SlugRelatedField(slug_field="name", queryset=Plan.objects.all())
+
+
+class TenantUpdateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200, required=False)
+    plan = serializers.SlugRelatedField(
+        slug_field="name", queryset=Plan.objects.all(), required=False,
+        help_text="Operators only.",
+    )
+    status = serializers.ChoiceField(choices=Tenant.Status.choices, required=False,
+                                     help_text="Operators only.")
+
+
+def _nullable_limit(minimum: int, help_text: str) -> serializers.IntegerField:
+    return serializers.IntegerField(required=False, allow_null=True, min_value=minimum,
+                                    help_text=help_text)
+
+
+class EffectiveLimitsSerializer(serializers.Serializer):
+    """Null: unlimited."""
+
+    tokens_per_day = serializers.IntegerField(allow_null=True)
+    tokens_per_minute = serializers.IntegerField(allow_null=True)
+    requests_per_second = serializers.IntegerField(allow_null=True)
+    monthly_token_budget = serializers.IntegerField(allow_null=True)
+    monthly_spend_budget_micros = serializers.IntegerField(allow_null=True)
+    model_tokens_per_day = serializers.DictField(child=serializers.IntegerField())
+    allowed_models = serializers.ListField(child=serializers.CharField())
+    over_quota_policy = serializers.CharField()
+
+
+class TenantOverridesSerializer(serializers.Serializer):
+    """Tenant overrides of the plan: null inherits the plan, -1 lifts the limit."""
+
+    tokens_per_day = _nullable_limit(-1, "null: the plan's; -1: unlimited.")
+    tokens_per_minute = _nullable_limit(-1, "null: the plan's; -1: unlimited.")
+    requests_per_second = _nullable_limit(-1, "null: the plan's; -1: unlimited.")
+    monthly_token_budget = _nullable_limit(0, "Tokens per month; null: none.")
+    monthly_spend_budget_micros = _nullable_limit(0, "Micro-dollars per month; null: none.")
+    model_tokens_per_day = serializers.DictField(
+        child=serializers.IntegerField(min_value=0), required=False,
+        help_text='Daily token limits of single models, e.g. {"gpt-4o": 1000000}.',
+    )
+
+
+class LimitScopeStatusSerializer(serializers.Serializer):
+    scope = serializers.CharField(help_text="tenant, project, key or model")
+    id = serializers.CharField()
+    label = serializers.CharField()
+    window = serializers.CharField(help_text="day or month")
+    limit = serializers.IntegerField(allow_null=True, help_text="null: no limit")
+    used = serializers.IntegerField()
+    pending = serializers.IntegerField(help_text="Held by requests in flight.")
+    credit = serializers.IntegerField()
+    remaining = serializers.IntegerField(allow_null=True, help_text="null: no limit")
+
+
+class LiveStatusSerializer(serializers.Serializer):
+    open_holds = serializers.IntegerField()
+    scopes = LimitScopeStatusSerializer(many=True)
+
+
+class TenantLimitsSerializer(serializers.Serializer):
+    plan = PlanSerializer()
+    effective = EffectiveLimitsSerializer()
+    overrides = TenantOverridesSerializer()
+    alert_thresholds = serializers.ListField(child=serializers.IntegerField())
+    live = LiveStatusSerializer(allow_null=True, help_text="null when the quota store is down.")
+
+
+class TenantLimitsUpdateSerializer(TenantOverridesSerializer):
+    alert_thresholds = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=99), required=False,
+        allow_empty=True,
+        help_text="Percentages of a quota or budget remaining that raise an alert. Tenant admins "
+        "may change these; every other field is for operators.",
+    )
+
+    def validate_alert_thresholds(self, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise serializers.ValidationError("Thresholds must not repeat.")
+        return sorted(value, reverse=True)
+
+
+# -- management tokens and audit events ---------------------------------------------------------
+
+
+class ManagementTokenSerializer(serializers.ModelSerializer):
+    id = serializers.CharField(source="public_id", read_only=True)
+    masked = serializers.SerializerMethodField()
+    status = serializers.SerializerMethodField(help_text="active, expired or revoked")
+
+    class Meta:
+        model = ManagementToken
+        fields = ["id", "name", "masked", "status", "created_by", "created_at", "expires_at",
+                  "revoked_at", "last_used_at"]
+        read_only_fields = fields
+
+    def get_masked(self, token: ManagementToken) -> str:
+        return masked_token(token.prefix, token.last4)
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_status(self, token: ManagementToken) -> str:
+        if token.revoked_at is not None:
+            return "revoked"
+        if token.expires_at is not None and token.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
+
+class IssuedManagementTokenSerializer(ManagementTokenSerializer):
+    token = serializers.SerializerMethodField(
+        help_text="The plaintext token (tgm_...). Shown in this response only: store it now."
+    )
+
+    class Meta(ManagementTokenSerializer.Meta):
+        fields = [*ManagementTokenSerializer.Meta.fields, "token"]
+        read_only_fields = fields
+
+    def get_token(self, token: ManagementToken) -> str:
+        return self.context["plaintext"]
+
+
+class ManagementTokenIssueSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200)
+    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+
+    def validate_expires_at(self, value: Any) -> Any:
+        if value is not None and value <= timezone.now():
+            raise serializers.ValidationError("Must be in the future.")
+        return value
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEvent
+        fields = ["created_at", "actor", "action", "target", "data"]
+        read_only_fields = fields
+
+
+class AuditFilterSerializer(serializers.Serializer):
+    action = serializers.CharField(required=False, max_length=64,
+                                   help_text="Exact (key.issued) or a family ending in a dot.")
+    actor = serializers.CharField(required=False, max_length=200)
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        # "from" is a Python keyword, so these cannot be declared as class attributes.
+        fields["from"] = serializers.DateField(required=False, help_text="YYYY-MM-DD, inclusive.")
+        fields["to"] = serializers.DateField(required=False, help_text="YYYY-MM-DD, inclusive.")
+        return fields
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("from") and attrs.get("to") and attrs["from"] > attrs["to"]:
+            raise serializers.ValidationError({"to": "Must not be before 'from'."})
+        return attrs

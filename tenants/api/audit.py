@@ -1,0 +1,100 @@
+"""Management API: a tenant's management tokens and its audit trail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.generics import GenericAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from tenants import selectors, services
+from tenants.api.base import TenantScopedAPIView, get_in_tenant
+from tenants.api.errors import service_error
+from tenants.api.projects import TENANT_ID
+from tenants.api.serializers import (
+    AuditEventSerializer,
+    AuditFilterSerializer,
+    IssuedManagementTokenSerializer,
+    ManagementTokenIssueSerializer,
+    ManagementTokenSerializer,
+)
+
+TOKEN_ID = OpenApiParameter("token_id", OpenApiTypes.STR, OpenApiParameter.PATH,
+                            description="The token's id (mgt_...).")
+
+
+@extend_schema(parameters=[TENANT_ID])
+class ManagementTokenListView(TenantScopedAPIView, GenericAPIView):
+    """GET: the tenant's management tokens, masked. POST: issue one (plaintext once); it acts as
+    an admin of this tenant."""
+
+    serializer_class = ManagementTokenSerializer
+
+    def get_queryset(self) -> Any:
+        return selectors.management_tokens(self.tenant())
+
+    @extend_schema(responses=ManagementTokenSerializer(many=True))
+    def get(self, request: Request, tenant_id: str) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(ManagementTokenSerializer(page, many=True).data)
+
+    @extend_schema(request=ManagementTokenIssueSerializer,
+                   responses={201: IssuedManagementTokenSerializer})
+    def post(self, request: Request, tenant_id: str) -> Response:
+        tenant = self.tenant(manage=True)
+        body = ManagementTokenIssueSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            issued = services.issue_management_token(tenant, actor=self.actor,
+                                                     **body.validated_data)
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        data = IssuedManagementTokenSerializer(
+            issued.token, context={"plaintext": issued.plaintext}).data
+        response = Response(data, status=status.HTTP_201_CREATED)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+@extend_schema(parameters=[TENANT_ID, TOKEN_ID])
+class ManagementTokenRevokeView(TenantScopedAPIView):
+    """POST: revoke a management token of this tenant (idempotent)."""
+
+    @extend_schema(request=None, responses=ManagementTokenSerializer)
+    def post(self, request: Request, tenant_id: str, token_id: str) -> Response:
+        tokens = selectors.management_tokens(self.tenant(manage=True))
+        token = get_in_tenant(tokens, "token", public_id=token_id)
+        services.revoke_management_token(token, actor=self.actor)
+        return Response(ManagementTokenSerializer(token).data)
+
+
+@extend_schema(parameters=[TENANT_ID])
+class AuditEventListView(TenantScopedAPIView, GenericAPIView):
+    """GET: who did what to the tenant, newest first, filtered by day range, action and actor."""
+
+    serializer_class = AuditEventSerializer
+
+    def get_queryset(self) -> Any:
+        filters = AuditFilterSerializer(data=self.request.query_params)
+        filters.is_valid(raise_exception=True)
+        data = filters.validated_data
+        return selectors.audit_events(
+            self.tenant(), start=data.get("from"), end=data.get("to"),
+            action=data.get("action", ""), actor=data.get("actor", ""),
+        )
+
+    @extend_schema(parameters=[
+        OpenApiParameter("from", OpenApiTypes.DATE, description="First day (UTC), inclusive."),
+        OpenApiParameter("to", OpenApiTypes.DATE, description="Last day (UTC), inclusive."),
+        OpenApiParameter("action", OpenApiTypes.STR,
+                         description="key.issued, or a family such as key."),
+        OpenApiParameter("actor", OpenApiTypes.STR, description="Substring, e.g. user:alice."),
+    ])
+    def get(self, request: Request, tenant_id: str) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(AuditEventSerializer(page, many=True).data)

@@ -1,0 +1,171 @@
+"""Management API: plans (everyone reads, operators write) and a tenant's limits.
+
+Plans are not tenant objects, so a tenant user changing one gets 403 (not 404). A tenant's
+limits are its plan, its overrides (operators) and its alert thresholds (tenant admins), plus the
+live counters from Redis; with Redis down the live part is missing and the answer is a 503 that
+still carries the static part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.generics import GenericAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from quotas.engine import UNLIMITED, QuotaStoreUnavailable
+from quotas.status import quota_status
+from tenants import services
+from tenants.api.base import ManagementAPIView, TenantScopedAPIView, get_in_tenant
+from tenants.api.errors import service_error
+from tenants.api.projects import TENANT_ID
+from tenants.api.serializers import (
+    PlanSerializer,
+    PlanUpdateSerializer,
+    TenantLimitsSerializer,
+    TenantLimitsUpdateSerializer,
+)
+from tenants.exceptions import SlugTaken
+from tenants.models import Plan, Tenant
+from tenants.selectors import effective_limits
+
+LIVE_UNAVAILABLE = (
+    "Live quota counters are unavailable: the quota store (Redis) cannot be reached. The plan "
+    "and limits in this response are current; used and remaining figures are not."
+)
+OPERATOR_OVERRIDES = tuple(
+    name for name in services.TENANT_OVERRIDE_FIELDS if name != "alert_thresholds"
+)
+PLAN_NAME = OpenApiParameter("name", OpenApiTypes.STR, OpenApiParameter.PATH,
+                             description="The plan's name (e.g. standard).")
+
+
+def _require_operator(principal: Any, what: str) -> None:
+    if not principal.is_operator:
+        raise PermissionDenied(f"Only operators may {what}.")
+
+
+class PlanListView(ManagementAPIView, GenericAPIView):
+    """GET: every plan (any authenticated caller). POST: create a plan (operators)."""
+
+    serializer_class = PlanSerializer
+    queryset = Plan.objects.order_by("name")
+
+    @extend_schema(responses=PlanSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(PlanSerializer(page, many=True).data)
+
+    @extend_schema(request=PlanSerializer, responses={201: PlanSerializer})
+    def post(self, request: Request) -> Response:
+        _require_operator(self.principal, "create plans")
+        body = PlanSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        fields = dict(body.validated_data)
+        name = fields.pop("name")
+        try:
+            plan = services.create_plan(name, actor=self.actor, **fields)
+        except SlugTaken:
+            raise ValidationError({"name": ["A plan with this name already exists."]}) from None
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        return Response(PlanSerializer(plan).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(parameters=[PLAN_NAME])
+class PlanDetailView(ManagementAPIView):
+    """GET a plan; PATCH (operators) changes it for every tenant on it, from the next request."""
+
+    def _plan(self) -> Plan:
+        return get_in_tenant(Plan.objects.all(), "plan", name=self.kwargs["name"])
+
+    @extend_schema(responses=PlanSerializer)
+    def get(self, request: Request, name: str) -> Response:
+        return Response(PlanSerializer(self._plan()).data)
+
+    @extend_schema(request=PlanUpdateSerializer, responses=PlanSerializer)
+    def patch(self, request: Request, name: str) -> Response:
+        _require_operator(self.principal, "change plans")
+        plan = self._plan()
+        body = PlanUpdateSerializer(plan, data=request.data, partial=True)
+        body.is_valid(raise_exception=True)
+        try:
+            services.update_plan(plan, actor=self.actor, **body.validated_data)
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        return Response(PlanSerializer(plan).data)
+
+
+def _or_none(value: int) -> int | None:
+    return None if value == UNLIMITED else value
+
+
+def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
+    """The limits document of a tenant and whether its live part could be read."""
+    limits = effective_limits(tenant)
+    try:
+        live_status = quota_status(tenant)
+    except QuotaStoreUnavailable:
+        live = None
+    else:
+        live = {"open_holds": live_status.open_holds,
+                "scopes": [scope.as_dict() for scope in live_status.scopes]}
+    document = {
+        "plan": PlanSerializer(tenant.plan).data,
+        "effective": {
+            "tokens_per_day": _or_none(limits.tokens_per_day),
+            "tokens_per_minute": _or_none(limits.tokens_per_minute),
+            "requests_per_second": _or_none(limits.requests_per_second),
+            "monthly_token_budget": _or_none(limits.monthly_token_budget),
+            "monthly_spend_budget_micros": _or_none(limits.monthly_spend_budget_micros),
+            "model_tokens_per_day": limits.model_tokens_per_day,
+            "allowed_models": list(limits.allowed_models),
+            "over_quota_policy": limits.over_quota_policy,
+        },
+        "overrides": {name: getattr(tenant, name) for name in OPERATOR_OVERRIDES},
+        "alert_thresholds": tenant.alert_thresholds,
+        "live": live,
+    }
+    return document, live is not None
+
+
+@extend_schema(parameters=[TENANT_ID])
+class TenantLimitsView(TenantScopedAPIView):
+    """GET: plan, effective limits, overrides, alert thresholds and live per-scope status.
+    PATCH: overrides (operators) and alert thresholds (tenant admins)."""
+
+    def _respond(self, tenant: Tenant) -> Response:
+        document, live = limits_representation(tenant)
+        if not live:
+            return Response({"detail": LIVE_UNAVAILABLE, **document},
+                            status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        return Response(document)
+
+    @extend_schema(responses={200: TenantLimitsSerializer,
+                              503: OpenApiResponse(description=LIVE_UNAVAILABLE)})
+    def get(self, request: Request, tenant_id: str) -> Response:
+        return self._respond(self.tenant())
+
+    @extend_schema(request=TenantLimitsUpdateSerializer,
+                   responses={200: TenantLimitsSerializer,
+                              503: OpenApiResponse(description=LIVE_UNAVAILABLE)})
+    def patch(self, request: Request, tenant_id: str) -> Response:
+        tenant = self.tenant(manage=True)
+        body = TenantLimitsUpdateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        changes = dict(body.validated_data)
+        if set(changes) & set(OPERATOR_OVERRIDES):
+            _require_operator(self.principal, "change a tenant's limits")
+        if not changes:
+            raise ValidationError({"non_field_errors": ["Nothing to change."]})
+        try:
+            services.set_tenant_limits(tenant, actor=self.actor, **changes)
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        return self._respond(tenant)

@@ -1,0 +1,223 @@
+"""Management API: a tenant's projects and API keys.
+
+Sub-limits are checked by the services against the tenant's effective limits (and a key's
+against its project's too); the plaintext of a key is in the issue and rotate responses only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.generics import GenericAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from tenants import selectors, services
+from tenants.api.base import TenantScopedAPIView, get_in_tenant
+from tenants.api.errors import service_error
+from tenants.api.serializers import (
+    ApiKeySerializer,
+    IssuedApiKeySerializer,
+    KeyIssueSerializer,
+    KeyRotateSerializer,
+    KeyUpdateSerializer,
+    ProjectCreateSerializer,
+    ProjectSerializer,
+    ProjectUpdateSerializer,
+)
+from tenants.exceptions import KeyExpired, KeyRevoked, SlugTaken
+from tenants.models import ApiKey, Project, Tenant
+
+TENANT_ID = OpenApiParameter("tenant_id", OpenApiTypes.STR, OpenApiParameter.PATH,
+                             description="The tenant's id (ten_...).")
+PROJECT_ID = OpenApiParameter("project_id", OpenApiTypes.STR, OpenApiParameter.PATH,
+                              description="The project's id (prj_...).")
+KEY_ID = OpenApiParameter("key_id", OpenApiTypes.STR, OpenApiParameter.PATH,
+                          description="The key's id (key_...).")
+
+
+def _project_context(tenant: Tenant) -> dict[str, Any]:
+    return {"usage": selectors.usage_today_and_month(tenant, "project")}
+
+
+def _key_context(tenant: Tenant) -> dict[str, Any]:
+    return {"usage": selectors.usage_today_and_month(tenant, "key"), "now": timezone.now()}
+
+
+@extend_schema(parameters=[TENANT_ID])
+class ProjectListView(TenantScopedAPIView, GenericAPIView):
+    """GET: the tenant's projects with today's and this month's usage. POST: create one."""
+
+    serializer_class = ProjectSerializer
+
+    def get_queryset(self) -> Any:
+        return selectors.tenant_projects(self.tenant())
+
+    @extend_schema(responses=ProjectSerializer(many=True))
+    def get(self, request: Request, tenant_id: str) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        data = ProjectSerializer(page, many=True, context=_project_context(self.tenant())).data
+        return self.get_paginated_response(data)
+
+    @extend_schema(request=ProjectCreateSerializer, responses={201: ProjectSerializer})
+    def post(self, request: Request, tenant_id: str) -> Response:
+        tenant = self.tenant(manage=True)
+        body = ProjectCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        try:
+            project = services.create_project(
+                tenant, data["slug"], actor=self.actor, name=data["name"],
+                tokens_per_day=data.get("tokens_per_day"),
+                tokens_per_month=data.get("tokens_per_month"), within_limits=True,
+            )
+        except SlugTaken:
+            raise ValidationError(
+                {"slug": ["A project with this slug already exists in this tenant."]}
+            ) from None
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        return Response(ProjectSerializer(project).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(parameters=[TENANT_ID, PROJECT_ID])
+class ProjectDetailView(TenantScopedAPIView):
+    """GET / PATCH one project (name and sub-limits; null removes a sub-limit)."""
+
+    def _project(self, manage: bool = False) -> Project:
+        projects = selectors.tenant_projects(self.tenant(manage=manage))
+        return get_in_tenant(projects, "project", public_id=self.kwargs["project_id"])
+
+    @extend_schema(responses=ProjectSerializer)
+    def get(self, request: Request, tenant_id: str, project_id: str) -> Response:
+        project = self._project()
+        return Response(ProjectSerializer(project, context=_project_context(project.tenant)).data)
+
+    @extend_schema(request=ProjectUpdateSerializer, responses=ProjectSerializer)
+    def patch(self, request: Request, tenant_id: str, project_id: str) -> Response:
+        project = self._project(manage=True)
+        body = ProjectUpdateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            services.update_project(project, actor=self.actor, **body.validated_data)
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        return Response(ProjectSerializer(project, context=_project_context(project.tenant)).data)
+
+
+@extend_schema(parameters=[TENANT_ID])
+class KeyListView(TenantScopedAPIView, GenericAPIView):
+    """GET: the tenant's keys, masked, newest first. POST: issue a key (plaintext in the
+    response, once)."""
+
+    serializer_class = ApiKeySerializer
+
+    def get_queryset(self) -> Any:
+        tenant = self.tenant()
+        project = None
+        if project_id := self.request.query_params.get("project"):
+            project = selectors.tenant_projects(tenant).filter(public_id=project_id).first()
+            if project is None:
+                raise ValidationError({"project": ["No such project in this tenant."]})
+        state = self.request.query_params.get("status") or None
+        if state is not None and state not in selectors.KEY_STATUSES:
+            raise ValidationError(
+                {"status": [f"Must be one of: {', '.join(selectors.KEY_STATUSES)}."]}
+            )
+        return selectors.tenant_keys(tenant, project=project, status=state)
+
+    @extend_schema(parameters=[
+        OpenApiParameter("project", OpenApiTypes.STR, description="Only this project's (prj_...)."),
+        OpenApiParameter("status", OpenApiTypes.STR, description="active, expired or revoked"),
+    ], responses=ApiKeySerializer(many=True))
+    def get(self, request: Request, tenant_id: str) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        data = ApiKeySerializer(page, many=True, context=_key_context(self.tenant())).data
+        return self.get_paginated_response(data)
+
+    @extend_schema(request=KeyIssueSerializer, responses={201: IssuedApiKeySerializer})
+    def post(self, request: Request, tenant_id: str) -> Response:
+        tenant = self.tenant(manage=True)
+        body = KeyIssueSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = dict(body.validated_data)
+        project_id = data.pop("project")
+        # Looked up through the caller's tenant: a project of another tenant is "no such project".
+        project = selectors.tenant_projects(tenant).filter(public_id=project_id).first()
+        if project is None:
+            raise NotFound("No such project.")
+        try:
+            issued = services.issue_key(project, actor=self.actor, within_limits=True, **data)
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        context = {"plaintext": issued.plaintext, "now": timezone.now(), "usage": {}}
+        response = Response(IssuedApiKeySerializer(issued.api_key, context=context).data,
+                            status=status.HTTP_201_CREATED)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+class _KeyView(TenantScopedAPIView):
+    def _key(self, manage: bool = False) -> ApiKey:
+        keys = selectors.tenant_keys(self.tenant(manage=manage))
+        return get_in_tenant(keys, "API key", public_id=self.kwargs["key_id"])
+
+
+@extend_schema(parameters=[TENANT_ID, KEY_ID])
+class KeyDetailView(_KeyView):
+    """GET / PATCH one key: name, sub-limits (within the project's and the tenant's), models."""
+
+    @extend_schema(responses=ApiKeySerializer)
+    def get(self, request: Request, tenant_id: str, key_id: str) -> Response:
+        api_key = self._key()
+        return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)
+
+    @extend_schema(request=KeyUpdateSerializer, responses=ApiKeySerializer)
+    def patch(self, request: Request, tenant_id: str, key_id: str) -> Response:
+        api_key = self._key(manage=True)
+        body = KeyUpdateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            services.update_key(api_key, actor=self.actor, **body.validated_data)
+        except DjangoValidationError as exc:
+            raise service_error(exc) from None
+        return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)
+
+
+@extend_schema(parameters=[TENANT_ID, KEY_ID])
+class KeyRotateView(_KeyView):
+    """POST: a new secret (plaintext in the response, once); the old ones stop working now or
+    after `grace_seconds`."""
+
+    @extend_schema(request=KeyRotateSerializer, responses={200: IssuedApiKeySerializer})
+    def post(self, request: Request, tenant_id: str, key_id: str) -> Response:
+        api_key = self._key(manage=True)
+        body = KeyRotateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            issued = services.rotate_key(api_key, actor=self.actor,
+                                         grace_seconds=body.validated_data["grace_seconds"])
+        except (KeyRevoked, KeyExpired) as exc:
+            raise ValidationError({"non_field_errors": [str(exc)]}) from None
+        fresh = selectors.tenant_keys(self.tenant()).get(pk=issued.api_key.pk)
+        context = {**_key_context(self.tenant()), "plaintext": issued.plaintext}
+        response = Response(IssuedApiKeySerializer(fresh, context=context).data)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+@extend_schema(parameters=[TENANT_ID, KEY_ID])
+class KeyRevokeView(_KeyView):
+    """POST: revoke the key and all its secrets at once (idempotent)."""
+
+    @extend_schema(request=None, responses=ApiKeySerializer)
+    def post(self, request: Request, tenant_id: str, key_id: str) -> Response:
+        api_key = self._key(manage=True)
+        services.revoke_key(api_key, actor=self.actor)
+        return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)
