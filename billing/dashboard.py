@@ -15,7 +15,13 @@ from billing.charts import StackedChart, stacked_by_model
 from billing.models import AlertState, WebhookDelivery
 from billing.usage import total_tokens, usage_totals
 from quotas.engine import QuotaStoreUnavailable
-from quotas.status import QuotaStatus, RefusedCount, ScopeStatus, quota_status, refused_today
+from quotas.status import (
+    QuotaStatus,
+    RefusedCount,
+    ScopeStatus,
+    quota_status,
+    refused_today,
+)
 from tenants.models import Project, Tenant
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from billing import dashboard
 from billing.charts import nice_ceiling, short, stacked_by_model
 from billing.models import AlertState, UsageRecord, WebhookDelivery, WebhookEndpoint
 from gateway.refusals import count_refusal
+from quotas.client import make_async_redis
 from quotas.engine import QuotaStoreUnavailable, ReserveRequest
 from quotas.limits import scope_limits, tenant_tag
-from quotas.client import make_async_redis
 from quotas.runtime import get_engine
 from quotas.status import refused_today
 from tenants.selectors import effective_limits

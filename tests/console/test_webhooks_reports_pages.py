@@ -4,12 +4,18 @@ input, and a webhook signing secret shown exactly once."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from django.test import Client
 from django.urls import reverse
 
+from billing.models import WebhookDelivery, WebhookEndpoint
+from billing.webhooks import create_endpoint
+from tenants.models import AuditEvent
+from tests.billing.test_webhooks import Receiver
 from tests.world import World
 
 
@@ -59,3 +65,128 @@ def test_member_sees_no_download_links(world: World) -> None:
 @pytest.mark.parametrize("who, status", [("outsider", 404), ("operator", 200)])
 def test_reports_page_isolation(world: World, who: str, status: int) -> None:
     assert _client(getattr(world, who)).get(_reports(world)).status_code == status
+
+
+# -- webhooks -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def receiver(settings: Any) -> Iterator[Receiver]:
+    settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = True  # the receiver listens on 127.0.0.1
+    with Receiver() as r:
+        yield r
+
+
+def _hooks(world: World) -> str:
+    return reverse("console-webhooks", args=[world.acme.public_id])
+
+
+def _hook(world: World, endpoint: WebhookEndpoint, name: str = "console-webhook-detail",
+          *extra: str) -> str:
+    return reverse(name, args=[world.acme.public_id, endpoint.public_id, *extra])
+
+
+def test_adding_an_endpoint_shows_its_secret_once(world: World, receiver: Receiver) -> None:
+    client = _client(world.owner)
+    page = client.get(_hooks(world)).content.decode()
+    assert '<label for="id_url">' in page and 'value="quota.threshold"' in page
+    response = client.post(_hooks(world), {"url": receiver.url,
+                                           "events": ["quota.threshold", "test"]})
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    html = response.content.decode()
+    endpoint = WebhookEndpoint.objects.get(tenant=world.acme)
+    secret = endpoint.secret
+    box = html[html.index('class="card secret-once"'):]
+    assert f'value="{secret}"' in box and 'data-copy="#webhook-secret"' in box
+    assert "You will not see it again" in box
+    assert endpoint.events == ["quota.threshold", "test"]
+    # Never again: not on the list, the detail page, or the audit log.
+    for url in (_hooks(world), _hook(world, endpoint)):
+        assert secret not in client.get(url).content.decode()
+    assert all(secret not in str(a.data) for a in AuditEvent.objects.all())
+
+
+def test_refused_url_writes_nothing_and_says_why(world: World, settings: Any) -> None:
+    settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = False
+    audits = AuditEvent.objects.count()
+    client = _client(world.owner)
+    response = client.post(_hooks(world), {"url": "http://127.0.0.1:8000/x",
+                                           "events": ["quota.threshold"]})
+    assert response.status_code == 400
+    assert "private, loopback" in response.content.decode()
+    bad = client.post(_hooks(world), {"url": "https://example.com/x", "events": ["nope"]})
+    assert bad.status_code == 400 and "secret-once" not in bad.content.decode()
+    assert not WebhookEndpoint.objects.exists() and AuditEvent.objects.count() == audits
+
+
+def test_detail_page_toggle_events_test_and_redeliver(world: World, receiver: Receiver) -> None:
+    endpoint, _ = create_endpoint(world.acme, receiver.url, ["quota.threshold"], actor="test")
+    client = _client(world.owner)
+    html = client.get(_hook(world, endpoint)).content.decode()
+    assert "Send test event" in html and "Disable" in html and "Nothing delivered" in html
+
+    client.post(_hook(world, endpoint, "console-webhook-test"))
+    delivery = WebhookDelivery.objects.get(endpoint=endpoint)
+    assert delivery.status == "delivered" and len(receiver.requests) == 1
+    html = client.get(_hook(world, endpoint)).content.decode()
+    assert "Test event delivered (HTTP 200)" in html
+    row = html[html.index(f'data-delivery="{delivery.public_id}"'):]
+    assert "Delivered" in row and '<td class="num">1</td>' in row and "Redeliver" in row
+    assert all(f"<th scope=\"col\"{c}" in html for c in ("", ' class="num"'))
+
+    client.post(_hook(world, endpoint, "console-webhook-redeliver", delivery.public_id))
+    delivery.refresh_from_db()
+    assert delivery.attempts == 2 and len(receiver.requests) == 2
+
+    client.post(_hook(world, endpoint, "console-webhook-toggle"))
+    endpoint.refresh_from_db()
+    assert endpoint.enabled is False
+    client.post(_hook(world, endpoint), {"events": ["quota.exhausted"]})
+    endpoint.refresh_from_db()
+    assert endpoint.events == ["quota.exhausted"]
+    assert AuditEvent.objects.filter(action="webhook.updated", target=endpoint.public_id).count() == 2
+
+
+def test_delete_asks_first(world: World, receiver: Receiver) -> None:
+    endpoint, _ = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    client = _client(world.owner)
+    confirm = client.get(_hook(world, endpoint, "console-webhook-delete")).content.decode()
+    assert "data-confirm=" in confirm and "cannot be undone" in confirm
+    assert WebhookEndpoint.objects.filter(pk=endpoint.pk).exists()
+    response = client.post(_hook(world, endpoint, "console-webhook-delete"))
+    assert response.status_code == 302 and not WebhookEndpoint.objects.filter(pk=endpoint.pk).exists()
+
+
+def test_member_reads_only(world: World, receiver: Receiver) -> None:
+    endpoint, _ = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    delivery = WebhookDelivery.objects.create(endpoint=endpoint, event_type="test", payload={})
+    client = _client(world.member)
+    listing = client.get(_hooks(world)).content.decode()
+    assert receiver.url in listing and "Add endpoint" not in listing
+    detail = client.get(_hook(world, endpoint)).content.decode()
+    assert "Send test event" not in detail and "Redeliver" not in detail
+    assert delivery.public_id in detail
+    assert client.post(_hooks(world), {"url": receiver.url, "events": ["test"]}).status_code == 403
+    for name, extra in (("console-webhook-test", ()), ("console-webhook-toggle", ()),
+                        ("console-webhook-delete", ()),
+                        ("console-webhook-redeliver", (delivery.public_id,))):
+        assert client.post(_hook(world, endpoint, name, *extra)).status_code == 403
+    assert client.post(_hook(world, endpoint), {"events": []}).status_code == 403
+    endpoint.refresh_from_db()
+    assert endpoint.enabled and endpoint.events == ["test"] and receiver.requests == []
+    assert WebhookEndpoint.objects.count() == 1
+
+
+def test_outsider_and_foreign_ids_are_404(world: World, receiver: Receiver) -> None:
+    mine, _ = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    theirs, _ = create_endpoint(world.globex, receiver.url, ["test"], actor="test")
+    foreign = WebhookDelivery.objects.create(endpoint=theirs, event_type="test", payload={})
+    outsider = _client(world.outsider)
+    assert outsider.get(_hooks(world)).status_code == 404
+    assert outsider.get(_hook(world, mine)).status_code == 404
+    assert outsider.post(_hook(world, mine, "console-webhook-delete")).status_code == 404
+    owner = _client(world.owner)
+    assert owner.get(_hook(world, theirs)).status_code == 404
+    assert owner.post(_hook(world, theirs, "console-webhook-test")).status_code == 404
+    assert owner.post(_hook(world, mine, "console-webhook-redeliver",
+                            foreign.public_id)).status_code == 404
+    assert WebhookEndpoint.objects.count() == 2 and receiver.requests == []

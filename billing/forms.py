@@ -1,0 +1,38 @@
+"""Console forms of the billing app (webhook endpoints)."""
+
+from __future__ import annotations
+
+from django import forms
+
+from billing.models import WebhookEvent
+
+EVENT_HELP = {
+    WebhookEvent.THRESHOLD.value: "a quota crossed one of the tenant's alert thresholds "
+                                  "(set on the Limits page)",
+    WebhookEvent.EXHAUSTED.value: "a quota has nothing left",
+    WebhookEvent.TEST.value: "test events (the button below always sends one)",
+}
+
+
+def event_choices() -> list[tuple[str, str]]:
+    return [(value, f"{value}: {EVENT_HELP[value]}") for value in WebhookEvent.values]
+
+
+class WebhookEventsForm(forms.Form):
+    events = forms.MultipleChoiceField(
+        choices=event_choices, required=False, widget=forms.CheckboxSelectMultiple,
+        label="Events sent to this endpoint")
+
+
+class WebhookCreateForm(WebhookEventsForm):
+    url = forms.URLField(max_length=2000, label="Endpoint URL", assume_scheme="https",
+                         help_text="Tollgate POSTs signed JSON here. Private and loopback "
+                         "addresses are refused.",
+                         widget=forms.URLInput(attrs={"placeholder": "https://example.com/hooks"}))
+    field_order = ["url", "events"]
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if not self.is_bound:
+            self.initial.setdefault("events", [WebhookEvent.THRESHOLD.value,
+                                               WebhookEvent.EXHAUSTED.value])
