@@ -17,7 +17,17 @@ from django.http import HttpRequest
 
 from tenants import services
 from tenants.invalidation import publish
-from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Membership, Plan, Project, Tenant
+from tenants.management_tokens import masked_token
+from tenants.models import (
+    ApiKey,
+    ApiKeySecret,
+    AuditEvent,
+    ManagementToken,
+    Membership,
+    Plan,
+    Project,
+    Tenant,
+)
 from tenants.selectors import masked_key
 
 
@@ -226,3 +236,38 @@ class AuditEventAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+@admin.register(ManagementToken)
+class ManagementTokenAdmin(admin.ModelAdmin):
+    """Tokens are issued with `manage.py mgmt_token_issue` or from the console, where the
+    plaintext is shown once; here operators see them masked and may revoke them. The digest is
+    never displayed."""
+
+    list_display = ("public_id", "masked", "name", "tenant", "created_by", "created_at",
+                    "last_used_at", "expires_at", "revoked_at")
+    list_select_related = ("tenant",)
+    list_filter = ("revoked_at",)
+    search_fields = ("public_id", "name", "tenant__slug", "prefix")
+    fields = ("public_id", "masked", "name", "tenant", "created_by", "created_at",
+              "last_used_at", "expires_at", "revoked_at")
+    readonly_fields = fields
+    actions = ("revoke_selected",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # revoke instead, so the trail keeps what the token was
+
+    @admin.display(description="Token")
+    def masked(self, token: ManagementToken) -> str:
+        return masked_token(token.prefix, token.last4)
+
+    @admin.action(description="Revoke selected management tokens")
+    def revoke_selected(self, request: HttpRequest, queryset: QuerySet[ManagementToken]) -> None:
+        revoked = sum(
+            services.revoke_management_token(token, actor=_actor(request))
+            for token in queryset.select_related("tenant")
+        )
+        self.message_user(request, f"Revoked {revoked} management token(s).", messages.SUCCESS)

@@ -129,3 +129,29 @@ def test_mgmt_token_issue_command(world: World) -> None:
         call_command("mgmt_token_issue", "--tenant", "nope", "--name", "x", stdout=io.StringIO())
     with pytest.raises(CommandError):
         call_command("mgmt_token_issue", "--name", "x", stdout=io.StringIO())
+
+
+def test_admin_shows_tokens_masked_and_revokes(world: World, admin_client: object) -> None:
+    from django.urls import reverse
+
+    from tenants.services import issue_management_token
+
+    issued = issue_management_token(world.acme, name="ci", actor="test")
+    token = issued.token
+    for page_url in (reverse("admin:tenants_managementtoken_changelist"),
+                     reverse("admin:tenants_managementtoken_change", args=[token.pk])):
+        page = admin_client.get(page_url)
+        assert page.status_code == 200
+        html = page.content.decode()
+        assert token.digest not in html and issued.plaintext not in html
+        assert issued.plaintext.rsplit("_", 1)[1] not in html  # the secret part
+        assert token.last4 in html
+    assert admin_client.get(reverse("admin:tenants_managementtoken_add")).status_code == 403
+    response = admin_client.post(reverse("admin:tenants_managementtoken_changelist"), {
+        "action": "revoke_selected", "_selected_action": [token.pk]})
+    assert response.status_code == 302
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    assert AuditEvent.objects.filter(action="token.revoked", target=token.public_id,
+                                     actor="user:admin").exists()
+    assert bearer(issued.plaintext).get("/api/tenants/").status_code == 401
