@@ -10,7 +10,7 @@ EVENT_HELP = {
     WebhookEvent.THRESHOLD.value: "a quota crossed one of the tenant's alert thresholds "
                                   "(set on the Limits page)",
     WebhookEvent.EXHAUSTED.value: "a quota has nothing left",
-    WebhookEvent.TEST.value: "test events (the button below always sends one)",
+    WebhookEvent.TEST.value: "test events (the Send test event button always sends one)",
 }
 
 

@@ -74,7 +74,7 @@ def test_owner_sees_live_gauges_holds_and_refusals(world: World) -> None:
     html = response.content.decode()
     # Tenant day gauge: 250 used + 50 held of 1000, a bar; the project's own 400 too.
     tenant_card = re.search(r'data-scope="tenant".*?</div>\s*</div>\s*</div>', html, re.S).group(0)
-    assert "<strong>250</strong> + 50 held of 1000 tokens · 700 left" in tenant_card
+    assert "<strong>250</strong> + 50 held of 1,000 tokens · 700 left" in tenant_card
     assert 'aria-valuenow="30"' in tenant_card
     project_card = html[html.index(f'data-ref="{world.web.public_id}"'):]
     assert "of 400 tokens · 100 left" in project_card
