@@ -162,6 +162,12 @@ GATEWAY_UPSTREAM_READ_TIMEOUT = env.float("GATEWAY_UPSTREAM_READ_TIMEOUT", defau
 GATEWAY_UPSTREAM_TOTAL_TIMEOUT = env.float("GATEWAY_UPSTREAM_TOTAL_TIMEOUT", default=300.0)
 # Upstream connections per worker; a call beyond it waits (up to the read timeout) for one.
 GATEWAY_UPSTREAM_MAX_CONNECTIONS = _positive_int("GATEWAY_UPSTREAM_MAX_CONNECTIONS", 256)
+# "native": the gateway's own HTTP/1.1 keep-alive transport (gateway/upstream_http.py), the
+# fastest; "httpx": httpx's default transport (HTTP proxies and anything else it supports).
+GATEWAY_UPSTREAM_TRANSPORT = env.str("GATEWAY_UPSTREAM_TRANSPORT", default="native")
+if GATEWAY_UPSTREAM_TRANSPORT not in {"native", "httpx"}:
+    raise ImproperlyConfigured(
+        f"GATEWAY_UPSTREAM_TRANSPORT must be native or httpx, got {GATEWAY_UPSTREAM_TRANSPORT!r}")
 # After a client leaves mid-stream, keep reading the upstream this long for its usage event.
 GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default=10.0)
 GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)

@@ -226,9 +226,9 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
         call.upstream = upstream
         request = call.request_for(upstream, payload)
         try:
-            # Straight to the pooled transport: the client's cookie, auth and redirect layers
-            # cost a measurable share of a request and do nothing for an API call.
-            response = await runtime.http._transport.handle_async_request(request)
+            # Straight to the transport: the client's cookie, auth and redirect layers cost a
+            # measurable share of a request and do nothing for an API call.
+            response = await runtime.transport.handle_async_request(request)
         except _CONNECT_ERRORS:
             log.warning("provider key %s unreachable; trying the next", upstream.public_id)
             continue

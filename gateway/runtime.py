@@ -22,6 +22,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 from gateway.auth import AuthCache, load_key_context
 from gateway.catalog import Catalog, load_catalog
 from gateway.providers import ProviderPool, load_pool
+from gateway.upstream_http import make_transport
 from gateway.tokens import ensure_encodings_cached
 from quotas.client import make_async_redis
 from quotas.engine import AsyncQuotaEngine, EngineSettings
@@ -56,6 +57,8 @@ class Database:
 class GatewayRuntime:
     engine: AsyncQuotaEngine
     http: httpx.AsyncClient
+    # The client's transport, called directly on the hot path (gateway/forward.py).
+    transport: httpx.AsyncBaseTransport
     auth: AuthCache
     catalog: Catalog
     pool: ProviderPool
@@ -89,16 +92,13 @@ _runtime: GatewayRuntime | None = None
 _lock: asyncio.Lock | None = None
 
 
-def _http_client() -> httpx.AsyncClient:
+def _http_client(transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
     timeouts = httpx.Timeout(
         connect=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
         read=settings.GATEWAY_UPSTREAM_READ_TIMEOUT,
         write=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT,
         pool=settings.GATEWAY_UPSTREAM_READ_TIMEOUT,
     )
-    limits = httpx.Limits(max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS,
-                          max_keepalive_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
-    transport = httpx.AsyncHTTPTransport(limits=limits)
     return httpx.AsyncClient(timeout=timeouts, transport=transport)
 
 
@@ -113,11 +113,14 @@ async def get_runtime() -> GatewayRuntime:
             db = Database(settings.GATEWAY_DB_THREADS)
             await db.run(ensure_encodings_cached)
             redis_client = make_async_redis()
+            transport = make_transport(settings.GATEWAY_UPSTREAM_TRANSPORT,
+                                       max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
             if settings.REDIS_CLUSTER:
                 await redis_client.initialize()  # before concurrent use (redis-py cluster)
             runtime = GatewayRuntime(
                 engine=AsyncQuotaEngine(redis_client, EngineSettings.from_django()),
-                http=_http_client(),
+                http=_http_client(transport),
+                transport=transport,
                 auth=AuthCache(settings.GATEWAY_AUTH_CACHE_SECONDS,
                                lambda prefix: db.run(load_key_context, prefix)),
                 catalog=await db.run(load_catalog),

@@ -1,0 +1,293 @@
+"""A lean HTTP/1.1 client transport for upstream calls, plugged into httpx.
+
+httpx stays the gateway's HTTP API (requests, responses, exceptions, content decoding), but its
+default transport (httpcore over anyio, parsing with the pure-Python h11) was the largest share
+of the gateway's CPU per request (docs/benchmarks.md). This is an `httpx.AsyncBaseTransport`, the
+documented extension point, written for the one thing the gateway does: POST a small JSON body to
+an OpenAI-compatible API and read the answer, possibly streamed. It keeps a pool of keep-alive
+connections per origin on asyncio protocols and parses responses with httptools (the C parser
+uvicorn uses).
+
+Not supported, by design: HTTP/2, proxies, 1xx/Upgrade responses, request bodies that are not
+already in memory being streamed lazily (they are read first). Set
+`GATEWAY_UPSTREAM_TRANSPORT=httpx` to use httpx's own transport instead (for an HTTP proxy, say).
+
+Errors are httpx's, so callers cannot tell the transports apart: ConnectError / ConnectTimeout
+when no connection could be made, PoolTimeout when every connection stayed busy, WriteError,
+ReadTimeout between bytes, RemoteProtocolError when the server hangs up mid-response.
+"""
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import certifi
+import httptools
+import httpx
+
+_HIGH_WATER = 1 << 20  # pause reading an unread body beyond this many buffered bytes
+_DEFAULT_PORTS = {b"http": 80, b"https": 443}
+Origin = tuple[bytes, bytes, int]
+
+
+def default_ssl_context() -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=certifi.where())
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one request/response at a time."""
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.error: Exception | None = None
+        self.wakeup: asyncio.Future[None] | None = None
+        self.paused = False
+        self.delimited_by_close = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"Malformed upstream response: {exc}"))
+            self._close_transport()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.headers_done.done() and not self.complete and self.delimited_by_close:
+            self.complete = True  # a body without length or chunking ends with the connection
+            self._wake()
+        elif not self.complete:
+            self._fail(httpx.RemoteProtocolError(
+                "Server disconnected without sending a complete response."))
+
+    def pause_writing(self) -> None:  # request bodies are small; nothing to throttle
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        names = {name.lower() for name, _ in self.headers}
+        self.delimited_by_close = b"content-length" not in names and not any(
+            name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
+            for name, value in self.headers)
+        if not self.headers_done.done():
+            self.headers_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        # Read now: once the callback returns, the parser has reset for the next message.
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self.wakeup is not None and not self.wakeup.done():
+            self.wakeup.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        if self.error is None:
+            self.error = exc
+        if not self.headers_done.done():
+            self.headers_done.set_exception(exc)
+            self.headers_done.exception()  # mark retrieved: a waiter may already be gone
+        self._wake()
+
+    def _close_transport(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def reusable(self) -> bool:
+        return (not self.closed and self.complete and self.error is None
+                and not self.delimited_by_close and self.keep_alive)
+
+    async def next_chunk(self, timeout: float | None) -> bytes | None:
+        """The next piece of the body, None at its end."""
+        while True:
+            if self.chunks:
+                chunk = self.chunks.popleft()
+                self.buffered -= len(chunk)
+                if self.paused and self.buffered <= _HIGH_WATER // 2 and self.transport:
+                    self.paused = False
+                    self.transport.resume_reading()
+                return chunk
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return None
+            self.wakeup = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.wakeup
+            except TimeoutError:
+                raise httpx.ReadTimeout("Timed out reading the upstream response.") from None
+            finally:
+                self.wakeup = None
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, transport: NativeTransport, conn: _Connection, read_timeout: float | None
+                 ) -> None:
+        self.transport = transport
+        self.conn = conn
+        self.read_timeout = read_timeout
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (chunk := await self.conn.next_chunk(self.read_timeout)) is not None:
+            yield chunk
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.transport._finished(self.conn)
+
+
+class NativeTransport(httpx.AsyncBaseTransport):
+    def __init__(self, *, max_connections: int, keepalive_expiry: float = 5.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._slots = asyncio.BoundedSemaphore(max_connections)
+        self._idle: dict[Origin, deque[_Connection]] = {}
+        self._expiry = keepalive_expiry
+        self._ssl = ssl_context
+        self._closed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        url = request.url
+        scheme = url.raw_scheme
+        if scheme not in _DEFAULT_PORTS:
+            raise httpx.UnsupportedProtocol(f"Unsupported URL scheme {url.scheme!r}.")
+        origin: Origin = (scheme, url.raw_host, url.port or _DEFAULT_PORTS[scheme])
+        body = request.content if isinstance(request.stream, httpx.ByteStream) else \
+            await request.aread()
+        head = _request_head(request)
+
+        try:
+            async with asyncio.timeout(timeouts.get("pool")):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise httpx.PoolTimeout("No upstream connection became free in time.") from None
+        conn: _Connection | None = None
+        try:
+            conn = await self._connection(origin, timeouts.get("connect"))
+            conn.transport.write(head + body)  # type: ignore[union-attr]
+            async with asyncio.timeout(timeouts.get("read")):
+                await conn.headers_done
+        except BaseException as exc:
+            # Timed out, failed or cancelled (the client left) before the answer's headers:
+            # this connection is mid-exchange and can never carry another request.
+            if conn is not None:
+                conn._close_transport()
+            self._slots.release()
+            if isinstance(exc, TimeoutError):
+                raise httpx.ReadTimeout("Timed out waiting for the upstream's answer.") from None
+            raise
+        stream = _Body(self, conn, timeouts.get("read"))
+        return httpx.Response(
+            conn.status, headers=conn.headers, stream=stream, request=request,
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def _connection(self, origin: Origin, connect_timeout: float | None) -> _Connection:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: least likely to have been closed
+            if not conn.closed and now - conn.idle_since < self._expiry:
+                conn._reset()
+                return conn
+            conn._close_transport()
+        scheme, host, port = origin
+        loop = asyncio.get_running_loop()
+        tls = None
+        if scheme == b"https":
+            tls = self._ssl or default_ssl_context()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(origin), host.decode("ascii"), port, ssl=tls,
+                    server_hostname=host.decode("ascii") if tls else None)
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"Timed out connecting to {host.decode()}:{port}.") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"Could not connect to {host.decode()}:{port}: {exc}") from None
+        return conn
+
+    def _finished(self, conn: _Connection) -> None:
+        """The response's body was read or closed: keep the connection if it can carry another
+        request, and free its slot."""
+        if conn.reusable() and not self._closed:
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(conn.origin, deque()).append(conn)
+        else:
+            conn._close_transport()
+        self._slots.release()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn._close_transport()
+        self._idle.clear()
+
+
+def _request_head(request: httpx.Request) -> bytes:
+    target = request.url.raw_path
+    lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
+    lines.extend(name + b": " + value for name, value in request.headers.raw)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def make_transport(kind: str, *, max_connections: int) -> Any:
+    """The upstream transport named by GATEWAY_UPSTREAM_TRANSPORT ("native" or "httpx")."""
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=max_connections,
+                              max_keepalive_connections=max_connections)
+        return httpx.AsyncHTTPTransport(limits=limits)
+    return NativeTransport(max_connections=max_connections)

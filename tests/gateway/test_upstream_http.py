@@ -1,0 +1,249 @@
+"""gateway/upstream_http.py: the native HTTP/1.1 transport, against small real servers that
+answer in every shape an upstream may (lengths, chunks, close-delimited, hang-ups, silence)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.upstream_http import NativeTransport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+TIMEOUTS = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
+
+
+def run(test: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """Run an async test on a fresh event loop (the suite has no asyncio plugin)."""
+
+    @functools.wraps(test)
+    def wrapper() -> None:
+        asyncio.run(test())  # type: ignore[arg-type]
+
+    return wrapper
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    body = await reader.readexactly(length)
+    return head + body
+
+
+class Server:
+    """An asyncio TCP server on a free port, counting connections and requests."""
+
+    def __init__(self, answer: Callable[[int], list[bytes | float]], keep_open: bool = True
+                 ) -> None:
+        self.answer = answer  # request number -> pieces to send (float: sleep seconds)
+        self.keep_open = keep_open
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    self.requests.append(await _read_request(reader))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                for piece in self.answer(len(self.requests)):
+                    if isinstance(piece, float):
+                        await asyncio.sleep(piece)
+                    else:
+                        writer.write(piece)
+                        await writer.drain()
+                if not self.keep_open:
+                    return
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def _request(base: str, path: str = "/v1/chat/completions") -> httpx.Request:
+    return httpx.Request("POST", f"{base}{path}", content=b'{"model":"m"}',
+                         headers={"content-type": "application/json"},
+                         extensions={"timeout": TIMEOUTS})
+
+
+def _json_answer(body: bytes = b'{"ok":true}') -> list[bytes | float]:
+    return [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body]
+
+
+@run
+async def test_reuses_one_keep_alive_connection() -> None:
+    server = Server(lambda n: _json_answer(b'{"n":%d}' % n))
+    async with server as base:
+        transport = NativeTransport(max_connections=4)
+        bodies = []
+        for _ in range(5):
+            response = await transport.handle_async_request(_request(base))
+            bodies.append(await response.aread())
+            await response.aclose()
+        await transport.aclose()
+    assert bodies == [b'{"n":%d}' % n for n in range(1, 6)]
+    assert server.connections == 1
+    head = server.requests[0].split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"post /v1/chat/completions http/1.1")
+    assert b"host: 127.0.0.1:" in head and b"content-length: 13" in head
+    assert server.requests[0].endswith(b'{"model":"m"}')
+
+
+@run
+async def test_chunked_body_streams_piece_by_piece() -> None:
+    answer: list[bytes | float] = [
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"6\r\ndata:1\r\n", 0.05, b"6\r\ndata:2\r\n", 0.05, b"0\r\n\r\n"]
+    server = Server(lambda n: answer)
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        chunks = [chunk async for chunk in response.aiter_raw()]
+        await response.aclose()
+        # The connection went back to the pool and carries the next request.
+        again = await transport.handle_async_request(_request(base))
+        await again.aread()
+        await transport.aclose()
+    assert chunks == [b"data:1", b"data:2"]
+    assert server.connections == 1
+
+
+@run
+async def test_close_delimited_body_is_complete_and_not_reused() -> None:
+    server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it"],
+                    keep_open=False)
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        for _ in range(2):
+            response = await transport.handle_async_request(_request(base))
+            assert await response.aread() == b"all of it"
+        await transport.aclose()
+    assert server.connections == 2
+
+
+@run
+async def test_error_status_and_headers_pass_through() -> None:
+    body = b'{"error":{"message":"slow down"}}'
+    server = Server(lambda n: [b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 7\r\n"
+                               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body])
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "7"
+        assert (await response.aread()) == body
+        await transport.aclose()
+
+
+@run
+async def test_connection_refused_is_connect_error() -> None:
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    transport = NativeTransport(max_connections=1)
+    with pytest.raises(httpx.ConnectError):
+        await transport.handle_async_request(_request(f"http://127.0.0.1:{port}"))
+    # The slot was given back: the next call does not wait for the pool.
+    with pytest.raises(httpx.ConnectError):
+        await transport.handle_async_request(_request(f"http://127.0.0.1:{port}"))
+
+
+@run
+async def test_silence_before_headers_is_read_timeout_and_frees_the_slot() -> None:
+    server = Server(lambda n: [3.0] if n == 1 else _json_answer())
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        request = _request(base)
+        request.extensions["timeout"] = {**TIMEOUTS, "read": 0.2}
+        with pytest.raises(httpx.ReadTimeout):
+            await transport.handle_async_request(request)
+        response = await transport.handle_async_request(_request(base))
+        assert await response.aread() == b'{"ok":true}'
+        await transport.aclose()
+    assert server.connections == 2  # the timed-out connection was not reused
+
+
+@run
+async def test_hang_up_mid_body_is_a_protocol_error() -> None:
+    server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part"],
+                    keep_open=False)
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        with pytest.raises(httpx.RemoteProtocolError):
+            await response.aread()
+        await transport.aclose()
+
+
+@run
+async def test_malformed_answer_is_a_protocol_error() -> None:
+    server = Server(lambda n: [b"NOT HTTP AT ALL\r\n\r\n"], keep_open=False)
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        with pytest.raises(httpx.RemoteProtocolError):
+            await transport.handle_async_request(_request(base))
+        await transport.aclose()
+
+
+@run
+async def test_busy_pool_times_out_with_pool_timeout() -> None:
+    server = Server(lambda n: _json_answer())
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        held = await transport.handle_async_request(_request(base))  # body not read: slot busy
+        request = _request(base)
+        request.extensions["timeout"] = {**TIMEOUTS, "pool": 0.1}
+        with pytest.raises(httpx.PoolTimeout):
+            await transport.handle_async_request(request)
+        await held.aclose()
+        response = await transport.handle_async_request(_request(base))
+        assert response.status_code == 200
+        await response.aclose()
+        await transport.aclose()
+
+
+@run
+async def test_client_cancelled_mid_wait_closes_the_connection() -> None:
+    server = Server(lambda n: [1.0] + _json_answer() if n == 1 else _json_answer())
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        task = asyncio.ensure_future(transport.handle_async_request(_request(base)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        response = await transport.handle_async_request(_request(base))
+        assert await response.aread() == b'{"ok":true}'
+        await transport.aclose()
+    assert server.connections == 2
+
+
+@run
+async def test_idle_connection_closed_by_the_server_is_not_reused() -> None:
+    server = Server(lambda n: _json_answer(), keep_open=False)  # answers, then hangs up
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        for _ in range(3):
+            response = await transport.handle_async_request(_request(base))
+            assert await response.aread() == b'{"ok":true}'
+            await asyncio.sleep(0.05)  # let the server's FIN arrive
+        await transport.aclose()
+    assert server.connections == 3
