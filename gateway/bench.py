@@ -133,6 +133,16 @@ def _rss_mb(parent_pid: int, field: str = "VmRSS:") -> float:
     return largest / 1024
 
 
+def _cpu_seconds(parent_pid: int) -> float:
+    """User + system CPU time used so far by the gateway's worker processes."""
+    ticks = 0
+    for pid in _worker_pids(parent_pid):
+        # Fields 14 and 15 of /proc/<pid>/stat, counted after the parenthesised command name.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _peak_rss_mb(parent_pid: int) -> float:
     return _rss_mb(parent_pid, "VmHWM:")
 
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'p99 ms':>8}")
         totals = {"requests": 0}
         counters_before = _server_counters()
+        cpu_before = _cpu_seconds(gateway.pid)
         for stream in [mode == "stream" for mode in args.modes]:
             for level in args.concurrency:
                 direct = load(args.mock_port, "sk-bench", stream, level, args.duration)
@@ -202,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{through.pct(90) - direct.pct(90):>8.2f} "
                       f"{through.pct(99) - direct.pct(99):>8.2f}")
         counters_after = _server_counters()
+        cpu_used = _cpu_seconds(gateway.pid) - cpu_before
         n = totals["requests"]
         warmup_free = {k: counters_after[k] - counters_before[k] for k in counters_before}
         print()
@@ -210,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(EVALSHA: {warmup_free['evalsha'] / n:.2f})")
         print(f"database transactions / request: {warmup_free['db_xacts'] / n:.4f}")
         print(f"gateway worker peak RSS:         {_peak_rss_mb(gateway.pid):.0f} MB")
+        # CPU time per request does not depend on what else shares the machine, unlike req/s:
+        # 1,000 / (ms per request) is what one worker on a core of its own could serve.
+        per_request_ms = 1000 * cpu_used / n
+        print(f"gateway CPU per request:         {per_request_ms:.3f} ms "
+              f"(one busy core: {1000 / per_request_ms:.0f} req/s)")
         if args.soak > 0:
             soak(args.gateway_port, key, gateway.pid, args.soak)
         return 0
