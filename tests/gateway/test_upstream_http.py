@@ -247,3 +247,62 @@ async def test_idle_connection_closed_by_the_server_is_not_reused() -> None:
             await asyncio.sleep(0.05)  # let the server's FIN arrive
         await transport.aclose()
     assert server.connections == 3
+
+
+def _self_signed(tmp_path: Any) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_https_upstream_with_certificate_checks(tmp_path: Any) -> None:
+    import ssl
+
+    cert_file, key_file = _self_signed(tmp_path)
+
+    async def scenario() -> None:
+        server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_tls.load_cert_chain(cert_file, key_file)
+        server = Server(lambda n: _json_answer())
+        listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=server_tls)
+        port = listener.sockets[0].getsockname()[1]
+        try:
+            trusting = ssl.create_default_context(cafile=cert_file)
+            transport = NativeTransport(max_connections=1, ssl_context=trusting)
+            for _ in range(2):
+                response = await transport.handle_async_request(
+                    _request(f"https://127.0.0.1:{port}"))
+                assert await response.aread() == b'{"ok":true}'
+            await transport.aclose()
+            assert server.connections == 1  # kept alive over TLS too
+            # The default context (public CAs) refuses the self-signed certificate.
+            with pytest.raises(httpx.ConnectError):
+                await NativeTransport(max_connections=1).handle_async_request(
+                    _request(f"https://127.0.0.1:{port}"))
+        finally:
+            listener.close()
+
+    asyncio.run(scenario())
