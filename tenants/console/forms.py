@@ -46,6 +46,13 @@ class ProjectLimitsForm(forms.Form):
     tokens_per_month = _sub_limit("Tokens per month")
 
 
+class KeySubLimitsForm(forms.Form):
+    """A key's token sub-limits, as the limits page sets them (the key page has every field)."""
+
+    tokens_per_day = _sub_limit("Tokens per day")
+    tokens_per_month = _sub_limit("Tokens per month")
+
+
 class IssueKeyForm(forms.Form):
     name = forms.CharField(
         max_length=200, required=False, help_text="What the key is for, e.g. ci or production."

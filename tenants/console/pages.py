@@ -30,6 +30,7 @@ from tenants.console.forms import (
     AuditFilterForm,
     IssueKeyForm,
     KeyLimitsForm,
+    KeySubLimitsForm,
     ManagementTokenForm,
     ProjectForm,
     ProjectLimitsForm,
@@ -292,11 +293,18 @@ def _limits_page(
                 "tokens_per_month": project.tokens_per_month,
             }),
         })
-    keys = [
-        {"key": api_key, "day": by_scope.get(("key", api_key.public_id, "day")),
-         "masked": selectors.listed_masked_key(api_key)}
-        for api_key in selectors.tenant_keys(tenant, status="active")
-    ]
+    keys = []
+    for api_key in selectors.tenant_keys(tenant, status="active"):
+        prefix = f"k-{api_key.public_id}"
+        keys.append({
+            "key": api_key,
+            "day": by_scope.get(("key", api_key.public_id, "day")),
+            "masked": selectors.listed_masked_key(api_key),
+            "form": bound.get(prefix) or KeySubLimitsForm(prefix=prefix, initial={
+                "tokens_per_day": api_key.tokens_per_day,
+                "tokens_per_month": api_key.tokens_per_month,
+            }),
+        })
     context = {
         "plan": tenant.plan,
         "limits": limits,
@@ -347,6 +355,19 @@ def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
                 messages.success(request, f"Limits of project {project.name} saved.")
                 return redirect("console-limits", tenant.public_id)
         return _limits_page(request, tenant, bound={target: form}, status=400)
+    if target.startswith("k-"):
+        api_key = _key(tenant, target[2:])
+        key_form = KeySubLimitsForm(request.POST, prefix=target)
+        if key_form.is_valid():
+            try:
+                services.update_key(api_key, actor=_actor(request), **key_form.cleaned_data)
+            except ValidationError as exc:
+                add_service_errors(key_form, exc)
+            else:
+                messages.success(request, f"Limits of key {api_key.name or api_key.public_id} "
+                                 "saved.")
+                return redirect("console-limits", tenant.public_id)
+        return _limits_page(request, tenant, bound={target: key_form}, status=400)
     return _limits_page(request, tenant, status=400)
 
 

@@ -221,3 +221,27 @@ def test_tokens_page_isolation(world: World) -> None:
     assert ManagementToken.objects.count() == 2
     assert login(world.owner, csrf=True).post(url(world, "tokens"),
                                               {"name": "x"}).status_code == 403
+
+
+def test_set_key_sub_limit_within_project(world: World) -> None:
+    set_tenant_limits(world.acme, actor="test", tokens_per_day=1000)
+    owner = login(world.owner)
+    prefix = f"k-{world.issued.api_key.public_id}"
+    project_prefix = f"p-{world.web.public_id}"
+    owner.post(url(world, "limits"), {"form": project_prefix,
+                                      f"{project_prefix}-tokens_per_day": "300"})
+    bad = owner.post(url(world, "limits"), {"form": prefix, f"{prefix}-tokens_per_day": "400"})
+    assert bad.status_code == 400
+    assert "the project&#x27;s daily token limit" in bad.content.decode()
+    key = world.issued.api_key
+    key.refresh_from_db()
+    assert key.tokens_per_day is None
+    ok = owner.post(url(world, "limits"), {"form": prefix, f"{prefix}-tokens_per_day": "250"})
+    assert ok.status_code == 302
+    key.refresh_from_db()
+    assert key.tokens_per_day == 250
+    foreign = f"k-{world.other_issued.api_key.public_id}"
+    assert owner.post(url(world, "limits"), {"form": foreign, f"{foreign}-tokens_per_day": "1"}
+                      ).status_code == 404
+    assert login(world.member).post(url(world, "limits"), {
+        "form": prefix, f"{prefix}-tokens_per_day": "1"}).status_code == 403
