@@ -80,6 +80,48 @@ def test_a_member_sees_no_write_forms(
     for width in (LAPTOP, PHONE):
         page.set_viewport_size(width)
         check_layout(page)
+    page.set_viewport_size(LAPTOP)
+    # Every page of the console: nothing that would POST a change (a GET form, like the
+    # reports' month picker, only reads).
+    pages = page.locator("nav.sidenav a").evaluate_all("links => links.map(a => a.href)")
+    assert len(pages) >= 5
+    for url in pages:
+        page.goto(url)
+        assert page.locator("main form[method=post]").count() == 0, url
+        expect(page.get_by_role("button", name="Create project")).to_have_count(0)
+
+
+def test_first_login_after_make_up(
+    new_page: Callable[..., Any], django_db_blocker: Any
+) -> None:
+    """`make up` runs demo_setup, which prints the console's address, user and password."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from tests.gateway.conftest import committed
+
+    def setup() -> str:
+        out = StringIO()
+        call_command("demo_setup", stdout=out)
+        return out.getvalue()
+
+    printed = committed(django_db_blocker, setup)
+    console_line = next(line for line in printed.splitlines() if line.startswith("Console:"))
+    assert "http://127.0.0.1:8000/console/ user 'demo'" in console_line
+    password = console_line.split("password (shown once): ")[1].strip()
+    page = new_page()
+    page.goto("/console/")
+    page.wait_for_url("**/console/login/**")
+    page.get_by_label("Username").fill("demo")
+    page.get_by_label("Password").fill(password)
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Dashboard")).to_be_visible()
+    expect(page.get_by_label("Tenant")).to_contain_text("Demo tenant")
+    expect(page.get_by_text("demo (owner)")).to_be_visible()
+    # A second run keeps the account and never prints the password again.
+    again = committed(django_db_blocker, setup)
+    assert password not in again and "manage.py changepassword demo" in again
 
 
 def test_a_user_in_two_tenants_switches_between_them(
