@@ -13,7 +13,7 @@ from django.urls import reverse
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import PermissionDenied, ValidationError
-from rest_framework.generics import GenericAPIView
+from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -80,14 +80,13 @@ def _as_drf(exc: DjangoValidationError) -> ValidationError:
     return ValidationError(exc.message_dict if hasattr(exc, "error_dict") else exc.messages)
 
 
-class MemberListView(TenantScopedAPIView, GenericAPIView):
+class MemberListView(TenantScopedAPIView, ListAPIView):
     """GET /api/tenants/<tenant_id>/members/."""
 
     serializer_class = MemberSerializer
 
-    def get(self, request: Request, tenant_id: str) -> Response:
-        page = self.paginate_queryset(members_of(self.tenant()))
-        return self.get_paginated_response(MemberSerializer(page, many=True).data)
+    def get_queryset(self) -> Any:
+        return members_of(self.tenant())
 
 
 class MemberDetailView(TenantScopedAPIView):
@@ -134,16 +133,14 @@ def accept_url_for(request: Any, secret: str) -> str:
     return request.build_absolute_uri(reverse("console-invite-accept", args=[secret]))
 
 
-class InvitationListView(TenantScopedAPIView, GenericAPIView):
+class InvitationListView(TenantScopedAPIView, ListAPIView):
     """GET (every invitation, newest first, with its status) and POST (invite) on
     /api/tenants/<tenant_id>/invitations/. The POST answer holds the accept link, once."""
 
     serializer_class = InvitationSerializer
 
-    def get(self, request: Request, tenant_id: str) -> Response:
-        invitations = Invitation.objects.filter(tenant=self.tenant()).order_by("-created_at", "-id")
-        page = self.paginate_queryset(invitations)
-        return self.get_paginated_response(InvitationSerializer(page, many=True).data)
+    def get_queryset(self) -> Any:
+        return Invitation.objects.filter(tenant=self.tenant()).order_by("-created_at", "-id")
 
     @extend_schema(request=InviteSerializer, responses={201: IssuedInvitationSerializer})
     def post(self, request: Request, tenant_id: str) -> Response:
