@@ -5,11 +5,13 @@ Writes go through tenants.membership; these views only translate forms and error
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from django import forms
 from django.contrib import messages
 from django.contrib.auth import login
+from django.core.cache import cache
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
@@ -40,9 +42,22 @@ INVITE_ROLE_CHOICES = [(value, label) for value, label in Membership.Role.choice
                        if value in INVITABLE_ROLES]
 
 
+# How long a rendered invite form's id is remembered once used: a browser reload of the page
+# that shows the link re-sends the form, and must not invite (and email) the person again.
+INVITE_FORM_ID_SECONDS = 86400
+
+
 class InviteForm(forms.Form):
     email = forms.EmailField(label="Email address")
     role = forms.ChoiceField(choices=INVITE_ROLE_CHOICES, initial=Membership.Role.ADMIN)
+    form_id = forms.CharField(required=False, max_length=64, widget=forms.HiddenInput)
+
+
+def _first_use_of(form_id: str) -> bool:
+    """True the first time a rendered invite form is submitted (always without an id)."""
+    if not form_id:
+        return True
+    return bool(cache.add(f"console:invite-form:{form_id}", 1, timeout=INVITE_FORM_ID_SECONDS))
 
 
 class NewAccountForm(forms.Form):
@@ -69,6 +84,7 @@ def _members_page(request: HttpRequest, tenant: Tenant, *, form: InviteForm | No
         "members": members_of(tenant),
         "invitations": pending_invitations(tenant),
         "invite_form": form or InviteForm(),
+        "invite_form_id": secrets.token_urlsafe(16),
         "issued": issued,
         "roles": Membership.Role.choices,
         # Only an owner may hand out or take away ownership (tenants/membership.py).
@@ -88,6 +104,11 @@ def invite(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     form = InviteForm(request.POST)
     if not form.is_valid():
         return _members_page(request, tenant, form=form, status=400)
+    if not _first_use_of(form.cleaned_data["form_id"]):
+        messages.warning(request, (
+            f"This form was sent already: {form.cleaned_data['email']} is invited, and the link "
+            "is not shown again. If it was lost, revoke the invitation and invite them again."))
+        return redirect("console-members", tenant.public_id)
     try:
         issued = invite_member(
             tenant, form.cleaned_data["email"], role=form.cleaned_data["role"],

@@ -33,7 +33,12 @@ def test_invite_an_admin_who_accepts_in_another_browser(
     expect(page.get_by_text("You will not see it again")).to_be_visible()
     expect(page.get_by_role("button", name="Copy")).to_be_visible()
     check_layout(page)
-    # Shown once: the members page lists the invitation, not the link.
+    # Shown once: reloading (the browser sends the form again) neither shows the link nor
+    # invites again; the members page lists the invitation, not the link.
+    page.reload()
+    expect(page.get_by_text("This form was sent already")).to_be_visible()
+    expect(page.locator("#invite-link")).to_have_count(0)
+    expect(page.get_by_role("cell", name="new-admin@example.test")).to_have_count(1)
     page.goto(f"/console/t/{owner.tenant_id}/members/")
     expect(page.get_by_role("cell", name="new-admin@example.test")).to_be_visible()
     assert link.rsplit("/", 2)[-2] not in page.content()

@@ -69,6 +69,24 @@ def test_invite_shows_the_link_once(world: World) -> None:
     assert Invitation.objects.get(email="friend@acme.test").digest == digest_key(secret)
 
 
+def test_resending_the_invite_form_does_not_invite_again(world: World) -> None:
+    # What a browser does when the page showing the link is reloaded.
+    client = logged_in(world.owner)
+    page = client.get(members_url(world)).content.decode()
+    form_id = re.search(r'name="form_id" value="([^"]+)"', page).group(1)
+    data = {"email": "friend@acme.test", "role": "admin", "form_id": form_id}
+    assert 'id="invite-link"' in client.post(members_url(world) + "invite/", data).content.decode()
+    again = client.post(members_url(world) + "invite/", data, follow=True)
+    html = again.content.decode()
+    assert "This form was sent already" in html and 'id="invite-link"' not in html
+    assert Invitation.objects.count() == 1 and len(mail.outbox) == 1
+    # A fresh form invites again.
+    next_id = re.search(r'name="form_id" value="([^"]+)"', html).group(1)
+    assert next_id != form_id
+    client.post(members_url(world) + "invite/", {**data, "form_id": next_id})
+    assert Invitation.objects.count() == 2
+
+
 def test_invite_refused_for_member_outsider_and_bad_input(world: World) -> None:
     data = {"email": "friend@acme.test", "role": "admin"}
     assert logged_in(world.member).post(members_url(world) + "invite/", data).status_code == 403
