@@ -33,6 +33,7 @@ def test_invite_an_admin_who_accepts_in_another_browser(
     expect(page.get_by_text("You will not see it again")).to_be_visible()
     expect(page.get_by_role("button", name="Copy")).to_be_visible()
     check_layout(page)
+    shoot(page, "members-invited")
     # Shown once: reloading (the browser sends the form again) neither shows the link nor
     # invites again; the members page lists the invitation, not the link.
     page.reload()
