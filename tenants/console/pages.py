@@ -374,6 +374,31 @@ def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 # -- audit log ------------------------------------------------------------------------------------
 
 
+def _shown(value: Any) -> str:
+    if value is None or value == "":
+        return "—"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "—"
+    return str(value)
+
+
+def audit_details(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """An event's data as (name, text) pairs for a person: empty values left out, and a
+    "changes" record ({field: {"from", "to"}}) as one "from → to" pair per field."""
+    details: list[tuple[str, str]] = []
+    for name, value in data.items():
+        if name == "changes" and isinstance(value, dict):
+            for field_name, change in value.items():
+                if isinstance(change, dict) and {"from", "to"} <= set(change):
+                    details.append((field_name,
+                                    f"{_shown(change['from'])} → {_shown(change['to'])}"))
+                else:
+                    details.append((field_name, _shown(change)))
+        elif value not in (None, "", [], {}):
+            details.append((name, _shown(value)))
+    return details
+
+
 @require_http_methods(["GET"])
 @tenant_page()
 def audit_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
@@ -393,7 +418,8 @@ def audit_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     page = Paginator(events, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
-    context = {"form": form, "page": page, "query": query.urlencode()}
+    rows = [{"event": event, "details": audit_details(event.data)} for event in page.object_list]
+    context = {"form": form, "page": page, "rows": rows, "query": query.urlencode()}
     return render_page(request, tenant, "console/audit.html", context,
                        nav="console-audit", status=status)
 

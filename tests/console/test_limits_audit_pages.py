@@ -38,7 +38,7 @@ def test_limits_page_shows_plan_scopes_and_remaining(world: World) -> None:
     assert page.status_code == 200
     html = page.content.decode()
     assert "Plan:" in html and "standard" in html
-    assert "1000 of 1000 left" in html  # the tenant's day, nothing used yet
+    assert "1,000 of 1,000 left" in html and "role=\"meter\"" in html  # the tenant's day, nothing used yet
     assert world.web.public_id in html and world.issued.masked in html
     assert world.app.public_id not in html and world.other_issued.masked not in html
     assert f'<label for="id_p-{world.web.public_id}-tokens_per_day">' in html
@@ -245,3 +245,11 @@ def test_set_key_sub_limit_within_project(world: World) -> None:
                       ).status_code == 404
     assert login(world.member).post(url(world, "limits"), {
         "form": prefix, f"{prefix}-tokens_per_day": "1"}).status_code == 403
+
+
+def test_audit_details_read_as_changes() -> None:
+    from tenants.console.pages import audit_details
+
+    assert audit_details({"name": "ci", "expires_at": None, "allowed_models": [],
+                          "changes": {"tokens_per_day": {"from": None, "to": 500}}}) == [
+        ("name", "ci"), ("tokens_per_day", "— → 500")]
