@@ -178,9 +178,14 @@ class _Body(httpx.AsyncByteStream):
         self.done = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        while (chunk := await self.conn.next_chunk(self.read_timeout)) is not None:
-            yield chunk
-        await self.aclose()
+        # finally, not only at the end: a read that fails or is cancelled (the gateway's view is
+        # cancelled when its client leaves, possibly inside response.aread(), and then never
+        # calls aclose()) must still give the slot back, or the pool shrinks by one each time.
+        try:
+            while (chunk := await self.conn.next_chunk(self.read_timeout)) is not None:
+                yield chunk
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         if not self.done:

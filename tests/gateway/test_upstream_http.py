@@ -306,3 +306,42 @@ def test_https_upstream_with_certificate_checks(tmp_path: Any) -> None:
             listener.close()
 
     asyncio.run(scenario())
+
+
+@run
+async def test_client_cancelled_mid_body_frees_the_slot() -> None:
+    # The gateway's view is cancelled when its client leaves, possibly inside response.aread()
+    # (gateway/forward.py, _complete), which then never calls aclose(): the transport must give
+    # the slot back by itself, as httpx's own transport does.
+    server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\npart", 5.0]
+                    if n == 1 else _json_answer())
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        reading = asyncio.ensure_future(response.aread())
+        await asyncio.sleep(0.1)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        request = _request(base)
+        request.extensions["timeout"] = {**TIMEOUTS, "pool": 0.5}
+        again = await transport.handle_async_request(request)  # not PoolTimeout
+        assert await again.aread() == b'{"ok":true}'
+        await transport.aclose()
+    assert server.connections == 2  # the half-read connection was not reused
+
+
+@run
+async def test_failed_body_read_frees_the_slot_without_aclose() -> None:
+    server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\npart"]
+                    if n == 1 else _json_answer(), keep_open=False)
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        with pytest.raises(httpx.RemoteProtocolError):
+            await response.aread()
+        request = _request(base)
+        request.extensions["timeout"] = {**TIMEOUTS, "pool": 0.5}
+        again = await transport.handle_async_request(request)
+        assert await again.aread() == b'{"ok":true}'
+        await transport.aclose()
