@@ -8,8 +8,9 @@ an OpenAI-compatible API and read the answer, possibly streamed. It keeps a pool
 connections per origin on asyncio protocols and parses responses with httptools (the C parser
 uvicorn uses).
 
-Not supported, by design: HTTP/2, proxies, 1xx/Upgrade responses, request bodies that are not
-already in memory being streamed lazily (they are read first). Set
+Not supported, by design: HTTP/2, proxies, protocol upgrades (a 101 is a RemoteProtocolError;
+interim 1xx answers are skipped), request bodies that are not already in memory being streamed
+lazily (they are read first). Set
 `GATEWAY_UPSTREAM_TRANSPORT=httpx` to use httpx's own transport instead (for an HTTP proxy, say).
 
 Errors are httpx's, so callers cannot tell the transports apart: ConnectError / ConnectTimeout
@@ -63,6 +64,7 @@ class _Connection(asyncio.Protocol):
         self.wakeup: asyncio.Future[None] | None = None
         self.paused = False
         self.delimited_by_close = False
+        self.interim = False  # parsing a 1xx answer, which the final one follows
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -72,6 +74,10 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # A 101: the connection now speaks another protocol (the parser raises after it).
+            self._fail(httpx.RemoteProtocolError("Unexpected protocol upgrade from upstream."))
+            self._close_transport()
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"Malformed upstream response: {exc}"))
             self._close_transport()
@@ -101,6 +107,13 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if self.status < 200:
+            # An interim answer (100 Continue, 103 Early Hints) is not the answer: the final one
+            # follows on this connection. Returning it would hand the caller an empty response
+            # and pool the connection with the real answer still on its way.
+            self.interim = True
+            self.headers = []
+            return
         names = {name.lower() for name, _ in self.headers}
         self.delimited_by_close = b"content-length" not in names and not any(
             name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
@@ -117,6 +130,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         # Read now: once the callback returns, the parser has reset for the next message.
         self.keep_alive = self.parser.should_keep_alive()

@@ -345,3 +345,33 @@ async def test_failed_body_read_frees_the_slot_without_aclose() -> None:
         again = await transport.handle_async_request(request)
         assert await again.aread() == b'{"ok":true}'
         await transport.aclose()
+
+
+@run
+async def test_interim_1xx_answers_are_skipped() -> None:
+    # A 100 Continue or 103 Early Hints is not the answer: returning it gave the caller an empty
+    # "success" and put the connection back in the pool with the real answer still on its way,
+    # where the next request would have read it.
+    interim: list[bytes | float] = [b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n",
+                                    0.05, b"HTTP/1.1 100 Continue\r\n\r\n", 0.05]
+    server = Server(lambda n: interim + _json_answer(b'{"n":%d}' % n))
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        for n in (1, 2):
+            response = await transport.handle_async_request(_request(base))
+            assert response.status_code == 200
+            assert "link" not in response.headers
+            assert await response.aread() == b'{"n":%d}' % n
+        await transport.aclose()
+    assert server.connections == 1
+
+
+@run
+async def test_upgrade_answer_is_a_protocol_error() -> None:
+    server = Server(lambda n: [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                               b"Connection: Upgrade\r\n\r\nbinary"], keep_open=False)
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        with pytest.raises(httpx.RemoteProtocolError):
+            await transport.handle_async_request(_request(base))
+        await transport.aclose()
