@@ -80,8 +80,10 @@ def _members_page(request: HttpRequest, tenant: Tenant, *, form: InviteForm | No
                   issued: Any = None, status: int = 200) -> HttpResponse:
     principal = principal_for(request)
     role = principal.role_in(tenant)
+    members_list = list(members_of(tenant))
     return render_page(request, tenant, "console/members.html", {
-        "members": members_of(tenant),
+        "members": members_list,
+        "owner_count": sum(m.role == Membership.Role.OWNER for m in members_list),
         "invitations": pending_invitations(tenant),
         "invite_form": form or InviteForm(),
         "invite_form_id": secrets.token_urlsafe(16),

@@ -40,6 +40,8 @@ def test_members_page_for_owner_member_and_outsider(world: World) -> None:
     html = owner_page.content.decode()
     assert "Send invitation" in html and 'aria-label="Role of member"' in html
     assert '<label for="invite-email">' in html
+    # The only owner gets no role or remove controls (the service refuses them anyway).
+    assert "The only owner" in html and 'aria-label="Role of owner"' not in html
 
     member_page = logged_in(world.member).get(members_url(world))
     assert member_page.status_code == 200
