@@ -284,6 +284,9 @@ class NativeTransport(httpx.AsyncBaseTransport):
         """The response's body was read or closed: keep the connection if it can carry another
         request, and free its slot."""
         if conn.reusable() and not self._closed:
+            if conn.paused:  # the whole body arrived but was not read: read the next answer
+                conn.paused = False
+                conn.transport.resume_reading()  # type: ignore[union-attr]
             conn.idle_since = time.monotonic()
             self._idle.setdefault(conn.origin, deque()).append(conn)
         else:

@@ -375,3 +375,26 @@ async def test_upgrade_answer_is_a_protocol_error() -> None:
         with pytest.raises(httpx.RemoteProtocolError):
             await transport.handle_async_request(_request(base))
         await transport.aclose()
+
+
+def test_connection_paused_by_an_unread_body_reads_again_when_reused(monkeypatch: Any) -> None:
+    # A caller that closes a fully received but unread body (forward.py does for a 429 or 401)
+    # used to pool the connection with reading still paused: the next answer never arrived.
+    monkeypatch.setattr("gateway.upstream_http._HIGH_WATER", 10)
+    big = b"x" * 100
+
+    async def scenario() -> None:
+        server = Server(lambda n: _json_answer(big) if n == 1 else _json_answer())
+        async with server as base:
+            transport = NativeTransport(max_connections=1)
+            response = await transport.handle_async_request(_request(base))
+            await asyncio.sleep(0.05)
+            await response.aclose()  # received in full, read by nobody
+            request = _request(base)
+            request.extensions["timeout"] = {**TIMEOUTS, "read": 0.5}
+            again = await transport.handle_async_request(request)
+            assert await again.aread() == b'{"ok":true}'
+            await transport.aclose()
+        assert server.connections == 1
+
+    asyncio.run(scenario())
