@@ -140,21 +140,21 @@ class TenantLimitsView(TenantScopedAPIView):
     """GET: plan, effective limits, overrides, alert thresholds and live per-scope status.
     PATCH: overrides (operators) and alert thresholds (tenant admins)."""
 
-    def _respond(self, tenant: Tenant) -> Response:
+    def _respond(self, tenant: Tenant, *, changed: bool = False) -> Response:
         document, live = limits_representation(tenant)
-        if not live:
-            return Response({"detail": LIVE_UNAVAILABLE, **document},
-                            status=status.HTTP_503_SERVICE_UNAVAILABLE)
-        return Response(document)
+        if live:
+            return Response(document)
+        # A change that was saved answers 200 even without the live part, so that a client
+        # does not take the 503 for a failed write.
+        code = status.HTTP_200_OK if changed else status.HTTP_503_SERVICE_UNAVAILABLE
+        return Response({"detail": LIVE_UNAVAILABLE, **document}, status=code)
 
     @extend_schema(responses={200: TenantLimitsSerializer,
                               503: OpenApiResponse(description=LIVE_UNAVAILABLE)})
     def get(self, request: Request, tenant_id: str) -> Response:
         return self._respond(self.tenant())
 
-    @extend_schema(request=TenantLimitsUpdateSerializer,
-                   responses={200: TenantLimitsSerializer,
-                              503: OpenApiResponse(description=LIVE_UNAVAILABLE)})
+    @extend_schema(request=TenantLimitsUpdateSerializer, responses={200: TenantLimitsSerializer})
     def patch(self, request: Request, tenant_id: str) -> Response:
         tenant = self.tenant(manage=True)
         body = TenantLimitsUpdateSerializer(data=request.data)
@@ -168,4 +168,4 @@ class TenantLimitsView(TenantScopedAPIView):
             services.set_tenant_limits(tenant, actor=self.actor, **changes)
         except DjangoValidationError as exc:
             raise service_error(exc) from None
-        return self._respond(tenant)
+        return self._respond(tenant, changed=True)

@@ -77,6 +77,12 @@ class ProjectUpdateSerializer(serializers.Serializer):
     tokens_per_day = _sub_limit()
     tokens_per_month = _sub_limit()
 
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # The slug names the project in scripts and the CLI; silently ignoring it would hide a typo.
+        if "slug" in self.initial_data:
+            raise serializers.ValidationError({"slug": ["A project's slug cannot change."]})
+        return attrs
+
 
 class ApiKeySerializer(serializers.ModelSerializer):
     id = serializers.CharField(source="public_id", read_only=True)

@@ -181,3 +181,18 @@ def test_alert_thresholds_by_admin_overrides_by_operator(world: World) -> None:
     assert unlimited.json()["effective"]["tokens_per_day"] is None
     bad_override = operator.patch(limits_url(world), {"tokens_per_day": -5}, format="json")
     assert bad_override.status_code == 400 and "tokens_per_day" in bad_override.json()
+
+
+def test_saved_limits_answer_200_even_with_redis_down(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def down(tenant: Tenant) -> None:
+        raise QuotaStoreUnavailable("connection refused")
+
+    monkeypatch.setattr("tenants.api.limits.quota_status", down)
+    response = world.client(world.owner).patch(limits_url(world), {"alert_thresholds": [30]},
+                                               format="json")
+    assert response.status_code == 200
+    assert response.json()["live"] is None and "quota store" in response.json()["detail"]
+    world.acme.refresh_from_db()
+    assert world.acme.alert_thresholds == [30]

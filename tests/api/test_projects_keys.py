@@ -301,3 +301,11 @@ def test_key_and_project_usage_today_and_this_month(world: World) -> None:
     assert key["usage"]["month"] == 140
     project = client.get(f"{base(world)}/projects/{world.web.public_id}/").json()
     assert project["usage"] == key["usage"]
+
+
+def test_project_slug_cannot_change(world: World) -> None:
+    response = world.client(world.owner).patch(
+        f"{base(world)}/projects/{world.web.public_id}/", {"slug": "renamed"}, format="json")
+    assert response.status_code == 400 and "slug" in response.json()
+    world.web.refresh_from_db()
+    assert world.web.slug == "web"
