@@ -12,6 +12,8 @@ Payload (JSON, UTF-8), one object per event:
 Headers: `Tollgate-Timestamp: <unix seconds of this attempt>` and
 `Tollgate-Signature: v1=<hex HMAC-SHA256(secret, f"{timestamp}.{raw body}")>`; receivers check
 them with `verify_signature` (or its five lines, in any language).
+`Tollgate-Event: <type>` and `Tollgate-Delivery: dlv_...` (the delivery's public id, as the API
+and the console's delivery log show it) say what it is.
 
 Delivery: one attempt at a time is claimed with a conditional UPDATE (two workers never send the
 same attempt); a failed attempt is retried after TOLLGATE_WEBHOOK_BACKOFF_SECONDS (10 s, 30 s,
