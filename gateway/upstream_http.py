@@ -79,7 +79,8 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.RemoteProtocolError("Unexpected protocol upgrade from upstream."))
             self._close_transport()
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"Malformed upstream response: {exc}"))
+            if not self.complete:  # else the answer is whole; only what came after it was bad
+                self._fail(httpx.RemoteProtocolError(f"Malformed upstream response: {exc}"))
             self._close_transport()
 
     def eof_received(self) -> bool | None:
@@ -101,6 +102,14 @@ class _Connection(asyncio.Protocol):
         pass
 
     # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes after the whole answer, or on an idle connection, answer no request of ours
+            # (a confused server; a 408 before closing an idle connection). Stop parsing (the
+            # parser raises HttpParserCallbackError) so they neither extend this body nor
+            # answer the next request; data_received then closes the connection.
+            raise httpx.RemoteProtocolError("Unsolicited bytes from upstream.")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))

@@ -398,3 +398,36 @@ def test_connection_paused_by_an_unread_body_reads_again_when_reused(monkeypatch
         assert server.connections == 1
 
     asyncio.run(scenario())
+
+
+@run
+async def test_bytes_after_the_answer_are_not_taken_for_it_nor_for_the_next() -> None:
+    # Whatever follows a complete answer was asked for by no request (a confused server, or a
+    # 408 on an idle connection): it must neither extend this body nor answer the next request.
+    extra = b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nstrayed"
+    server = Server(lambda n: [_json_answer()[0] + extra] if n == 1 else _json_answer(b'{"n":2}'))
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        await asyncio.sleep(0.05)
+        assert await response.aread() == b'{"ok":true}'
+        again = await transport.handle_async_request(_request(base))
+        assert await again.aread() == b'{"n":2}'
+        await transport.aclose()
+    assert server.connections == 2
+
+
+@run
+async def test_answer_sent_to_an_idle_connection_closes_it() -> None:
+    server = Server(lambda n: _json_answer() + [0.05] + [
+        b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n"] if n == 1
+        else _json_answer(b'{"n":2}'))
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        assert await response.aread() == b'{"ok":true}'
+        await asyncio.sleep(0.15)  # the 408 arrives while the connection is idle
+        again = await transport.handle_async_request(_request(base))
+        assert again.status_code == 200 and await again.aread() == b'{"n":2}'
+        await transport.aclose()
+    assert server.connections == 2
