@@ -20,6 +20,7 @@ ReadTimeout between bytes, RemoteProtocolError when the server hangs up mid-resp
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections import deque
@@ -269,7 +270,8 @@ class NativeTransport(httpx.AsyncBaseTransport):
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: least likely to have been closed
-            if not conn.closed and now - conn.idle_since < self._expiry:
+            if (not conn.closed and now - conn.idle_since < self._expiry
+                    and not _undelivered_input(conn.transport)):  # type: ignore[arg-type]
                 conn._reset()
                 return conn
             conn._close_transport()
@@ -308,6 +310,21 @@ class NativeTransport(httpx.AsyncBaseTransport):
             for conn in idle:
                 conn._close_transport()
         self._idle.clear()
+
+
+def _undelivered_input(transport: asyncio.Transport) -> bool:
+    """Whether an idle connection's socket holds input the event loop has not delivered yet:
+    almost always the server's FIN or RST after its keep-alive timeout. A busy loop may not call
+    connection_lost for a whole iteration, and a request written meanwhile fails with
+    RemoteProtocolError although no request was lost; httpcore makes the same check."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    if not hasattr(select, "poll"):  # Windows; select() is fine for its few descriptors
+        return bool(select.select([sock], [], [], 0)[0])
+    poller = select.poll()  # not select(): descriptors past 1023 are normal under load
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _request_head(request: httpx.Request) -> bytes:

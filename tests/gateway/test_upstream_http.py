@@ -431,3 +431,44 @@ async def test_answer_sent_to_an_idle_connection_closes_it() -> None:
         assert again.status_code == 200 and await again.aread() == b'{"n":2}'
         await transport.aclose()
     assert server.connections == 2
+
+
+@run
+async def test_idle_connection_the_server_closed_unnoticed_is_not_reused() -> None:
+    # The server's FIN can reach the socket while the event loop is busy and has not yet called
+    # connection_lost (under load, for a whole loop iteration): such a connection looks alive,
+    # and a request written to it failed with RemoteProtocolError (a 502 to the client).
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections = 0
+
+    def serve() -> None:  # in a thread, so it hangs up while the test's loop is blocked
+        nonlocal connections
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            connections += 1
+            with sock:
+                data = b""
+                while not data.endswith(b'{"model":"m"}'):
+                    data += sock.recv(65536)
+                sock.sendall(_json_answer()[0])  # keep-alive answer, then hang up at once
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    transport = NativeTransport(max_connections=1)
+    try:
+        for _ in range(3):
+            response = await transport.handle_async_request(_request(base))
+            assert await response.aread() == b'{"ok":true}'
+            time.sleep(0.1)  # block the loop: the FIN arrives, connection_lost does not run
+        await transport.aclose()
+    finally:
+        listener.close()
+    assert connections == 3
