@@ -15,7 +15,8 @@ lazily (they are read first). Set
 
 Errors are httpx's, so callers cannot tell the transports apart: ConnectError / ConnectTimeout
 when no connection could be made, PoolTimeout when every connection stayed busy, WriteError,
-ReadTimeout between bytes, RemoteProtocolError when the server hangs up mid-response.
+ReadTimeout between bytes, RemoteProtocolError when the server hangs up mid-response, ReadError
+when the connection is reset.
 """
 from __future__ import annotations
 
@@ -89,10 +90,16 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.headers_done.done() and not self.complete and self.delimited_by_close:
+        if self.complete:
+            return
+        if exc is not None:
+            # A reset or a socket error, not a close: even a body that ends with the connection
+            # did not end here (the upstream crashed mid-stream), so it must not pass as whole.
+            self._fail(httpx.ReadError(f"Upstream connection failed: {exc!r}"))
+        elif self.headers_done.done() and self.delimited_by_close:
             self.complete = True  # a body without length or chunking ends with the connection
             self._wake()
-        elif not self.complete:
+        else:
             self._fail(httpx.RemoteProtocolError(
                 "Server disconnected without sending a complete response."))
 

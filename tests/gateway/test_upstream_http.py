@@ -472,3 +472,29 @@ async def test_idle_connection_the_server_closed_unnoticed_is_not_reused() -> No
     finally:
         listener.close()
     assert connections == 3
+
+
+@run
+async def test_reset_ends_no_close_delimited_body() -> None:
+    # A body without length ends with the connection, but only a clean close ends it: a reset
+    # (the upstream crashed) mid-stream used to pass the truncated body off as complete.
+    import socket
+    import struct
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # with SO_LINGER 0: a RST, not a FIN
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    transport = NativeTransport(max_connections=1)
+    response = await transport.handle_async_request(_request(base))
+    with pytest.raises(httpx.ReadError):
+        await response.aread()
+    await transport.aclose()
+    listener.close()
