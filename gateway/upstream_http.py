@@ -175,8 +175,10 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def reusable(self) -> bool:
+        # wakeup is set while a read is in flight in another task (forward.py reads in a
+        # shielded task of its own): that read would take the next exchange's body.
         return (not self.closed and self.complete and self.error is None
-                and not self.delimited_by_close and self.keep_alive)
+                and not self.delimited_by_close and self.keep_alive and self.wakeup is None)
 
     async def next_chunk(self, timeout: float | None) -> bytes | None:
         """The next piece of the body, None at its end."""

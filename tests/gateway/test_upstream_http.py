@@ -498,3 +498,29 @@ async def test_reset_ends_no_close_delimited_body() -> None:
         await response.aread()
     await transport.aclose()
     listener.close()
+
+
+@run
+async def test_read_in_flight_when_closed_cannot_take_the_next_answer() -> None:
+    # forward.py reads in a task of its own (shielded) and may close the response while that
+    # read has been woken by the body's last bytes but has not run yet. Pooled then, the
+    # connection's next exchange had two readers, and the stale one took the new body.
+    server = Server(lambda n: [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n"] if n == 1
+        else [b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n", 0.05, b'{"ok":true}'])
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        chunks = response.aiter_raw()
+        assert await chunks.__anext__() == b"hi"
+        reading = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0.05)  # the read waits for more
+        conn = response.stream.conn  # type: ignore[attr-defined]
+        conn.data_received(b"0\r\n\r\n")  # the body's end wakes it; it has not run yet
+        await response.aclose()
+        again = await transport.handle_async_request(_request(base))
+        await asyncio.sleep(0.1)  # the body arrives before its reader starts
+        assert await again.aread() == b'{"ok":true}'
+        with pytest.raises((StopAsyncIteration, httpx.HTTPError)):
+            await reading
+        await transport.aclose()
