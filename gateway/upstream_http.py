@@ -151,6 +151,9 @@ class _Connection(asyncio.Protocol):
             self.interim = False
             return
         self.complete = True
+        # The parser found the end (a 204 or 304 has no body whatever its headers say): the
+        # body did not end with the connection, and the connection may carry another request.
+        self.delimited_by_close = False
         # Read now: once the callback returns, the parser has reset for the next message.
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
@@ -177,8 +180,9 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         # wakeup is set while a read is in flight in another task (forward.py reads in a
         # shielded task of its own): that read would take the next exchange's body.
+        # (A body that ended with the connection is complete but closed.)
         return (not self.closed and self.complete and self.error is None
-                and not self.delimited_by_close and self.keep_alive and self.wakeup is None)
+                and self.keep_alive and self.wakeup is None)
 
     async def next_chunk(self, timeout: float | None) -> bytes | None:
         """The next piece of the body, None at its end."""

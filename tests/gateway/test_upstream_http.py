@@ -524,3 +524,20 @@ async def test_read_in_flight_when_closed_cannot_take_the_next_answer() -> None:
         with pytest.raises((StopAsyncIteration, httpx.HTTPError)):
             await reading
         await transport.aclose()
+
+
+@run
+async def test_bodiless_answers_without_length_keep_the_connection() -> None:
+    # A 204 or 304 has no body whatever its headers say: it does not end with the connection.
+    answers = {1: b"HTTP/1.1 204 No Content\r\n\r\n", 2: b"HTTP/1.1 304 Not Modified\r\n\r\n"}
+    server = Server(lambda n: [answers[n]] if n in answers else _json_answer())
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        statuses = []
+        for _ in range(3):
+            response = await transport.handle_async_request(_request(base))
+            statuses.append(response.status_code)
+            await response.aread()
+        await transport.aclose()
+    assert statuses == [204, 304, 200]
+    assert server.connections == 1
