@@ -218,3 +218,25 @@ def test_new_user_validation_uses_django_password_validators(world: World) -> No
     assert set(caught.value.message_dict) == {"username", "password"}
     assert not Invitation.objects.get(digest=digest_key(secret)).accepted_at
     assert get_user_model().objects.filter(username="owner").count() == 1
+
+
+def test_a_tenant_token_invites_and_a_foreign_token_sees_nothing(world: World) -> None:
+    from rest_framework.test import APIClient
+
+    from tenants.services import issue_management_token
+
+    token = issue_management_token(world.acme, name="script", actor="test")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token.plaintext}")
+    response = client.post(invitations_url(world), {"email": "bot@acme.test"}, format="json")
+    assert response.status_code == 201 and response.json()["role"] == "admin"
+    event = AuditEvent.objects.get(action="invitation.create")
+    assert event.actor == f"token:{token.token.public_id}"
+    # A token is an admin, not an owner: it cannot touch the owner.
+    assert client.patch(members_url(world) + "owner/", {"role": "member"},
+                        format="json").status_code == 403
+
+    foreign = issue_management_token(world.globex, name="other", actor="test")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {foreign.plaintext}")
+    assert client.get(members_url(world)).status_code == 404
+    assert client.post(invitations_url(world), {"email": "x@y.test"}).status_code == 404
