@@ -368,8 +368,8 @@ async def test_interim_1xx_answers_are_skipped() -> None:
 
 @run
 async def test_upgrade_answer_is_a_protocol_error() -> None:
-    server = Server(lambda n: [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                               b"Connection: Upgrade\r\n\r\nbinary"], keep_open=False)
+    server = Server(lambda n: [(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                                b"Connection: Upgrade\r\n\r\nbinary")], keep_open=False)
     async with server as base:
         transport = NativeTransport(max_connections=1)
         with pytest.raises(httpx.RemoteProtocolError):
@@ -467,7 +467,7 @@ async def test_idle_connection_the_server_closed_unnoticed_is_not_reused() -> No
         for _ in range(3):
             response = await transport.handle_async_request(_request(base))
             assert await response.aread() == b'{"ok":true}'
-            time.sleep(0.1)  # block the loop: the FIN arrives, connection_lost does not run
+            time.sleep(0.1)  # noqa: ASYNC251 - block the loop: the FIN arrives unseen
         await transport.aclose()
     finally:
         listener.close()
