@@ -457,5 +457,14 @@ class StreamRelay:
         except Exception:  # noqa: BLE001 - whatever happened, the hold must still end
             log.exception("draining the stream of %s failed", self.call.request_id)
         finally:
+            if self.reading is not None:
+                # The drain gave up on a read still in flight; closing the response ends it
+                # with an error nobody awaits. Collect it so asyncio does not log it as lost.
+                self.reading.add_done_callback(_collect)
             await self.upstream.aclose()
             await self._settle_produced(499, "client_disconnected")
+
+
+def _collect(future: asyncio.Future[bytes]) -> None:
+    if not future.cancelled():
+        future.exception()

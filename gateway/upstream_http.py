@@ -14,8 +14,8 @@ lazily (they are read first). Set
 `GATEWAY_UPSTREAM_TRANSPORT=httpx` to use httpx's own transport instead (for an HTTP proxy, say).
 
 Errors are httpx's, so callers cannot tell the transports apart: ConnectError / ConnectTimeout
-when no connection could be made, PoolTimeout when every connection stayed busy, WriteError,
-ReadTimeout between bytes, RemoteProtocolError when the server hangs up mid-response, ReadError
+when no connection could be made, PoolTimeout when every connection stayed busy,
+ReadTimeout between bytes (a failed write surfaces as one of the read errors), RemoteProtocolError when the server hangs up mid-response, ReadError
 when the connection is reset.
 """
 from __future__ import annotations
@@ -233,7 +233,9 @@ class _Body(httpx.AsyncByteStream):
 
 
 class NativeTransport(httpx.AsyncBaseTransport):
-    def __init__(self, *, max_connections: int, keepalive_expiry: float = 5.0,
+    # Below the 5 s idle timeout of uvicorn, vLLM and many proxies: a connection the server is
+    # about to close is dropped by us first, instead of racing its FIN with a request (a 502).
+    def __init__(self, *, max_connections: int, keepalive_expiry: float = 4.0,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         self._slots = asyncio.BoundedSemaphore(max_connections)
         self._idle: dict[Origin, deque[_Connection]] = {}
@@ -250,6 +252,10 @@ class NativeTransport(httpx.AsyncBaseTransport):
         origin: Origin = (scheme, url.raw_host, url.port or _DEFAULT_PORTS[scheme])
         body = request.content if isinstance(request.stream, httpx.ByteStream) else \
             await request.aread()
+        if "transfer-encoding" in request.headers:
+            # A streamed body was read whole above: send it with a length, not chunk framing.
+            del request.headers["transfer-encoding"]
+            request.headers["content-length"] = str(len(body))
         head = _request_head(request)
 
         try:

@@ -541,3 +541,22 @@ async def test_bodiless_answers_without_length_keep_the_connection() -> None:
         await transport.aclose()
     assert statuses == [204, 304, 200]
     assert server.connections == 1
+
+
+@run
+async def test_streamed_request_body_is_sent_with_a_length() -> None:
+    async def parts() -> Any:
+        yield b'{"model":'
+        yield b'"m"}'
+
+    server = Server(lambda n: _json_answer())
+    async with server as base:
+        transport = NativeTransport(max_connections=1)
+        request = httpx.Request("POST", f"{base}/v1/chat/completions", content=parts(),
+                                extensions={"timeout": TIMEOUTS})
+        response = await transport.handle_async_request(request)
+        assert await response.aread() == b'{"ok":true}'
+        await transport.aclose()
+    head, body = server.requests[0].split(b"\r\n\r\n", 1)
+    assert b"content-length: 13" in head.lower() and b"transfer-encoding" not in head.lower()
+    assert body == b'{"model":"m"}'
