@@ -334,6 +334,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "PREPROCESSING_HOOKS": ["config.schema.management_api_only"],
+    "ENUM_NAME_OVERRIDES": {
+        "MembershipRoleEnum": "tenants.models.Membership.Role",
+        "InvitableRoleEnum": "tenants.membership.INVITABLE_ROLES",
+    },
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
