@@ -24,6 +24,7 @@ NAV: list[tuple[str, str]] = [
     ("console-webhooks", "Webhooks"),
     ("console-reports", "Reports"),
     ("console-audit", "Audit log"),
+    ("console-tokens", "API tokens"),
     ("console-members", "Members"),
 ]
 
