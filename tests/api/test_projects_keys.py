@@ -309,3 +309,14 @@ def test_project_slug_cannot_change(world: World) -> None:
     assert response.status_code == 400 and "slug" in response.json()
     world.web.refresh_from_db()
     assert world.web.slug == "web"
+
+
+def test_revoked_key_cannot_be_changed(world: World) -> None:
+    revoke_key(world.issued.api_key, actor="test")
+    before = AuditEvent.objects.count()
+    response = world.client(world.owner).patch(
+        f"{base(world)}/keys/{world.issued.api_key.public_id}/", {"name": "again"}, format="json")
+    assert response.status_code == 400 and "non_field_errors" in response.json()
+    assert AuditEvent.objects.count() == before
+    world.issued.api_key.refresh_from_db()
+    assert world.issued.api_key.name == "ci"
