@@ -40,6 +40,9 @@ class Gauge:
     limit: int | None  # None: unlimited (usage shown without a bar)
     remaining: int | None
     percent: float | None
+    # "live": the Redis counter; "ledger": a scope without a live counter (a project's month
+    # when it has no monthly limit), read from the usage ledger, a few seconds behind.
+    source: str = "live"
 
     @property
     def level(self) -> str:
@@ -97,28 +100,36 @@ def _gauge(status: ScopeStatus, label: str) -> Gauge:
                  percent=status.percent_used)
 
 
-def scope_gauges(status: QuotaStatus, tenant: Tenant) -> list[ScopeGauges]:
-    """The tenant's gauges first, then one per project (with its own limits or not)."""
+def scope_gauges(status: QuotaStatus, tenant: Tenant,
+                 ledger_month: dict[str, int] | None = None) -> list[ScopeGauges]:
+    """The tenant's gauges first, then one per project (with its own limits or not).
+    `ledger_month` (project public id -> tokens this month) stands in for month counters
+    that do not exist live."""
     out = []
     for kind in ("tenant", "project"):
         days = {s.ref: s for s in status.of(kind, "day")}
         months = {s.ref: s for s in status.of(kind, "month")}
         for ref, day in days.items():
-            month = months[ref]
             label = tenant.name if kind == "tenant" else day.label
+            live_month = months.get(ref)
+            month = (_gauge(live_month, "This month") if live_month is not None else
+                     Gauge(label="This month", window="month",
+                           used=(ledger_month or {}).get(ref, 0), pending=0, limit=None,
+                           remaining=None, percent=None, source="ledger"))
             out.append(ScopeGauges(label=label, kind=kind, ref=ref,
-                                   day=_gauge(day, "Today"), month=_gauge(month, "This month")))
+                                   day=_gauge(day, "Today"), month=month))
     return out
 
 
-def live_status(tenant: Tenant) -> LiveStatus | None:
+def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None
+                ) -> LiveStatus | None:
     try:
         status = quota_status(tenant)
         refused = refused_today(tenant)
     except QuotaStoreUnavailable as exc:
         log.warning("dashboard of %s without live counters: %s", tenant.public_id, exc)
         return None
-    return LiveStatus(scope_gauges(status, tenant), status.open_holds, refused)
+    return LiveStatus(scope_gauges(status, tenant, ledger_month), status.open_holds, refused)
 
 
 def usage_chart(tenant: Tenant, today: date, days: int = CHART_DAYS) -> StackedChart:
@@ -136,7 +147,11 @@ def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
                       .select_related("endpoint").order_by("-created_at", "-id")[:10])
     projects = {f"project:{pk}": slug for pk, slug in
                 Project.objects.filter(tenant=tenant).values_list("pk", "slug")}
-    return Dashboard(tenant=tenant, live=live_status(tenant), chart=chart, alerts=alerts,
+    ledger_month = {row["project"]: row["total_tokens"]
+                    for row in usage_totals(tenant, month_start, today, ("project",))
+                    if row["project"]}
+    return Dashboard(tenant=tenant, live=live_status(tenant, ledger_month), chart=chart,
+                     alerts=alerts,
                      deliveries=deliveries, month_tokens=month_tokens, today=today,
                      project_labels=projects)
 

@@ -67,8 +67,8 @@ def _limit(value: int | None) -> int:
 
 
 def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
-    """Today's and this month's counters of the tenant, each project, each live key and each
-    model with a daily limit. Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
+    """Today's and this month's counters of the tenant, today's of each project, live key and
+    model with a daily limit, and this month's of each project and key with a monthly limit. Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
     limits = effective_limits(tenant)
     day, month = WindowKind.DAY, WindowKind.MONTH
     wanted: list[tuple[str, str, str, WindowKind, str, int]] = [
@@ -76,19 +76,23 @@ def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
         ("tenant", tenant.slug, tenant.name, month, keys.tenant_scope(),
          limits.monthly_token_budget),
     ]
+    # Project and key month counters exist only while they have a monthly limit
+    # (quotas/limits.py): without one there is no live figure to show, only the ledger's.
     for project in Project.objects.filter(tenant=tenant).order_by("slug"):
         scope = keys.project_scope(project.pk)
         wanted.append(("project", project.public_id, project.slug, day, scope,
                        _limit(project.tokens_per_day)))
-        wanted.append(("project", project.public_id, project.slug, month, scope,
-                       _limit(project.tokens_per_month)))
+        if project.tokens_per_month is not None:
+            wanted.append(("project", project.public_id, project.slug, month, scope,
+                           project.tokens_per_month))
     live_keys = ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
     for api_key in live_keys.order_by("project__slug", "name", "public_id"):
         scope = keys.api_key_scope(api_key.pk)
         label = api_key.name or api_key.public_id
         wanted.append(("key", api_key.public_id, label, day, scope, _limit(api_key.tokens_per_day)))
-        wanted.append(("key", api_key.public_id, label, month, scope,
-                       _limit(api_key.tokens_per_month)))
+        if api_key.tokens_per_month is not None:
+            wanted.append(("key", api_key.public_id, label, month, scope,
+                           api_key.tokens_per_month))
     for model, limit in sorted(limits.model_tokens_per_day.items()):
         wanted.append(("model", model, model, day, keys.model_scope(model), limit))
 

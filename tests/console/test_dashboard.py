@@ -163,3 +163,25 @@ def test_who_may_see_the_dashboard(world: World, who: str, status: int) -> None:
 def test_anonymous_is_sent_to_login(world: World) -> None:
     response = _page(world, None).get(_url(world))
     assert response.status_code == 302 and "/console/login/" in response["Location"]
+
+
+def test_project_month_without_a_monthly_limit_reads_the_ledger(world: World) -> None:
+    # With no monthly limit there is no live month counter for the project (quotas/limits.py):
+    # the gauge must show the ledger's figure, not a zero.
+    settled = _reserve(world, "dash-month-1", 100)
+    get_engine().settle(settled.hold, 80)
+    _record(world, "dash-month-ledger", datetime.now(UTC), "gpt-4o", 80)
+
+    html = _page(world, world.owner).get(_url(world)).content.decode()
+    project_card = html[html.index(f'data-ref="{world.web.public_id}"'):]
+    month = project_card[project_card.index('data-window="month"'):]
+    assert "<strong>80</strong> tokens · no limit" in month[:400]
+    assert "(ledger)" in month[:400]
+
+    # With a monthly limit the live counter is used.
+    world.web.tokens_per_month = 10_000
+    world.web.save(update_fields=["tokens_per_month"])
+    html = _page(world, world.owner).get(_url(world)).content.decode()
+    project_card = html[html.index(f'data-ref="{world.web.public_id}"'):]
+    month = project_card[project_card.index('data-window="month"'):]
+    assert "of 10,000 tokens" in month[:400] and "(ledger)" not in month[:400]
