@@ -25,6 +25,7 @@ from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.reports import Month
 from tenants.access import principal_for
 from tenants.console.base import render_page, tenant_page
+from tenants.console.once import REPEATED_MESSAGE, first_submission
 from tenants.models import Tenant
 
 REPORT_MONTHS = 12
@@ -110,6 +111,9 @@ def webhooks_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         return _webhooks_page(request, tenant)
     if not principal_for(request).can_manage(tenant):
         raise PermissionDenied("Your role in this tenant does not allow changes.")
+    if not first_submission(request):
+        messages.warning(request, REPEATED_MESSAGE)
+        return redirect("console-webhooks", tenant.public_id)
     form = WebhookCreateForm(request.POST)
     if form.is_valid():
         try:

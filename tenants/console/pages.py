@@ -25,6 +25,7 @@ from quotas.status import QuotaStatus, quota_status
 from tenants import selectors, services
 from tenants.access import principal_for
 from tenants.console.base import render_page, tenant_page
+from tenants.console.once import REPEATED_MESSAGE, first_submission
 from tenants.console.forms import (
     AlertThresholdsForm,
     AuditFilterForm,
@@ -166,6 +167,9 @@ def _secret_page(
 @tenant_page(manage=True)
 def key_issue(request: HttpRequest, tenant: Tenant, project_id: str) -> HttpResponse:
     project = _project(tenant, project_id)
+    if not first_submission(request):
+        messages.warning(request, REPEATED_MESSAGE)
+        return redirect("console-projects", tenant.public_id)
     form = IssueKeyForm(request.POST, prefix=project.public_id)
     if form.is_valid():
         try:
@@ -234,6 +238,9 @@ def key_detail(request: HttpRequest, tenant: Tenant, key_id: str) -> HttpRespons
 @tenant_page(manage=True)
 def key_rotate(request: HttpRequest, tenant: Tenant, key_id: str) -> HttpResponse:
     api_key = _key(tenant, key_id)
+    if not first_submission(request):
+        messages.warning(request, REPEATED_MESSAGE)
+        return redirect("console-key", tenant.public_id, api_key.public_id)
     form = RotateKeyForm(request.POST)
     if not form.is_valid():
         return _key_page(request, tenant, api_key, rotate_form=form, status=400)
@@ -449,6 +456,9 @@ def tokens_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     if request.method != "POST":
         return _tokens_page(request, tenant)
     _require_manage(request, tenant)
+    if not first_submission(request):
+        messages.warning(request, REPEATED_MESSAGE)
+        return redirect("console-tokens", tenant.public_id)
     form = ManagementTokenForm(request.POST)
     if form.is_valid():
         try:

@@ -1,0 +1,12 @@
+from django import template
+from django.utils.html import format_html
+
+from tenants.console.once import FORM_ID_FIELD, new_form_id
+
+register = template.Library()
+
+
+@register.simple_tag
+def form_once() -> str:
+    """A hidden one-use id for a form whose submission must act once (tenants/console/once.py)."""
+    return format_html('<input type="hidden" name="{}" value="{}">', FORM_ID_FIELD, new_form_id())
