@@ -18,10 +18,12 @@ from django.http import HttpRequest
 from tenants import services
 from tenants.invalidation import publish
 from tenants.management_tokens import masked_token
+from tenants.membership import revoke_invitation
 from tenants.models import (
     ApiKey,
     ApiKeySecret,
     AuditEvent,
+    Invitation,
     ManagementToken,
     Membership,
     Plan,
@@ -271,3 +273,34 @@ class ManagementTokenAdmin(admin.ModelAdmin):
             for token in queryset.select_related("tenant")
         )
         self.message_user(request, f"Revoked {revoked} management token(s).", messages.SUCCESS)
+
+
+@admin.register(Invitation)
+class InvitationAdmin(admin.ModelAdmin):
+    """Invitations are made from the console or `manage.py invite` (the link is shown once and
+    only its digest is stored); operators see them here and may revoke pending ones."""
+
+    list_display = ("public_id", "email", "role", "tenant", "invited_by", "created_at",
+                    "expires_at", "accepted_at", "revoked_at")
+    list_select_related = ("tenant",)
+    list_filter = ("role", "accepted_at", "revoked_at")
+    search_fields = ("public_id", "email", "tenant__slug", "invited_by")
+    fields = ("public_id", "email", "role", "tenant", "invited_by", "created_at", "expires_at",
+              "accepted_at", "accepted_by", "revoked_at")
+    readonly_fields = fields
+    actions = ("revoke_selected",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.action(description="Revoke selected pending invitations")
+    def revoke_selected(self, request: HttpRequest, queryset: QuerySet[Invitation]) -> None:
+        pending = queryset.filter(accepted_at__isnull=True, revoked_at__isnull=True)
+        revoked = 0
+        for invitation in pending.select_related("tenant"):
+            revoke_invitation(invitation, actor=_actor(request))
+            revoked += 1
+        self.message_user(request, f"Revoked {revoked} invitation(s).", messages.SUCCESS)

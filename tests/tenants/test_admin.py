@@ -90,3 +90,26 @@ def test_tenant_admin_add_and_plan_change_are_audited(
     actions = set(AuditEvent.objects.filter(tenant=tenant).values_list("action", flat=True))
     assert actions == {"tenant.created", "tenant.plan_changed", "tenant.limits_changed"}
     assert ApiKey.objects.count() == 0
+
+
+def test_invitations_are_listed_without_secrets_and_revoked_through_the_service(
+    admin_client: Client, tenant
+) -> None:
+    from tenants.models import AuditEvent, Invitation
+    from tenants.membership import invite_member
+
+    invited = invite_member(tenant, "new@acme.test", role="admin", actor="user:owner",
+                            accept_url=lambda secret: f"http://testserver/console/invite/{secret}/")
+    invitation = Invitation.objects.get()
+    page = admin_client.get(f"/admin/tenants/invitation/{invitation.pk}/change/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "new@acme.test" in html and invitation.digest not in html
+    assert invited.accept_url not in html and "/console/invite/" not in html
+    response = admin_client.post("/admin/tenants/invitation/", {
+        "action": "revoke_selected", "_selected_action": [invitation.pk]})
+    assert response.status_code == 302
+    invitation.refresh_from_db()
+    assert invitation.revoked_at is not None
+    assert AuditEvent.objects.filter(action="invitation.revoke", target=invitation.public_id
+                                     ).exists()
