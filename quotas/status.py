@@ -21,7 +21,7 @@ from tenants.selectors import effective_limits
 @dataclass(frozen=True)
 class ScopeStatus:
     kind: str  # tenant / project / key / model
-    ref: str  # the tenant's slug, a project or key public id, a model name
+    ref: str  # the tenant's, a project's or a key's public id, or a model name
     label: str  # what a person reads: slug, key name, model
     window: str  # "day" or "month"
     limit: int  # UNLIMITED (-1): no limit
@@ -72,8 +72,8 @@ def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
     limits = effective_limits(tenant)
     day, month = WindowKind.DAY, WindowKind.MONTH
     wanted: list[tuple[str, str, str, WindowKind, str, int]] = [
-        ("tenant", tenant.slug, tenant.name, day, keys.tenant_scope(), limits.tokens_per_day),
-        ("tenant", tenant.slug, tenant.name, month, keys.tenant_scope(),
+        ("tenant", tenant.public_id, tenant.name, day, keys.tenant_scope(), limits.tokens_per_day),
+        ("tenant", tenant.public_id, tenant.name, month, keys.tenant_scope(),
          limits.monthly_token_budget),
     ]
     # Project and key month counters exist only while they have a monthly limit

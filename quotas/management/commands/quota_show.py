@@ -13,7 +13,7 @@ from tenants.selectors import effective_limits, tenant_by_slug
 
 def _scope_names(tenant: Tenant) -> dict[tuple[str, str], str]:
     """(kind, public ref) -> the counter's scope name in Redis, which operators grep for."""
-    names = {("tenant", tenant.slug): keys.tenant_scope()}
+    names = {("tenant", tenant.public_id): keys.tenant_scope()}
     for pk, public_id in Project.objects.filter(tenant=tenant).values_list("pk", "public_id"):
         names[("project", public_id)] = keys.project_scope(pk)
     for pk, public_id in ApiKey.objects.filter(project__tenant=tenant).values_list(
