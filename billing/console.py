@@ -15,7 +15,7 @@ from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.urls import URLPattern, path, reverse
-from django.views.decorators.http import require_http_methods, require_POST
+from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
 from billing import dashboard as dashboard_data
 from billing import webhooks
@@ -32,6 +32,7 @@ REPORT_MONTHS = 12
 DELIVERIES_PER_PAGE = 25
 
 
+@require_safe
 @tenant_page()
 def dashboard(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     board = dashboard_data.build(tenant)
@@ -51,6 +52,7 @@ def recent_months(now: datetime, count: int = REPORT_MONTHS) -> list[Month]:
     return months
 
 
+@require_safe
 @tenant_page()
 def reports(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     months = recent_months(datetime.now(UTC))

@@ -16,7 +16,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
-from django.views.decorators.http import require_http_methods, require_POST
+from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
 from tenants.access import principal_for
 from tenants.console.base import SESSION_TENANT, render_page, tenant_page
@@ -95,6 +95,7 @@ def _members_page(request: HttpRequest, tenant: Tenant, *, form: InviteForm | No
     }, nav="console-members", status=status)
 
 
+@require_safe
 @tenant_page()
 def members(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     return _members_page(request, tenant)
