@@ -27,14 +27,16 @@ up: $(STAMP)
 # The whole test suite against real Redis, a real Redis Cluster and real PostgreSQL, which the
 # fixtures start under a temporary directory and stop at the end.
 test: $(STAMP)
+	.ci/ensure-chromium
 	$(PY) -m pytest
 
 # Only the console in headless Chromium (Debian's /usr/bin/chromium, or TOLLGATE_CHROMIUM) against
 # a running gateway; screenshots go to build/screenshots/ (TOLLGATE_SCREENSHOT_DIR).
 test-browser: $(STAMP)
+	.ci/ensure-chromium
 	$(PY) -m pytest tests/browser
 
-# What CI runs: installs Debian's chromium when it is missing, then `make test`.
+# What CI runs: `make test` (which installs Debian's chromium first when it is missing).
 ci:
 	.ci/run
 
