@@ -5,13 +5,11 @@ Writes go through tenants.membership; these views only translate forms and error
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from django import forms
 from django.contrib import messages
 from django.contrib.auth import login
-from django.core.cache import cache
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
@@ -20,6 +18,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 
 from tenants.access import principal_for
 from tenants.console.base import SESSION_TENANT, render_page, tenant_page
+from tenants.console.once import first_submission
 from tenants.membership import (
     INVITABLE_ROLES,
     InvitationClosed,
@@ -42,22 +41,9 @@ INVITE_ROLE_CHOICES = [(value, label) for value, label in Membership.Role.choice
                        if value in INVITABLE_ROLES]
 
 
-# How long a rendered invite form's id is remembered once used: a browser reload of the page
-# that shows the link re-sends the form, and must not invite (and email) the person again.
-INVITE_FORM_ID_SECONDS = 86400
-
-
 class InviteForm(forms.Form):
     email = forms.EmailField(label="Email address")
     role = forms.ChoiceField(choices=INVITE_ROLE_CHOICES, initial=Membership.Role.ADMIN)
-    form_id = forms.CharField(required=False, max_length=64, widget=forms.HiddenInput)
-
-
-def _first_use_of(form_id: str) -> bool:
-    """True the first time a rendered invite form is submitted (always without an id)."""
-    if not form_id:
-        return True
-    return bool(cache.add(f"console:invite-form:{form_id}", 1, timeout=INVITE_FORM_ID_SECONDS))
 
 
 class NewAccountForm(forms.Form):
@@ -86,7 +72,6 @@ def _members_page(request: HttpRequest, tenant: Tenant, *, form: InviteForm | No
         "owner_count": sum(m.role == Membership.Role.OWNER for m in members_list),
         "invitations": pending_invitations(tenant),
         "invite_form": form or InviteForm(),
-        "invite_form_id": secrets.token_urlsafe(16),
         "issued": issued,
         "roles": Membership.Role.choices,
         # Only an owner may hand out or take away ownership (tenants/membership.py).
@@ -107,7 +92,7 @@ def invite(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     form = InviteForm(request.POST)
     if not form.is_valid():
         return _members_page(request, tenant, form=form, status=400)
-    if not _first_use_of(form.cleaned_data["form_id"]):
+    if not first_submission(request):
         messages.warning(request, (
             f"This form was sent already: {form.cleaned_data['email']} is invited, and the link "
             "is not shown again. If it was lost, revoke the invitation and invite them again."))
