@@ -93,12 +93,6 @@ def usage_totals(
     return out
 
 
-def tokens_by_key(tenant: Tenant, start: date, end: date) -> dict[str, int]:
-    """Total tokens per API key public id over days start..end (keys with no usage absent)."""
-    return {row["key"]: row["total_tokens"]
-            for row in usage_totals(tenant, start, end, ("key",)) if row["key"]}
-
-
 def total_tokens(tenant: Tenant, start: date, end: date) -> int:
     """Input + output tokens of the tenant over days start..end."""
     sums = records(tenant, start, end).aggregate(i=Sum("input_tokens"), o=Sum("output_tokens"))

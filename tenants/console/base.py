@@ -13,7 +13,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import NoReverseMatch, reverse
 
-from tenants.access import NotAllowed, Principal, principal_for, visible_tenant
+from tenants.access import ADMIN_ROLES, NotAllowed, Principal, principal_for, visible_tenant
 from tenants.models import Tenant
 
 # The console's navigation, in order: (url name, label). Every page takes the tenant's public id.
@@ -70,11 +70,12 @@ def render_page(
 ) -> HttpResponse:
     """Render a tenant page inside the console frame (templates/console/base.html)."""
     principal: Principal = principal_for(request)
+    role = principal.role_in(tenant)
     frame = {
         "tenant": tenant,
         "tenants": principal.visible_tenants().order_by("name"),
-        "role": principal.role_in(tenant),
-        "can_manage": principal.can_manage(tenant),
+        "role": role,
+        "can_manage": role in ADMIN_ROLES,
         "nav": _nav(tenant, nav),
     }
     return render(request, template, {**frame, **(context or {})}, status=status)

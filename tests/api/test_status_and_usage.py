@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, timedelta
 
 from billing.models import UsageRecord
-from billing.usage import tokens_by_key, usage_totals
+from billing.usage import usage_totals
 from quotas.engine import ReserveRequest
 from quotas.limits import scope_limits, tenant_tag
 from quotas.runtime import get_engine
@@ -81,7 +81,8 @@ def test_usage_totals_group_and_filter_by_dates(world: World) -> None:
     assert {r["model"]: r["input_tokens"] for r in by_model} == {"gpt-4o": 300, "gpt-4o-mini": 10}
     by_day_model = usage_totals(world.acme, date(2026, 11, 1), date(2026, 11, 2), ("day", "model"))
     assert len(by_day_model) == 3
-    assert tokens_by_key(world.acme, date(2026, 11, 1), date(2026, 11, 30)) == {
+    by_key = usage_totals(world.acme, date(2026, 11, 1), date(2026, 11, 30), ("key",))
+    assert {row["key"]: row["total_tokens"] for row in by_key} == {
         world.issued.api_key.public_id: 165 + 300 + 1500}
 
 
