@@ -3,28 +3,58 @@
 Settle, release and sweep append one event per ended hold to `tg:{t<id>}:usage` atomically with
 the counters (lua/settle.lua). Draining reads a batch, writes it in one transaction, and only
 then deletes it from the stream, so nothing is lost while PostgreSQL is down (events wait in
-Redis) and a redelivered event never makes a second row (request ids are unique).
+Redis: the engine never trims the stream, only this drain deletes what it committed) and a
+redelivered event never makes a second row (request ids are unique).
+
+Events (fields of the stream entries, lua/*.lua):
+
+- settled / released: one row each. A settle whose hold Redis had lost (orphan=1) is an ordinary
+  row: the call reached the upstream and is billed.
+- swept: the sweep ended a hold whose gateway never did, charging what the hold knew (`in`,
+  `out`, `basis`: reserved -> nothing, forwarded -> the whole hold, streaming -> the input and the
+  last output checkpoint). Priced like every row; the row's sweep_basis says which.
+- corrected: a settle or release that arrived after the sweep. It updates the swept row in place
+  to the real tokens, cost and status and keeps what the sweep had charged (swept_input_tokens,
+  swept_output_tokens, swept_cost_micros, corrected_at). Exactly once: only a swept row not yet
+  corrected is updated, so a redelivered correction changes nothing. In stream order a hold's
+  swept event comes before its correction; a batch inserts its rows before applying its
+  corrections, so both in one batch converge, and a correction whose swept row never reached the
+  ledger creates the corrected row itself (the swept event, if it ever comes, then conflicts and
+  changes nothing).
+- unmetered: a fail-open call (no hold existed); a row with status "unmetered", billed like a
+  settled call.
 """
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from billing.models import UsageRecord
 from billing.prices import PriceBook
 from gateway.models import ProviderKey
 from quotas import keys
 from quotas.limits import tenant_tag
+from quotas.windows import Calendar, Window, WindowKind
 from tenants.models import ApiKey, Project, Tenant
 
 log = logging.getLogger(__name__)
 
 _COMPLETE = "complete"
+_CORRECTED = "corrected"
+# The fields a correction replaces on the swept row; the rest (who, which model, when the hold
+# was made and swept, the hold, the sweep's basis) stays as the sweep recorded it.
+_CORRECTED_FIELDS = ("input_tokens", "output_tokens", "cost_micros", "status", "detail",
+                     "http_status", "latency_ms", "provider_key_id", "streamed", "over_soft_limit",
+                     "over_hold_tokens", "swept_input_tokens", "swept_output_tokens",
+                     "swept_cost_micros", "corrected_at")
+# The windows an event's counters belong to, for the threshold check after a drain.
+_ALERT_WINDOW_KINDS = (WindowKind.DAY, WindowKind.MONTH)
 
 
 def _json(raw: Any) -> dict[str, Any]:
@@ -45,26 +75,64 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _count(value: Any) -> int:
+    """A token count from a stream field ("" or missing: 0)."""
+    return max(int(value or 0), 0)
+
+
+def _split(details: dict[str, Any], actual: int) -> tuple[int, int]:
+    """Input and output tokens of a call the gateway ended with the upstream's figures."""
+    input_tokens, output_tokens = _int(details.get("in")), _int(details.get("out"))
+    if input_tokens is None or output_tokens is None:
+        # An event without the split (settled outside the gateway): all of it as input.
+        return actual, 0
+    return input_tokens, output_tokens
+
+
+def _ended_status(details: dict[str, Any]) -> UsageRecord.Status:
+    return (UsageRecord.Status.SETTLED if details.get("outcome", _COMPLETE) == _COMPLETE
+            else UsageRecord.Status.PARTIAL)
+
+
+def over_hold(held: int, input_tokens: int, output_tokens: int) -> int:
+    """Tokens used above the hold (0 for a call without one: nothing bounded it)."""
+    return max(input_tokens + output_tokens - held, 0) if held > 0 else 0
+
+
 def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> UsageRecord:
-    """The ledger row of one usage event (unsaved)."""
+    """The ledger row of one usage event (unsaved). For a "corrected" event: the row as the
+    correction leaves it, swept_* holding what the sweep had charged (from the event)."""
     meta, details = _json(fields.get("meta")), _json(fields.get("event"))
     outcome = fields["outcome"]
-    actual = int(fields.get("actual") or 0)
-    if outcome == "settled":
-        status = (UsageRecord.Status.SETTLED if details.get("outcome", _COMPLETE) == _COMPLETE
-                  else UsageRecord.Status.PARTIAL)
-        input_tokens = _int(details.get("in"))
-        output_tokens = _int(details.get("out"))
-        if input_tokens is None or output_tokens is None:
-            # An event without the split (settled outside the gateway): all of it as input.
-            input_tokens, output_tokens = actual, 0
+    actual = _count(fields.get("actual"))
+    basis = ""
+    if outcome in ("settled", "unmetered"):
+        input_tokens, output_tokens = _split(details, actual)
+        status = (_ended_status(details) if outcome == "settled"
+                  else UsageRecord.Status.UNMETERED)
+    elif outcome == _CORRECTED:
+        if _int(details.get("in")) is None and actual == 0:
+            # A release after the sweep: the upstream produced nothing after all.
+            input_tokens, output_tokens = 0, 0
+            status = UsageRecord.Status.RELEASED
+        else:
+            input_tokens, output_tokens = _split(details, actual)
+            status = _ended_status(details)
+    elif outcome == "swept":
+        # What the sweep charged (lua/sweep.lua); events of holds swept before the sweep knew
+        # phases carry neither split nor basis: nothing was charged for them.
+        input_tokens, output_tokens = _count(fields.get("in")), _count(fields.get("out"))
+        basis = UsageRecord.SweepBasis(fields["basis"]) if fields.get("basis") else ""
+        status = UsageRecord.Status.SWEPT
     else:
         status = UsageRecord.Status(outcome)
         input_tokens = output_tokens = 0
     ended = _moment(fields["ended"])
     model = str(meta.get("m") or "")
     served = str(meta.get("served") or model)
-    return UsageRecord(
+    held = _count(fields.get("held"))
+    price = prices.price(served, ended)
+    record = UsageRecord(
         request_id=fields["request_id"],
         tenant_id=tenant_id,
         project_id=_int(meta.get("p")),
@@ -75,8 +143,8 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
         served_model=served,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
-        held_tokens=int(fields.get("held") or 0),
-        cost_micros=prices.price(served, ended).cost(input_tokens, output_tokens),
+        held_tokens=held,
+        cost_micros=price.cost(input_tokens, output_tokens),
         status=status,
         detail=str(details.get("outcome") or outcome)[:64],
         http_status=_int(details.get("st")),
@@ -85,7 +153,19 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
         over_soft_limit=bool(details.get("soft")),
         started_at=_moment(fields.get("created") or fields["ended"]),
         ended_at=ended,
+        sweep_basis=basis,
+        over_hold_tokens=over_hold(held, input_tokens, output_tokens),
     )
+    if outcome == _CORRECTED:
+        # Used only when the swept row is not in the ledger (see the module docstring): the
+        # event says how many tokens the sweep charged but not their split, so they count as
+        # input, and the money is what the sweep charged the counters.
+        swept = _count(fields.get("swept"))
+        record.swept_input_tokens, record.swept_output_tokens = swept, 0
+        record.swept_cost_micros = (_count(fields["swept_money"]) if fields.get("swept_money")
+                                    else price.cost(swept, 0))
+        record.corrected_at = ended
+    return record
 
 
 def _drop_dangling_references(records: list[UsageRecord]) -> None:
@@ -101,46 +181,165 @@ def _drop_dangling_references(records: list[UsageRecord]) -> None:
                 setattr(record, field, None)
 
 
+def _apply_corrections(corrections: list[UsageRecord]) -> int:
+    """Correct the swept rows of these "corrected" events, each once; returns how many rows
+    this call corrected. Runs inside the batch's transaction, after its rows were inserted."""
+    by_id: dict[str, UsageRecord] = {}
+    for record in corrections:
+        by_id.setdefault(record.request_id, record)  # a redelivered duplicate: the same event
+    # A correction whose swept row is not in the ledger becomes the row, already corrected.
+    # Where the swept row exists this inserts nothing (and waits for a concurrent drainer's
+    # insert of it to commit, so the update below sees that row).
+    UsageRecord.objects.bulk_create(list(by_id.values()), ignore_conflicts=True)
+    rows = list(UsageRecord.objects.select_for_update().filter(
+        request_id__in=list(by_id), status=UsageRecord.Status.SWEPT, corrected_at__isnull=True))
+    for row in rows:
+        correction = by_id[row.request_id]
+        row.swept_input_tokens = row.input_tokens
+        row.swept_output_tokens = row.output_tokens
+        row.swept_cost_micros = row.cost_micros
+        for name in _CORRECTED_FIELDS:
+            if not name.startswith("swept_"):
+                setattr(row, name, getattr(correction, name))
+        row.over_hold_tokens = over_hold(row.held_tokens, row.input_tokens, row.output_tokens)
+    if rows:
+        UsageRecord.objects.bulk_update(rows, _CORRECTED_FIELDS)
+    return len(rows)
+
+
 @dataclass(frozen=True)
 class DrainResult:
     events: int  # read from the streams and deleted after their rows were committed
     tenants: int
+    # Per tenant, the day and month windows its drained events were charged to (the windows of
+    # their holds' creation): where the threshold check after the drain must look, also when a
+    # window has ended since (a settle at 23:59:59.9 drained after midnight).
+    windows: dict[int, frozenset[Window]] = field(default_factory=dict)
+    corrected: int = 0  # swept rows corrected by late settles or releases
+
+
+@dataclass
+class _Batch:
+    events: int = 0
+    corrected: int = 0
+    windows: set[Window] = field(default_factory=set)
+
+
+def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
+                 calendar: Calendar) -> _Batch:
+    stream = keys.usage_stream_key(tenant_tag(tenant_id))
+    entries = client.xrange(stream, count=batch)
+    if not entries:
+        return _Batch()
+    out = _Batch(events=len(entries))
+    records: list[UsageRecord] = []
+    corrections: list[UsageRecord] = []
+    for _entry_id, fields in entries:
+        try:
+            record = record_from_event(tenant_id, fields, prices)
+        except (KeyError, ValueError):
+            log.error("malformed usage event %r in %s: dropped", fields, stream)
+            continue
+        (corrections if fields["outcome"] == _CORRECTED else records).append(record)
+        created_ms = int(fields.get("created") or fields["ended"])
+        out.windows.update(calendar.window(kind, created_ms) for kind in _ALERT_WINDOW_KINDS)
+    _drop_dangling_references(records + corrections)
+    with transaction.atomic():
+        UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
+        # After the inserts: a hold's swept event precedes its correction in the stream, and
+        # both may be in this batch.
+        if corrections:
+            out.corrected = _apply_corrections(corrections)
+    # Only after the commit: if PostgreSQL failed above, the events are still in the stream.
+    client.xdel(stream, *[entry_id for entry_id, _ in entries])
+    return out
 
 
 def drain_tenant(client: Any, tenant_id: int, *, batch: int = 500,
                  prices: PriceBook | None = None) -> int:
     """Move one batch of a tenant's usage events into the ledger; returns how many."""
-    stream = keys.usage_stream_key(tenant_tag(tenant_id))
-    entries = client.xrange(stream, count=batch)
-    if not entries:
-        return 0
-    prices = prices or PriceBook.load()
-    records = []
-    for _entry_id, fields in entries:
-        try:
-            records.append(record_from_event(tenant_id, fields, prices))
-        except (KeyError, ValueError):
-            log.error("malformed usage event %r in %s: dropped", fields, stream)
-    _drop_dangling_references(records)
-    with transaction.atomic():
-        UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
-    # Only after the commit: if PostgreSQL failed above, the events are still in the stream.
-    client.xdel(stream, *[entry_id for entry_id, _ in entries])
-    return len(entries)
+    return _drain_batch(client, tenant_id, batch, prices or PriceBook.load(), Calendar(0)).events
 
 
 def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20) -> DrainResult:
     """Drain every tenant's stream (bounded work per run: the next run continues)."""
     prices = PriceBook.load()
-    total = tenants = 0
+    calendar = Calendar(0)  # the gateway's windows are UTC (quotas.limits passes no offset)
+    total = tenants = corrected = 0
+    windows: dict[int, frozenset[Window]] = {}
     for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
         moved = 0
+        seen: set[Window] = set()
         for _ in range(max_batches_per_tenant):
-            n = drain_tenant(client, tenant_id, batch=batch, prices=prices)
-            moved += n
-            if n < batch:
+            done = _drain_batch(client, tenant_id, batch, prices, calendar)
+            moved += done.events
+            corrected += done.corrected
+            seen |= done.windows
+            if done.events < batch:
                 break
         if moved:
             tenants += 1
             total += moved
-    return DrainResult(total, tenants)
+        if seen:
+            windows[tenant_id] = frozenset(seen)
+    return DrainResult(total, tenants, windows, corrected)
+
+
+# -- the backlog: events waiting in Redis for the drain ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Backlog:
+    events: int  # undrained usage events, all tenants
+    streams: int  # tenants with undrained events
+    oldest_age_s: float  # age of the oldest undrained event on the Redis clock; 0 when none
+    oldest_stream: str = ""  # the stream holding it
+
+
+def _usage_streams(client: Any) -> list[str]:
+    """Every tenant's usage stream key. The tenants come from PostgreSQL; when it is down (the
+    very time events pile up) the streams are found by a SCAN of Redis instead."""
+    try:
+        tenant_ids = list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
+    except DatabaseError:
+        log.warning("tenants unreadable (PostgreSQL down?): scanning Redis for usage streams")
+        # The key layout of quotas/keys.py with a wildcard for the tenant.
+        pattern = keys.usage_stream_key("0").replace("{t0}", "{t*}")
+        return sorted(str(k) for k in client.scan_iter(match=pattern, count=1000,
+                                                       _type="STREAM"))
+    return [keys.usage_stream_key(tenant_tag(t)) for t in tenant_ids]
+
+
+def _entry_ms(entry_id: Any) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(text.split("-", 1)[0])
+
+
+def usage_backlog(client: Any, streams: Iterable[str] | None = None, *,
+                  chunk: int = 1000) -> Backlog:
+    """How much the drain has not moved yet: XLEN of every usage stream, summed, and the age of
+    the oldest entry (its id is the Redis server's time of the XADD). Pipelined, one round trip
+    per `chunk` tenants."""
+    names = list(streams) if streams is not None else _usage_streams(client)
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    events = busy = 0
+    oldest_ms, oldest_stream = now_ms, ""
+    for start in range(0, len(names), chunk):
+        part = names[start:start + chunk]
+        pipe = client.pipeline(transaction=False)
+        for name in part:
+            pipe.xlen(name)
+            pipe.xrange(name, count=1)
+        replies = pipe.execute()
+        for i, name in enumerate(part):
+            length, first = int(replies[2 * i]), replies[2 * i + 1]
+            if not length or not first:
+                continue
+            events += length
+            busy += 1
+            first_ms = _entry_ms(first[0][0])
+            if first_ms < oldest_ms:
+                oldest_ms, oldest_stream = first_ms, name
+    return Backlog(events, busy, max(now_ms - oldest_ms, 0) / 1000 if events else 0.0,
+                   oldest_stream)

@@ -14,6 +14,16 @@ class UsageRecord(models.Model):
         PARTIAL = "partial", "Settled with what was produced (stream cut, client left, no usage)"
         RELEASED = "released", "Released: the upstream produced nothing"
         SWEPT = "swept", "Swept: the gateway process never ended its hold"
+        # A fail-open call (quota store down, operator's choice) that reached the upstream: no
+        # hold existed, so nothing bounded or pre-checked it; billed like a settled call.
+        UNMETERED = "unmetered", "Unmetered: admitted without a hold while the quota store was down"
+
+    class SweepBasis(models.TextChoices):
+        """How far the call had got when the sweep ended its hold, hence what it charged."""
+
+        RESERVED = "reserved", "Never forwarded: nothing charged"
+        FORWARDED = "forwarded", "Reached the upstream (not streamed): the full hold charged"
+        STREAMING = "streaming", "Streaming: the input and the last output checkpoint charged"
 
     request_id = models.CharField(max_length=128, unique=True)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage")
@@ -39,17 +49,38 @@ class UsageRecord(models.Model):
     started_at = models.DateTimeField(help_text="When the hold was made (Redis clock).")
     ended_at = models.DateTimeField(db_index=True, help_text="When it ended (Redis clock).")
     recorded_at = models.DateTimeField(auto_now_add=True)
+    # Swept rows: what the sweep charged from. Kept when a late settle corrects the row.
+    sweep_basis = models.CharField(max_length=16, blank=True, choices=SweepBasis.choices)
+    # A settle or release that arrived after the sweep replaces the tokens, cost and status with
+    # the real ones (billing/ledger.py); what the sweep had charged stays here, for the reports.
+    # All null: never corrected.
+    swept_input_tokens = models.BigIntegerField(null=True, blank=True)
+    swept_output_tokens = models.BigIntegerField(null=True, blank=True)
+    swept_cost_micros = models.BigIntegerField(null=True, blank=True)
+    corrected_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the late settle or release ended (Redis clock).")
+    # Tokens used above the hold (the tokenizer's estimate was low): invariant 2 says it must be
+    # rare and measured; /metrics reads it through the partial index below.
+    over_hold_tokens = models.BigIntegerField(default=0)
 
     class Meta:
         indexes = [
             models.Index(fields=["tenant", "ended_at"]),
             models.Index(fields=["provider_key", "served_model", "ended_at"]),
+            # Both are rare rows counted by /metrics on every scrape: partial indexes keep that
+            # cheap however long the ledger grows.
+            models.Index(fields=["corrected_at"], name="usage_corrected",
+                         condition=models.Q(corrected_at__isnull=False)),
+            models.Index(fields=["over_hold_tokens"], name="usage_over_hold",
+                         condition=models.Q(over_hold_tokens__gt=0)),
         ]
         constraints = [
             models.CheckConstraint(
                 name="usage_non_negative",
                 condition=models.Q(input_tokens__gte=0, output_tokens__gte=0, held_tokens__gte=0,
                                    cost_micros__gte=0)),
+            models.CheckConstraint(
+                name="usage_over_hold_non_negative", condition=models.Q(over_hold_tokens__gte=0)),
         ]
 
     def __str__(self) -> str:
