@@ -1,10 +1,14 @@
-"""Threshold alerts (remaining quota crossing the tenant's percentages, and exhaustion) and the
-pending-holds health check.
+"""Threshold alerts (remaining quota crossing the tenant's percentages, and exhaustion), and the
+operators' health checks: pending holds that stay high, and a ledger backlog that grows old.
 
-Detection reads the current day and month counters from Redis (tenant scope, and every project
-with a limit of its own), off the gateway's hot path: the ledger drain calls it for the tenants
-whose usage events it just moved (within seconds of the settle), and a beat job calls it for
-every tenant each minute to catch anything missed.
+Detection reads day and month counters from Redis (tenant scope, and every project with a limit
+of its own), off the gateway's hot path: the ledger drain calls it for the tenants whose usage
+events it just moved (within seconds of the settle), for the windows those events were charged
+to, and a beat job calls it for every tenant each minute, for the current and the previous
+windows, to catch anything missed. Both look at ended windows too, so a threshold crossed in the
+last seconds before midnight or the month's end alerts for the window it belongs to.
+`quota.exhausted` fires when nothing is left or when the gateway starts refusing calls for
+tenant or project quota (its refused-requests counts), whichever comes first.
 
 Exactly once per threshold per window: an alert fires when its AlertState row is inserted
 (INSERT ... ON CONFLICT DO NOTHING on the unique (tenant, scope, window, threshold)); only the
@@ -16,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +30,12 @@ from django.db import connection, transaction
 from django.db.models import Q
 
 from billing import webhooks
+from billing.ledger import usage_backlog
 from billing.models import AlertState, WebhookEvent
 from quotas import keys
 from quotas.limits import tenant_tag
 from quotas.runtime import get_engine
-from quotas.windows import Calendar, WindowKind
+from quotas.windows import Calendar, Window, WindowKind
 from tenants.models import Membership, Project, Tenant
 from tenants.selectors import effective_limits
 
@@ -40,6 +45,11 @@ _CHUNK = 200
 # The counter hash layout documented in quotas/keys.py.
 _FIELDS = ("limit", "used", "pending", "credit")
 _KIND_NAMES = {WindowKind.DAY: "daily", WindowKind.MONTH: "monthly"}
+# The refusal reasons (quotas.status.REFUSAL_REASONS) that mean "this quota is used up" for the
+# scopes watched here.
+_QUOTA_REFUSALS = ("quota_tenant", "quota_project")
+# A tenant without thresholds: a project counts as refusing when this little is left.
+_REFUSAL_FLOOR_PERCENT = 5
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,22 @@ def _read_counters(client: Any, counter_keys: list[str]) -> list[list[Any]]:
     return pipe.execute() if counter_keys else []
 
 
+def _read(client: Any, counter_keys: list[str], refusal_days: list[tuple[int, str]],
+          ) -> tuple[list[list[Any]], list[dict[str, int]]]:
+    """The counters, and the tenants' quota refusals per day, in one pipelined round trip."""
+    if not counter_keys and not refusal_days:
+        return [], []
+    pipe = client.pipeline(transaction=False)
+    for key in counter_keys:
+        pipe.hmget(key, _FIELDS)
+    for tenant_id, day_id in refusal_days:
+        pipe.hmget(keys.refused_key(tenant_tag(tenant_id), day_id), _QUOTA_REFUSALS)
+    replies = pipe.execute()
+    refusals = [dict(zip(_QUOTA_REFUSALS, (_as_int(v) for v in reply), strict=True))
+                for reply in replies[len(counter_keys):]]
+    return replies[:len(counter_keys)], refusals
+
+
 def _insert_state(tenant_id: int, scope: str, window: str, threshold: int) -> bool:
     """True when this call inserted the row (so it, and only it, fires the alert)."""
     q = connection.ops.quote_name
@@ -169,17 +195,17 @@ def _email(alert: Alert, kind: WindowKind, recipients: list[str]) -> tuple[str, 
     return tuple(recipients)
 
 
-def _fire(item: _Watched, window: str, threshold: int, used: int, pending: int, credit: int,
-          remaining: int) -> Alert | None:
+def _fire(item: _Watched, window: str, threshold: int, limit: int, used: int, pending: int,
+          credit: int, remaining: int) -> Alert | None:
     tenant = item.tenant
     alert = Alert(tenant_id=tenant.pk, tenant=tenant.slug, scope=item.scope, label=item.label,
-                  window=window, threshold=threshold, limit=item.limit, used=used,
+                  window=window, threshold=threshold, limit=limit, used=used,
                   pending=pending, credit=credit, remaining=remaining)
     with transaction.atomic():
         if not _insert_state(tenant.pk, item.scope, window, threshold):
             return None
         payload = webhooks.event_payload(
-            alert.event_type, tenant, scope=item.label, window=window, limit=item.limit,
+            alert.event_type, tenant, scope=item.label, window=window, limit=limit,
             used=used, pending=pending, remaining=max(remaining, 0), threshold=threshold)
         deliveries = webhooks.create_deliveries(tenant, alert.event_type, payload)
     log.info("alert: %s (%s)", _describe(alert, item.kind), window)
@@ -188,11 +214,85 @@ def _fire(item: _Watched, window: str, threshold: int, used: int, pending: int, 
                                emailed=emailed)
 
 
-def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None) -> list[Alert]:
-    """Fire every alert due for these tenants' current windows; returns the ones this call
-    fired (deliveries created, not yet dispatched: see billing.tasks.dispatch_deliveries)."""
+def _limit_of(item: _Watched, window: Window, stored: Any, now_ms: int) -> int:
+    """The limit a counter is judged by: PostgreSQL's for the current window (what the next
+    reserve passes), the counter's own for an ended one (the last limit reserved under in it;
+    -1 unlimited or 0 refuse-all: no threshold applies)."""
+    if window.contains(now_ms):
+        return item.limit
+    return _as_int(stored)
+
+
+def _moments(calendar: Calendar, now_ms: int, windows: Collection[Window] | None) -> set[int]:
+    """The instants whose day and month windows to check. Default: now and the last instant of
+    the previous day (its counter lives on for two days after its end, and on the first of a
+    month that instant is in the previous month). For windows given (by the drain): the last
+    instant of each, or now for a window that has not ended."""
+    if windows is None:
+        today = calendar.window(WindowKind.DAY, now_ms)
+        return {now_ms, today.start_ms - 1}
+    return {min(w.end_ms - 1, now_ms) for w in windows}
+
+
+@dataclass(frozen=True)
+class _Reading:
+    item: _Watched
+    window: Window
+    moment: int  # the instant it was read for (several windows may share one)
+    limit: int
+    used: int
+    pending: int
+    credit: int
+
+    @property
+    def remaining(self) -> int:
+        return self.limit + self.credit - self.used - self.pending
+
+
+def _refusal_exhausted(readings: list[_Reading], refused: dict[str, int]) -> list[_Reading]:
+    """The counters that were refusing calls, from the refusal counts of the day (tenant and
+    project quota reasons, gateway/refusals.py) and the counters live at one instant.
+
+    A reservation is refused when its amount exceeds the smallest headroom of the counters it
+    touches, so of a tenant's day and month counters the one with the least remaining is the one
+    that refused. Project refusals are counted without the project: the refuser is the tenant's
+    only limited project, or else each project whose tightest counter is within the tenant's
+    lowest threshold (5% when it has none)."""
+    out: list[_Reading] = []
+    tenant_level = [r for r in readings if r.item.scope == keys.tenant_scope()]
+    if refused.get("quota_tenant", 0) > 0 and tenant_level:
+        out.append(min(tenant_level, key=lambda r: (r.remaining, r.window.kind != WindowKind.DAY)))
+    projects: dict[str, list[_Reading]] = {}
+    for reading in readings:
+        if reading.item.scope != keys.tenant_scope():
+            projects.setdefault(reading.item.scope, []).append(reading)
+    if refused.get("quota_project", 0) > 0 and projects:
+        for group in projects.values():
+            tightest = min(group, key=lambda r: (r.remaining, r.window.kind != WindowKind.DAY))
+            floor = min(tightest.item.thresholds, default=_REFUSAL_FLOOR_PERCENT)
+            if len(projects) == 1 or tightest.remaining * 100 <= floor * tightest.limit:
+                out.append(tightest)
+    return out
+
+
+def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
+                     windows: Mapping[int, Collection[Window]] | None = None) -> list[Alert]:
+    """Fire every alert due for these tenants; returns the ones this call fired (deliveries
+    created, not yet dispatched: see billing.tasks.dispatch_deliveries).
+
+    Which windows: `windows` per tenant when given (the drain passes the windows its events were
+    charged to), else the current day and month and the previous day's (and, on the first of a
+    month, the previous month's): a threshold crossed by a settle in the last seconds of a window
+    is detected after the window ended, for the window it belongs to.
+
+    Beside the thresholds, `quota.exhausted` fires when nothing is left, and also as soon as the
+    gateway refuses calls for tenant or project quota (the refused-requests counts of the
+    day), since a call is refused while a few tokens remain, fewer than it needs.
+    """
     engine = engine or get_engine()
     ids = list(dict.fromkeys(int(i) for i in tenant_ids))
+    if windows is not None:
+        ids = [i for i in ids if windows.get(i)]
     calendar = Calendar(0)  # the gateway's windows are UTC (quotas.limits passes no offset)
     fired: list[Alert] = []
     for chunk in _chunks(ids):
@@ -201,34 +301,54 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None) -> list[A
         if not watched:
             continue
         now_ms = engine.clock.now_ms()
-        windows = {kind: calendar.window(kind, now_ms).id
-                   for kind in (WindowKind.DAY, WindowKind.MONTH)}
-        rows = _read_counters(engine.client, [
-            keys.counter_key(tenant_tag(w.tenant.pk), w.scope, windows[w.kind]) for w in watched])
-        candidates = []
-        for item, row in zip(watched, rows, strict=True):
+        moments = {tenant_id: sorted(_moments(calendar, now_ms,
+                                              None if windows is None else windows[tenant_id]),
+                                     reverse=True)
+                   for tenant_id in chunk}
+        slots: list[tuple[_Watched, Window, int]] = []
+        for item in watched:
+            for moment in moments[item.tenant.pk]:
+                slots.append((item, calendar.window(item.kind, moment), moment))
+        refusal_days = sorted({(tenant_id, calendar.window(WindowKind.DAY, moment).id)
+                               for tenant_id in chunk for moment in moments[tenant_id]})
+        rows, refusals = _read(engine.client, [
+            keys.counter_key(tenant_tag(item.tenant.pk), item.scope, window.id)
+            for item, window, _ in slots], refusal_days)
+        readings: list[_Reading] = []
+        for (item, window, moment), row in zip(slots, rows, strict=True):
             stored_limit, used, pending, credit = row
             if stored_limit is None:
-                continue  # nothing reserved in this window yet
-            used, pending, credit = _as_int(used), _as_int(pending), _as_int(credit)
-            remaining = item.limit + credit - used - pending
-            crossed = [t for t in item.thresholds if remaining * 100 <= t * item.limit]
-            if remaining <= 0:
+                continue  # nothing reserved in this window (or its counter has expired)
+            limit = _limit_of(item, window, stored_limit, now_ms)
+            if limit <= 0:
+                continue
+            readings.append(_Reading(item, window, moment, limit, _as_int(used),
+                                     _as_int(pending), _as_int(credit)))
+        candidates: list[tuple[_Reading, int]] = []
+        for reading in readings:
+            crossed = [t for t in reading.item.thresholds
+                       if reading.remaining * 100 <= t * reading.limit]
+            if reading.remaining <= 0:
                 crossed.append(AlertState.EXHAUSTED)
-            for threshold in crossed:
-                candidates.append((item, windows[item.kind], threshold, used, pending, credit,
-                                   remaining))
+            candidates += [(reading, threshold) for threshold in crossed]
+        for (tenant_id, day_id), refused in zip(refusal_days, refusals, strict=True):
+            at = [r for r in readings if r.item.tenant.pk == tenant_id
+                  and calendar.window(WindowKind.DAY, r.moment).id == day_id]
+            candidates += [(r, AlertState.EXHAUSTED) for r in _refusal_exhausted(at, refused)]
         if not candidates:
             continue
         # Skip the alerts fired already with one query; the insert decides the races.
         done = set(AlertState.objects.filter(
-            tenant_id__in={c[0].tenant.pk for c in candidates},
-            window__in={c[1] for c in candidates},
+            tenant_id__in={r.item.tenant.pk for r, _ in candidates},
+            window__in={r.window.id for r, _ in candidates},
         ).values_list("tenant_id", "scope", "window", "threshold"))
-        for item, window, threshold, *numbers in candidates:
-            if (item.tenant.pk, item.scope, window, threshold) in done:
+        for reading, threshold in candidates:
+            state = (reading.item.tenant.pk, reading.item.scope, reading.window.id, threshold)
+            if state in done:
                 continue
-            alert = _fire(item, window, threshold, *numbers)
+            done.add(state)  # the same alert may be a candidate twice (exhausted, refusals)
+            alert = _fire(reading.item, reading.window.id, threshold, reading.limit,
+                          reading.used, reading.pending, reading.credit, reading.remaining)
             if alert is not None:
                 fired.append(alert)
     return fired
@@ -236,19 +356,6 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None) -> list[A
 
 def all_tenant_ids() -> list[int]:
     return list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
-
-
-def tenants_with_usage_events(client: Any, tenant_ids: Sequence[int] | None = None) -> list[int]:
-    """The tenants whose usage stream holds events (pipelined XLEN, one round trip per chunk):
-    the ones the ledger drain is about to move, hence the ones whose counters just moved."""
-    ids = list(tenant_ids) if tenant_ids is not None else all_tenant_ids()
-    active: list[int] = []
-    for chunk in _chunks(ids, 1000):
-        pipe = client.pipeline(transaction=False)
-        for tenant_id in chunk:
-            pipe.xlen(keys.usage_stream_key(tenant_tag(tenant_id)))
-        active += [t for t, n in zip(chunk, pipe.execute(), strict=True) if n]
-    return active
 
 
 # -- health: pending holds that stay high (a leak sign) -----------------------------------------
@@ -332,3 +439,57 @@ def _alert_operators(alert: PendingAlert, now_s: int) -> None:
         mail_admins(f"Pending holds high for tenant {alert.tenant}", message)
     except Exception:  # noqa: BLE001 - the ERROR log line is the alert of record
         log.exception("could not mail the admins about tenant %s", alert.tenant)
+
+
+# -- health: usage events waiting for the ledger drain ----------------------------------------
+
+
+def backlog_alert_key() -> str:
+    """Set while operators have been told about the current backlog episode (unix seconds of
+    the alert); deleted when the backlog is young again. Not a tenant's key: no hash tag."""
+    return "tg:ledger:backlog-alerted"
+
+
+@dataclass(frozen=True)
+class BacklogAlert:
+    events: int
+    streams: int
+    oldest_age_s: float
+    oldest_stream: str
+
+
+def check_ledger_backlog(*, engine: Any = None) -> BacklogAlert | None:
+    """Alert operators (log ERROR and mail_admins) when the oldest usage event still waiting
+    for the ledger drain is older than TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS (300): PostgreSQL
+    down, or no worker draining. Nothing is lost meanwhile (the stream is trimmed only by the
+    drain), but the ledger, the reports and reconciliation fall behind. Once per episode,
+    whichever worker sees it first; works while PostgreSQL is down (billing.ledger finds the
+    streams in Redis then). Returns the alert this call raised."""
+    engine = engine or get_engine()
+    client = engine.client
+    alert_after = int(getattr(settings, "TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS", 300))
+    backlog = usage_backlog(client)
+    key = backlog_alert_key()
+    if backlog.oldest_age_s < alert_after:
+        client.delete(key)  # the episode (if any) is over: the next one alerts again
+        return None
+    # Refreshed on every check while old; lapses (and would alert again) only when no check
+    # has run for this long.
+    ttl = alert_after + 1800
+    if not client.set(key, str(int(time.time())), nx=True, ex=ttl):
+        client.expire(key, ttl)
+        return None
+    alert = BacklogAlert(backlog.events, backlog.streams, backlog.oldest_age_s,
+                         backlog.oldest_stream)
+    minutes = int(alert.oldest_age_s // 60)
+    message = (f"{alert.events} usage events of {alert.streams} tenants wait for the ledger "
+               f"drain; the oldest ({alert.oldest_stream}) is {minutes} minutes old. PostgreSQL "
+               "may be down or no worker is draining (billing.tasks.drain_usage). Nothing is "
+               "lost while the events wait in Redis, but the ledger is behind and Redis memory "
+               "grows.")
+    log.error("ledger backlog: %s", message)
+    try:
+        mail_admins(f"Ledger drain behind by {minutes} minutes", message)
+    except Exception:  # noqa: BLE001 - the ERROR log line is the alert of record
+        log.exception("could not mail the admins about the ledger backlog")
+    return alert

@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping
 
 from celery import shared_task
 from django.utils import timezone
 
-from billing.alerts import all_tenant_ids, check_thresholds, tenants_with_usage_events
+from billing.alerts import all_tenant_ids, check_thresholds
+from billing.alerts import check_ledger_backlog as check_ledger_backlog_now
 from billing.alerts import check_pending_health as check_pending_health_now
-from billing.ledger import drain_all
+from billing.ledger import DrainResult, drain_all
 from billing.models import WebhookDelivery
 from billing.webhooks import deliver, due_delivery_ids
 from quotas.runtime import get_engine
+from quotas.windows import Window
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +23,18 @@ log = logging.getLogger(__name__)
 def drain_usage() -> int:
     """Move the gateway's usage events into the ledger. Idempotent (unique request ids), and
     safe on several workers: a batch drained twice inserts nothing the second time."""
-    client = get_engine().client
-    check_alerts = _alerts_after_drain(client)
-    result = drain_all(client)
+    result = drain_all(get_engine().client)
     if result.events:
-        log.info("recorded %d usage events of %d tenants", result.events, result.tenants)
-    check_alerts()
+        log.info("recorded %d usage events of %d tenants (%d swept rows corrected)",
+                 result.events, result.tenants, result.corrected)
+    _alerts_after_drain(result)
     return result.events
 
 
 # -- threshold alerts, webhooks and health (billing/alerts.py, billing/webhooks.py) -------------
-# Beat entries (CELERY_BEAT_SCHEDULE): check_quota_thresholds and retry_due_webhooks every
-# minute, check_pending_health every five minutes. Detection at settle time runs in drain_usage.
+# Beat entries (CELERY_BEAT_SCHEDULE): check_quota_thresholds, retry_due_webhooks and
+# check_ledger_backlog every minute, check_pending_health every five minutes. Detection at
+# settle time runs in drain_usage.
 
 # Retries due within this long are queued with a countdown; later ones are left to the beat
 # (retry_due_webhooks), so no task waits for hours in a worker (or past the broker's
@@ -55,30 +56,23 @@ def dispatch_deliveries(delivery_ids: Iterable[int]) -> int:
     return queued
 
 
-def _fire_alerts(tenant_ids: Iterable[int]) -> int:
-    alerts = check_thresholds(tenant_ids)
+def _fire_alerts(tenant_ids: Iterable[int], windows: Mapping[int, Collection[Window]] | None = None,
+                 ) -> int:
+    alerts = check_thresholds(tenant_ids, windows=windows)
     dispatch_deliveries([i for alert in alerts for i in alert.delivery_ids])
     return len(alerts)
 
 
-def _alerts_after_drain(client: Any) -> Callable[[], None]:
-    """Detection at settle time, off the gateway's hot path: the tenants with usage events
-    before the drain are the ones whose counters moved; check them once the drain is done."""
+def _alerts_after_drain(result: DrainResult) -> None:
+    """Detection at settle time, off the gateway's hot path: the drained events say whose
+    counters moved and in which windows (also one that has ended since, for a settle just
+    before midnight)."""
+    if not result.windows:
+        return
     try:
-        active = tenants_with_usage_events(client)
-    except Exception:  # noqa: BLE001 - detection must never stop the ledger drain
-        log.exception("could not list the tenants with usage events; the beat will check them")
-        active = []
-
-    def check() -> None:
-        if not active:
-            return
-        try:
-            _fire_alerts(active)
-        except Exception:  # noqa: BLE001 - check_quota_thresholds catches up within a minute
-            log.exception("threshold check after the drain failed; the beat will catch up")
-
-    return check
+        _fire_alerts(list(result.windows), result.windows)
+    except Exception:  # noqa: BLE001 - check_quota_thresholds catches up within a minute
+        log.exception("threshold check after the drain failed; the beat will catch up")
 
 
 @shared_task
@@ -121,6 +115,12 @@ def retry_due_webhooks() -> int:
 def check_pending_health() -> int:
     """Alert operators when a tenant's pending holds stay high (billing.alerts)."""
     return len(check_pending_health_now())
+
+
+@shared_task
+def check_ledger_backlog() -> int:
+    """Alert operators when usage events wait too long for the drain (billing.alerts)."""
+    return 1 if check_ledger_backlog_now() is not None else 0
 
 
 @shared_task

@@ -240,6 +240,11 @@ if TOLLGATE_WEBHOOK_TIMEOUT_SECONDS <= 0 or not TOLLGATE_WEBHOOK_BACKOFF_SECONDS
 # limit for this long (a leak sign).
 TOLLGATE_PENDING_ALERT_SECONDS = _positive_int("TOLLGATE_PENDING_ALERT_SECONDS", 600)
 TOLLGATE_PENDING_ALERT_PERCENT = _positive_int("TOLLGATE_PENDING_ALERT_PERCENT", 20)
+# Ledger backlog: alert operators once per episode when the oldest usage event still waiting for
+# the drain is older than this (PostgreSQL down, or no worker draining); checked every minute.
+TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS = _positive_int("TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS", 300)
+CELERY_BEAT_SCHEDULE["check-ledger-backlog"] = {
+    "task": "billing.tasks.check_ledger_backlog", "schedule": 60.0}
 # Bearer token for GET /metrics (Prometheus); empty: /metrics answers 403.
 TOLLGATE_METRICS_TOKEN = env.str("TOLLGATE_METRICS_TOKEN", default="")
 # Daily reconciliation against the upstream bill: "mock", "openai" or "" (off).

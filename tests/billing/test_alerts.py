@@ -20,11 +20,11 @@ from billing.alerts import (
     check_pending_health,
     check_thresholds,
     pending_high_key,
-    tenants_with_usage_events,
 )
 from billing.models import AlertState, WebhookDelivery
 from billing.webhooks import create_endpoint, verify_signature
 from quotas.client import make_redis
+from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
 from quotas.limits import tenant_tag
 from quotas.runtime import get_engine
@@ -177,10 +177,163 @@ def test_projects_with_their_own_limit_and_monthly_budgets(engine: QuotaEngine) 
     assert delivery_free == []  # no endpoint configured
 
 
-def test_tenants_with_usage_events_are_the_ones_the_drain_checks(engine: QuotaEngine) -> None:
-    busy, quiet = make_tenant("busy"), make_tenant("quiet")
-    spend(engine, busy, 10, "e1")
-    assert tenants_with_usage_events(engine.client, [busy.pk, quiet.pk]) == [busy.pk]
+# -- the edge of a window, and refusals --------------------------------------------------------
+
+
+def yesterday() -> Any:
+    """Yesterday's day window (UTC), on the Redis clock."""
+    today_window = Calendar(0).window(DAY, get_engine().clock.now_ms())
+    return Calendar(0).window(DAY, today_window.start_ms - 1)
+
+
+def counter_in(engine: QuotaEngine, tenant: Tenant, window_id: str, *, limit: int, used: int,
+               scope: str = "tenant") -> str:
+    """A counter of an ended window, as the reserve and settle scripts left it; counters live
+    on for two days after their window (QUOTA_COUNTER_GRACE_SECONDS)."""
+    key = keys.counter_key(tenant_tag(tenant.pk), scope, window_id)
+    engine.client.hset(key, mapping={"limit": limit, "used": used, "pending": 0, "credit": 0})
+    engine.client.expire(key, 2 * 86400)
+    return key
+
+
+def test_a_settle_at_23_59_59_9_is_alerted_after_midnight_for_its_day(
+        engine: QuotaEngine) -> None:
+    """The drain moves the event after midnight: the alert is for the window the hold was made
+    in (from the event's `created`), not for the new day."""
+    from billing.tasks import drain_usage
+
+    acme = make_tenant("acme")
+    add_owner(acme, "olga", "olga@acme.test")
+    day = yesterday()
+    # 8_900 used before; the last call of the day, reserved at 23:59:59.9, settles 150 more.
+    counter_in(engine, acme, day.id, limit=LIMIT, used=9_050)
+    engine.client.xadd(keys.usage_stream_key(tenant_tag(acme.pk)), {
+        "request_id": "last-call", "outcome": "settled", "held": 200, "actual": 150,
+        "money": 0, "created": day.end_ms - 100, "ended": day.end_ms + 400, "meta": "{}",
+        "event": json.dumps({"in": 100, "out": 50, "outcome": "complete"})})
+
+    assert drain_usage() == 1
+    assert fired(acme) == [("tenant", day.id, 10)]
+    [message] = mail.outbox
+    assert "10%" in message.subject and day.id in message.body
+    assert check_thresholds([acme.pk]) == []  # the beat finds it done
+
+
+def test_the_beat_checks_the_previous_day_as_well(engine: QuotaEngine) -> None:
+    acme = make_tenant("acme")
+    day = yesterday()
+    counter_in(engine, acme, day.id, limit=LIMIT, used=9_600)
+    spend(engine, acme, 100, "today")  # today is fine
+    alerts = check_thresholds([acme.pk])
+    assert [(a.window, a.threshold, a.used, a.remaining) for a in alerts] == [
+        (day.id, 10, 9_600, 400), (day.id, 5, 9_600, 400)]
+    assert check_thresholds([acme.pk]) == []
+
+
+def test_on_the_first_of_the_month_the_previous_month_is_checked(engine: QuotaEngine) -> None:
+    """At 00:00:05 on December 1st the November budget's counter is still there; a settle in
+    its last second that crossed a threshold alerts for m2026-11 (and its last day)."""
+    from datetime import UTC, datetime
+
+    from quotas.windows import RedisClock
+
+    acme = make_tenant("acme", monthly_token_budget=100_000)
+    first = datetime(2026, 12, 1, 0, 0, 5, tzinfo=UTC).timestamp()
+    at_midnight = QuotaEngine(engine.client, clock=RedisClock(lambda: first))
+    counter_in(engine, acme, "m2026-11", limit=100_000, used=95_500)
+    alerts = check_thresholds([acme.pk], engine=at_midnight)
+    assert [(a.window, a.threshold) for a in alerts] == [("m2026-11", 10), ("m2026-11", 5)]
+
+
+def count_refusals(redis_url: str, tenant: Tenant, reason: str, times: int) -> None:
+    """What the gateway does for each refused call (gateway/refusals.py)."""
+    import asyncio
+
+    import redis.asyncio
+
+    from gateway.refusals import count_refusal
+
+    async def run() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            for _ in range(times):
+                await count_refusal(client, tenant_tag(tenant.pk), reason)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_calls_refused_for_quota_fire_exhausted_before_zero_is_left(
+        engine: QuotaEngine, redis_url: str, allow_private: Any) -> None:
+    """The measured case: a 2,000-token tenant stopped at 13 tokens left, its calls refused."""
+    acme = make_tenant("acme", tokens_per_day=2_000)
+    with Receiver() as receiver:
+        create_endpoint(acme, receiver.url, ["quota.exhausted"], actor="t")
+    scopes = (ScopeLimit("tenant", DAY, 2_000),)
+    spend(engine, acme, 1_987, "big", scopes=scopes)
+    assert [a.threshold for a in check_thresholds([acme.pk])] == [10, 5]
+
+    refused = engine.reserve(ReserveRequest(tenant_tag(acme.pk), "next", 100, scopes))
+    assert not refused.admitted and refused.outcome == "quota"
+    count_refusals(redis_url, acme, "quota_tenant", 3)
+    [alert] = check_thresholds([acme.pk])
+    assert (alert.event_type, alert.threshold, alert.window, alert.remaining) == (
+        "quota.exhausted", 0, today(), 13)
+    [delivery] = WebhookDelivery.objects.filter(pk__in=alert.delivery_ids)
+    assert delivery.payload["type"] == "quota.exhausted" and delivery.payload["remaining"] == 13
+    # Once per window: more refusals, or the last tokens used, fire nothing more.
+    count_refusals(redis_url, acme, "quota_tenant", 2)
+    spend(engine, acme, 13, "last", scopes=scopes)
+    assert check_thresholds([acme.pk]) == []
+
+
+def test_other_refusals_do_not_mean_exhausted(engine: QuotaEngine, redis_url: str) -> None:
+    acme = make_tenant("acme", tokens_per_day=2_000)
+    spend(engine, acme, 1_000, "half", scopes=(ScopeLimit("tenant", DAY, 2_000),))
+    count_refusals(redis_url, acme, "rate_limit", 5)
+    count_refusals(redis_url, acme, "quota_key", 5)
+    assert check_thresholds([acme.pk]) == []
+
+
+def test_project_refusals_fire_exhausted_for_the_project_that_is_out(
+        engine: QuotaEngine, redis_url: str) -> None:
+    acme = make_tenant("acme", tokens_per_day=100_000)
+    web = create_project(acme, "web", actor="t", tokens_per_day=1_000)
+    batch = create_project(acme, "batch", actor="t", tokens_per_day=1_000)
+    tenant_day = ScopeLimit("tenant", DAY, 100_000)
+    spend(engine, acme, 987, "w", scopes=(tenant_day, ScopeLimit(f"project:{web.pk}", DAY, 1_000)))
+    spend(engine, acme, 500, "b",
+          scopes=(tenant_day, ScopeLimit(f"project:{batch.pk}", DAY, 1_000)))
+    assert [(a.scope, a.threshold) for a in check_thresholds([acme.pk])] == [
+        (f"project:{web.pk}", 10), (f"project:{web.pk}", 5)]
+
+    count_refusals(redis_url, acme, "quota_project", 1)
+    [alert] = check_thresholds([acme.pk])
+    assert (alert.scope, alert.label, alert.threshold, alert.remaining) == (
+        f"project:{web.pk}", "project:web", 0, 13)
+
+
+def test_the_only_limited_project_is_the_one_refusing(engine: QuotaEngine, redis_url: str) -> None:
+    acme = make_tenant("acme", tokens_per_day=100_000)
+    web = create_project(acme, "web", actor="t", tokens_per_day=1_000)
+    spend(engine, acme, 600, "w", scopes=(ScopeLimit("tenant", DAY, 100_000),
+                                          ScopeLimit(f"project:{web.pk}", DAY, 1_000)))
+    count_refusals(redis_url, acme, "quota_project", 1)  # a 500-token call did not fit
+    [alert] = check_thresholds([acme.pk])
+    assert (alert.scope, alert.threshold, alert.remaining) == (f"project:{web.pk}", 0, 400)
+
+
+def test_refusals_in_the_last_minute_of_a_day_alert_for_that_day(engine: QuotaEngine) -> None:
+    acme = make_tenant("acme", tokens_per_day=2_000)
+    day = yesterday()
+    counter_in(engine, acme, day.id, limit=2_000, used=1_990)
+    refused = keys.refused_key(tenant_tag(acme.pk), day.id)
+    engine.client.hset(refused, "quota_tenant", 4)
+    engine.client.expire(refused, 3 * 86400)
+    alerts = check_thresholds([acme.pk])
+    assert [(a.window, a.threshold, a.remaining) for a in alerts] == [
+        (day.id, 10, 10), (day.id, 5, 10), (day.id, 0, 10)]
 
 
 def check_thresholds_committed(django_db_blocker: Any, tenant_id: int) -> int:
