@@ -6,8 +6,18 @@ Figures are sums of the ledger's integers, so the totals equal the ledger to the
 money is printed in US dollars with six decimals (exact: micro-dollars / 10^6).
 
 Columns (tenant report): day, project, api_key, model, requests, input_tokens, output_tokens,
-cost_usd. Columns (platform report): tenant, plan, requests, input_tokens, output_tokens, cost_usd.
-Released and swept requests count as requests with zero tokens and zero cost.
+cost_usd, then the sweep and its corrections (below). Columns (platform report): tenant, plan,
+requests, input_tokens, output_tokens, cost_usd, then the same sweep columns.
+Released requests count as requests with zero tokens and zero cost.
+
+The sweep columns tell finance which figures are not the upstream's own:
+  swept_requests      rows still charged what the sweep knew (the gateway never ended the call:
+                      nothing, the input and the output delivered, or the whole hold)
+  corrected_requests  swept rows that a settle or release arriving later corrected to the real
+                      usage; their tokens and cost_usd are the real ones
+  sweep_charged_usd   what the sweep had charged those corrected rows
+  correction_usd      cost_usd of those rows minus sweep_charged_usd (negative: charged back)
+A corrected row stays on the day it was swept (the report of a closed month does not move).
 """
 from __future__ import annotations
 
@@ -17,15 +27,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from django.db.models import Count, Sum
-from django.db.models.functions import TruncDate
+from django.db.models import Count, Q, Sum
+from django.db.models.functions import Coalesce, TruncDate
 
 from billing.models import UsageRecord
 from tenants.models import Tenant
 
+SWEEP_COLUMNS = ("swept_requests", "corrected_requests", "sweep_charged_usd", "correction_usd")
 TENANT_COLUMNS = ("day", "project", "api_key", "model", "requests", "input_tokens",
-                  "output_tokens", "cost_usd")
-PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens", "cost_usd")
+                  "output_tokens", "cost_usd", *SWEEP_COLUMNS)
+PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens", "cost_usd",
+                    *SWEEP_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -66,13 +78,24 @@ def usd(micros: int) -> Decimal:
     return Decimal(micros).scaleb(-6).quantize(Decimal("0.000001"))
 
 
+_CORRECTED = Q(corrected_at__isnull=False)
 _SUMS = {"requests": Count("id"), "input_tokens": Sum("input_tokens"),
-         "output_tokens": Sum("output_tokens"), "cost": Sum("cost_micros")}
+         "output_tokens": Sum("output_tokens"), "cost": Sum("cost_micros"),
+         "swept": Count("id", filter=Q(status=UsageRecord.Status.SWEPT)),
+         "corrected": Count("id", filter=_CORRECTED),
+         "sweep_charged": Coalesce(Sum("swept_cost_micros", filter=_CORRECTED), 0),
+         "corrected_cost": Coalesce(Sum("cost_micros", filter=_CORRECTED), 0)}
+_SUMMED = ("requests", "input_tokens", "output_tokens", "cost", "swept", "corrected",
+           "sweep_charged", "corrected_cost")
 
 
-def _totals(groups: list[dict]) -> tuple[int, int, int, int]:
-    return tuple(sum(g[name] for g in groups)  # type: ignore[return-value]
-                 for name in ("requests", "input_tokens", "output_tokens", "cost"))
+def _totals(groups: list[dict]) -> dict[str, int]:
+    return {name: sum(g[name] for g in groups) for name in _SUMMED}
+
+
+def _sweep_cells(g: dict) -> tuple[object, ...]:
+    return (g["swept"], g["corrected"], usd(g["sweep_charged"]),
+            usd(g["corrected_cost"] - g["sweep_charged"]))
 
 
 def tenant_month(tenant: Tenant, month: Month) -> Report:
@@ -85,14 +108,16 @@ def tenant_month(tenant: Tenant, month: Month) -> Report:
     )
     rows = [(g["day"].isoformat(), g["project__slug"] or "(deleted)",
              g["api_key__public_id"] or "(deleted)", g["served_model"], g["requests"],
-             g["input_tokens"], g["output_tokens"], usd(g["cost"])) for g in groups]
-    requests, input_tokens, output_tokens, cost = _totals(groups)
+             g["input_tokens"], g["output_tokens"], usd(g["cost"]), *_sweep_cells(g))
+            for g in groups]
+    t = _totals(groups)
     return Report(
         title=f"{tenant.slug} {month}",
         columns=TENANT_COLUMNS,
         rows=rows,
-        totals=("total", "", "", "", requests, input_tokens, output_tokens, usd(cost)),
-        cost_micros=cost,
+        totals=("total", "", "", "", t["requests"], t["input_tokens"], t["output_tokens"],
+                usd(t["cost"]), *_sweep_cells(t)),
+        cost_micros=t["cost"],
     )
 
 
@@ -104,14 +129,15 @@ def platform_month(month: Month) -> Report:
         .order_by("tenant__slug")
     )
     rows = [(g["tenant__slug"], g["tenant__plan__name"], g["requests"], g["input_tokens"],
-             g["output_tokens"], usd(g["cost"])) for g in groups]
-    requests, input_tokens, output_tokens, cost = _totals(groups)
+             g["output_tokens"], usd(g["cost"]), *_sweep_cells(g)) for g in groups]
+    t = _totals(groups)
     return Report(
         title=f"all tenants {month}",
         columns=PLATFORM_COLUMNS,
         rows=rows,
-        totals=("total", "", requests, input_tokens, output_tokens, usd(cost)),
-        cost_micros=cost,
+        totals=("total", "", t["requests"], t["input_tokens"], t["output_tokens"], usd(t["cost"]),
+                *_sweep_cells(t)),
+        cost_micros=t["cost"],
     )
 
 
@@ -134,11 +160,12 @@ def to_xlsx(report: Report) -> bytes:
     sheet.append(list(report.columns))
     for cell in sheet[1]:
         cell.font = Font(bold=True)
-    cost_column = len(report.columns)
     for row in [*report.rows, report.totals]:
-        # Decimals go in as numbers with six places shown; tokens as integers.
+        # Decimals (dollars) go in as numbers with six places shown; tokens as integers.
         sheet.append([float(v) if isinstance(v, Decimal) else v for v in row])
-        sheet.cell(row=sheet.max_row, column=cost_column).number_format = "0.000000"
+        for column, value in enumerate(row, start=1):
+            if isinstance(value, Decimal):
+                sheet.cell(row=sheet.max_row, column=column).number_format = "0.000000"
     for cell in sheet[sheet.max_row]:
         cell.font = Font(bold=True)
     out = io.BytesIO()

@@ -65,7 +65,7 @@ def test_tenant_month_groups_by_day_project_key_model_and_totals_match_the_ledge
         ("2026-11-02", "batch", acme.projects.get(slug="batch").api_keys.get().public_id, "gpt-4o"),
         ("2026-11-30", "batch", acme.projects.get(slug="batch").api_keys.get().public_id, "gpt-4o"),
     ]
-    assert report.rows[0][4:] == (2, 1010, 505, Decimal("0.007575"))
+    assert report.rows[0][4:8] == (2, 1010, 505, Decimal("0.007575"))
     sums = ledger_sums(tenant=acme)
     assert report.totals[4:7] == (sums["n"], sums["i"], sums["o"])
     assert report.cost_micros == sums["c"] == 1_523_712
@@ -84,7 +84,7 @@ def test_csv_and_xlsx_carry_the_same_figures(ledger, tmp_path: Path) -> None:
     report = tenant_month(acme, Month.parse("2026-11"))
     rows = list(csv.reader(io.StringIO(to_csv(report).decode())))
     assert rows[0] == list(report.columns)
-    assert rows[-1][-1] == "1.523712" and len(rows) == len(report.rows) + 2
+    assert rows[-1][7] == "1.523712" and len(rows) == len(report.rows) + 2
     book = load_workbook(io.BytesIO(to_xlsx(report)))
     sheet = book.active
     assert [c.value for c in sheet[1]] == list(report.columns)
@@ -95,7 +95,7 @@ def test_csv_and_xlsx_carry_the_same_figures(ledger, tmp_path: Path) -> None:
 def test_cost_report_command(ledger, tmp_path: Path) -> None:
     out = StringIO()
     call_command("cost_report", "2026-11", "--tenant", "acme", stdout=out)
-    assert out.getvalue().splitlines()[-1].endswith(",1.523712")
+    assert ",1.523712," in out.getvalue().splitlines()[-1]
     target = tmp_path / "all.xlsx"
     call_command("cost_report", "2026-11", "--all", "--format", "xlsx", "--out", str(target),
                  stdout=StringIO())
@@ -152,3 +152,44 @@ def test_report_downloads_are_scoped_to_the_callers_tenant(ledger, client) -> No
     platform = client.get("/api/reports/2026-11.xlsx")
     assert platform.status_code == 200
     assert load_workbook(io.BytesIO(platform.content)).active.max_row == 4
+
+
+def test_reports_show_swept_rows_and_the_corrections_of_late_settles(ledger) -> None:
+    """A corrected row is billed at its real usage (cost_usd), and the report says what the
+    sweep had charged it and by how much the correction changed the bill."""
+    acme, _ = ledger
+    web = acme.projects.get(slug="web")
+    key = web.api_keys.get()
+    moment = datetime(2026, 11, 1, 12, tzinfo=UTC)
+    # Corrected upward: the sweep charged the input and 40 output tokens, the stream went on.
+    UsageRecord.objects.create(
+        request_id="late-up", tenant=acme, project=web, api_key=key, model="gpt-4o",
+        served_model="gpt-4o", input_tokens=100, output_tokens=250, cost_micros=2_750,
+        held_tokens=1000, status="settled", sweep_basis="streaming", swept_input_tokens=100,
+        swept_output_tokens=40, swept_cost_micros=650, corrected_at=moment, started_at=moment,
+        ended_at=moment)
+    # Corrected downward: the sweep charged the whole hold, the upstream had produced nothing.
+    UsageRecord.objects.create(
+        request_id="late-down", tenant=acme, project=web, api_key=key, model="gpt-4o",
+        served_model="gpt-4o", held_tokens=1000, status="released", sweep_basis="forwarded",
+        swept_input_tokens=100, swept_output_tokens=900, swept_cost_micros=9_250,
+        corrected_at=moment, started_at=moment, ended_at=moment)
+    record(acme, "still-swept", 1, "gpt-4o", 100, 900, 9_250, web, key, status="swept")
+
+    report = tenant_month(acme, Month.parse("2026-11"))
+    assert report.columns[8:] == ("swept_requests", "corrected_requests", "sweep_charged_usd",
+                                  "correction_usd")
+    [row] = [r for r in report.rows if r[0] == "2026-11-01" and r[3] == "gpt-4o"]
+    assert row[4:] == (5, 1210, 1655, Decimal("0.019575"), 1, 2, Decimal("0.009900"),
+                       Decimal("-0.007150"))
+    assert report.totals[8:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
+    assert report.cost_micros == ledger_sums(tenant=acme)["c"]
+
+    platform = platform_month(Month.parse("2026-11"))
+    assert platform.rows[0][:1] == ("acme",)
+    assert platform.rows[0][6:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
+
+    sheet = load_workbook(io.BytesIO(to_xlsx(report))).active
+    assert [c.value for c in sheet[1]][8:] == list(report.columns[8:])
+    assert sheet.cell(row=sheet.max_row, column=12).value == pytest.approx(-0.00715)
+    assert sheet.cell(row=sheet.max_row, column=12).number_format == "0.000000"
