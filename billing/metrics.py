@@ -1,13 +1,32 @@
 """Prometheus text exposition (format 0.0.4) of the gateway's background health, for /metrics.
 
     tollgate_open_holds{tenant}                 gauge: holds open now (ZCARD of the hold index)
-    tollgate_usage_records_total{status}        counter: ledger rows by status (swept = leaks)
+    tollgate_usage_records_total{status}        counter: ledger rows by the status they were
+                                                recorded with (swept = leaks, corrected or not)
+    tollgate_usage_corrections_total            counter: swept rows corrected by a settle or
+                                                release that arrived after the sweep
+    tollgate_over_hold_requests_total           counter: calls whose usage exceeded their hold
+    tollgate_over_hold_tokens_total             counter: tokens used above the holds
+    tollgate_usage_backlog_events               gauge: usage events waiting for the ledger drain
+                                                (XLEN of every tenant's stream, summed)
+    tollgate_usage_backlog_oldest_seconds       gauge: age of the oldest of them (0 when none)
     tollgate_webhook_deliveries_total{status}   counter: webhook deliveries by status
     tollgate_reconciliation_difference_rate     gauge: the latest reconciliation run's largest
                                                 row difference rate (0 when none ran)
 
 The counters are counts of PostgreSQL rows, so they only ever grow (rows are never deleted in
-normal operation) and survive restarts; Prometheus' rate() works on them as usual.
+normal operation) and survive restarts; Prometheus' rate() works on them as usual. A corrected
+row changes status (swept -> settled, partial or released) but stays counted as swept, so no
+count ever goes down.
+
+Over-hold usage (invariant 2: the hold bounds the bill, a tokenizer error may still exceed it)
+comes from the ledger (UsageRecord.over_hold_tokens, filled by the drain), not from the counters'
+`over` field: the counters expire two days after their window and every scope of a call (tenant,
+project, key, model) adds the same excess to its own, so they can give neither a durable total
+nor a count of calls. A partial index keeps the query cheap however long the ledger is.
+
+The backlog gauges come from Redis only, so they are there while PostgreSQL is down (the very
+time the backlog grows); the families read from PostgreSQL are left out then, and logged.
 """
 from __future__ import annotations
 
@@ -16,8 +35,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from django.core.exceptions import FieldError
-from django.db.models import Count
+from django.db import DatabaseError
+from django.db.models import Count, Sum
 
+from billing.ledger import usage_backlog
 from billing.models import UsageRecord, WebhookDelivery
 from quotas import keys
 from quotas.limits import tenant_tag
@@ -62,6 +83,30 @@ def _counts(model: Any, statuses: Iterable[str]) -> list[tuple[dict[str, object]
     return [({"status": status}, int(found.get(status, 0))) for status in statuses]
 
 
+def usage_record_counts() -> list[tuple[dict[str, object], int]]:
+    """Ledger rows by status, a corrected row counted as swept (what it was recorded as), so a
+    correction never makes a counter go down."""
+    found = dict(UsageRecord.objects.order_by().values_list("status").annotate(n=Count("pk")))
+    corrected = dict(UsageRecord.objects.filter(corrected_at__isnull=False).order_by()
+                     .values_list("status").annotate(n=Count("pk")))
+    for status, n in corrected.items():
+        found[status] = found.get(status, 0) - n
+        found[UsageRecord.Status.SWEPT] = found.get(UsageRecord.Status.SWEPT, 0) + n
+    return [({"status": status}, int(found.get(status, 0)))
+            for status in UsageRecord.Status.values]
+
+
+def corrections() -> int:
+    return UsageRecord.objects.filter(corrected_at__isnull=False).count()
+
+
+def over_hold() -> tuple[int, int]:
+    """(calls whose usage exceeded their hold, tokens above the holds), from the ledger."""
+    sums = UsageRecord.objects.filter(over_hold_tokens__gt=0).aggregate(
+        n=Count("pk"), tokens=Sum("over_hold_tokens"))
+    return int(sums["n"] or 0), int(sums["tokens"] or 0)
+
+
 def reconciliation_difference_rate() -> float:
     """The latest reconciliation run's max difference rate; 0 when none ran or the
     reconciliation models are not installed."""
@@ -78,19 +123,46 @@ def reconciliation_difference_rate() -> float:
     return float(latest or 0)
 
 
-def render(client: Any = None) -> str:
-    client = client if client is not None else get_engine().client
+def _database_families(client: Any) -> list[str]:
     lines: list[str] = []
     lines += _family("tollgate_open_holds", "gauge",
                      "Quota holds open now, per tenant (requests in flight or leaked).",
                      (({"tenant": slug}, n) for slug, n in open_holds(client)))
     lines += _family("tollgate_usage_records_total", "counter",
-                     "Ledger rows by status (swept: holds the gateway never ended).",
-                     _counts(UsageRecord, UsageRecord.Status.values))
+                     "Ledger rows by the status they were recorded with (swept: holds the "
+                     "gateway never ended, corrected later or not).",
+                     usage_record_counts())
+    lines += _family("tollgate_usage_corrections_total", "counter",
+                     "Swept ledger rows corrected by a settle or release that came after the "
+                     "sweep.", [({}, corrections())])
+    over_calls, over_tokens = over_hold()
+    lines += _family("tollgate_over_hold_requests_total", "counter",
+                     "Calls whose actual usage exceeded their hold (token estimate too low).",
+                     [({}, over_calls)])
+    lines += _family("tollgate_over_hold_tokens_total", "counter",
+                     "Tokens used above the holds, summed over those calls.",
+                     [({}, over_tokens)])
     lines += _family("tollgate_webhook_deliveries_total", "counter",
                      "Webhook deliveries by status (failed: gave up after every retry).",
                      _counts(WebhookDelivery, WebhookDelivery.Status.values))
     lines += _family("tollgate_reconciliation_difference_rate", "gauge",
                      "Largest difference rate of the latest reconciliation run (0..1).",
                      [({}, reconciliation_difference_rate())])
+    return lines
+
+
+def render(client: Any = None) -> str:
+    client = client if client is not None else get_engine().client
+    lines: list[str] = []
+    try:
+        lines += _database_families(client)
+    except DatabaseError:
+        log.exception("/metrics: PostgreSQL unreadable, its families are left out")
+    backlog = usage_backlog(client)
+    lines += _family("tollgate_usage_backlog_events", "gauge",
+                     "Usage events waiting in Redis for the ledger drain, all tenants.",
+                     [({}, backlog.events)])
+    lines += _family("tollgate_usage_backlog_oldest_seconds", "gauge",
+                     "Age of the oldest usage event waiting for the ledger drain (0: none).",
+                     [({}, round(backlog.oldest_age_s, 3))])
     return "\n".join(lines) + "\n"
