@@ -150,9 +150,15 @@ QUOTA_STALE_HOLD_SECONDS = _positive_int("QUOTA_STALE_HOLD_SECONDS", 600)
 QUOTA_COUNTER_GRACE_SECONDS = _positive_int("QUOTA_COUNTER_GRACE_SECONDS", 2 * 86400)
 QUOTA_TOMBSTONE_SECONDS = _positive_int("QUOTA_TOMBSTONE_SECONDS", 3600)
 QUOTA_SWEEP_BATCH = _positive_int("QUOTA_SWEEP_BATCH", 200)
-# Usage events are appended to a per-tenant stream at settle; the ledger drains it. The cap only
-# guards memory when nothing drains it for a long time.
-QUOTA_USAGE_STREAM_MAXLEN = _positive_int("QUOTA_USAGE_STREAM_MAXLEN", 1_000_000)
+# Usage events are appended to a per-tenant stream at settle and never trimmed there: only the
+# ledger drain deletes them, after committing them (a PostgreSQL outage of any length loses no
+# row; the backlog is a metric and an alert instead of a cap).
+# A swept hold's tombstone must outlive every settle that may still arrive for it (they stop at
+# the stale threshold), so that late settle corrects the sweep instead of finding nothing.
+if QUOTA_TOMBSTONE_SECONDS <= QUOTA_STALE_HOLD_SECONDS:
+    raise ImproperlyConfigured(
+        "QUOTA_TOMBSTONE_SECONDS must exceed QUOTA_STALE_HOLD_SECONDS: a settle arriving after "
+        "the sweep must still find the swept hold to correct it")
 
 # The /v1 gateway (gateway/). Durations in seconds.
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT = env.float("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", default=5.0)

@@ -1,11 +1,17 @@
---[[ release.lua: end an open hold without charging anything (the upstream produced nothing),
-and append its usage event, in one atomic step.
+--[[ release.lua: end a hold without charging anything (the upstream produced nothing), and
+append its usage event, in one atomic step.
 
 Purpose
   Remove a hold's amount from `pending` in every counter it was made in, free its concurrency
   slot, close the hold and append one usage event with outcome "released". Idempotent: the
   amount comes from the hold record, never from the caller; a hold already settled, released or
-  swept is left alone, so a retried release cannot free another request's hold.
+  corrected is left alone, so a retried release cannot free another request's hold. Two late
+  cases, as in lua/settle.lua:
+    - the hold was SWEPT and charged (`charged`, `charged_money`): the upstream produced
+      nothing after all, so the charge is taken back from `used` of the counters that still
+      exist, the hold becomes "corrected" and one "corrected" event (actual 0) is appended. Once.
+    - there is NO record (Redis lost it): nothing to give back; the event is appended with
+      orphan=1 (the ledger gets its row) and a tombstone makes a retry a no-op.
 
 KEYS (one tenant, one hash tag)
   KEYS[1]      hold record    tg:{t<id>}:hold:<request_id>
@@ -18,49 +24,83 @@ ARGV
   ARGV[1]  request_id      the index and gauge member
   ARGV[2]  tombstone_ttl   seconds to keep the closed hold record
   ARGV[3]  event           opaque string (the caller's JSON: why it was released, latency, ...)
-  ARGV[4]  stream_maxlen   approximate cap of the usage stream
+  ARGV[4]  fallback        JSON object, read only when the record is gone: {"units": [...],
+                           "amount": tokens held, "created": ms, "meta": reserve's meta}
 
 Return table
-  { outcome, released }
-  "released": released = tokens removed from `pending`
-  "settled" | "swept" | "released" with 0: it had already ended (no-op, no event)
-  "unknown": no hold record; "keys_mismatch": KEYS differ from the hold's (no-op)
+  { outcome, released, held }
+  "released":  released = tokens removed from `pending`, held = the hold's tokens
+  "corrected": the hold had been swept; released = the tokens taken back from `used`,
+               held = the hold's tokens (>= 1: this call made the correction)
+  "settled" | "released" | "corrected" with 0, 0: it had already ended (no-op, no event)
+  "keys_mismatch": KEYS differ from the hold's (no-op)
 
-Usage event fields: request_id, outcome, held, actual (0), created, ended, meta, event.
-Expired counters are skipped, never recreated.
+Usage event fields: request_id, outcome ("released" | "corrected"), held, actual (0), money (0),
+created, ended, meta, event; "corrected" adds swept and swept_money; a lost record orphan=1.
+The stream is never trimmed here. Expired counters are skipped, never recreated.
 ]]
 
 if #KEYS < 4 or #ARGV ~= 4 then
   return redis.error_reply('release: expected KEYS = hold, index, stream, counters..., [gauge] and 4 ARGV')
 end
 local tombstone_ttl = tonumber(ARGV[2])
-local maxlen = tonumber(ARGV[4])
-if not tombstone_ttl or tombstone_ttl < 1 or not maxlen or maxlen < 1 then
-  return redis.error_reply('release: tombstone_ttl and stream_maxlen must be >= 1')
+if not tombstone_ttl or tombstone_ttl < 1 then
+  return redis.error_reply('release: tombstone_ttl must be >= 1')
 end
 
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
 local hold = redis.call('HMGET', KEYS[1], 'state', 'amount', 'keys', 'gauge', 'created', 'meta',
-  'units', 'money')
-if hold[1] == false then
-  return { 'unknown', 0 }
+  'units', 'money', 'charged', 'charged_money')
+local state = hold[1]
+
+if state == false then
+  local known = cjson.decode(ARGV[4])
+  if #KEYS > #known.units + 3 then redis.call('ZREM', KEYS[#KEYS], ARGV[1]) end
+  redis.call('HSET', KEYS[1], 'state', 'released', 'orphan', 1)
+  redis.call('EXPIRE', KEYS[1], tombstone_ttl)
+  redis.call('XADD', KEYS[3], '*',
+    'request_id', ARGV[1], 'outcome', 'released', 'held', known.amount, 'actual', 0,
+    'money', 0, 'created', known.created, 'ended', now_ms, 'meta', known.meta,
+    'event', ARGV[3], 'orphan', 1)
+  return { 'released', 0, tonumber(known.amount) }
 end
-if hold[1] ~= 'open' then
-  return { hold[1], 0 }
+if state ~= 'open' and state ~= 'swept' then
+  return { state, 0, 0 }
 end
 
 local keys = cjson.decode(hold[3])
 local gauge = hold[4] or ''
 local expected = #keys + 3 + (gauge ~= '' and 1 or 0)
 if #KEYS ~= expected or (gauge ~= '' and KEYS[expected] ~= gauge) then
-  return { 'keys_mismatch', 0 }
+  return { 'keys_mismatch', 0, 0 }
 end
 for i = 1, #keys do
-  if keys[i] ~= KEYS[i + 3] then return { 'keys_mismatch', 0 } end
+  if keys[i] ~= KEYS[i + 3] then return { 'keys_mismatch', 0, 0 } end
 end
 
 local amount = tonumber(hold[2])
 local units = hold[7] and cjson.decode(hold[7]) or {}
 local money = tonumber(hold[8]) or 0
+
+if state == 'swept' then
+  local swept, swept_money = tonumber(hold[9]) or 0, tonumber(hold[10]) or 0
+  for i = 1, #keys do
+    local back = units[i] == 1 and swept_money or swept
+    if back > 0 and redis.call('EXISTS', KEYS[i + 3]) == 1 then
+      redis.call('HINCRBY', KEYS[i + 3], 'used', 0 - back)
+    end
+  end
+  redis.call('HSET', KEYS[1], 'state', 'corrected', 'actual', 0)
+  redis.call('EXPIRE', KEYS[1], tombstone_ttl)
+  redis.call('XADD', KEYS[3], '*',
+    'request_id', ARGV[1], 'outcome', 'corrected', 'held', amount, 'actual', 0, 'money', 0,
+    'swept', swept, 'swept_money', swept_money,
+    'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[3])
+  return { 'corrected', swept, amount }
+end
+
 for i = 1, #keys do
   if redis.call('EXISTS', KEYS[i + 3]) == 1 then
     -- 0 - x, not -x: Lua's -0 is sent as "-0", which HINCRBY refuses
@@ -71,12 +111,10 @@ if gauge ~= '' then
   redis.call('ZREM', gauge, ARGV[1])
 end
 
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSET', KEYS[1], 'state', 'released')
 redis.call('EXPIRE', KEYS[1], tombstone_ttl)
 redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*',
-  'request_id', ARGV[1], 'outcome', 'released', 'held', amount, 'actual', 0,
+redis.call('XADD', KEYS[3], '*',
+  'request_id', ARGV[1], 'outcome', 'released', 'held', amount, 'actual', 0, 'money', 0,
   'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[3])
-return { 'released', amount }
+return { 'released', amount, amount }

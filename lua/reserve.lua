@@ -15,6 +15,7 @@ KEYS (all of one tenant, sharing its hash tag `{t<id>}`, so this runs on one clu
   KEYS[3..N+2]       counters      tg:{t<id>}:q:<scope>:<window>  hash {limit used pending credit over}
   KEYS[N+3..N+R+2]   rate buckets  tg:{t<id>}:rate:<scope>:<period> hash {tokens ts}
   KEYS[N+R+3]        gauge         tg:{t<id>}:conc:<scope>        zset; present iff cap >= 0
+  KEYS[last]         epoch         tg:{t<id>}:epoch               string; present iff check_epoch
 
 ARGV
   ARGV[1]  request_id     the index member; the caller guarantees it matches KEYS[1]
@@ -30,6 +31,13 @@ ARGV
   ARGV[9]  meta           opaque string stored in the hold and copied into its usage event
   ARGV[10] money          the call's worst-case cost in micro-dollars, integer >= 0, held in the
                           money counters (never shrunk: it stays an upper bound of the bill)
+  ARGV[11] input          estimated input (prompt) tokens, integer >= 0, stored in the hold: the
+                          sweep charges it for a call that reached the upstream
+  ARGV[12] price_in       micro-dollars per million input tokens, integer >= 0 } the price the
+  ARGV[13] price_out      micro-dollars per million output tokens, integer >= 0} ledger uses, so
+                          the sweep prices what it charges exactly like the ledger
+  ARGV[14] check_epoch    1: refuse with code -5 when the epoch key is missing (Redis lost the
+                          tenant's data: its counters would read 0); 0: no epoch key is passed
   then for counter i, five values:  limit (-1 unlimited, 0 refuse all), window_start ms
                                     (inclusive), window_end ms (exclusive), expire_at unix s,
                                     unit (0: tokens, held `granted`; 1: micro-dollars, held `money`)
@@ -46,6 +54,7 @@ Return table (integers only)
   refused, quota:    { 0, i, now_ms, rem_1..rem_N, bucket_1..bucket_R }  i = first refusing counter
   window mismatch:   { -1, i, now_ms }
   duplicate id:      { -2, 0, now_ms }                  a hold (or its tombstone) has this id
+  epoch missing:     { -5, 0, now_ms }                  counters must be rebuilt first
   refused, rate:     { -3, j, now_ms, retry_after_ms }  j = first empty bucket
   refused, gauge:    { -4, open, now_ms }               open = requests in flight for the key
   rem_i = limit + credit - used - pending after this call (-1: unlimited counter);
@@ -54,8 +63,10 @@ Return table (integers only)
 
 Hold record (hash KEYS[1])
   amount, money, created (now_ms), keys (JSON array of the counter keys), units (JSON array,
-  0 tokens / 1 money, per key), gauge (the gauge key or ""), meta,
-  state "open" (later "settled" | "released" | "swept", then a short-lived tombstone).
+  0 tokens / 1 money, per key), gauge (the gauge key or ""), meta, input, pin, pout,
+  phase "reserved" (later "forwarded" | "streaming", lua/progress.lua), progress (output tokens
+  delivered at the last checkpoint, 0), state "open" (later "settled" | "released" | "swept" |
+  "corrected", then a short-lived tombstone).
   It expires with the latest counter (never before the counters it will decrement); each hold is
   its own key, so no expiry can drop other requests' holds at once.
 
@@ -67,10 +78,11 @@ stale_ms after its last admission. The index has no TTL; Redis deletes it when e
 
 local n, r = tonumber(ARGV[5]), tonumber(ARGV[6])
 local cap = tonumber(ARGV[7])
+local check_epoch = ARGV[14] == '1'
 if not n or n < 1 or not r or r < 0 or not cap or cap < -1
-  or #ARGV ~= 10 + 5 * n + 2 * r
-  or #KEYS ~= 2 + n + r + (cap >= 0 and 1 or 0) then
-  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge]; ARGV = 10 + 5N + 2R values')
+  or #ARGV ~= 14 + 5 * n + 2 * r
+  or #KEYS ~= 2 + n + r + (cap >= 0 and 1 or 0) + (check_epoch and 1 or 0) then
+  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge], [epoch]; ARGV = 14 + 5N + 2R values')
 end
 
 local request_id = ARGV[1]
@@ -79,9 +91,11 @@ local min_amount = tonumber(ARGV[3])
 local dry_run = ARGV[4] == '1'
 local stale_ms = tonumber(ARGV[8])
 local money = tonumber(ARGV[10])
+local input, price_in, price_out = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 if not amount or amount < 1 or not min_amount or min_amount < 1 or min_amount > amount
-  or not stale_ms or stale_ms < 1 or not money or money < 0 then
-  return redis.error_reply('reserve: amount must be >= 1, 1 <= min_amount <= amount, stale_ms >= 1, money >= 0')
+  or not stale_ms or stale_ms < 1 or not money or money < 0
+  or not input or input < 0 or not price_in or price_in < 0 or not price_out or price_out < 0 then
+  return redis.error_reply('reserve: amount must be >= 1, 1 <= min_amount <= amount, stale_ms >= 1, money, input and prices >= 0')
 end
 
 local t = redis.call('TIME')
@@ -89,13 +103,19 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local limits, expire_ats, units = {}, {}, {}
 for i = 1, n do
-  local base = 10 + 5 * (i - 1)
+  local base = 14 + 5 * (i - 1)
   limits[i] = tonumber(ARGV[base + 1])
   expire_ats[i] = tonumber(ARGV[base + 4])
   units[i] = tonumber(ARGV[base + 5])
   if now_ms < tonumber(ARGV[base + 2]) or now_ms >= tonumber(ARGV[base + 3]) then
     return { -1, i, now_ms }
   end
+end
+
+-- A missing epoch means this slot lost its data (restart without persistence, failover,
+-- flush): every counter would read 0, an overdraft nobody notices. Refuse until rebuilt.
+if check_epoch and redis.call('EXISTS', KEYS[#KEYS]) == 0 then
+  return { -5, 0, now_ms }
 end
 
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -116,7 +136,7 @@ end
 -- 2. request rate: token buckets, one request each
 local bucket_left, bucket_cap, bucket_period = {}, {}, {}
 for j = 1, r do
-  local base = 10 + 5 * n + 2 * (j - 1)
+  local base = 14 + 5 * n + 2 * (j - 1)
   local capacity, period = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
   local f = redis.call('HMGET', KEYS[2 + n + j], 'tokens', 'ts')
   local tokens = tonumber(f[1]) or capacity
@@ -207,7 +227,8 @@ local counter_keys = {}
 for i = 1, n do counter_keys[i] = KEYS[i + 2] end
 redis.call('HSET', KEYS[1], 'amount', granted, 'money', money, 'created', now_ms,
   'keys', cjson.encode(counter_keys), 'units', cjson.encode(units),
-  'gauge', gauge or '', 'meta', ARGV[9], 'state', 'open')
+  'gauge', gauge or '', 'meta', ARGV[9], 'input', input, 'pin', price_in, 'pout', price_out,
+  'phase', 'reserved', 'progress', 0, 'state', 'open')
 redis.call('EXPIREAT', KEYS[1], hold_expire_at)
 redis.call('ZADD', KEYS[2], now_ms, request_id)
 

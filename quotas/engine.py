@@ -47,6 +47,16 @@ class QuotaClockError(QuotaError):
     """The Redis clock kept falling outside the computed window (should never persist)."""
 
 
+class QuotaEpochLost(QuotaError):
+    """The tenant's epoch marker is missing: Redis lost the tenant's data (a restart without
+    persistence, a failover, a flush), or it was never initialised. Its counters would read 0,
+    so nothing is admitted until they are rebuilt from the ledger (see `rebuild`)."""
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(f"the quota counters of tenant {tenant} must be rebuilt (epoch missing)")
+        self.tenant = tenant
+
+
 class DuplicateRequestId(QuotaError):
     """A hold with this request id has already ended (its tombstone remains); request ids must
     be unique. (Reserving an id whose hold is still open returns that hold: see `reserve`.)"""
@@ -64,6 +74,14 @@ def _store_errors() -> Iterator[None]:
 
 
 # -- requests and results -----------------------------------------------------------------------
+
+
+class Phase(StrEnum):
+    """How far a hold's call got; the sweep charges accordingly (lua/sweep.lua)."""
+
+    RESERVED = "reserved"  # admitted, not yet known to have reached the upstream: sweep charges 0
+    FORWARDED = "forwarded"  # a non-streamed call in flight upstream: the whole hold
+    STREAMING = "streaming"  # a stream: the input plus the last checkpoint of output delivered
 
 
 class Unit(StrEnum):
@@ -132,6 +150,14 @@ class ReserveRequest:
     meta: str = ""  # stored with the hold and copied into its usage event (e.g. JSON)
     # Worst-case cost in micro-dollars, held in full by the MICROS counters (spend budgets).
     money_amount: int = 0
+    # Stored in the hold so the sweep can charge a dead call what is known: its estimated input,
+    # priced like the ledger prices it (micro-dollars per million tokens).
+    input_tokens: int = 0
+    price_in: int = 0
+    price_out: int = 0
+    # Refuse (QuotaEpochLost) when the tenant's epoch marker is missing. The gateway turns it on;
+    # off by default for tools and tests that use a bare Redis.
+    check_epoch: bool = False
 
     def __post_init__(self) -> None:
         keys.validate_request_id(self.request_id)
@@ -141,6 +167,9 @@ class ReserveRequest:
         if self.min_amount is not None and not (1 <= self.min_amount <= self.amount):
             raise ValueError("min_amount must be between 1 and amount")
         _require_int("money_amount", self.money_amount, 0)
+        _require_int("input_tokens", self.input_tokens, 0)
+        _require_int("price_in", self.price_in, 0)
+        _require_int("price_out", self.price_out, 0)
         seen = {(s.scope, s.window, s.unit) for s in self.limits}
         if len(seen) != len(self.limits):
             raise ValueError("each (scope, window, unit) may appear once")
@@ -166,6 +195,11 @@ class Hold:
     counter_keys: tuple[str, ...]
     gauge_key: str = ""  # the concurrency gauge the request occupies, if any
     money_amount: int = 0  # micro-dollars held in the spend-budget counters
+    # What a settle needs if Redis lost the record (lua/settle.lua "fallback"): the unit of each
+    # counter (0 tokens, 1 micro-dollars), the reserve's meta and its Redis time.
+    units: tuple[int, ...] = ()
+    meta: str = ""
+    created_ms: int = 0
 
 
 class Outcome(StrEnum):
@@ -209,22 +243,35 @@ class SettleResult:
     def applied(self) -> bool:
         return self.outcome == "settled" and (self.held > 0 or self.charged > 0)
 
+    @property
+    def corrected(self) -> bool:
+        """This settle arrived after the sweep and corrected its charge (by `charged`)."""
+        return self.outcome == "corrected" and self.held > 0
+
 
 @dataclass(frozen=True)
 class ReleaseResult:
     request_id: str
-    outcome: str  # released | settled | swept | unknown | keys_mismatch
-    released: int
+    outcome: str  # released | corrected | settled | keys_mismatch; unknown (by id only)
+    released: int  # tokens freed from pending, or (corrected) taken back from used
+    held: int = 0  # the hold's tokens when this call ended or corrected it; 0 for a no-op
 
     @property
     def applied(self) -> bool:
         return self.outcome == "released" and self.released > 0
 
+    @property
+    def corrected(self) -> bool:
+        """This release arrived after the sweep and took its charge back."""
+        return self.outcome == "corrected" and self.held > 0
+
 
 @dataclass(frozen=True)
 class SweptHold:
     request_id: str
-    amount: int
+    amount: int  # tokens that were held
+    charged: int = 0  # tokens the sweep charged (what the hold knew of its call)
+    basis: str = Phase.RESERVED.value  # the hold's phase, which decided the charge
 
 
 @dataclass(frozen=True)
@@ -284,7 +331,6 @@ class EngineSettings:
     tombstone_s: int = 3600
     stale_hold_s: int = 600
     sweep_batch: int = 200
-    stream_maxlen: int = 1_000_000  # usage events kept per tenant if nothing drains them
 
     @classmethod
     def from_django(cls) -> EngineSettings:
@@ -295,7 +341,6 @@ class EngineSettings:
             tombstone_s=settings.QUOTA_TOMBSTONE_SECONDS,
             stale_hold_s=settings.QUOTA_STALE_HOLD_SECONDS,
             sweep_batch=settings.QUOTA_SWEEP_BATCH,
-            stream_maxlen=settings.QUOTA_USAGE_STREAM_MAXLEN,
         )
 
 
@@ -318,6 +363,50 @@ def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
 
 def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _unit_code(unit: Unit) -> int:
+    return 1 if unit is Unit.MICROS else 0
+
+
+def _fallback(hold: Hold) -> str:
+    """What settle / release need when Redis lost the hold record (see lua/settle.lua). Numbers
+    travel as strings: cjson would turn a 13-digit millisecond time into a float."""
+    units = hold.units or tuple(0 for _ in hold.counter_keys)
+    return json.dumps({"units": list(units), "amount": str(hold.amount),
+                       "created": str(hold.created_ms), "meta": hold.meta},
+                      separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class RebuildCounter:
+    """One current-window counter restored from the ledger after Redis lost data."""
+
+    scope: str
+    window: Window
+    used: int  # tokens, or micro-dollars for a MICROS counter
+    limit: int = UNLIMITED  # stored for readers; reserve always uses the limit it is given
+    unit: Unit = Unit.TOKENS
+
+    def __post_init__(self) -> None:
+        keys.validate_scope(self.scope)
+        _require_int("used", self.used, 0)
+        _require_int("limit", self.limit, UNLIMITED)
+
+
+def _progress_args(phase: Phase, output_tokens: int) -> list[Any]:
+    if phase not in (Phase.FORWARDED, Phase.STREAMING):
+        raise ValueError(f"progress records forwarded or streaming, not {phase!r}")
+    _require_int("output_tokens", output_tokens, 0)
+    return [phase.value, output_tokens]
+
+
+def _unmetered_fields(request_id: str, actual: int, created_ms: int, ended_ms: int, meta: str,
+                      event: str) -> dict[str, Any]:
+    keys.validate_request_id(request_id)
+    _require_int("actual", actual, 0)
+    return {"request_id": request_id, "outcome": "unmetered", "held": 0, "actual": actual,
+            "money": 0, "created": created_ms, "ended": ended_ms, "meta": meta, "event": event}
 
 
 @dataclass
@@ -353,6 +442,10 @@ class _Calls:
             self.settings.stale_hold_s * 1000,
             req.meta,
             req.money_amount,
+            req.input_tokens,
+            req.price_in,
+            req.price_out,
+            1 if req.check_epoch else 0,
         ]
         for limit in req.limits:
             window = cal.window(limit.window, now_ms)
@@ -367,6 +460,8 @@ class _Calls:
             args += [rate.capacity, rate.period_ms]
         if req.concurrency is not None:
             call_keys.append(keys.gauge_key(req.tenant, req.concurrency.scope))
+        if req.check_epoch:
+            call_keys.append(keys.epoch_key(req.tenant))
         return _ReserveCall(req, tuple(counters), call_keys, args)
 
     def reserve_reply(self, call: _ReserveCall, reply: Sequence[Any]) -> Reservation | None:
@@ -378,6 +473,8 @@ class _Calls:
         req = call.request
         if code == -2:
             return _DUPLICATE
+        if code == -5:
+            raise QuotaEpochLost(req.tenant)
         if code in (-3, -4):
             rate = code == -3
             return Reservation(
@@ -400,7 +497,8 @@ class _Calls:
         if admitted and not req.dry_run:
             gauge = keys.gauge_key(req.tenant, req.concurrency.scope) if req.concurrency else ""
             hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states), gauge,
-                        req.money_amount)
+                        req.money_amount, tuple(_unit_code(s.unit) for s in states), req.meta,
+                        now_ms)
         return Reservation(
             admitted=admitted,
             request_id=req.request_id,
@@ -429,18 +527,20 @@ class _Calls:
             raise ValueError(f"actual tokens must be an integer >= 0, got {actual!r}")
         if not isinstance(actual_money, int) or actual_money < 0:
             raise ValueError(f"actual_money must be an integer >= 0, got {actual_money!r}")
-        return [hold.request_id, actual, self.settings.tombstone_s, event,
-                self.settings.stream_maxlen, actual_money]
+        return [hold.request_id, actual, self.settings.tombstone_s, event, actual_money,
+                _fallback(hold)]
 
     def release_args(self, hold: Hold, event: str) -> list[Any]:
-        return [hold.request_id, self.settings.tombstone_s, event, self.settings.stream_maxlen]
+        return [hold.request_id, self.settings.tombstone_s, event, _fallback(hold)]
 
     def hold_from_record(self, tenant: str, request_id: str, record: Sequence[Any]) -> Hold | None:
-        state, amount, counter_keys, gauge, money = record
+        state, amount, counter_keys, gauge, money, units, meta, created = record
         if state is None or _str(state) != "open":
             return None
         return Hold(tenant, request_id, int(amount), tuple(json.loads(_str(counter_keys))),
-                    _str(gauge) if gauge else "", int(money or 0))
+                    _str(gauge) if gauge else "", int(money or 0),
+                    tuple(json.loads(_str(units))) if units else (),
+                    _str(meta) if meta else "", int(created or 0))
 
     def recovered(self, call: _ReserveCall, record: Sequence[Any]) -> Reservation:
         """The reservation a repeated reserve call already made.
@@ -474,8 +574,7 @@ class _Calls:
         hold_keys = [keys.hold_key(tenant, rid) for rid in ids]
         call_keys = [keys.hold_index_key(tenant), keys.usage_stream_key(tenant), *hold_keys,
                      *touched]
-        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s,
-                           self.settings.stream_maxlen, *ids]
+        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s, *ids]
         return call_keys, args
 
     def sweep_reply(self, tenant: str, reply: Sequence[Any]) -> SweepResult:
@@ -483,7 +582,8 @@ class _Calls:
         self.clock.observe(now_ms)
         rest = reply[4:]
         swept = tuple(
-            SweptHold(_str(rest[i]), int(rest[i + 1])) for i in range(0, 2 * swept_n, 2)
+            SweptHold(_str(rest[i]), int(rest[i + 1]), int(rest[i + 2]), _str(rest[i + 3]))
+            for i in range(0, 4 * swept_n, 4)
         )
         return SweepResult(tenant=tenant, swept=swept, dropped=dropped, fresh=fresh)
 
@@ -496,6 +596,16 @@ class _Calls:
         key = _counter_key(tenant, limit, window)
         return window, key, [tokens, limit.limit, window.start_ms, window.end_ms,
                              self.expire_at(window)]
+
+    def rebuild_call(self, tenant: str, counters: Sequence[RebuildCounter],
+                     epoch: str) -> tuple[list[str], list[Any]]:
+        call_keys = [keys.epoch_key(tenant)]
+        args: list[Any] = [len(counters), epoch]
+        for c in counters:
+            call_keys.append(_counter_key(tenant, ScopeLimit(c.scope, c.window.kind, c.limit,
+                                                             c.unit), c.window))
+            args += [c.used, c.limit, self.expire_at(c.window)]
+        return call_keys, args
 
     def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, utc_offset_s: int,
                         unit: Unit = Unit.TOKENS) -> str:
@@ -517,7 +627,7 @@ def _snapshot(key: str, fields: Sequence[Any], ttl: int) -> CounterSnapshot:
 
 
 _COUNTER_FIELDS = ("limit", "used", "pending", "credit", "over")
-_HOLD_FIELDS = ("state", "amount", "keys", "gauge", "money")
+_HOLD_FIELDS = ("state", "amount", "keys", "gauge", "money", "units", "meta", "created")
 _DUPLICATE = object()  # reserve_reply: a hold with this id exists
 
 
@@ -564,8 +674,46 @@ class QuotaEngine:
 
     def release(self, hold: Hold, event: str = "") -> ReleaseResult:
         args = self._calls.release_args(hold, event)
-        outcome, released = self._run("release", self._calls.end_keys(hold), args)
-        return ReleaseResult(hold.request_id, _str(outcome), int(released))
+        outcome, released, held = self._run("release", self._calls.end_keys(hold), args)
+        return ReleaseResult(hold.request_id, _str(outcome), int(released), int(held))
+
+    def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0) -> str:
+        """Record how far the hold's call got (lua/progress.lua); the hold's state is returned
+        ("open" when recorded; otherwise the call had already ended and nothing changed)."""
+        reply = self._run("progress", [keys.hold_key(hold.tenant, hold.request_id)],
+                          _progress_args(phase, output_tokens))
+        return _str(reply[0])
+
+    def append_unmetered(self, tenant: str, request_id: str, *, actual: int, created_ms: int,
+                         ended_ms: int, meta: str = "", event: str = "") -> None:
+        """The usage event of a call forwarded without a hold (fail-open while Redis was down),
+        appended once Redis answers again, so the ledger still gets its row."""
+        fields = _unmetered_fields(request_id, actual, created_ms, ended_ms, meta, event)
+        with _store_errors():
+            self.client.xadd(keys.usage_stream_key(tenant), fields)
+
+    def current_window(self, kind: WindowKind, utc_offset_s: int = 0) -> Window:
+        """The window of `kind` that contains the Redis clock's now."""
+        with _store_errors():
+            seconds, micros = self.client.time()  # one clock: Redis' (DESIGN.md invariant 6)
+        self.clock.observe(int(seconds) * 1000 + int(micros) // 1000)
+        return self._calls.calendar(utc_offset_s).window(kind, self.clock.now_ms())
+
+    def has_epoch(self, tenant: str) -> bool:
+        with _store_errors():
+            return bool(self.client.exists(keys.epoch_key(tenant)))
+
+    def rebuild(self, tenant: str, counters: Sequence[RebuildCounter], epoch: str = "") -> int:
+        """Restore current-window counters (used = max(existing, figure)) and set the tenant's
+        epoch marker, atomically (lua/rebuild.lua). Returns how many counters it raised."""
+        call_keys, args = self._calls.rebuild_call(tenant, counters, epoch or "rebuilt")
+        raised, now_ms = self._run("rebuild", call_keys, args)
+        self.clock.observe(int(now_ms))
+        return int(raised)
+
+    def set_epoch(self, tenant: str, epoch: str = "") -> None:
+        """Mark the tenant's data as present (a new tenant, or after a rebuild)."""
+        self.rebuild(tenant, (), epoch)
 
     def open_hold(self, tenant: str, request_id: str) -> Hold | None:
         """The open hold of a request, read back from Redis (for settling by id off the hot path)."""
@@ -713,8 +861,22 @@ class AsyncQuotaEngine:
 
     async def release(self, hold: Hold, event: str = "") -> ReleaseResult:
         args = self._calls.release_args(hold, event)
-        outcome, released = await self._run("release", self._calls.end_keys(hold), args)
-        return ReleaseResult(hold.request_id, _str(outcome), int(released))
+        outcome, released, held = await self._run("release", self._calls.end_keys(hold), args)
+        return ReleaseResult(hold.request_id, _str(outcome), int(released), int(held))
+
+    async def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0) -> str:
+        """See QuotaEngine.progress: one round trip, off the short-call hot path."""
+        reply = await self._run("progress", [keys.hold_key(hold.tenant, hold.request_id)],
+                                _progress_args(phase, output_tokens))
+        return _str(reply[0])
+
+    async def append_unmetered(self, tenant: str, request_id: str, *, actual: int,
+                               created_ms: int, ended_ms: int, meta: str = "",
+                               event: str = "") -> None:
+        """See QuotaEngine.append_unmetered."""
+        fields = _unmetered_fields(request_id, actual, created_ms, ended_ms, meta, event)
+        with _store_errors():
+            await self.client.xadd(keys.usage_stream_key(tenant), fields)
 
     async def take_capacity(self, provider_key_id: int, rpm: int | None, tpm: int | None,
                             tokens: int) -> CapacityResult:

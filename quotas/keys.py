@@ -4,12 +4,13 @@ All keys of one tenant carry the hash tag `{t<tenant>}`, so on a Redis Cluster t
 slot and one script call can touch every scope of a request. Layout:
 
     tg:{t<tenant>}:q:<scope>:<window>   counter hash {limit, used, pending, credit, over}
-    tg:{t<tenant>}:hold:<request_id>    hold record hash {amount, created, keys, state, actual}
+    tg:{t<tenant>}:hold:<request_id>    hold record hash {amount, created, keys, state, phase, ...}
     tg:{t<tenant>}:holds                zset of open holds, score = created ms (Redis clock)
     tg:{t<tenant>}:rate:<scope>:<period>ms  token bucket hash {tokens, ts} (request rate)
     tg:{t<tenant>}:conc:<scope>         zset of requests in flight (concurrency cap)
     tg:{t<tenant>}:usage                stream of usage events (one per ended hold)
     tg:{t<tenant>}:refused:<day window> hash {reason: count} of requests refused that UTC day
+    tg:{t<tenant>}:epoch                string: present while the tenant's data is (see epoch_key)
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
@@ -80,6 +81,12 @@ def gauge_key(tenant: str, scope: str) -> str:
 
 def usage_stream_key(tenant: str) -> str:
     return f"{_tag(tenant)}:usage"
+
+
+def epoch_key(tenant: str) -> str:
+    """The tenant's epoch marker. It lives in the tenant's slot, so a shard that lost its data
+    loses the marker with the counters, and the reserve script (which checks it) notices."""
+    return f"{_tag(tenant)}:epoch"
 
 
 def refused_key(tenant: str, day_window_id: str) -> str:

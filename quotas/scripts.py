@@ -28,5 +28,7 @@ RELEASE = _read("release")
 SWEEP = _read("sweep")
 RECHARGE = _read("recharge")
 PROVIDER_TAKE = _read("provider_take")
+PROGRESS = _read("progress")
+REBUILD = _read("rebuild")
 
-ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE)
+ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD)

@@ -14,7 +14,9 @@ log = logging.getLogger(__name__)
 
 @shared_task
 def sweep_stale_holds() -> int:
-    """Release holds older than QUOTA_STALE_HOLD_SECONDS for every tenant, in bounded batches.
+    """End holds older than QUOTA_STALE_HOLD_SECONDS for every tenant, in bounded batches,
+    charging what each hold knew of its call (nothing if never forwarded, the whole hold for a
+    forwarded call, input plus the last checkpoint for a stream: lua/sweep.lua).
 
     Tenants come from PostgreSQL, so the keyspace is never scanned. Two workers running this at
     once are harmless: the sweep script ends a hold only while it is open, exactly once. Each

@@ -102,7 +102,8 @@ def test_quota_show_recharge_and_sweep_commands(acme: Tenant) -> None:
 
     time.sleep(0.002)
     swept = run("quota_sweep", "acme", "--stale-seconds", "0")
-    assert swept == {"swept": 2, "tenants": {"acme": {"swept": 2, "tokens_released": 110}}}
+    assert swept == {"swept": 2, "tenants": {"acme": {"swept": 2, "tokens_released": 110,
+                                                      "tokens_charged": 0}}}
     assert engine.counter(tag, f"project:{project.pk}").pending == 0
 
 

@@ -5,8 +5,11 @@ After every step, for every counter ever touched:
     pending == the sum of the open holds made in it (tokens, or micro-dollars in the money
     counter of the monthly spend budget)
     no counter is negative
-    the usage stream holds exactly one event per ended hold
-and every reply matches a plain Python model of what the answer must be.
+    the usage stream holds exactly one event per ended hold, plus one per corrected sweep
+and every reply matches a plain Python model of what the answer must be, including what the sweep
+charges (nothing for a hold never forwarded, the whole hold for a forwarded call, the input plus
+the last checkpoint for a stream) and the one correction a settle or release after the sweep
+makes (the counters then hold the call's real usage).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from quotas.engine import (
     UNLIMITED,
     EngineSettings,
     Hold,
+    Phase,
     QuotaEngine,
     ReserveRequest,
     ScopeLimit,
@@ -52,10 +56,35 @@ class Expected:
     money: bool = False  # a spend-budget counter: holds the request's money_amount
 
 
+_RANK = {Phase.RESERVED: 0, Phase.FORWARDED: 1, Phase.STREAMING: 2}
+
+
 @dataclass
 class OpenHold:
     hold: Hold
+    input_tokens: int
+    price_in: int
+    price_out: int
     open: bool = True
+    phase: Phase = Phase.RESERVED
+    progress: int = 0
+    swept: bool = False  # ended by the sweep, with `charged` / `charged_money`
+    corrected: bool = False  # a late settle or release has corrected the sweep
+    charged: int = 0
+    charged_money: int = 0
+
+    def sweep_charge(self) -> tuple[int, int]:
+        """What lua/sweep.lua must charge: (tokens, micro-dollars)."""
+        amount = self.hold.amount
+        tokens_in = min(self.input_tokens, amount)
+        if self.phase is Phase.FORWARDED:
+            tokens_out = amount - tokens_in
+        elif self.phase is Phase.STREAMING:
+            tokens_out = min(self.progress, amount - tokens_in)
+        else:
+            tokens_in = tokens_out = 0
+        micros = (tokens_in * self.price_in + tokens_out * self.price_out + 500_000) // 1_000_000
+        return tokens_in + tokens_out, micros
 
 
 class QuotaMachine(RuleBasedStateMachine):
@@ -93,17 +122,22 @@ class QuotaMachine(RuleBasedStateMachine):
         target=holds,
         scopes=st.lists(st.sampled_from(SCOPES), min_size=1, max_size=5, unique=True),
         amount=st.integers(min_value=1, max_value=150),
-        money=st.integers(min_value=0, max_value=400),
+        input_tokens=st.integers(min_value=0, max_value=150),
+        price_in=st.integers(min_value=0, max_value=2_500_000),
+        price_out=st.integers(min_value=0, max_value=2_500_000),
         shrink=st.booleans(),
         dry_run=st.booleans(),
     )
-    def reserve(self, scopes: list[str], amount: int, money: int, shrink: bool,
-                dry_run: bool) -> OpenHold | None:
+    def reserve(self, scopes: list[str], amount: int, input_tokens: int, price_in: int,
+                price_out: int, shrink: bool, dry_run: bool) -> OpenHold | None:
         self.n += 1
         min_amount = max(1, amount // 3) if shrink else None
+        # As the gateway holds it: every token at the dearer price, so any charge fits.
+        money = -(-amount * max(price_in, price_out) // 1_000_000)
         request = ReserveRequest(
             self.tenant, f"r{self.n}", amount, self._limits(scopes), min_amount=min_amount,
             dry_run=dry_run, utc_offset_s=self.day_shift, money_amount=money,
+            input_tokens=input_tokens, price_in=price_in, price_out=price_out,
         )
         result = self.engine.reserve(request)
 
@@ -128,9 +162,29 @@ class QuotaMachine(RuleBasedStateMachine):
             e = self.counters.setdefault(c.key, Expected(c.limit, money=m))
             e.limit = c.limit
             e.pending += money if m else result.granted
-        entry = OpenHold(result.hold)
+        entry = OpenHold(result.hold, input_tokens, price_in, price_out)
         self.open[result.request_id] = entry
         return entry
+
+    @rule(entry=holds, phase=st.sampled_from([Phase.FORWARDED, Phase.STREAMING]),
+          tokens=st.integers(min_value=0, max_value=200))
+    def progress(self, entry: OpenHold | None, phase: Phase, tokens: int) -> None:
+        if entry is None:
+            return
+        state = self.engine.progress(entry.hold, phase, tokens)
+        assert (state == "open") == entry.open, (state, entry)
+        if entry.open:
+            if _RANK[phase] > _RANK[entry.phase]:
+                entry.phase = phase
+            entry.progress = max(entry.progress, tokens)
+
+    def _correct(self, entry: OpenHold, actual: int, actual_money: int) -> None:
+        """A settle (or a release: 0, 0) after the sweep: the difference, once."""
+        for key in entry.hold.counter_keys:
+            e = self.counters[key]
+            e.used += (actual_money - entry.charged_money) if e.money else (actual - entry.charged)
+        entry.corrected = True
+        self.ended += 1  # its "corrected" event
 
     def _end(self, entry: OpenHold, used: int | None, used_money: int = 0) -> None:
         for key in entry.hold.counter_keys:
@@ -149,28 +203,43 @@ class QuotaMachine(RuleBasedStateMachine):
         actual = int(entry.hold.amount * fraction)
         actual_money = int(entry.hold.money_amount * fraction)
         was_open = entry.open
+        late = entry.swept and not entry.corrected
         result = self.engine.settle(entry.hold, actual, actual_money=actual_money)
         assert (result.outcome == "settled" and result.held > 0) == was_open
+        assert result.corrected == late, (result, entry)
         if was_open:
             self._end(entry, actual, actual_money)
+        elif late:
+            assert result.charged == actual - entry.charged
+            self._correct(entry, actual, actual_money)
 
     @rule(entry=consumes(holds))
     def release(self, entry: OpenHold | None) -> None:
         if entry is None:
             return
         was_open = entry.open
+        late = entry.swept and not entry.corrected
         result = self.engine.release(entry.hold)
         assert result.applied == was_open
+        assert result.corrected == late, (result, entry)
         if was_open:
             self._end(entry, None)
+        elif late:
+            assert result.released == entry.charged
+            self._correct(entry, 0, 0)
 
     @rule()
     def sweep_everything_stale(self) -> None:
         time.sleep(0.002)  # every open hold is now at least 1 ms old on the Redis clock
         result = self.engine.sweep(self.tenant, stale_s=0, max_batches=100)
         assert {h.request_id for h in result.swept} == set(self.open)
+        by_id = {h.request_id: h for h in result.swept}
         for entry in list(self.open.values()):
-            self._end(entry, None)
+            charged, charged_money = entry.sweep_charge()
+            swept = by_id[entry.hold.request_id]
+            assert (swept.charged, swept.basis) == (charged, entry.phase.value), (swept, entry)
+            entry.swept, entry.charged, entry.charged_money = True, charged, charged_money
+            self._end(entry, charged, charged_money)
 
     @rule(amount=st.integers(min_value=1, max_value=100))
     def recharge_tenant(self, amount: int) -> None:

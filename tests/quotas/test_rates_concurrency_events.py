@@ -115,11 +115,16 @@ def test_every_ended_hold_appends_exactly_one_usage_event(
     engine.release(b.hold)
     time.sleep(0.002)
     engine.sweep(tenant, stale_s=0)
-    engine.settle(c.hold, 5)  # after the sweep: no-op, no event
+    # After the sweep (which charged nothing: c never reached the upstream), a settle corrects
+    # it once with one "corrected" event; a second one is a no-op.
+    assert engine.settle(c.hold, 5).corrected
+    assert not engine.settle(c.hold, 5).corrected
     events = usage_events(client, tenant)
     assert [(e["request_id"], e["outcome"], e["held"], e["actual"]) for e in events] == [
         ("a", "settled", "40", "25"), ("b", "released", "30", "0"), ("c", "swept", "20", "0"),
+        ("c", "corrected", "20", "5"),
     ]
+    assert (events[3]["swept"], events[2]["basis"]) == ("0", "reserved")
     assert all(e["meta"] == meta for e in events)
     assert json.loads(events[0]["event"]) == {"input": 10, "output": 15}
     assert json.loads(events[1]["event"]) == {"reason": "upstream_500"}

@@ -226,4 +226,4 @@ def test_script_refuses_wrong_argument_counts(engine: QuotaEngine, tenant: str) 
         engine._scripts["reserve"](
             keys=[keys.hold_key(tenant, "x"), keys.hold_index_key(tenant),
                   keys.counter_key(tenant, "tenant", "d1")],
-            args=["x", 0, 0, 0, 1, 0, -1, 600_000, "", 0, 10, 0, 2**50, 2**40, 0])
+            args=["x", 0, 0, 0, 1, 0, -1, 600_000, "", 0, 0, 0, 0, 0, 10, 0, 2**50, 2**40, 0])

@@ -1,4 +1,7 @@
-"""Every hold ends exactly once: settle, release and sweep, on real Redis and a real cluster."""
+"""Every hold ends exactly once: settle, release and sweep, on real Redis and a real cluster.
+
+The sweep charges what the hold knows of its call (its phase), and a settle or release that
+arrives after the sweep corrects that charge once, so the counters converge to the real usage."""
 from __future__ import annotations
 
 import threading
@@ -7,7 +10,7 @@ import time
 import redis
 
 from quotas import keys
-from quotas.engine import UNLIMITED, Hold, QuotaEngine, ReserveRequest, ScopeLimit
+from quotas.engine import UNLIMITED, Hold, Phase, QuotaEngine, ReserveRequest, ScopeLimit, Unit
 from quotas.windows import WindowKind
 
 DAY, MONTH = WindowKind.DAY, WindowKind.MONTH
@@ -74,16 +77,89 @@ def test_settle_after_release_and_release_after_settle_are_noops(engine: QuotaEn
     assert state(engine, tenant) == [(30, 0)] * 3
 
 
-def test_settle_and_release_after_sweep_are_noops(engine: QuotaEngine, tenant: str) -> None:
-    a = reserve(engine, tenant, "a", 100)
-    b = reserve(engine, tenant, "b", 50)
+def priced(engine: QuotaEngine, tenant: str, rid: str, amount: int, input_tokens: int) -> Hold:
+    """A hold as the gateway makes it: with its input estimate, its prices ($2 / $8 per million)
+    and a monthly spend counter holding the worst case."""
+    limits = (*LIMITS, ScopeLimit("tenant", MONTH, 10**9, Unit.MICROS))
+    result = engine.reserve(ReserveRequest(tenant, rid, amount, limits, money_amount=amount * 8,
+                                           input_tokens=input_tokens, price_in=2_000_000,
+                                           price_out=8_000_000))
+    assert result.admitted
+    return result.hold
+
+
+def spend(engine: QuotaEngine, tenant: str) -> tuple[int, int]:
+    snap = engine.counter(tenant, "tenant", MONTH, unit=Unit.MICROS)
+    return snap.used, snap.pending
+
+
+def test_the_sweep_charges_what_the_hold_knows(
+    engine: QuotaEngine, client: redis.Redis, tenant: str
+) -> None:
+    never_sent = priced(engine, tenant, "reserved", 100, 30)
+    whole = priced(engine, tenant, "forwarded", 100, 30)
+    stream = priced(engine, tenant, "streaming", 100, 30)
+    assert engine.progress(whole, Phase.FORWARDED) == "open"
+    assert engine.progress(stream, Phase.STREAMING, 12) == "open"
+    assert engine.progress(stream, Phase.STREAMING, 25) == "open"
     time.sleep(0.002)
-    swept = engine.sweep(tenant, stale_s=0)
-    assert {(h.request_id, h.amount) for h in swept.swept} == {("a", 100), ("b", 50)}
-    assert engine.release(a).outcome == "swept"
-    assert engine.settle(b, 10).outcome == "swept"
-    assert state(engine, tenant) == [(0, 0)] * 3
+    swept = {h.request_id: h for h in engine.sweep(tenant, stale_s=0).swept}
+    assert {(rid, h.amount, h.charged, h.basis) for rid, h in swept.items()} == {
+        ("reserved", 100, 0, "reserved"), ("forwarded", 100, 100, "forwarded"),
+        ("streaming", 100, 55, "streaming")}
+    assert state(engine, tenant) == [(155, 0)] * 3
+    # Priced like the ledger: 30 in at $2/M, 70 out at $8/M; then 30 in, 25 out.
+    assert spend(engine, tenant) == ((60 + 560) + (60 + 200), 0)
+    events = {f["request_id"]: f for _id, f in client.xrange(keys.usage_stream_key(tenant))}
+    assert [(events[r]["in"], events[r]["out"], events[r]["basis"]) for r in
+            ("reserved", "forwarded", "streaming")] == [
+        ("0", "0", "reserved"), ("30", "70", "forwarded"), ("30", "25", "streaming")]
     assert engine.open_hold_ids(tenant) == []
+    del never_sent
+
+
+def test_a_checkpoint_never_lowers_nor_reopens(engine: QuotaEngine, tenant: str) -> None:
+    hold = priced(engine, tenant, "a", 100, 30)
+    engine.progress(hold, Phase.STREAMING, 40)
+    engine.progress(hold, Phase.FORWARDED, 10)  # late and lower: neither phase nor count drop
+    time.sleep(0.002)
+    assert [h.charged for h in engine.sweep(tenant, stale_s=0).swept] == [70]
+    assert engine.progress(hold, Phase.STREAMING, 90) == "swept"
+    engine.settle(hold, 80, actual_money=500)
+    assert engine.progress(hold, Phase.STREAMING, 95) == "corrected"
+
+
+def test_a_late_settle_corrects_the_sweep_once(
+    engine: QuotaEngine, client: redis.Redis, tenant: str
+) -> None:
+    hold = priced(engine, tenant, "a", 100, 30)
+    engine.progress(hold, Phase.FORWARDED)
+    time.sleep(0.002)
+    engine.sweep(tenant, stale_s=0)
+    assert state(engine, tenant) == [(100, 0)] * 3  # the worst case: it reached the upstream
+    late = engine.settle(hold, 64, actual_money=300)
+    assert (late.outcome, late.held, late.charged, late.corrected) == ("corrected", 100, -36, True)
+    assert state(engine, tenant) == [(64, 0)] * 3
+    assert spend(engine, tenant) == (300, 0)
+    again = engine.settle(hold, 99, actual_money=999)
+    assert (again.outcome, again.corrected) == ("corrected", False)
+    assert engine.release(hold).corrected is False
+    assert state(engine, tenant) == [(64, 0)] * 3
+    last = client.xrange(keys.usage_stream_key(tenant))[-1][1]
+    assert (last["outcome"], last["actual"], last["swept"], last["money"], last["swept_money"]) == (
+        "corrected", "64", "100", "300", str(60 + 560))
+    assert client.xlen(keys.usage_stream_key(tenant)) == 2  # swept + corrected, nothing more
+
+
+def test_a_late_release_takes_the_sweep_charge_back(engine: QuotaEngine, tenant: str) -> None:
+    hold = priced(engine, tenant, "a", 100, 30)
+    engine.progress(hold, Phase.FORWARDED)
+    time.sleep(0.002)
+    engine.sweep(tenant, stale_s=0)
+    result = engine.release(hold)  # the upstream produced nothing after all
+    assert (result.outcome, result.released, result.corrected) == ("corrected", 100, True)
+    assert state(engine, tenant) == [(0, 0)] * 3
+    assert spend(engine, tenant) == (0, 0)
 
 
 def test_settle_above_the_hold_is_charged_and_recorded_as_over(engine: QuotaEngine, tenant: str) -> None:
@@ -113,11 +189,27 @@ def test_settle_and_release_by_request_id(engine: QuotaEngine, tenant: str) -> N
     assert state(engine, tenant) == [(7, 0)] * 3
 
 
-def test_unknown_hold_is_a_noop(engine: QuotaEngine, tenant: str) -> None:
-    ghost = Hold(tenant, "ghost", 100, (keys.counter_key(tenant, "tenant", "d2026-01-01"),))
-    assert engine.settle(ghost, 5).outcome == "unknown"
-    assert engine.release(ghost).outcome == "unknown"
-    assert engine.counter_at(ghost.counter_keys[0]).limit is None  # not created
+def test_a_hold_whose_record_redis_lost_still_records_its_usage(
+    engine: QuotaEngine, client: redis.Redis, tenant: str
+) -> None:
+    # Redis lost the record (restart, failover, flush) while the call was upstream: the call
+    # still happened, so its usage event is appended (the ledger gets its row) and the counters
+    # that exist (rebuilt ones) are charged; counters that do not exist are not created.
+    hold = reserve(engine, tenant, "ghost", 100)
+    client.delete(keys.hold_key(tenant, "ghost"), hold.counter_keys[0])
+    result = engine.settle(hold, 40, event='{"in":10,"out":30}')
+    assert (result.outcome, result.charged) == ("settled", 40)
+    assert engine.settle(hold, 40).applied is False  # its tombstone makes a retry a no-op
+    assert client.exists(hold.counter_keys[0]) == 0
+    assert engine.counter_at(hold.counter_keys[1]).used == 40
+    [(_id, event)] = client.xrange(keys.usage_stream_key(tenant))
+    assert (event["outcome"], event["actual"], event["held"], event["orphan"]) == (
+        "settled", "40", "100", "1")
+    assert int(event["created"]) == hold.created_ms
+    gone = reserve(engine, tenant, "gone", 10)
+    client.delete(keys.hold_key(tenant, "gone"))
+    assert engine.release(gone).outcome == "released"
+    assert client.xlen(keys.usage_stream_key(tenant)) == 2
 
 
 def test_settle_after_the_counter_expired_does_not_recreate_it(
@@ -138,7 +230,7 @@ def test_sweep_takes_only_stale_holds(engine: QuotaEngine, tenant: str) -> None:
     assert [h.request_id for h in result.swept] == ["old"]
     assert engine.open_hold_ids(tenant) == ["new"]
     assert state(engine, tenant) == [(0, 50)] * 3
-    assert engine.settle(old, 10).outcome == "swept"
+    assert engine.settle(old, 10).corrected
 
 
 def test_sweep_works_in_bounded_batches(engine: QuotaEngine, tenant: str) -> None:

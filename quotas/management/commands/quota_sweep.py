@@ -34,6 +34,8 @@ class Command(QuotaCommand):
                                   max_batches=1000)
             per_tenant[tenant.slug] = {
                 "swept": len(result.swept), "tokens_released": sum(h.amount for h in result.swept),
+                # What the holds knew of their calls (see lua/sweep.lua): charged, not released.
+                "tokens_charged": sum(h.charged for h in result.swept),
             }
         total = sum(v["swept"] for v in per_tenant.values())
         data = {"swept": total, "tenants": per_tenant}

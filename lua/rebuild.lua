@@ -1,0 +1,57 @@
+--[[ rebuild.lua: after Redis lost a tenant's data, restore the current windows' counters from
+the ledger's figures and set the tenant's epoch marker, in one atomic step.
+
+Purpose
+  The reserve script refuses while the epoch marker is missing (lua/reserve.lua, code -5), so
+  no call is admitted on an empty counter. The rebuild passes, for every counter of the current
+  windows that the ledger (plus the undrained usage events) has figures for, the `used` it must
+  have; the script never lowers a counter that exists (calls may have settled into it since the
+  loss): used = max(existing used, figure). Missing counters are created with their window's
+  expiry. Then the epoch is set and admission resumes. Holds that were open when the data was
+  lost are gone; their settles are recorded as orphans (lua/settle.lua).
+
+KEYS (one tenant, one hash tag)
+  KEYS[1]        epoch marker   tg:{t<id>}:epoch
+  KEYS[2..N+1]   counters       tg:{t<id>}:q:<scope>:<window>
+
+ARGV
+  ARGV[1]  N        number of counters, >= 0
+  ARGV[2]  epoch    the marker's value (opaque: when and by whom it was rebuilt)
+  then for counter i, three values: used (integer >= 0, tokens or micro-dollars),
+                                    limit (-1 unlimited, stored for readers),
+                                    expire_at (unix s, the counter's expiry)
+
+Return table
+  { raised, now_ms }   raised = counters whose `used` this call set or raised
+
+TTLs: counters get their window's expire_at when created here (never refreshed); the epoch
+has no TTL.
+]]
+
+local n = tonumber(ARGV[1])
+if not n or n < 0 or #KEYS ~= n + 1 or #ARGV ~= 2 + 3 * n then
+  return redis.error_reply('rebuild: expected KEYS = epoch, N counters; ARGV = N, epoch, 3N values')
+end
+
+local raised = 0
+for i = 1, n do
+  local key = KEYS[i + 1]
+  local base = 2 + 3 * (i - 1)
+  local used, limit, expire_at = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]),
+    tonumber(ARGV[base + 3])
+  if not used or used < 0 or not limit or not expire_at then
+    return redis.error_reply('rebuild: used >= 0, limit and expire_at must be integers')
+  end
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('HSET', key, 'used', used, 'pending', 0, 'limit', limit)
+    redis.call('EXPIREAT', key, expire_at)
+    raised = raised + 1
+  elseif (tonumber(redis.call('HGET', key, 'used')) or 0) < used then
+    redis.call('HSET', key, 'used', used)
+    raised = raised + 1
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2])
+
+local t = redis.call('TIME')
+return { raised, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) }
