@@ -123,3 +123,47 @@ def test_reconciliation_rate_is_the_latest_runs_maximum() -> None:
 def test_label_values_are_escaped() -> None:
     lines = list(metrics._family("m", "gauge", "h", [({"tenant": 'a"b\\c\nd'}, 1)]))
     assert lines[-1] == 'm{tenant="a\\"b\\\\c\\nd"} 1'
+
+
+def test_corrections_over_hold_usage_and_backlog_are_exported(client: Client, token: str) -> None:
+    import json
+
+    from quotas.engine import Phase
+
+    engine: QuotaEngine = get_engine()
+    acme = create_tenant("acme", plan_name="free", actor="t")
+    tag = tenant_tag(acme.pk)
+    limits = (ScopeLimit("tenant", WindowKind.DAY, 10**6),)
+
+    def hold(rid: str, amount: int) -> Any:
+        return engine.reserve(ReserveRequest(tag, rid, amount, limits, input_tokens=amount // 2,
+                                             meta=json.dumps({"m": "gpt-4o"}))).hold
+
+    def event(inp: int, out: int) -> str:
+        return json.dumps({"in": inp, "out": out, "outcome": "complete"})
+
+    late = hold("late", 1000)
+    engine.progress(late, Phase.FORWARDED)
+    engine.sweep(tag, stale_s=0)
+    engine.settle(hold("over-1", 100), 130, event(60, 70))  # 30 above its hold
+    engine.settle(hold("over-2", 100), 101, event(60, 41))  # 1 above
+    engine.settle(hold("fits", 100), 100, event(60, 40))
+    drain_tenant(engine.client, acme.pk)
+    before = samples(metrics.render())
+    assert before['tollgate_usage_records_total{status="swept"}'] == 1
+    assert before["tollgate_usage_corrections_total"] == 0
+
+    engine.settle(late, 700, event(500, 200))  # after the sweep: corrects the swept row
+    pending = samples(metrics.render())
+    assert pending["tollgate_usage_backlog_events"] == 1
+    drain_tenant(engine.client, acme.pk)
+
+    got = samples(metrics.render())
+    # The corrected row is settled now, yet still counted as swept: no counter goes down.
+    assert got['tollgate_usage_records_total{status="swept"}'] == 1
+    assert got['tollgate_usage_records_total{status="settled"}'] == 3
+    assert got["tollgate_usage_corrections_total"] == 1
+    assert got["tollgate_over_hold_requests_total"] == 2
+    assert got["tollgate_over_hold_tokens_total"] == 31
+    assert got["tollgate_usage_backlog_events"] == 0
+    assert got["tollgate_usage_backlog_oldest_seconds"] == 0
