@@ -1,9 +1,9 @@
-"""Django admin for the ledger (read-only), prices (append-mostly) and reconciliation.
+"""Django admin for the ledger (read-only) and reconciliation. Model prices and aliases are
+edited with the catalog (gateway/admin.py): the hot path and the ledger share them.
 
-The ledger is the truth about what requests cost: nobody edits or deletes it here. A price that
-has been used to cost requests should not change either: a new price is a new row, and an
-existing one can only be closed (its `valid_to` set). Reconciliation runs are a history: they
-are read here, with their rows inline; upstream key aliases are edited here (OpenAI key ids).
+The ledger is the truth about what requests cost: nobody edits or deletes it here.
+Reconciliation runs are a history: they are read here, with their rows inline; upstream key
+aliases are edited here (OpenAI key ids).
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from billing.models import (
-    ModelPrice,
     ReconciliationRow,
     ReconciliationRun,
     UpstreamKeyAlias,
@@ -48,22 +47,6 @@ class UsageRecordAdmin(ReadOnlyAdmin):
     date_hierarchy = "ended_at"
     list_select_related = ("tenant", "provider_key")
     show_full_result_count = False  # COUNT(*) over the whole ledger on every page is slow
-
-
-@admin.register(ModelPrice)
-class ModelPriceAdmin(admin.ModelAdmin):
-    list_display = ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from",
-                    "valid_to")
-    search_fields = ("model",)
-    list_filter = ("model",)
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
-        if obj is None:
-            return ()
-        return ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from")
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 class ReconciliationRowInline(admin.TabularInline):

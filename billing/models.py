@@ -1,7 +1,7 @@
-"""The usage ledger and model prices: the durable truth about what every request cost."""
+"""The usage ledger: the durable truth about what every request cost. Model prices live in the
+gateway app (gateway.models.ModelPrice), where the hot path and the ledger both resolve them."""
 from __future__ import annotations
 
-from django.core.validators import MinValueValidator
 from django.db import models
 
 
@@ -89,30 +89,6 @@ class UsageRecord(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
-
-
-class ModelPrice(models.Model):
-    """A model's price over a period; overrides the catalog's list price (gateway.ModelSpec)."""
-
-    model = models.CharField(max_length=200)
-    input_micros_per_mtok = models.BigIntegerField(validators=[MinValueValidator(0)])
-    output_micros_per_mtok = models.BigIntegerField(validators=[MinValueValidator(0)])
-    valid_from = models.DateTimeField()
-    valid_to = models.DateTimeField(null=True, blank=True, help_text="Exclusive; empty: open.")
-
-    class Meta:
-        ordering = ["model", "-valid_from"]
-        constraints = [
-            models.CheckConstraint(
-                name="price_non_negative",
-                condition=models.Q(input_micros_per_mtok__gte=0, output_micros_per_mtok__gte=0)),
-            models.CheckConstraint(
-                name="price_period_ordered",
-                condition=models.Q(valid_to__isnull=True) | models.Q(valid_to__gt=models.F("valid_from"))),
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.model} from {self.valid_from:%Y-%m-%d}"
 
 
 # -- threshold alerts and webhooks (billing/alerts.py, billing/webhooks.py) ---------------------

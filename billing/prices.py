@@ -1,49 +1,32 @@
-"""What a model costs at a moment: ModelPrice rows (with validity periods) over the catalog's
-list prices (gateway.ModelSpec). Money is integer micro-dollars, never floats."""
+"""Prices for the ledger: the gateway's price book (gateway/prices.py), the one price resolution
+that the hot path's money holds use too. Billing keeps no price rules of its own. Money is
+integer micro-dollars, never floats."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import logging
 from datetime import datetime
 
-from billing.models import ModelPrice
-from gateway.catalog import price_micros
-from gateway.models import ModelSpec
+from gateway.prices import Price
+from gateway.prices import PriceBook as GatewayPriceBook
 
-
-@dataclass(frozen=True)
-class Price:
-    input_micros_per_mtok: int
-    output_micros_per_mtok: int
-
-    def cost(self, input_tokens: int, output_tokens: int) -> int:
-        """Micro-dollars, rounded half up once per call."""
-        return price_micros(self.input_micros_per_mtok, self.output_micros_per_mtok,
-                            input_tokens, output_tokens)
-
+log = logging.getLogger(__name__)
 
 FREE = Price(0, 0)
 
 
-class PriceBook:
-    """Every price, loaded in two queries, for pricing a batch of usage events."""
+class PriceBook(GatewayPriceBook):
+    """The gateway's price book, for pricing ledger rows: PriceBook.load(), then price().
 
-    def __init__(self, periods: Iterable[ModelPrice], list_prices: dict[str, Price]) -> None:
-        self._periods: dict[str, list[ModelPrice]] = {}
-        for period in periods:
-            self._periods.setdefault(period.model, []).append(period)
-        self._list = list_prices
+    A ledger row always gets a cost. The gateway refuses a model without a price, so a usage
+    event of an unpriced model means every price of it was withdrawn between the call and the
+    drain, or the event was not written by the gateway: the row is costed at 0 and logged at
+    ERROR, because refusing to record the usage would lose it.
+    """
 
-    @classmethod
-    def load(cls) -> PriceBook:
-        list_prices = {
-            spec.name: Price(spec.input_price_micros_per_mtok, spec.output_price_micros_per_mtok)
-            for spec in ModelSpec.objects.all()
-        }
-        return cls(ModelPrice.objects.all(), list_prices)
-
-    def price(self, model: str, at: datetime) -> Price:
-        for period in self._periods.get(model, ()):
-            if period.valid_from <= at and (period.valid_to is None or at < period.valid_to):
-                return Price(period.input_micros_per_mtok, period.output_micros_per_mtok)
-        return self._list.get(model, FREE)
+    def price(self, model: str, at: datetime) -> Price:  # type: ignore[override]
+        found = super().price(model, at)
+        if found is None:
+            log.error("no price for model %r at %s: its ledger row is costed at 0", model,
+                      at.isoformat())
+            return FREE
+        return found

@@ -11,6 +11,10 @@ those ids to provider keys:
 * OpenAI: the usage API reports OpenAI's own key ids; an operator enters them in the admin
   (billing > upstream key aliases). A key without an alias shows as "missing on their side".
 
+Models are compared under their catalog name: a dated snapshot that the client called or the bill
+names ("gpt-4o-2024-08-06") counts as its model when a ModelAlias maps it ("gpt-4o"), so a
+snapshot billed under one name and recorded under the other still matches.
+
 Each compared (provider key, model, day) becomes a ReconciliationRow with ours, theirs,
 `difference` = their tokens - our tokens (input + output) and `difference_rate` =
 |difference| / max(ours, theirs) (0 when both are 0). A row is flagged when the rate is strictly
@@ -54,6 +58,7 @@ from billing.models import ReconciliationRow, ReconciliationRun, UpstreamKeyAlia
 from gateway.crypto import SecretDecryptionError, decrypt_secret
 from gateway.mock_upstream import api_key_id
 from gateway.models import ModelSpec, ProviderKey
+from gateway.prices import load_aliases
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +184,8 @@ def _period(day_or_range: DayOrRange) -> tuple[date, date]:
     return start, end
 
 
-def _ours(start: date, end: date, provider_key: ProviderKey | None) -> dict[_Group, _Side]:
+def _ours(start: date, end: date, provider_key: ProviderKey | None,
+          models: dict[str, str]) -> dict[_Group, _Side]:
     records = UsageRecord.objects.filter(
         ended_at__gte=_moment(start), ended_at__lt=_moment(end), status__in=COUNTED_STATUSES,
         provider_key__isnull=False)
@@ -192,19 +198,21 @@ def _ours(start: date, end: date, provider_key: ProviderKey | None) -> dict[_Gro
             .order_by())
     sides: dict[_Group, _Side] = defaultdict(_Side)
     for row in sums:
-        group = (row["provider_key_id"], "", row["served_model"], row["day"])
+        model = models.get(row["served_model"], row["served_model"])
+        group = (row["provider_key_id"], "", model, row["day"])
         sides[group].add(row["requests"], row["input"] or 0, row["output"] or 0, row["cost"] or 0)
     return sides
 
 
 def _theirs(lines: Sequence[BillLine], aliases: dict[str, int],
-            provider_key: ProviderKey | None) -> dict[_Group, _Side]:
+            provider_key: ProviderKey | None, models: dict[str, str]) -> dict[_Group, _Side]:
     sides: dict[_Group, _Side] = defaultdict(_Side)
     for line in lines:
         key_id = aliases.get(line.upstream_key_id)
         if provider_key is not None and key_id != provider_key.pk:
             continue  # another key's usage (a source may return the whole organization)
-        group = (key_id, "" if key_id else line.upstream_key_id, line.model, line.day)
+        group = (key_id, "" if key_id else line.upstream_key_id,
+                 models.get(line.model, line.model), line.day)
         side = sides[group]
         side.add(line.requests, line.input_tokens, line.output_tokens, line.cost_micros)
         side.upstream_ids.add(line.upstream_key_id)
@@ -253,8 +261,9 @@ def reconcile(day_or_range: DayOrRange, source: BillSource, *,
         run.status = ReconciliationRun.Status.FAILED
         run.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, BillError) else str(exc)
     else:
-        rows = _compare(run, _ours(start, end, provider_key), _theirs(lines, aliases, provider_key),
-                        aliases, tolerance)
+        models = load_aliases()  # dated snapshot -> catalog model, on both sides
+        rows = _compare(run, _ours(start, end, provider_key, models),
+                        _theirs(lines, aliases, provider_key, models), aliases, tolerance)
         run.status = (ReconciliationRun.Status.DRIFT if any(row.flagged for row in rows)
                       else ReconciliationRun.Status.OK)
         _total(run, rows)

@@ -1,7 +1,9 @@
-"""Django admin for the model catalog and the upstream provider keys.
+"""Django admin for the model catalog, model prices and aliases, and the upstream provider keys.
 
 Provider secrets are write-only here: the form has a password field that sets a new secret and
 never renders the stored one; the list and the change page show only the last four characters.
+Prices are append-mostly: a price that has been used to cost requests should not change, so a
+new price is a new row and an existing one can only be closed (its `valid_to` set).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from gateway.models import ModelSpec, ProviderKey
+from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
+from gateway.prices import Price, save_alias, save_price
 from gateway.providers import (
     apply_provider_secret,
     create_provider_key,
@@ -60,6 +63,53 @@ class ModelSpecAdmin(admin.ModelAdmin):
         publish("catalog")
 
 
+@admin.register(ModelPrice)
+class ModelPriceAdmin(admin.ModelAdmin):
+    list_display = ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from",
+                    "valid_to")
+    search_fields = ("model",)
+    list_filter = ("model",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        if obj is None:
+            return ()
+        return ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from")
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def save_model(self, request: HttpRequest, obj: ModelPrice, form: forms.ModelForm,
+                   change: bool) -> None:
+        save_price(obj)  # validated, and every gateway reloads its catalog
+
+
+@admin.register(ModelAlias)
+class ModelAliasAdmin(admin.ModelAdmin):
+    list_display = ("alias", "model", "created_at")
+    search_fields = ("alias", "model__name")
+    list_select_related = ("model",)
+    autocomplete_fields = ("model",)
+    readonly_fields = ("created_at",)
+
+    def save_model(self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm,
+                   change: bool) -> None:
+        save_alias(obj)
+
+    # An alias deleted here stops applying on every gateway at once.
+    def delete_model(self, request: HttpRequest, obj: ModelAlias) -> None:
+        super().delete_model(request, obj)
+        publish("catalog")
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+        super().delete_queryset(request, queryset)
+        publish("catalog")
+
+
+def _default_price(obj: ProviderKey) -> Price | None:
+    pin, pout = obj.default_input_price_micros_per_mtok, obj.default_output_price_micros_per_mtok
+    return None if pin is None or pout is None else Price(pin, pout)
+
+
 class ProviderKeyForm(forms.ModelForm):
     secret = forms.CharField(
         required=False,
@@ -78,6 +128,8 @@ class ProviderKeyForm(forms.ModelForm):
             "rpm_capacity",
             "tpm_capacity",
             "priority",
+            "default_input_price_micros_per_mtok",
+            "default_output_price_micros_per_mtok",
             "enabled",
             "tenant",
         )
@@ -128,6 +180,8 @@ class ProviderKeyAdmin(admin.ModelAdmin):
         "rpm_capacity",
         "tpm_capacity",
         "priority",
+        "default_input_price_micros_per_mtok",
+        "default_output_price_micros_per_mtok",
         "enabled",
         "tenant",
         "created_at",
@@ -155,6 +209,7 @@ class ProviderKeyAdmin(admin.ModelAdmin):
                 priority=obj.priority,
                 tenant=obj.tenant,
                 enabled=obj.enabled,
+                default_price=_default_price(obj),
                 actor=_actor(request),
             )
             # The admin redirects to the object it saved, so give it the created row's identity.

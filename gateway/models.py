@@ -1,7 +1,9 @@
-"""The model catalog and the upstream provider keys, as operators edit them in the admin.
+"""The model catalog, its prices and aliases, and the upstream provider keys, as operators edit
+them in the admin.
 
 The hot path never reads these tables: gateway.catalog and gateway.providers build in-process
-snapshots from them.
+snapshots from them. Prices live here (not in billing) because the hot path holds money with the
+same price the ledger charges, and imports run billing -> gateway, never back.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from urllib.parse import urlsplit
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 from tenants.ids import PUBLIC_ID_MAX_LENGTH, PUBLIC_ID_RANDOM_LENGTH, random_base62
 from tenants.validators import validate_model_list
@@ -82,6 +85,9 @@ class ModelSpec(models.Model):
 
     def clean(self) -> None:
         errors: dict[str, str] = {}
+        if self.name and ModelAlias.objects.filter(alias=self.name).exists():
+            # One name, one meaning: the alias would silently stop applying.
+            errors["name"] = "This name is an alias of another model; delete the alias first."
         if (
             self.default_output_tokens is not None
             and self.max_output_tokens is not None
@@ -96,6 +102,81 @@ class ModelSpec(models.Model):
             errors["max_output_tokens"] = "Cannot exceed the context window."
         if errors:
             raise ValidationError(errors)
+
+
+class ModelPrice(models.Model):
+    """A model's price over a period; overrides the catalog's list price (ModelSpec).
+
+    The table predates the move of prices into the gateway app and keeps its name. Rows are
+    append-mostly: a price that has charged calls is not edited; a new period is a new row and
+    the old one is closed (valid_to). Resolution: gateway.prices.PriceBook.
+    """
+
+    model = models.CharField(max_length=200, help_text='The catalog name, e.g. "gpt-4o" (not '
+                             "an alias: aliases take their model's price).")
+    input_micros_per_mtok = models.BigIntegerField(validators=_NON_NEGATIVE)
+    output_micros_per_mtok = models.BigIntegerField(validators=_NON_NEGATIVE)
+    valid_from = models.DateTimeField()
+    valid_to = models.DateTimeField(null=True, blank=True, help_text="Exclusive; empty: open.")
+
+    class Meta:
+        db_table = "billing_modelprice"
+        verbose_name = "model price"
+        ordering = ["model", "-valid_from"]
+        constraints = [
+            models.CheckConstraint(
+                name="price_non_negative",
+                condition=models.Q(input_micros_per_mtok__gte=0, output_micros_per_mtok__gte=0)),
+            models.CheckConstraint(
+                name="price_period_ordered",
+                condition=models.Q(valid_to__isnull=True)
+                | models.Q(valid_to__gt=models.F("valid_from"))),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} from {self.valid_from:%Y-%m-%d}"
+
+    def clean(self) -> None:
+        if self.model and ModelAlias.objects.filter(alias=self.model).exists():
+            # Never applied: prices are looked up by the alias's catalog model.
+            raise ValidationError({"model": "This name is an alias; price its catalog model."})
+        if (self.valid_from is not None and self.valid_to is not None
+                and self.valid_to <= self.valid_from):
+            raise ValidationError({"valid_to": "Must be after the start of the period."})
+
+
+class ModelAlias(models.Model):
+    """Another name of a catalog model, e.g. the dated snapshot "gpt-4o-2024-08-06" of "gpt-4o".
+
+    A call naming the alias is forwarded under that name, and otherwise treated as its model:
+    price, output caps and context, per-model limits, allowed-model lists and reconciliation.
+    """
+
+    alias = models.CharField(max_length=200, unique=True,
+                             help_text='The name clients or bills use, e.g. "gpt-4o-2024-08-06".')
+    model = models.ForeignKey(ModelSpec, on_delete=models.CASCADE, related_name="aliases",
+                              help_text="The catalog model it stands for.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "model alias"
+        verbose_name_plural = "model aliases"
+        ordering = ["alias"]
+
+    def __str__(self) -> str:
+        return self.alias
+
+    def clean(self) -> None:
+        if not self.alias or self.alias != self.alias.strip() or any(c.isspace()
+                                                                      for c in self.alias):
+            raise ValidationError({"alias": "A model name without spaces."})
+        if ModelSpec.objects.filter(name=self.alias).exists():
+            raise ValidationError({"alias": "A catalog model has this name already."})
+        current = models.Q(valid_to__isnull=True) | models.Q(valid_to__gt=timezone.now())
+        if ModelPrice.objects.filter(current, model=self.alias).exists():
+            # They would stop applying: an alias is priced as its catalog model.
+            raise ValidationError({"alias": "Open price periods exist for this name: close "
+                                   "them (valid to) and price the catalog model instead."})
 
 
 def new_provider_key_id() -> str:
@@ -149,6 +230,16 @@ class ProviderKey(models.Model):
     priority = models.IntegerField(
         default=0, help_text="Higher is tried first; keys of equal priority share the load."
     )
+    # What a call of a model with no price of its own (no ModelPrice period, no catalog entry)
+    # costs when this key serves it: without one, such a call is refused (model_not_priced),
+    # never forwarded for free. Both or neither.
+    default_input_price_micros_per_mtok = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text="Micro-dollars per million input tokens for models that have no price; "
+        "empty: such models are refused.")
+    default_output_price_micros_per_mtok = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text="Micro-dollars per million output tokens for models that have no price.")
     enabled = models.BooleanField(default=True)
     # A key dedicated to one tenant (e.g. its own upstream account) serves that tenant only.
     # CASCADE rather than SET_NULL: a tenant's key must never become a shared one.
@@ -172,6 +263,23 @@ class ProviderKey(models.Model):
     class Meta:
         verbose_name = "provider key"
         ordering = ["-priority", "name"]
+        constraints = [
+            models.CheckConstraint(
+                name="providerkey_default_price_both_or_neither",
+                condition=models.Q(default_input_price_micros_per_mtok__isnull=True,
+                                   default_output_price_micros_per_mtok__isnull=True)
+                # Explicitly not null: a CHECK whose condition is NULL passes.
+                | models.Q(default_input_price_micros_per_mtok__isnull=False,
+                           default_output_price_micros_per_mtok__isnull=False,
+                           default_input_price_micros_per_mtok__gte=0,
+                           default_output_price_micros_per_mtok__gte=0)),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.public_id})"
+
+    def clean(self) -> None:
+        prices = (self.default_input_price_micros_per_mtok,
+                  self.default_output_price_micros_per_mtok)
+        if (prices[0] is None) != (prices[1] is None):
+            raise ValidationError("Set both default prices (input and output) or neither.")

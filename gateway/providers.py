@@ -17,6 +17,7 @@ from django.db import transaction
 
 from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret, reencrypt
 from gateway.models import ProviderKey
+from gateway.prices import Price
 from tenants.models import Tenant
 from tenants.invalidation import publish
 from tenants.services import record_audit_event
@@ -75,9 +76,13 @@ def create_provider_key(
     priority: int = 0,
     tenant: Tenant | None = None,
     enabled: bool = True,
+    default_price: Price | None = None,
     actor: str = "system",
 ) -> ProviderKey:
-    """Validate and save a provider key with its secret encrypted; audited."""
+    """Validate and save a provider key with its secret encrypted; audited.
+
+    `default_price`: what calls of models with no price of their own cost when this key serves
+    them (gateway/prices.py); None: such models are refused."""
     provider_key = ProviderKey(
         name=name,
         base_url=normalize_base_url(base_url),
@@ -87,6 +92,10 @@ def create_provider_key(
         priority=priority,
         tenant=tenant,
         enabled=enabled,
+        default_input_price_micros_per_mtok=(
+            default_price.input_micros_per_mtok if default_price else None),
+        default_output_price_micros_per_mtok=(
+            default_price.output_micros_per_mtok if default_price else None),
     )
     apply_provider_secret(provider_key, secret)
     provider_key.full_clean()
@@ -103,6 +112,9 @@ def create_provider_key(
                 "base_url": provider_key.base_url,
                 "models": provider_key.models,
                 "last4": provider_key.secret_last4,
+                "default_price": ([default_price.input_micros_per_mtok,
+                                   default_price.output_micros_per_mtok]
+                                  if default_price else None),
             },
         )
     return provider_key
@@ -110,7 +122,8 @@ def create_provider_key(
 
 # What update_provider_key may change; the secret goes through set_provider_secret.
 EDITABLE_FIELDS: frozenset[str] = frozenset(
-    {"name", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled", "tenant"}
+    {"name", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled", "tenant",
+     "default_input_price_micros_per_mtok", "default_output_price_micros_per_mtok"}
 )
 
 

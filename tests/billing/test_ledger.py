@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from billing.ledger import drain_all, drain_tenant
-from billing.models import ModelPrice, UsageRecord
+from billing.models import UsageRecord
+from gateway.models import ModelPrice
 from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
 from quotas.limits import tenant_tag

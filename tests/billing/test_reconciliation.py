@@ -581,8 +581,8 @@ def test_operators_see_runs_and_rows_in_the_admin(admin_client: Any, key: Provid
     assert page.status_code == 200
     assert b"missing on" not in page.content and b"gpt-4o" in page.content
     for url in ("/admin/billing/reconciliationrow/", "/admin/billing/usagerecord/",
-                "/admin/billing/modelprice/", "/admin/billing/upstreamkeyalias/",
-                "/admin/billing/upstreamkeyalias/add/", "/admin/billing/modelprice/add/"):
+                "/admin/gateway/modelprice/", "/admin/billing/upstreamkeyalias/",
+                "/admin/billing/upstreamkeyalias/add/", "/admin/gateway/modelprice/add/"):
         assert admin_client.get(url).status_code == 200, url
     record = UsageRecord.objects.first()
     assert admin_client.get(f"/admin/billing/usagerecord/{record.pk}/change/").status_code == 200

@@ -368,6 +368,7 @@ def test_provider_add_json(monkeypatch: pytest.MonkeyPatch, acme: Tenant):
         "priority": 0,
         "enabled": True,
         "tenant": "acme",
+        "default_price": None,
     }
     assert SECRET not in out.getvalue()
     assert key.tenant == acme
@@ -383,6 +384,23 @@ def test_provider_add_text_output(monkeypatch: pytest.MonkeyPatch):
     key = ProviderKey.objects.get()
     assert f"Added provider key {key.public_id} (mock)" in out.getvalue()
     assert "every model" in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_provider_add_names_a_default_price_for_unpriced_models(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("UPSTREAM_SECRET", "sk-local-mock-000000")
+    out = StringIO()
+    call_command("provider_add", "mock", "--base-url", "http://127.0.0.1:8001/v1",
+                 "--secret-env", "UPSTREAM_SECRET", "--default-price", "2500000,10000000",
+                 "--json", stdout=out)
+    assert json.loads(out.getvalue())["default_price"] == [2_500_000, 10_000_000]
+    key = ProviderKey.objects.get()
+    assert (key.default_input_price_micros_per_mtok,
+            key.default_output_price_micros_per_mtok) == (2_500_000, 10_000_000)
+    with pytest.raises(CommandError, match="IN,OUT"):
+        call_command("provider_add", "other", "--base-url", "http://127.0.0.1:8001/v1",
+                     "--secret-env", "UPSTREAM_SECRET", "--default-price", "2.5", stdout=out)
+    assert ProviderKey.objects.count() == 1
 
 
 @pytest.mark.django_db

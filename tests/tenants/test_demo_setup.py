@@ -53,10 +53,20 @@ def test_demo_setup_registers_the_mock_upstream_once() -> None:
     pool = load_pool()
     [upstream] = pool.candidates("gpt-4o", None, 0.0)
     assert upstream.base_url == "http://127.0.0.1:8099/v1"
+    # Its default price meters the mock's fault-injection models ("gpt-4o@cut=3"), which have
+    # no price of their own and would otherwise be refused (model_not_priced).
+    key = ProviderKey.objects.get()
+    assert (key.default_input_price_micros_per_mtok,
+            key.default_output_price_micros_per_mtok) == (2_500_000, 10_000_000)
+    # A mock key made before default prices existed gets one at the next setup.
+    ProviderKey.objects.update(default_input_price_micros_per_mtok=None,
+                               default_output_price_micros_per_mtok=None)
     out = StringIO()
     call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
     assert json.loads(out.getvalue())["provider_key"] is None
     assert ProviderKey.objects.count() == 1
+    key.refresh_from_db()
+    assert key.default_input_price_micros_per_mtok == 2_500_000
 
 
 @pytest.mark.django_db

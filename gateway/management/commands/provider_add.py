@@ -12,6 +12,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from gateway.models import ProviderKey
+from gateway.prices import Price
 from gateway.providers import create_provider_key
 from tenants.models import Tenant
 
@@ -20,6 +21,17 @@ ACTOR = "cli"
 
 def _model_list(raw: str) -> list[str]:
     return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def _default_price(raw: str | None) -> Price | None:
+    if raw is None:
+        return None
+    try:
+        input_price, output_price = (int(part) for part in raw.split(","))
+    except ValueError:
+        raise CommandError("--default-price takes IN,OUT: two integers, micro-dollars per "
+                           "million input and output tokens (e.g. 2500000,10000000).") from None
+    return Price(input_price, output_price)
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -40,6 +52,9 @@ def provider_key_as_dict(provider_key: ProviderKey) -> dict[str, Any]:
         "priority": provider_key.priority,
         "enabled": provider_key.enabled,
         "tenant": provider_key.tenant.slug if provider_key.tenant else None,
+        "default_price": (None if provider_key.default_input_price_micros_per_mtok is None else
+                          [provider_key.default_input_price_micros_per_mtok,
+                           provider_key.default_output_price_micros_per_mtok]),
     }
 
 
@@ -65,6 +80,11 @@ class Command(BaseCommand):
         )
         parser.add_argument("--tenant", metavar="SLUG", help="Dedicate the key to this tenant.")
         parser.add_argument(
+            "--default-price", metavar="IN,OUT",
+            help="Micro-dollars per million input and output tokens for models with no price of "
+            "their own (default: such models are refused, model_not_priced).",
+        )
+        parser.add_argument(
             "--json", action="store_true", help="Print the result as one JSON object."
         )
 
@@ -72,6 +92,7 @@ class Command(BaseCommand):
         secret = os.environ.get(options["secret_env"], "")
         if not secret.strip():
             raise CommandError(f"Environment variable {options['secret_env']} is unset or empty.")
+        default_price = _default_price(options["default_price"])
         tenant = None
         if options["tenant"]:
             tenant = Tenant.objects.filter(slug=options["tenant"]).first()
@@ -87,6 +108,7 @@ class Command(BaseCommand):
                 tpm_capacity=options["tpm"],
                 priority=options["priority"],
                 tenant=tenant,
+                default_price=default_price,
                 actor=ACTOR,
             )
         except ValidationError as exc:

@@ -8,7 +8,8 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from gateway.models import ProviderKey
-from gateway.providers import create_provider_key
+from gateway.prices import Price
+from gateway.providers import create_provider_key, normalize_base_url, update_provider_key
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.models import ApiKey, Membership, Project, Tenant
 from tenants.selectors import masked_key
@@ -21,6 +22,22 @@ DEMO_ADMIN = "admin"
 # so the console shows what a tenant admin sees.
 DEMO_CONSOLE_USER = "demo"
 DEFAULT_CONSOLE_URL = "http://127.0.0.1:8000/console/"
+# The mock serves any model name, including its fault-injection suffixes ("gpt-4o@cut=3"), which
+# have no price of their own: its provider key names one (gpt-4o's list price) so that they are
+# metered like a real model instead of refused (model_not_priced).
+MOCK_DEFAULT_PRICE = Price(2_500_000, 10_000_000)
+
+
+def _price_the_mock(base_url: str) -> None:
+    """A mock provider key made by an earlier setup, before unpriced models were refused: give it
+    the default price too, or the mock's fault-injection models would stop working after an
+    upgrade. A price an operator set is kept."""
+    for key in ProviderKey.objects.filter(name="mock", base_url=base_url,
+                                          default_input_price_micros_per_mtok__isnull=True):
+        key.default_input_price_micros_per_mtok = MOCK_DEFAULT_PRICE.input_micros_per_mtok
+        key.default_output_price_micros_per_mtok = MOCK_DEFAULT_PRICE.output_micros_per_mtok
+        update_provider_key(key, ["default_input_price_micros_per_mtok",
+                                  "default_output_price_micros_per_mtok"], actor=ACTOR)
 
 
 class Command(TenantsCommand):
@@ -44,7 +61,10 @@ class Command(TenantsCommand):
         if options.get("mock_upstream") and not ProviderKey.objects.exists():
             # The mock accepts any bearer token; this one is not a secret of anybody's.
             provider = create_provider_key("mock", base_url=options["mock_upstream"],
-                                           secret="sk-mock-upstream-local", actor=ACTOR)
+                                           secret="sk-mock-upstream-local",
+                                           default_price=MOCK_DEFAULT_PRICE, actor=ACTOR)
+        elif options.get("mock_upstream"):
+            _price_the_mock(normalize_base_url(options["mock_upstream"]))
         with transaction.atomic():
             tenant = Tenant.objects.filter(slug=DEMO_TENANT).first() or create_tenant(
                 DEMO_TENANT, plan_name="standard", actor=ACTOR, name="Demo tenant"

@@ -1,0 +1,179 @@
+"""What a model costs at a moment, and which catalog model a name stands for: the one price
+resolution that both the hot path (money holds and settles, through the runtime catalog) and the
+ledger (billing.ledger, through billing.prices) use. Money is integer micro-dollars, never floats.
+
+A name resolves to its canonical model first (ModelAlias: "gpt-4o-2024-08-06" -> "gpt-4o"), then:
+
+1. a ModelPrice period of the canonical model covering the moment;
+2. else the catalog's list price (ModelSpec, enabled or not);
+3. else the highest default price named by an enabled provider key that serves the name (input
+   and output each at their highest, so the hold stays an upper bound whichever key serves it);
+4. else no price: the gateway refuses the call (model_not_priced). Never $0 by accident; a model
+   is free only when an operator priced it at 0.
+
+Writes go through save_price / save_alias, which validate and tell every gateway process to reload
+its catalog (pub/sub).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import MappingProxyType
+
+from django.db import transaction
+
+from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
+from tenants.invalidation import publish
+
+MICROS_PER_MTOK_DIVISOR = 1_000_000  # prices are per million tokens
+
+
+def price_micros(input_micros_per_mtok: int, output_micros_per_mtok: int, input_tokens: int,
+                 output_tokens: int) -> int:
+    """Tokens at per-million prices, in micro-dollars, rounded half up once per call.
+
+    Rounding the exact total (not each component) keeps every call within half a micro-dollar
+    of the exact figure. Ceil would add half a micro-dollar per call on average: a steady drift
+    from the upstream bill that reconciliation would keep reporting.
+    """
+    if input_tokens < 0 or output_tokens < 0:
+        raise ValueError("token counts must be >= 0")
+    exact_times_million = (input_tokens * input_micros_per_mtok
+                           + output_tokens * output_micros_per_mtok)
+    return (exact_times_million + MICROS_PER_MTOK_DIVISOR // 2) // MICROS_PER_MTOK_DIVISOR
+
+
+@dataclass(frozen=True)
+class Price:
+    input_micros_per_mtok: int
+    output_micros_per_mtok: int
+
+    def cost(self, input_tokens: int, output_tokens: int) -> int:
+        """Micro-dollars, rounded half up once per call."""
+        return price_micros(self.input_micros_per_mtok, self.output_micros_per_mtok,
+                            input_tokens, output_tokens)
+
+    def bound(self, tokens: int) -> int:
+        """An upper bound of what `tokens` cost however they split into input and output: all of
+        them at the dearer price, rounded up."""
+        dearer = max(self.input_micros_per_mtok, self.output_micros_per_mtok)
+        return -(-tokens * dearer // MICROS_PER_MTOK_DIVISOR)
+
+
+@dataclass(frozen=True)
+class Period:
+    price: Price
+    valid_from: datetime
+    valid_to: datetime | None  # exclusive; None: open
+
+    def covers(self, at: datetime) -> bool:
+        return self.valid_from <= at and (self.valid_to is None or at < self.valid_to)
+
+
+@dataclass(frozen=True)
+class DefaultPrice:
+    """A provider key's price for models with none of their own."""
+
+    price: Price
+    models: frozenset[str]  # the key's models; empty: every model
+
+    def serves(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+def _highest(prices: Iterable[Price]) -> Price | None:
+    prices = list(prices)
+    if not prices:
+        return None
+    return Price(max(p.input_micros_per_mtok for p in prices),
+                 max(p.output_micros_per_mtok for p in prices))
+
+
+def _frozen(mapping: Mapping) -> Mapping:  # type: ignore[type-arg]
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class PriceBook:
+    """Every price and alias, as an immutable snapshot (PriceBook.load: four queries)."""
+
+    periods: Mapping[str, tuple[Period, ...]] = field(default_factory=lambda: _frozen({}))
+    list_prices: Mapping[str, Price] = field(default_factory=lambda: _frozen({}))
+    aliases: Mapping[str, str] = field(default_factory=lambda: _frozen({}))
+    defaults: tuple[DefaultPrice, ...] = ()
+
+    @classmethod
+    def of(cls, *, periods: Iterable[tuple[str, Period]] = (),
+           list_prices: Mapping[str, Price] | None = None,
+           aliases: Mapping[str, str] | None = None,
+           defaults: Iterable[DefaultPrice] = ()) -> PriceBook:
+        by_model: dict[str, list[Period]] = {}
+        for model, period in periods:
+            by_model.setdefault(model, []).append(period)
+        return cls(
+            # Newest first: with overlapping periods (the admin does not forbid them), the one
+            # that started last is the one an operator most recently meant.
+            _frozen({m: tuple(sorted(ps, key=lambda p: p.valid_from, reverse=True))
+                     for m, ps in by_model.items()}),
+            _frozen(list_prices or {}), _frozen(aliases or {}), tuple(defaults))
+
+    @classmethod
+    def load(cls) -> PriceBook:
+        return cls.of(
+            periods=((row.model, Period(Price(row.input_micros_per_mtok,
+                                              row.output_micros_per_mtok),
+                                        row.valid_from, row.valid_to))
+                     for row in ModelPrice.objects.all()),
+            list_prices={name: Price(pin, pout) for name, pin, pout in ModelSpec.objects.values_list(
+                "name", "input_price_micros_per_mtok", "output_price_micros_per_mtok")},
+            aliases=dict(ModelAlias.objects.values_list("alias", "model__name")),
+            defaults=(DefaultPrice(Price(pin, pout), frozenset(models or ()))
+                      for pin, pout, models in ProviderKey.objects.filter(
+                          enabled=True, default_input_price_micros_per_mtok__isnull=False,
+                          default_output_price_micros_per_mtok__isnull=False,
+                      ).values_list("default_input_price_micros_per_mtok",
+                                    "default_output_price_micros_per_mtok", "models")),
+        )
+
+    def canonical(self, model: str) -> str:
+        """The catalog model `model` stands for (itself unless it is an alias)."""
+        return self.aliases.get(model, model)
+
+    def own_price(self, model: str, at: datetime) -> Price | None:
+        """The model's own price at `at` (a period, else the list price); None if it has none."""
+        name = self.canonical(model)
+        for period in self.periods.get(name, ()):
+            if period.covers(at):
+                return period.price
+        return self.list_prices.get(name)
+
+    def price(self, model: str, at: datetime) -> Price | None:
+        """What a call of `model` ending at `at` costs per million tokens; None: unpriced."""
+        own = self.own_price(model, at)
+        if own is not None:
+            return own
+        return _highest(d.price for d in self.defaults if d.serves(model))
+
+
+def load_aliases() -> dict[str, str]:
+    """alias -> catalog model name, for readers that need only names (reconciliation)."""
+    return dict(ModelAlias.objects.values_list("alias", "model__name"))
+
+
+def save_price(price: ModelPrice) -> ModelPrice:
+    """Validate and save a price period; every gateway process reloads its catalog."""
+    price.full_clean()
+    with transaction.atomic():
+        price.save()
+        publish("catalog")
+    return price
+
+
+def save_alias(alias: ModelAlias) -> ModelAlias:
+    """Validate and save a model alias; every gateway process reloads its catalog."""
+    alias.full_clean()
+    with transaction.atomic():
+        alias.save()
+        publish("catalog")
+    return alias
