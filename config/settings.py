@@ -6,7 +6,9 @@ With `DATABASE_URL` and `REDIS_URL` unset, Tollgate uses the embedded services t
 """
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import environ
 from celery.schedules import crontab
@@ -106,7 +108,9 @@ ASGI_APPLICATION = "config.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        # The top-level `templates` package, found through the import system (an installed copy
+        # has no checkout around it).
+        "DIRS": [Path(str(resources.files("templates")))],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -136,10 +140,54 @@ REDIS_MAX_CONNECTIONS = _positive_int("REDIS_MAX_CONNECTIONS", 64)
 if REDIS_SOCKET_TIMEOUT <= 0:
     raise ImproperlyConfigured(f"REDIS_SOCKET_TIMEOUT must be > 0 seconds, got {REDIS_SOCKET_TIMEOUT}")
 
+
+
+def _redis_db(url: str) -> int:
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if "db" in query:
+        return int(query["db"])
+    path = parts.path.strip("/") if parts.scheme != "unix" else ""
+    return int(path) if path else 0
+
+
+def _with_redis_db(url: str, db: int) -> str:
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "db"]
+    if parts.scheme == "unix":  # the path is the socket's (urlunsplit would drop the "//")
+        return f"unix://{parts.path}?{urlencode([*query, ('db', str(db))])}"
+    return urlunsplit(parts._replace(path=f"/{db}", query=urlencode(query)))
+
+
+def _redis_place(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    server = parts.path if parts.scheme == "unix" else (parts.hostname or "", parts.port or 6379)
+    return str(server), _redis_db(url)
+
+
+# The Django cache (console login throttle, one-use forms) never shares the quota counters' Redis
+# database: a cache flush (FLUSHDB) or a cache-driven eviction must not touch a quota counter.
+# Default: the quota server's other database (1, or 0 when REDIS_URL uses 1); a separate server
+# (where an evicting maxmemory-policy is fine) is better still. A cluster has only database 0.
+if REDIS_CLUSTER:
+    CACHE_REDIS_URL = env.str("CACHE_REDIS_URL", default="")
+    if not CACHE_REDIS_URL:
+        raise ImproperlyConfigured(
+            "REDIS_CLUSTER is set: set CACHE_REDIS_URL to a standalone Redis for the Django cache")
+else:
+    CACHE_REDIS_URL = env.str(
+        "CACHE_REDIS_URL", default=_with_redis_db(REDIS_URL, 1 if _redis_db(REDIS_URL) == 0 else 0))
+if not CACHE_REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+    raise ImproperlyConfigured(
+        f"CACHE_REDIS_URL must be redis://, rediss:// or unix://, got {CACHE_REDIS_URL!r}")
+if not REDIS_CLUSTER and _redis_place(CACHE_REDIS_URL) == _redis_place(REDIS_URL):
+    raise ImproperlyConfigured(
+        "CACHE_REDIS_URL must name another Redis database or server than REDIS_URL: a cache "
+        "flush would delete the quota counters")
 CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",
-        "LOCATION": REDIS_URL,
+        "LOCATION": CACHE_REDIS_URL,
         "KEY_PREFIX": "tg:cache",
         "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
     }
@@ -159,13 +207,37 @@ if QUOTA_TOMBSTONE_SECONDS <= QUOTA_STALE_HOLD_SECONDS:
     raise ImproperlyConfigured(
         "QUOTA_TOMBSTONE_SECONDS must exceed QUOTA_STALE_HOLD_SECONDS: a settle arriving after "
         "the sweep must still find the swept hold to correct it")
+# Redis that forgets (quotas/durability.py, billing/rebuild.py). The quota Redis must run with
+# maxmemory-policy noeviction, always; and with persistence (AOF or RDB save points) when this
+# is on. /readyz, the gateway workers, the Celery worker and config.serve refuse it otherwise.
+QUOTA_REDIS_REQUIRE_PERSISTENCE = _bool("QUOTA_REDIS_REQUIRE_PERSISTENCE",
+                                        default=TOLLGATE_ENV == "production")
+# What rebuilds a tenant's current-window counters from the ledger when its epoch marker is gone
+# (a dotted path: the gateway cannot import billing, which imports the gateway).
+QUOTA_REBUILDER = env.str("QUOTA_REBUILDER", default="billing.rebuild.rebuild_tenant")
+# One worker rebuilds a tenant at a time (a Redis lock); a worker that died mid-way frees it
+# after this long.
+QUOTA_REBUILD_LOCK_SECONDS = _positive_int("QUOTA_REBUILD_LOCK_SECONDS", 60)
 
 # The /v1 gateway (gateway/). Durations in seconds.
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT = env.float("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", default=5.0)
 # Longest wait for the first byte (and between bytes) of an upstream answer.
 GATEWAY_UPSTREAM_READ_TIMEOUT = env.float("GATEWAY_UPSTREAM_READ_TIMEOUT", default=120.0)
-# Longest whole call, streams included; must stay below QUOTA_STALE_HOLD_SECONDS.
-GATEWAY_UPSTREAM_TOTAL_TIMEOUT = env.float("GATEWAY_UPSTREAM_TOTAL_TIMEOUT", default=300.0)
+# One deadline for the whole call, from the reserve to the end of the answer: waiting for an
+# upstream connection, connecting, the first byte and the whole stream. A call still running then
+# is ended (504 before the answer; a stream is cut and charged what it produced).
+# GATEWAY_UPSTREAM_TOTAL_TIMEOUT is its former name (it bounded the stream only) and still works
+# when the new name is not set. Checked below against QUOTA_STALE_HOLD_SECONDS.
+if "GATEWAY_CALL_DEADLINE_SECONDS" in env and "GATEWAY_UPSTREAM_TOTAL_TIMEOUT" in env:
+    raise ImproperlyConfigured(
+        "Set GATEWAY_CALL_DEADLINE_SECONDS only: GATEWAY_UPSTREAM_TOTAL_TIMEOUT is its former name")
+GATEWAY_CALL_DEADLINE_SECONDS = env.float(
+    "GATEWAY_CALL_DEADLINE_SECONDS",
+    default=env.float("GATEWAY_UPSTREAM_TOTAL_TIMEOUT", default=240.0))
+# A call in flight longer than this tells its hold how far it got (forwarded; for a stream, the
+# output tokens delivered so far), then again every interval while a stream delivers more, so a
+# sweep after a crash charges what is known. Shorter calls write nothing extra.
+GATEWAY_CHECKPOINT_SECONDS = env.float("GATEWAY_CHECKPOINT_SECONDS", default=1.0)
 # Upstream connections per worker; a call beyond it waits (up to the read timeout) for one.
 GATEWAY_UPSTREAM_MAX_CONNECTIONS = _positive_int("GATEWAY_UPSTREAM_MAX_CONNECTIONS", 256)
 # "native": the gateway's own HTTP/1.1 keep-alive transport (gateway/upstream_http.py), the
@@ -189,14 +261,24 @@ GATEWAY_DB_THREADS = _positive_int("GATEWAY_DB_THREADS", 2)
 # generation after this many allocations (Python's default is 700); 0 leaves the GC as is.
 GATEWAY_GC_GEN0_THRESHOLD = env.int("GATEWAY_GC_GEN0_THRESHOLD", default=20_000)
 for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",
-              "GATEWAY_UPSTREAM_TOTAL_TIMEOUT", "GATEWAY_STREAM_DRAIN_SECONDS",
-              "GATEWAY_AUTH_CACHE_SECONDS", "GATEWAY_LAST_USED_FLUSH_SECONDS"):
+              "GATEWAY_CALL_DEADLINE_SECONDS", "GATEWAY_CHECKPOINT_SECONDS",
+              "GATEWAY_STREAM_DRAIN_SECONDS", "GATEWAY_AUTH_CACHE_SECONDS",
+              "GATEWAY_LAST_USED_FLUSH_SECONDS"):
     if globals()[_name] <= 0:
         raise ImproperlyConfigured(f"{_name} must be > 0 seconds")
-if GATEWAY_UPSTREAM_TOTAL_TIMEOUT >= QUOTA_STALE_HOLD_SECONDS:
+# The rule: a hold must end (deadline, then the drain of a stream whose client left, then one
+# settle attempt: a Redis pool wait and the call, each up to REDIS_SOCKET_TIMEOUT) within half the
+# stale threshold. The sweep never takes a live call's hold, and the other half is left for
+# settle retries while Redis is unreachable, which run until just before the threshold.
+GATEWAY_HOLD_END_SECONDS = (GATEWAY_CALL_DEADLINE_SECONDS + GATEWAY_STREAM_DRAIN_SECONDS
+                            + 2 * REDIS_SOCKET_TIMEOUT)
+if GATEWAY_HOLD_END_SECONDS > QUOTA_STALE_HOLD_SECONDS / 2:
     raise ImproperlyConfigured(
-        "GATEWAY_UPSTREAM_TOTAL_TIMEOUT must be below QUOTA_STALE_HOLD_SECONDS, or the sweep "
-        "would release holds of calls still running")
+        f"GATEWAY_CALL_DEADLINE_SECONDS ({GATEWAY_CALL_DEADLINE_SECONDS:g}) + "
+        f"GATEWAY_STREAM_DRAIN_SECONDS ({GATEWAY_STREAM_DRAIN_SECONDS:g}) + 2 x "
+        f"REDIS_SOCKET_TIMEOUT ({REDIS_SOCKET_TIMEOUT:g}) = {GATEWAY_HOLD_END_SECONDS:g} s must be "
+        f"at most half of QUOTA_STALE_HOLD_SECONDS ({QUOTA_STALE_HOLD_SECONDS} s): the sweep would "
+        "otherwise take holds of calls still running or still settling")
 # Django refuses larger bodies before the gateway sees them; keep one limit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 
@@ -230,6 +312,10 @@ CELERY_BEAT_SCHEDULE = {
     "check-quota-thresholds": {"task": "billing.tasks.check_quota_thresholds", "schedule": 60.0},
     "retry-due-webhooks": {"task": "billing.tasks.retry_due_webhooks", "schedule": 60.0},
     "check-pending-health": {"task": "billing.tasks.check_pending_health", "schedule": 300.0},
+    # Tenants whose epoch marker is missing (Redis lost data) get their counters rebuilt from
+    # the ledger before their next call has to wait for it.
+    "rebuild-lost-quotas": {"task": "billing.rebuild.rebuild_lost_tenants",
+                            "schedule": TOLLGATE_SWEEP_INTERVAL_SECONDS},
 }
 
 # Webhooks (billing/webhooks.py). Private, loopback and link-local targets are refused (server-side

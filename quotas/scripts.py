@@ -7,9 +7,11 @@ has not seen it yet). The file headers document KEYS, ARGV and the return tables
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 
-LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
+# The `lua` package ships the scripts as package data (pyproject.toml), so they are found the same
+# way in a checkout and in an installed copy.
+LUA_DIR = resources.files("lua")
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class LuaSource:
 
 
 def _read(name: str) -> LuaSource:
-    return LuaSource(name=name, text=(LUA_DIR / f"{name}.lua").read_text())
+    return LuaSource(name=name, text=(LUA_DIR / f"{name}.lua").read_text(encoding="utf-8"))
 
 
 RESERVE = _read("reserve")
