@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 import redis
@@ -132,3 +133,263 @@ def test_cost_is_integer_micro_dollars_rounded_half_up() -> None:
     assert Price(2_500_000, 10_000_000).cost(0, 0) == 0
     assert isinstance(Price(150_000, 600_000).cost(123_456, 7_890), int)
     assert Decimal(Price(150_000, 600_000).cost(10**6, 10**6)) == Decimal(750_000)
+
+
+# -- how a hold ended when nobody ended it: the sweep, and the settle that comes after it ------
+
+LIMITS = (ScopeLimit("tenant", WindowKind.DAY, 10**9),)
+GPT_4O = (2_500_000, 10_000_000)  # gpt-4o's list price, micro-dollars per million in / out
+
+
+def hold_for(engine: QuotaEngine, tenant: Tenant, project: Project, rid: str, *,
+             amount: int = 1000, input_tokens: int = 100):
+    """A reservation as the gateway makes it: meta, the input estimate and the prices."""
+    meta = json.dumps({"p": project.pk, "m": "gpt-4o", "served": "gpt-4o",
+                       "ep": "chat/completions"})
+    reservation = engine.reserve(ReserveRequest(
+        tenant_tag(tenant.pk), rid, amount, LIMITS, meta=meta, input_tokens=input_tokens,
+        price_in=GPT_4O[0], price_out=GPT_4O[1]))
+    assert reservation.hold is not None
+    return reservation.hold
+
+
+def settle_event(input_tokens: int, output_tokens: int, outcome: str = "complete") -> str:
+    return json.dumps({"in": input_tokens, "out": output_tokens, "st": 200, "lat": 900,
+                       "outcome": outcome, "pk": None, "stream": True, "soft": False})
+
+
+def cost(input_tokens: int, output_tokens: int) -> int:
+    from billing.prices import Price
+
+    return Price(*GPT_4O).cost(input_tokens, output_tokens)
+
+
+def row_values(rid: str) -> dict:
+    return UsageRecord.objects.filter(request_id=rid).values().get()
+
+
+def test_swept_rows_carry_what_the_sweep_charged_and_why(client: redis.Redis, acme: Tenant) -> None:
+    from quotas.engine import Phase
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    hold_for(engine, acme, project, "never-forwarded")
+    engine.progress(hold_for(engine, acme, project, "forwarded"), Phase.FORWARDED)
+    engine.progress(hold_for(engine, acme, project, "streaming"), Phase.STREAMING, 40)
+    engine.sweep(tenant_tag(acme.pk), stale_s=0)
+
+    assert drain_tenant(client, acme.pk) == 3
+    rows = {r.request_id: r for r in UsageRecord.objects.filter(tenant=acme)}
+    got = {rid: (r.status, r.sweep_basis, r.input_tokens, r.output_tokens, r.cost_micros)
+           for rid, r in rows.items()}
+    assert got == {
+        "never-forwarded": ("swept", "reserved", 0, 0, 0),
+        # A non-streamed call that reached the upstream may have produced up to its cap.
+        "forwarded": ("swept", "forwarded", 100, 900, cost(100, 900)),
+        "streaming": ("swept", "streaming", 100, 40, cost(100, 40)),
+    }
+    assert all(r.corrected_at is None and r.swept_cost_micros is None for r in rows.values())
+
+
+def test_a_settle_after_the_sweep_corrects_the_row_once(client: redis.Redis, acme: Tenant) -> None:
+    from quotas.engine import Phase
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    hold = hold_for(engine, acme, project, "late")
+    engine.progress(hold, Phase.STREAMING, 40)
+    engine.sweep(tenant_tag(acme.pk), stale_s=0)
+    drain_tenant(client, acme.pk)
+    assert (row_values("late")["input_tokens"], row_values("late")["output_tokens"]) == (100, 40)
+
+    assert engine.settle(hold, 100 + 250, settle_event(100, 250)).outcome == "corrected"
+    stream = keys.usage_stream_key(tenant_tag(acme.pk))
+    [(_, correction)] = client.xrange(stream)
+    assert drain_tenant(client, acme.pk) == 1
+    row = UsageRecord.objects.get(request_id="late")
+    assert (row.status, row.detail, row.input_tokens, row.output_tokens, row.cost_micros) == (
+        "settled", "complete", 100, 250, cost(100, 250))
+    assert (row.swept_input_tokens, row.swept_output_tokens, row.swept_cost_micros) == (
+        100, 40, cost(100, 40))
+    assert row.sweep_basis == "streaming" and row.corrected_at is not None
+    assert (row.http_status, row.latency_ms, row.streamed) == (200, 900, True)
+
+    # Redelivered (a drain that died after its commit, before XDEL): nothing changes.
+    before = row_values("late")
+    client.xadd(stream, correction)
+    assert drain_tenant(client, acme.pk) == 1
+    assert row_values("late") == before
+    # A second late settle is a no-op in Redis: no event at all.
+    assert engine.settle(hold, 999, settle_event(900, 99)).outcome == "corrected"
+    assert client.xlen(stream) == 0
+
+
+def test_a_swept_event_and_its_correction_in_one_batch_converge(
+        client: redis.Redis, acme: Tenant) -> None:
+    from quotas.engine import Phase
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    hold = hold_for(engine, acme, project, "both")
+    engine.progress(hold, Phase.FORWARDED)
+    engine.sweep(tenant_tag(acme.pk), stale_s=0)
+    engine.settle(hold, 130, settle_event(100, 30, outcome="client_disconnected"))
+
+    assert drain_tenant(client, acme.pk) == 2  # swept, then corrected, in one transaction
+    row = UsageRecord.objects.get(request_id="both")
+    assert (row.status, row.input_tokens, row.output_tokens, row.cost_micros) == (
+        "partial", 100, 30, cost(100, 30))
+    assert (row.swept_input_tokens, row.swept_output_tokens, row.swept_cost_micros) == (
+        100, 900, cost(100, 900))
+
+
+def test_a_correction_whose_swept_row_never_came_becomes_the_row(
+        client: redis.Redis, acme: Tenant) -> None:
+    """The swept event is missing (drained into nothing, or lost with Redis' data): the
+    correction alone writes the corrected row; the swept event, should it come later, changes
+    nothing."""
+    from quotas.engine import Phase
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    hold = hold_for(engine, acme, project, "alone")
+    engine.progress(hold, Phase.FORWARDED)
+    engine.sweep(tenant_tag(acme.pk), stale_s=0)
+    stream = keys.usage_stream_key(tenant_tag(acme.pk))
+    [(swept_id, swept)] = client.xrange(stream)
+    client.xdel(stream, swept_id)
+    engine.settle(hold, 180, settle_event(100, 80))
+
+    assert drain_tenant(client, acme.pk) == 1
+    row = UsageRecord.objects.get(request_id="alone")
+    assert (row.status, row.input_tokens, row.output_tokens, row.cost_micros) == (
+        "settled", 100, 80, cost(100, 80))
+    # The correction says how much the sweep charged, not the split; its money is exact.
+    assert (row.swept_input_tokens, row.swept_output_tokens, row.swept_cost_micros) == (
+        1000, 0, cost(100, 900))
+    assert row.corrected_at is not None and row.held_tokens == 1000
+
+    before = row_values("alone")
+    client.xadd(stream, swept)
+    assert drain_tenant(client, acme.pk) == 1
+    assert row_values("alone") == before
+
+
+def test_a_release_after_the_sweep_takes_the_charge_back(client: redis.Redis, acme: Tenant) -> None:
+    from quotas.engine import Phase
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    hold = hold_for(engine, acme, project, "nothing-came")
+    engine.progress(hold, Phase.FORWARDED)
+    engine.sweep(tenant_tag(acme.pk), stale_s=0)
+    drain_tenant(client, acme.pk)
+    assert engine.release(hold, json.dumps({"st": 502, "outcome": "upstream_status"})
+                          ).outcome == "corrected"
+    drain_tenant(client, acme.pk)
+    row = UsageRecord.objects.get(request_id="nothing-came")
+    assert (row.status, row.detail, row.input_tokens, row.output_tokens, row.cost_micros) == (
+        "released", "upstream_status", 0, 0, 0)
+    assert (row.swept_input_tokens, row.swept_output_tokens, row.swept_cost_micros) == (
+        100, 900, cost(100, 900))
+    assert row.http_status == 502
+
+
+def test_a_settle_whose_hold_redis_lost_is_an_ordinary_row(
+        client: redis.Redis, acme: Tenant) -> None:
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    hold = hold_for(engine, acme, project, "orphan-settle")
+    client.delete(keys.hold_key(tenant_tag(acme.pk), "orphan-settle"))  # Redis lost the record
+    assert engine.settle(hold, 150, settle_event(100, 50)).outcome == "settled"
+    [(_, fields)] = client.xrange(keys.usage_stream_key(tenant_tag(acme.pk)))
+    assert fields.get("orphan") == "1"
+
+    assert drain_tenant(client, acme.pk) == 1
+    row = UsageRecord.objects.get(request_id="orphan-settle")
+    assert (row.status, row.input_tokens, row.output_tokens, row.cost_micros, row.project_id) == (
+        "settled", 100, 50, cost(100, 50), project.pk)
+
+
+def test_a_fail_open_call_is_an_unmetered_row(client: redis.Redis, acme: Tenant) -> None:
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    now_ms = int(datetime.now(UTC).timestamp() * 1000)
+    meta = json.dumps({"p": project.pk, "m": "gpt-4o", "served": "gpt-4o",
+                       "ep": "chat/completions"})
+    engine.append_unmetered(tenant_tag(acme.pk), "fail-open", actual=70, created_ms=now_ms - 500,
+                            ended_ms=now_ms, meta=meta, event=settle_event(60, 10))
+    assert drain_tenant(client, acme.pk) == 1
+    row = UsageRecord.objects.get(request_id="fail-open")
+    assert (row.status, row.input_tokens, row.output_tokens, row.held_tokens, row.cost_micros) == (
+        "unmetered", 60, 10, 0, cost(60, 10))
+    assert row.over_hold_tokens == 0  # no hold: nothing to be above
+
+
+def test_usage_above_the_hold_is_recorded_per_row(client: redis.Redis, acme: Tenant) -> None:
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    engine.settle(hold_for(engine, acme, project, "over", amount=100, input_tokens=50), 130,
+                  settle_event(60, 70))
+    engine.settle(hold_for(engine, acme, project, "under", amount=100, input_tokens=50), 90,
+                  settle_event(60, 30))
+    drain_tenant(client, acme.pk)
+    assert dict(UsageRecord.objects.filter(tenant=acme).values_list(
+        "request_id", "over_hold_tokens")) == {"over": 30, "under": 0}
+
+
+@pytest.mark.e2e
+def test_two_drainers_racing_over_one_correction_apply_it_once(
+        client: redis.Redis, django_db_blocker: Any) -> None:
+    """Both workers read the batch before either commits (as when a drain task runs on two
+    workers at once): the row ends corrected, with what the sweep charged kept as the sweep's
+    figures, whichever worker applies the correction."""
+    import os
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    from quotas.engine import Phase
+    from tests.gateway.conftest import committed
+
+    slug = f"ledger-race-{os.getpid()}-{time.monotonic_ns()}"
+    rid = f"{slug}-call"
+
+    def setup() -> tuple[Tenant, Project]:
+        tenant = create_tenant(slug, plan_name="free", actor="test")
+        return tenant, create_project(tenant, "web", actor="test")
+
+    tenant, project = committed(django_db_blocker, setup)
+    engine = QuotaEngine(client)
+    hold = hold_for(engine, tenant, project, rid)
+    engine.progress(hold, Phase.FORWARDED)
+    engine.sweep(tenant_tag(tenant.pk), stale_s=0)
+    assert committed(django_db_blocker, lambda: drain_tenant(client, tenant.pk)) == 1
+    assert engine.settle(hold, 300, settle_event(100, 200)).outcome == "corrected"
+
+    both_read = threading.Barrier(2)
+
+    class ReadTogether:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+        def xrange(self, *args: Any, **kwargs: Any) -> Any:
+            entries = client.xrange(*args, **kwargs)
+            both_read.wait(timeout=30)
+            return entries
+
+    def drain() -> int:
+        try:
+            return drain_tenant(ReadTogether(), tenant.pk)
+        finally:
+            connection.close()
+
+    with django_db_blocker.unblock(), ThreadPoolExecutor(2) as pool:
+        assert [f.result() for f in [pool.submit(drain) for _ in range(2)]] == [1, 1]
+    row = committed(django_db_blocker, lambda: UsageRecord.objects.get(request_id=rid))
+    assert (row.status, row.input_tokens, row.output_tokens, row.cost_micros) == (
+        "settled", 100, 200, cost(100, 200))
+    assert (row.swept_input_tokens, row.swept_output_tokens, row.swept_cost_micros) == (
+        100, 900, cost(100, 900))
