@@ -24,7 +24,10 @@ pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 @pytest.fixture
 def celery_worker(django_db_setup: None, tmp_path: Path) -> Iterator[Path]:
-    env = gateway_env(QUOTA_STALE_HOLD_SECONDS="1", GATEWAY_UPSTREAM_TOTAL_TIMEOUT="0.5",
+    # The shortest stale threshold the settings accept: a hold must be able to end (deadline,
+    # stream drain, two Redis timeouts) within half of it.
+    env = gateway_env(QUOTA_STALE_HOLD_SECONDS="6", GATEWAY_CALL_DEADLINE_SECONDS="0.5",
+                      GATEWAY_STREAM_DRAIN_SECONDS="0.5", REDIS_SOCKET_TIMEOUT="1",
                       TOLLGATE_SWEEP_INTERVAL_SECONDS="0.5", TOLLGATE_DRAIN_INTERVAL_SECONDS="0.5")
     with celery_worker_process(tmp_path, env) as log:
         yield log
