@@ -13,7 +13,14 @@ from dataclasses import dataclass, replace
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
 from gateway.catalog import ModelInfo, hold_for, output_cap_for_hold, reservation_tokens
-from gateway.errors import GatewayError, bad_request, insufficient_quota, rate_limited
+from gateway.errors import (
+    GatewayError,
+    bad_request,
+    insufficient_quota,
+    model_not_priced,
+    rate_limited,
+)
+from gateway.prices import Price
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import estimate_chat_prompt, estimate_completion_prompt, estimate_embedding_input
 from quotas.engine import (
@@ -35,12 +42,19 @@ class Estimate:
     prompt_tokens: int
     amount: int  # tokens to hold
     output_cap: int | None  # per choice; None for embeddings
+    # The call's price (gateway/prices.py), resolved once at admission: the money hold, the
+    # settle's cost and the hold record (for the sweep) all use it.
+    price: Price
 
     @property
     def worst_cost_micros(self) -> int:
-        """An upper bound of the call's cost: every held token at the dearer of the two prices."""
-        price = max(self.info.input_price_micros_per_mtok, self.info.output_price_micros_per_mtok)
-        return -(-self.amount * price // 1_000_000)
+        """An upper bound of the call's cost: every held token at the dearer of the two prices.
+
+        At least 1 micro-dollar, so that one rule covers a spend budget of 0 and one used up to
+        the last micro-dollar: neither admits anything, not even a call of a model priced 0
+        (DESIGN.md: limit 0 rejects everything).
+        """
+        return max(1, self.price.bound(self.amount))
 
 
 @dataclass(frozen=True)
@@ -57,16 +71,32 @@ class Admission:
         return self.reservation.hold is not None
 
 
+def priced(runtime: GatewayRuntime, model: str) -> Price:
+    """The model's price now, or model_not_priced (403): a call is never forwarded for free by
+    accident. See gateway/prices.py for the resolution."""
+    price = runtime.catalog.price(model)
+    if price is None:
+        raise model_not_priced(model)
+    return price
+
+
+def allows(runtime: GatewayRuntime, ctx: KeyContext, model: str) -> bool:
+    """Whether the key may call `model`: a key allowed "gpt-4o" may call its dated snapshots
+    (the model's aliases), not the other way round."""
+    return ctx.allows(model) or ctx.allows(runtime.catalog.canonical(model))
+
+
 def unmetered(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
               request_id: str) -> Admission:
     """Admission without a hold, for the operator's fail-open mode while Redis is unreachable."""
-    est = estimate(parsed, runtime.catalog.resolve(parsed.model), ctx)
+    est = estimate(parsed, runtime.catalog.resolve(parsed.model), ctx,
+                   priced(runtime, parsed.model))
     reservation = Reservation(admitted=True, request_id=request_id, granted=0, counters=(),
                               refused=None, server_time_ms=0, hold=None)
     return Admission(reservation, parsed.model, est, est.output_cap)
 
 
-def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext) -> Estimate:
+def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price) -> Estimate:
     body = parsed.body
     if parsed.endpoint is Endpoint.CHAT:
         prompt = estimate_chat_prompt(body["messages"], model=info.name, tools=body.get("tools"),
@@ -75,7 +105,8 @@ def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext) -> Estimate:
         prompt = estimate_completion_prompt(body["prompt"], info.tokenizer)
     else:
         prompt = estimate_embedding_input(body["input"], info.tokenizer)
-        return Estimate(info, prompt, max(1, hold_for(prompt, 0, ctx.limits.safety_factor)), None)
+        return Estimate(info, prompt, max(1, hold_for(prompt, 0, ctx.limits.safety_factor)), None,
+                        price)
     # Legacy completions default to 16 output tokens upstream, so that is their real bound.
     requested = parsed.max_output
     if requested is None and parsed.endpoint is Endpoint.COMPLETIONS:
@@ -88,7 +119,7 @@ def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext) -> Estimate:
             f"request has about {prompt} prompt tokens, which leaves no room for an answer.",
             "messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
             "context_length_exceeded")
-    return Estimate(info, prompt, amount, cap)
+    return Estimate(info, prompt, amount, cap, price)
 
 
 def _meta(ctx: KeyContext, parsed: ParsedBody, model: str) -> str:
@@ -107,6 +138,8 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
         tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
         min_amount=min_amount, rates=ctx.rates, concurrency=ctx.concurrency,
         meta=_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
+        input_tokens=est.prompt_tokens, price_in=est.price.input_micros_per_mtok,
+        price_out=est.price.output_micros_per_mtok,
     )
 
 
@@ -158,10 +191,12 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
     """Reserve, or apply the plan's policy to a quota refusal; raises GatewayError (429)."""
     if ctx.request_rate_blocked():
         raise rate_limited("Your plan allows no requests at the moment.", 60)
-    info = runtime.catalog.resolve(parsed.model)
-    est = estimate(parsed, info, ctx)
+    catalog = runtime.catalog
+    est = estimate(parsed, catalog.resolve(parsed.model), ctx, priced(runtime, parsed.model))
     engine = runtime.engine
-    request = _request(ctx, parsed, request_id, parsed.model, est, ctx.scopes(parsed.model))
+    # Per-model limits count a dated snapshot under its catalog model (one model name).
+    request = _request(ctx, parsed, request_id, parsed.model, est,
+                       ctx.scopes(catalog.canonical(parsed.model)))
     reservation = await engine.reserve(request)
     if reservation.admitted:
         return Admission(reservation, parsed.model, est, _with_output_cap(est, reservation, parsed, ctx))
@@ -194,10 +229,12 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
                              soft=True)
     elif policy == OverQuotaPolicy.FALLBACK:
         target = ctx.limits.fallback_model
-        if target and target != parsed.model and ctx.allows(target):
-            fb_info = runtime.catalog.resolve(target)
-            fb_est = estimate(parsed, fb_info, ctx)
-            fb_request = _request(ctx, parsed, request_id, target, fb_est, ctx.scopes(target))
+        fb_price = runtime.catalog.price(target) if target else None
+        if (target and target != parsed.model and fb_price is not None
+                and allows(runtime, ctx, target)):
+            fb_est = estimate(parsed, catalog.resolve(target), ctx, fb_price)
+            fb_request = _request(ctx, parsed, request_id, target, fb_est,
+                                  ctx.scopes(catalog.canonical(target)))
             fb = await engine.reserve(fb_request)
             if fb.admitted:
                 return Admission(fb, target, fb_est, _with_output_cap(fb_est, fb, parsed, ctx),

@@ -1,25 +1,27 @@
 """The model catalog as the hot path sees it: an immutable in-process snapshot of the enabled
-ModelSpec rows, the reservation arithmetic (DESIGN.md invariant 2), and cost in micro-dollars.
+ModelSpec rows with the price book (prices and model aliases, gateway/prices.py), the reservation
+arithmetic (DESIGN.md invariant 2), and cost in micro-dollars.
 
-Rebuild the snapshot with load_catalog() when ModelSpec rows change; reads never query.
+Rebuild the snapshot with load_catalog() when models, prices, aliases or provider keys change
+(gateway/listener.py does on pub/sub); reads never query.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
 from types import MappingProxyType
 
 from gateway.models import ModelKind, ModelSpec, Tokenizer
-
-MICROS_PER_MTOK_DIVISOR = 1_000_000  # prices are per million tokens
+from gateway.prices import Price, PriceBook
 
 # Unknown models (not in the catalog, or disabled there but allowed by a plan) get these
 # defaults. 128k is the context of most current OpenAI-compatible chat models; a larger real
 # window only means a hold capped a little early. The 4096-token default output matches the
-# catalog's chat defaults. Prices are zero: what an unknown model costs is unknown, and the
-# ledger records tokens either way (billing flags zero-priced usage).
+# catalog's chat defaults. What such a model costs comes from the price book, which refuses it
+# unless a price period or a provider key's default price names one (never $0 by accident).
 FALLBACK_CONTEXT_WINDOW = 128_000
 FALLBACK_DEFAULT_OUTPUT_TOKENS = 4_096
 FALLBACK_MAX_OUTPUT_TOKENS = 16_384
@@ -33,8 +35,6 @@ class ModelInfo:
     context_window: int
     default_output_tokens: int
     max_output_tokens: int
-    input_price_micros_per_mtok: int
-    output_price_micros_per_mtok: int
     known: bool = True  # False for fallback_model_info()
 
     @classmethod
@@ -46,8 +46,6 @@ class ModelInfo:
             context_window=spec.context_window,
             default_output_tokens=spec.default_output_tokens,
             max_output_tokens=spec.max_output_tokens,
-            input_price_micros_per_mtok=spec.input_price_micros_per_mtok,
-            output_price_micros_per_mtok=spec.output_price_micros_per_mtok,
         )
 
 
@@ -60,8 +58,6 @@ def fallback_model_info(name: str) -> ModelInfo:
         context_window=FALLBACK_CONTEXT_WINDOW,
         default_output_tokens=FALLBACK_DEFAULT_OUTPUT_TOKENS,
         max_output_tokens=FALLBACK_MAX_OUTPUT_TOKENS,
-        input_price_micros_per_mtok=0,
-        output_price_micros_per_mtok=0,
         known=False,
     )
 
@@ -69,17 +65,28 @@ def fallback_model_info(name: str) -> ModelInfo:
 @dataclass(frozen=True)
 class Catalog:
     models: Mapping[str, ModelInfo] = field(default_factory=lambda: MappingProxyType({}))
+    prices: PriceBook = field(default_factory=PriceBook)
 
     @classmethod
-    def of(cls, infos: Iterable[ModelInfo]) -> Catalog:
-        return cls(MappingProxyType({info.name: info for info in infos}))
+    def of(cls, infos: Iterable[ModelInfo], prices: PriceBook | None = None) -> Catalog:
+        return cls(MappingProxyType({info.name: info for info in infos}), prices or PriceBook())
+
+    def canonical(self, model_name: str) -> str:
+        """The catalog model a name stands for: itself, or the model an alias names. Per-model
+        limits, allowed-model lists, caps and prices all use this name."""
+        return self.prices.canonical(model_name)
 
     def spec(self, model_name: str) -> ModelInfo | None:
-        return self.models.get(model_name)
+        return self.models.get(self.canonical(model_name))
 
     def resolve(self, model_name: str) -> ModelInfo:
-        """The catalog entry, or the fallback for an unknown model."""
-        return self.models.get(model_name) or fallback_model_info(model_name)
+        """The catalog entry (of the alias's model for an alias), or the fallback for an unknown
+        model."""
+        return self.spec(model_name) or fallback_model_info(model_name)
+
+    def price(self, model_name: str, at: datetime | None = None) -> Price | None:
+        """What a call of this model costs now (or at `at`); None when it has no price."""
+        return self.prices.price(model_name, at or datetime.now(UTC))
 
     def names(self, kind: str | None = None) -> list[str]:
         return sorted(n for n, info in self.models.items() if kind is None or info.kind == kind)
@@ -92,8 +99,9 @@ class Catalog:
 
 
 def load_catalog() -> Catalog:
-    """A snapshot of every enabled ModelSpec, in one query."""
-    return Catalog.of(ModelInfo.from_spec(spec) for spec in ModelSpec.objects.filter(enabled=True))
+    """A snapshot of every enabled ModelSpec and of the price book (five queries)."""
+    return Catalog.of((ModelInfo.from_spec(spec) for spec in ModelSpec.objects.filter(enabled=True)),
+                      PriceBook.load())
 
 
 def _ratio(safety_factor: Decimal) -> tuple[int, int]:
@@ -159,22 +167,7 @@ def output_cap_for_hold(
     return max(0, (max_billable - prompt_tokens) // choices)
 
 
-def cost_micros(info: ModelInfo, input_tokens: int, output_tokens: int) -> int:
-    """What a call of this model costs in micro-dollars (see price_micros)."""
-    return price_micros(info.input_price_micros_per_mtok, info.output_price_micros_per_mtok,
-                        input_tokens, output_tokens)
+def cost_micros(price: Price, input_tokens: int, output_tokens: int) -> int:
+    """What a call costs in micro-dollars at `price` (see gateway.prices.price_micros)."""
+    return price.cost(input_tokens, output_tokens)
 
-
-def price_micros(input_micros_per_mtok: int, output_micros_per_mtok: int, input_tokens: int,
-                 output_tokens: int) -> int:
-    """Tokens at per-million prices, in micro-dollars, rounded half up once per call.
-
-    Rounding the exact total (not each component) keeps every call within half a micro-dollar
-    of the exact figure. Ceil would add half a micro-dollar per call on average: a steady drift
-    from the upstream bill that reconciliation would keep reporting.
-    """
-    if input_tokens < 0 or output_tokens < 0:
-        raise ValueError("token counts must be >= 0")
-    exact_times_million = (input_tokens * input_micros_per_mtok
-                           + output_tokens * output_micros_per_mtok)
-    return (exact_times_million + MICROS_PER_MTOK_DIVISOR // 2) // MICROS_PER_MTOK_DIVISOR

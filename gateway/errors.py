@@ -46,6 +46,15 @@ def model_not_allowed(model: str) -> GatewayError:
                         refusal="model_not_allowed")
 
 
+def model_not_priced(model: str) -> GatewayError:
+    """No price for the model (no price period, not in the catalog, and no provider key serving
+    it names a default price). 403 like model_not_allowed: the request is well formed, this
+    gateway will not run it until an operator prices the model; the SDKs do not retry it."""
+    return GatewayError(403, f"The model '{model}' has no price on this gateway, so it cannot be "
+                        "metered; ask your administrator to price it.",
+                        "invalid_request_error", "model_not_priced", "model")
+
+
 def not_found(message: str) -> GatewayError:
     return GatewayError(404, message, "invalid_request_error", "not_found")
 

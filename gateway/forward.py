@@ -73,7 +73,7 @@ class Call:
             log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
                       self.ctx.tenant_id, event)
             return
-        cost = cost_micros(self.admission.estimate.info, input_tokens, output_tokens)
+        cost = cost_micros(self.admission.estimate.price, input_tokens, output_tokens)
         await self._end(lambda: self.runtime.engine.settle(hold, input_tokens + output_tokens,
                                                           event, cost))
 

@@ -31,15 +31,29 @@ async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
         runtime.auth.forget_tenant(int(ident))
     elif kind == "plan":
         runtime.auth.clear()  # plans are shared by many tenants: start afresh
-    elif kind == "catalog":
+    elif kind == "catalog":  # models, prices or aliases
         await runtime.reload_catalog()
     elif kind == "providers":
         await runtime.reload_pool()
+        # The catalog's price book holds the provider keys' default prices.
+        await runtime.reload_catalog()
+
+
+async def _reload_after_gap(runtime: GatewayRuntime) -> None:
+    """Catalog (with its prices) and provider changes published while the subscription was down
+    were lost: reload both, or a price change would be missed until the next one."""
+    try:
+        await runtime.reload_pool()
+        await runtime.reload_catalog()
+    except Exception:  # noqa: BLE001 - the previous snapshots stay in use; the next message reloads
+        log.warning("could not reload the catalog and provider keys after resubscribing",
+                    exc_info=True)
 
 
 async def listen(runtime: GatewayRuntime) -> None:
     """Subscribe forever. The auth cache is trusted only while subscribed, and emptied on every
     (re)subscription because messages sent while disconnected are lost."""
+    resubscribing = False
     while True:
         client = make_async_redis()
         pubsub = client.pubsub()
@@ -47,6 +61,9 @@ async def listen(runtime: GatewayRuntime) -> None:
             await pubsub.subscribe(CHANNEL, COOLDOWN_CHANNEL)
             runtime.auth.clear()
             runtime.auth.trusted = True
+            if resubscribing:
+                await _reload_after_gap(runtime)
+            resubscribing = True
             last_ping = asyncio.get_running_loop().time()
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)

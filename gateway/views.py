@@ -14,7 +14,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
-from gateway.admission import admit, unmetered
+from gateway.admission import admit, allows, unmetered
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody, parse_body
 from gateway.errors import (
@@ -163,7 +163,7 @@ class ProxyView(GatewayAPIView):
     async def _admitted(self, runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
                         request_id: str, started: float) -> HttpResponse | StreamingHttpResponse:
         parsed = parse_body(self.endpoint, _read_body(request))
-        if not ctx.allows(parsed.model):
+        if not allows(runtime, ctx, parsed.model):
             raise model_not_allowed(parsed.model)
         if not runtime.pool.serves(parsed.model, ctx.tenant_id):
             raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")

@@ -31,6 +31,9 @@ from quotas.limits import tenant_tag
 from quotas.runtime import get_engine
 
 ROOT = Path(__file__).resolve().parents[2]
+# The mock provider key's default price (micro-dollars per million tokens), for unpriced models.
+MOCK_DEFAULT_INPUT_PRICE = 1_000_000
+MOCK_DEFAULT_OUTPUT_PRICE = 2_000_000
 
 
 @dataclass
@@ -119,11 +122,15 @@ def mock_upstream() -> Iterator[MockUpstream]:
 
 @pytest.fixture(scope="session")
 def provider_key(django_db_setup: None, django_db_blocker: Any, mock_upstream: MockUpstream) -> str:
-    """A provider key for the mock upstream, shared by every end-to-end test."""
+    """A provider key for the mock upstream, shared by every end-to-end test. Like the one the
+    quick start makes, it names a default price: the tests call models the catalog does not
+    know (the mock's fault-injection suffixes, unique names), which are otherwise refused."""
+    from gateway.prices import Price
     from gateway.providers import create_provider_key
 
     key = committed(django_db_blocker, lambda: create_provider_key(
-        "mock", base_url=mock_upstream.base_url, secret="sk-mock-upstream"))
+        "mock", base_url=mock_upstream.base_url, secret="sk-mock-upstream",
+        default_price=Price(MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE)))
     return key.public_id
 
 

@@ -23,6 +23,7 @@ from gateway.catalog import (
     reservation_tokens,
 )
 from gateway.models import ModelSpec
+from gateway.prices import Price
 
 SEEDED = {
     # name: (tokenizer, kind, input micros/1M, output micros/1M)
@@ -48,8 +49,6 @@ def info(**overrides: Any) -> ModelInfo:
         context_window=128_000,
         default_output_tokens=4_096,
         max_output_tokens=16_384,
-        input_price_micros_per_mtok=2_500_000,
-        output_price_micros_per_mtok=10_000_000,
     )
     return dataclasses.replace(base, **overrides)
 
@@ -86,9 +85,10 @@ def test_seeded_windows_are_consistent():
 
 
 @pytest.mark.django_db
-def test_load_catalog_is_one_query_of_enabled_models(django_assert_num_queries: Any):
+def test_load_catalog_is_one_query_per_table(django_assert_num_queries: Any):
+    # Models, then the price book: list prices, price periods, aliases, provider default prices.
     ModelSpec.objects.filter(name="gpt-4").update(enabled=False)
-    with django_assert_num_queries(1):
+    with django_assert_num_queries(5):
         catalog = load_catalog()
 
     assert "gpt-4" not in catalog
@@ -102,9 +102,10 @@ def test_load_catalog_is_one_query_of_enabled_models(django_assert_num_queries: 
         context_window=128_000,
         default_output_tokens=4_096,
         max_output_tokens=16_384,
-        input_price_micros_per_mtok=2_500_000,
-        output_price_micros_per_mtok=10_000_000,
     )
+    # A disabled model keeps its list price: the ledger prices its past calls.
+    assert catalog.price("gpt-4") == Price(30_000_000, 60_000_000)
+    assert catalog.price("gpt-4o") == Price(2_500_000, 10_000_000)
     with pytest.raises(dataclasses.FrozenInstanceError):
         gpt4o.context_window = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -290,20 +291,20 @@ def test_the_hold_bounds_every_bill_the_upstream_can_produce(
 # --- cost --------------------------------------------------------------------------------------
 
 
-def test_cost_of_a_million_tokens_is_the_list_price():
-    gpt4o = info()
+def test_cost_of_a_million_tokens_is_the_price():
+    gpt4o = Price(2_500_000, 10_000_000)
     assert cost_micros(gpt4o, 1_000_000, 0) == 2_500_000
     assert cost_micros(gpt4o, 0, 1_000_000) == 10_000_000
     assert cost_micros(gpt4o, 1_000, 500) == 2_500 + 5_000
 
 
 def test_cost_rounds_half_up_once_per_call():
-    embedding = info(input_price_micros_per_mtok=20_000, output_price_micros_per_mtok=0)
+    embedding = Price(20_000, 0)
     assert cost_micros(embedding, 24, 0) == 0  # 0.48 micro-dollars
     assert cost_micros(embedding, 25, 0) == 1  # 0.5
     assert cost_micros(embedding, 74, 0) == 1  # 1.48
     assert cost_micros(embedding, 75, 0) == 2  # 1.5
-    mini = info(input_price_micros_per_mtok=150_000, output_price_micros_per_mtok=600_000)
+    mini = Price(150_000, 600_000)
     # 3 * 0.15 + 1 * 0.6 = 1.05 -> 1: the components are summed before rounding.
     assert cost_micros(mini, 3, 1) == 1
     assert isinstance(cost_micros(mini, 10**12, 10**12), int)

@@ -205,14 +205,14 @@ def test_monthly_spend_budget_holds_the_worst_case_cost(
 
     t = make_tenant(monthly_spend_budget_micros=400)
     client = client_for(gateway, t.plaintext)
-    price = load_catalog().spec("gpt-4o")
+    price = load_catalog().price("gpt-4o")
     costs = []
     for _ in range(2):  # each holds about 240 micro-dollars and costs about 105
         completion = client.chat.completions.create(
             model="gpt-4o", max_tokens=10, messages=[{"role": "user", "content": "hi there"}])
-        # Micro-dollars, rounded half up once per call (gateway.catalog.cost_micros).
-        costs.append((completion.usage.prompt_tokens * price.input_price_micros_per_mtok
-                      + completion.usage.completion_tokens * price.output_price_micros_per_mtok
+        # Micro-dollars, rounded half up once per call (gateway.prices.price_micros).
+        costs.append((completion.usage.prompt_tokens * price.input_micros_per_mtok
+                      + completion.usage.completion_tokens * price.output_micros_per_mtok
                       + 500_000) // 1_000_000)
     with pytest.raises(openai.RateLimitError) as info:
         client.chat.completions.create(model="gpt-4o", max_tokens=10,
