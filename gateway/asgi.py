@@ -9,7 +9,8 @@ console, the management API) goes through Django as usual.
 
 The disconnect handling follows Django's: the view runs in a task raced against
 `http.disconnect`, and when the client leaves first the task is cancelled. A streaming answer is
-then told so, and finishes reading the upstream for its usage in the background.
+then told so, and finishes reading the upstream for its usage in the background; likewise when
+it reaches its call's deadline or sending it fails.
 """
 from __future__ import annotations
 
@@ -67,7 +68,15 @@ class GatewayRouter:
         async def process() -> None:
             response = await view(request)
             sent["response"] = response
-            await handler.send_response(response, send)
+            deadline = getattr(response, "tollgate_deadline", None)
+            if deadline is None:
+                await handler.send_response(response, send)
+                return
+            # A stream ends at its call's deadline (GATEWAY_CALL_DEADLINE_SECONDS) even when no
+            # chunk comes to let the relay notice: a stalled upstream, or a client that stopped
+            # reading while the relay waits to send. The hold then ends as if the client left.
+            async with asyncio.timeout_at(deadline):
+                await handler.send_response(response, send)
 
         tasks = [asyncio.create_task(handler.listen_for_disconnect(receive)),
                  asyncio.create_task(process())]
@@ -79,15 +88,20 @@ class GatewayRouter:
                 await task
             except (asyncio.CancelledError, RequestAborted):
                 pass
+            except TimeoutError:
+                log.warning("%s: the stream reached the call's deadline; cut", scope.get("path"))
             except Exception:  # noqa: BLE001 - e.g. sending to a socket that broke
                 log.exception("sending the response of %s failed", scope.get("path"))
         response = sent.get("response")
         if response is not None:
-            if tasks[1].cancelled():
+            sending = tasks[1]
+            if sending.cancelled() or sending.exception() is not None:
+                # Not sent to the end (the client left, the deadline passed, the socket broke):
+                # a stream finishes reading its upstream for the usage and settles by itself.
                 client_gone = getattr(response, "tollgate_client_gone", None)
                 if client_gone is not None:
                     client_gone()
-            else:
+            if not sending.cancelled():
                 response.close()
         body_file.close()
 

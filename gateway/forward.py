@@ -4,6 +4,13 @@ Settle with the upstream's `usage` (prompt + completion tokens). If a stream bre
 leaves after tokens were produced, charge what was produced: keep reading the upstream for the
 usage event for a bounded time, else count the text received. Release only when the upstream
 produced nothing (connection error, timeout before the first byte, an error status).
+
+Ending a hold cannot be cancelled: the settle or release runs in a task of its own (kept in
+`runtime.background`) that the request only awaits through `asyncio.shield`, so a client leaving
+at any instant, even while the settle waits for a Redis connection, ends the hold exactly once.
+One deadline (GATEWAY_CALL_DEADLINE_SECONDS) bounds the whole call from the reserve on. A call
+still in flight after GATEWAY_CHECKPOINT_SECONDS tells its hold how far it got (see Checkpoints),
+so a sweep after a crash charges what is known.
 """
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ import json
 import logging
 import math
 import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +30,7 @@ from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
 
 from gateway.admission import Admission
+from gateway.admission import _meta as unmetered_meta  # the reserve's meta: one format
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
 from gateway.catalog import cost_micros
@@ -29,12 +39,42 @@ from gateway.listener import publish_cooldown
 from gateway.providers import Upstream
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
-from quotas.engine import QuotaStoreUnavailable
+from quotas.engine import (
+    Hold,
+    Phase,
+    QuotaError,
+    QuotaStoreUnavailable,
+    ReleaseResult,
+    SettleResult,
+)
 
 log = logging.getLogger(__name__)
 
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _BAD_KEY_COOLDOWN_S = 60.0
+# Settle / release retries while Redis is unreachable: the first waits are short (a failover or
+# a restart takes seconds), then the gap grows up to this cap.
+_RETRY_FIRST_S = 0.2
+_RETRY_CAP_S = 30.0
+# Fail-open calls whose usage event waits for Redis to come back, per worker. Bounded: an outage
+# of any length must not grow the worker's memory without end (the oldest are dropped, each one
+# logged in full at ERROR, which is then the only record of it).
+_UNMETERED_BACKLOG = 10_000
+
+EndResult = SettleResult | ReleaseResult
+
+
+def _detach(runtime: GatewayRuntime, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Run `coro` in a task no request owns (a client leaving cannot cancel it), referenced in
+    runtime.background until it finishes so it is not garbage collected mid-way."""
+    task = asyncio.ensure_future(coro)
+    runtime.background.add(task)
+    task.add_done_callback(runtime.background.discard)
+    return task
+
+
+def _ms_now() -> int:
+    return int(time.time() * 1000)
 
 
 @dataclass
@@ -49,7 +89,30 @@ class Call:
     started: float  # time.monotonic() when the request arrived
     headers: dict[str, str]  # rate / quota / request-id headers for the client
     upstream: Upstream | None = None
-    ended: bool = field(default=False)
+    relay: StreamRelay | None = None
+    # Handed to an upstream's transport: from here on the upstream may have the call.
+    sent: bool = False
+    answered: bool = False  # the upstream's 200 headers arrived: it is producing the answer
+    # On the event loop's clock (loop.time()): just after the reserve, and the call's deadline.
+    reserved_at: float = field(init=False)
+    deadline: float = field(init=False)
+    started_ms: int = field(init=False)  # wall clock, for an unmetered call's usage event
+    _end: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _checkpoints: Checkpoints | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.reserved_at = loop.time()
+        self.deadline = self.reserved_at + settings.GATEWAY_CALL_DEADLINE_SECONDS
+        self.started_ms = _ms_now()
+        hold = self.admission.reservation.hold
+        if hold is not None:
+            self._checkpoints = Checkpoints(self, hold, loop, settings.GATEWAY_CHECKPOINT_SECONDS)
+
+    @property
+    def ended(self) -> bool:
+        """The hold's end (settle or release) has begun; it finishes even if nobody awaits it."""
+        return self._end is not None
 
     # -- ending the hold ------------------------------------------------------------------
 
@@ -64,40 +127,86 @@ class Call:
 
     async def settle(self, input_tokens: int, output_tokens: int, *, status: int = 200,
                      outcome: str = "complete") -> None:
-        if self.ended:
-            return
-        self.ended = True
+        """Charge the hold with this usage (the first end wins; later calls only wait for it)."""
+        if self._end is None:
+            event = self._event(status, input_tokens, output_tokens, outcome)
+            self._begin_end(self._settle_hold(input_tokens, output_tokens, event))
+        await self._wait_end()
+
+    async def release(self, status: int, reason: str) -> None:
+        """Free the hold unbilled: only when the upstream produced nothing."""
+        if self._end is None:
+            self._begin_end(self._release_hold(self._event(status, 0, 0, reason)))
+        await self._wait_end()
+
+    async def abort(self, status: int, reason: str) -> None:
+        """End the hold after an unexpected error. Once the upstream has answered, what it
+        produced is unknown here: charge the worst case held (input estimate plus the rest of
+        the hold), as for a body that broke off. Before that, nothing was produced: release."""
+        if self._end is not None:
+            await self._wait_end()
+        elif self.answered:
+            est = self.admission.estimate
+            granted = self.admission.reservation.granted
+            await self.settle(est.prompt_tokens, max(0, granted - est.prompt_tokens),
+                              status=status, outcome=reason)
+        else:
+            await self.release(status, reason)
+
+    def _begin_end(self, work: Coroutine[Any, Any, None]) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.stop()
+        self._end = _detach(self.runtime, work)
+
+    async def _wait_end(self) -> None:
+        assert self._end is not None
+        # Shielded: cancelling this request (its client left) leaves the end task running.
+        await asyncio.shield(self._end)
+
+    def _cost(self, input_tokens: int, output_tokens: int) -> int:
+        # The price resolved at admission: the one the money hold and the ledger use.
+        return cost_micros(self.admission.estimate.price, input_tokens, output_tokens)
+
+    async def _settle_hold(self, input_tokens: int, output_tokens: int, event: str) -> None:
         hold = self.admission.reservation.hold
-        event = self._event(status, input_tokens, output_tokens, outcome)
         if hold is None:
             log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
                       self.ctx.tenant_id, event)
+            _unmetered_backlog().add(self.runtime, UnmeteredUsage(
+                self.ctx.tenant_tag, self.request_id, input_tokens + output_tokens,
+                self.started_ms, _ms_now(), unmetered_meta(self.ctx, self.parsed,
+                                                           self.admission.model), event))
             return
-        cost = cost_micros(self.admission.estimate.price, input_tokens, output_tokens)
-        await self._end(lambda: self.runtime.engine.settle(hold, input_tokens + output_tokens,
-                                                          event, cost))
+        cost = self._cost(input_tokens, output_tokens)
+        engine = self.runtime.engine
+        await self._end_hold(lambda: engine.settle(hold, input_tokens + output_tokens, event, cost))
 
-    async def release(self, status: int, reason: str) -> None:
-        if self.ended:
-            return
-        self.ended = True
+    async def _release_hold(self, event: str) -> None:
         hold = self.admission.reservation.hold
         if hold is None:
-            return  # fail-open: nothing was held
-        event = self._event(status, 0, 0, reason)
-        await self._end(lambda: self.runtime.engine.release(hold, event))
+            return  # fail-open: nothing was held, and nothing reached the upstream to record
+        engine = self.runtime.engine
+        await self._end_hold(lambda: engine.release(hold, event))
 
-    async def _end(self, operation) -> None:  # type: ignore[no-untyped-def]
+    async def _end_hold(self, operation: Callable[[], Awaitable[EndResult]]) -> None:
         try:
             result = await operation()
         except QuotaStoreUnavailable:
             # The hold stays open; retry in the background rather than leave it to the sweep,
-            # which would release it unbilled.
-            self.runtime.spawn(lambda: _retry_end(operation, self.request_id))
+            # which can only charge an estimate.
+            _detach(self.runtime, _retry_end(operation, self.request_id, self._give_up_at()))
             return
-        if result.outcome not in ("settled", "released"):
-            log.error("hold of %s had already ended as %r: its usage is not counted again",
-                      self.request_id, result.outcome)
+        except Exception:  # noqa: BLE001 - log it; the sweep then charges what the hold knows
+            log.exception("ending the hold of %s failed", self.request_id)
+            return
+        _check_end(result)
+
+    def _give_up_at(self) -> float:
+        """When retries of the end stop (loop clock): before the sweep may take the hold as
+        stale. The margin covers the clocks' drift and the last attempt's own duration."""
+        stale = float(self.runtime.engine.settings.stale_hold_s)
+        margin = max(1.0, 0.05 * stale) + settings.REDIS_SOCKET_TIMEOUT
+        return self.reserved_at + stale - margin
 
     # -- the upstream -------------------------------------------------------------------------
 
@@ -134,21 +243,182 @@ class Call:
         headers.update(extra or {})
         return headers
 
+    def delivered_tokens(self) -> int:
+        """Output tokens relayed so far (a stream's; 0 before its first chunk)."""
+        return self.relay.delivered_tokens() if self.relay is not None else 0
+
+
+def _check_end(result: EndResult) -> None:
+    if result.outcome in ("settled", "released"):
+        return
+    if result.outcome == "corrected":
+        # The sweep had taken the hold (its gateway looked dead); the settle corrected its
+        # charge to the real usage, once.
+        log.warning("hold of %s had been swept: its charge was corrected to the real usage",
+                    result.request_id)
+        return
+    log.error("hold of %s had already ended as %r: its usage is not counted again",
+              result.request_id, result.outcome)
+
+
+async def _retry_end(operation: Callable[[], Awaitable[EndResult]], request_id: str,
+                     give_up_at: float) -> None:
+    """Retry a settle / release that found Redis unreachable, with growing gaps, until just
+    before the hold would count as stale (well past the call's deadline: DESIGN.md section 7)."""
+    loop = asyncio.get_running_loop()
+    delay = _RETRY_FIRST_S
+    while (wait := min(delay, give_up_at - loop.time())) > 0:
+        await asyncio.sleep(wait)
+        try:
+            result = await operation()
+        except QuotaStoreUnavailable:
+            delay = min(delay * 2, _RETRY_CAP_S)
+            continue
+        except Exception:  # noqa: BLE001
+            log.exception("ending the hold of %s failed", request_id)
+            return
+        _check_end(result)
+        return
+    log.error("could not end hold %s: Redis unreachable until the stale threshold; the sweep "
+              "will charge what the hold knows", request_id)
+
+
+class Checkpoints:
+    """Tells a hold how far its call got, so a sweep after a crash charges what is known
+    (DESIGN.md invariant 3), without a Redis round trip for a short call.
+
+    One timer per call, first due GATEWAY_CHECKPOINT_SECONDS after the reserve; a call that ends
+    before then writes nothing (reserve and settle stay its only round trips). When due, once
+    the call was handed to an upstream: a non-streamed call is marked `forwarded` once (the
+    sweep then charges the whole hold: the upstream may have produced up to the cap); a stream
+    is marked `streaming` with the output tokens relayed so far, then again every interval
+    while that figure grows. The timer, not the arrival of chunks, drives it: a stream that
+    stalls still has a checkpoint at most one interval behind what its client received. At most
+    one write is in flight per call; one that fails (Redis away) is simply written at the next
+    interval. Writes are fire-and-forget: a write landing after the settle is a no-op.
+    """
+
+    __slots__ = ("call", "hold", "loop", "interval", "timer", "writing", "written", "stopped")
+
+    def __init__(self, call: Call, hold: Hold, loop: asyncio.AbstractEventLoop,
+                 interval: float) -> None:
+        self.call = call
+        self.hold = hold
+        self.loop = loop
+        self.interval = interval
+        self.writing: asyncio.Task[None] | None = None
+        self.written: tuple[Phase, int] | None = None
+        self.stopped = False
+        self.timer: asyncio.TimerHandle | None = loop.call_at(call.reserved_at + interval,
+                                                              self._due)
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _due(self) -> None:
+        self.timer = None
+        if self.stopped:
+            return
+        call = self.call
+        if call.sent and self.writing is None:
+            if call.parsed.stream:
+                mark = (Phase.STREAMING, call.delivered_tokens())
+            else:
+                mark = (Phase.FORWARDED, 0)
+            if mark != self.written:
+                self.writing = _detach(call.runtime, self._write(*mark))
+            elif not call.parsed.stream:
+                return  # `forwarded` is all a non-streamed call has to tell
+        self.timer = self.loop.call_at(self.loop.time() + self.interval, self._due)
+
+    async def _write(self, phase: Phase, output_tokens: int) -> None:
+        try:
+            state = await self.call.runtime.engine.progress(self.hold, phase, output_tokens)
+        except QuotaError as exc:
+            log.info("checkpoint of %s not written (%s); retried next interval",
+                     self.call.request_id, exc)
+        except Exception:  # noqa: BLE001 - a checkpoint must never break the call
+            log.exception("checkpoint of %s failed", self.call.request_id)
+        else:
+            self.written = (phase, output_tokens)
+            if state != "open":
+                self.stop()  # ended or swept meanwhile: nothing left to tell
+        finally:
+            self.writing = None
+
+
+@dataclass(frozen=True)
+class UnmeteredUsage:
+    """A fail-open call's usage event, for the ledger once Redis is back."""
+
+    tenant: str
+    request_id: str
+    actual: int
+    created_ms: int
+    ended_ms: int
+    meta: str
+    event: str
+
+
+class UnmeteredBacklog:
+    """Appends fail-open calls' usage events to their tenants' usage streams (outcome
+    `unmetered`) as soon as Redis answers again: one flushing task per worker, a bounded queue."""
+
+    def __init__(self, limit: int) -> None:
+        self.pending: deque[UnmeteredUsage] = deque()
+        self.limit = limit
+        self.flushing: asyncio.Task[None] | None = None
+
+    def add(self, runtime: GatewayRuntime, usage: UnmeteredUsage) -> None:
+        if len(self.pending) >= self.limit:
+            lost = self.pending.popleft()
+            log.error("FAIL-OPEN backlog full (%d): usage event of %s dropped: %s", self.limit,
+                      lost.request_id, lost)
+        self.pending.append(usage)
+        if self.flushing is None:
+            self.flushing = _detach(runtime, self._flush(runtime))
+
+    async def _flush(self, runtime: GatewayRuntime) -> None:
+        delay = _RETRY_FIRST_S
+        try:
+            while self.pending:
+                usage = self.pending[0]
+                try:
+                    await runtime.engine.append_unmetered(
+                        usage.tenant, usage.request_id, actual=usage.actual,
+                        created_ms=usage.created_ms, ended_ms=usage.ended_ms, meta=usage.meta,
+                        event=usage.event)
+                except QuotaStoreUnavailable:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, _RETRY_CAP_S)
+                    continue
+                except Exception:  # noqa: BLE001 - one bad event must not block the others
+                    log.exception("usage event of unmetered call %s not recorded: %s",
+                                  usage.request_id, usage)
+                if self.pending and self.pending[0] is usage:
+                    self.pending.popleft()
+                delay = _RETRY_FIRST_S
+        finally:
+            self.flushing = None
+
+
+_unmetered: UnmeteredBacklog | None = None
+
+
+def _unmetered_backlog() -> UnmeteredBacklog:
+    # One per worker process, like its runtime (one event loop).
+    global _unmetered
+    if _unmetered is None:
+        _unmetered = UnmeteredBacklog(_UNMETERED_BACKLOG)
+    return _unmetered
+
 
 @functools.lru_cache(maxsize=1024)
 def _upstream_url(base_url: str, path: str) -> httpx.URL:
     return httpx.URL(f"{base_url}/{path}")
-
-
-async def _retry_end(operation, request_id: str) -> None:  # type: ignore[no-untyped-def]
-    for delay in (0.2, 0.5, 1, 2, 5, 10, 20):
-        await asyncio.sleep(delay)
-        try:
-            await operation()
-            return
-        except QuotaStoreUnavailable:
-            continue
-    log.error("could not end hold %s: Redis unreachable; the sweep will release it", request_id)
 
 
 def _output_cap_field(endpoint: Endpoint, model: str, body: dict[str, Any]) -> str:
@@ -193,22 +463,87 @@ def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError | H
     return upstream_error(502, f"The upstream provider failed with HTTP {response.status_code}.")
 
 
+def _content_text(content: Any) -> str:
+    """The text of a message's `content`: a string, or a list of content parts (`{"type":
+    "text", "text": ...}`, `output_text`, `refusal`, or bare strings); other parts (images,
+    audio) carry no text we can count."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict):
+            for name in ("text", "refusal"):
+                value = part.get(name)
+                if isinstance(value, str):
+                    texts.append(value)
+    return "".join(texts)
+
+
+def _str_field(mapping: dict[str, Any], name: str) -> str:
+    value = mapping.get(name)
+    return value if isinstance(value, str) else ""
+
+
 def _text_of(endpoint: Endpoint, data: dict[str, Any]) -> str:
+    """The output text of an answer or a stream chunk, for counting its tokens when the
+    upstream sent no usage. Never raises: any JSON shape yields the text it holds, if any."""
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        return ""
     parts: list[str] = []
-    for choice in data.get("choices") or ():
-        if endpoint is Endpoint.CHAT:
-            message = choice.get("message") or choice.get("delta") or {}
-            parts.append(message.get("content") or "")
-            for call in message.get("tool_calls") or ():
-                function = call.get("function") or {}
-                parts.append(function.get("name") or "")
-                parts.append(function.get("arguments") or "")
-        else:
-            parts.append(choice.get("text") or "")
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if endpoint is not Endpoint.CHAT:
+            parts.append(_str_field(choice, "text"))
+            continue
+        message = choice.get("message") or choice.get("delta")
+        if not isinstance(message, dict):
+            continue
+        parts.append(_content_text(message.get("content")))
+        # Also billed as output: a refusal, and the reasoning text some servers stream.
+        for name in ("refusal", "reasoning_content", "reasoning"):
+            parts.append(_str_field(message, name))
+        calls = message.get("tool_calls")
+        functions = [call.get("function") for call in calls if isinstance(call, dict)] \
+            if isinstance(calls, list) else []
+        functions.append(message.get("function_call"))  # the legacy single call
+        for function in functions:
+            if isinstance(function, dict):
+                parts.append(_str_field(function, "name"))
+                parts.append(_str_field(function, "arguments"))
     return "".join(parts)
 
 
 async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
+    """Send the call to an upstream and answer the client; the hold ends exactly once."""
+    deadline = asyncio.timeout_at(call.deadline)
+    try:
+        async with deadline:
+            answer = await _answer(call)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        # Waiting for capacity, a connection or the first byte took the whole deadline: the
+        # upstream produced nothing we could relay.
+        await call.release(504, "upstream_timeout" if call.sent else "deadline")
+        raise upstream_error(504, "The upstream provider did not answer within the gateway's "
+                             "deadline.") from None
+    if not isinstance(answer, httpx.Response):
+        return answer
+    call.answered = True
+    if call.parsed.stream:
+        return StreamRelay(call, answer).response()
+    return await _complete(call, answer)
+
+
+async def _answer(call: Call) -> httpx.Response | HttpResponse:
+    """The first upstream answer worth relaying (a 200, or a client error passed through);
+    every other outcome releases the hold and raises the matching GatewayError."""
     runtime = call.runtime
     payload = call.payload()
     candidates = runtime.pool.candidates(call.admission.model, call.ctx.tenant_id, time.time())
@@ -225,6 +560,7 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
                 continue
         call.upstream = upstream
         request = call.request_for(upstream, payload)
+        call.sent = True
         try:
             # Straight to the transport: the client's cookie, auth and redirect layers cost a
             # measurable share of a request and do nothing for an API call.
@@ -266,9 +602,7 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
             for name, value in call.response_headers().items():
                 failure[name] = value
             return failure
-        if call.parsed.stream:
-            return StreamRelay(call, response).response()
-        return await _complete(call, response)
+        return response
 
     if refused_key and last_429 is None:
         await call.release(502, "upstream_refused_key")
@@ -299,31 +633,46 @@ def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:
 
 async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
     try:
-        async with asyncio.timeout(settings.GATEWAY_UPSTREAM_TOTAL_TIMEOUT):
+        async with asyncio.timeout_at(call.deadline):
             body = await response.aread()
     except (httpx.HTTPError, TimeoutError):
-        # Headers arrived but the body did not: the upstream may have produced and billed
-        # tokens we cannot see, so charge the worst case we held rather than nothing.
+        # Headers arrived but the body did not (or not within the deadline): the upstream may
+        # have produced and billed tokens we cannot see, so charge the worst case we held.
         await response.aclose()
-        est = call.admission.estimate
-        await call.settle(est.prompt_tokens, call.admission.reservation.granted - est.prompt_tokens,
-                          status=504, outcome="upstream_broken")
+        await call.abort(504, "upstream_broken")
         raise upstream_error(504, "The upstream provider stopped answering mid-response.") from None
     await response.aclose()
+    try:
+        tokens, outcome = _body_usage(call, body)
+    except Exception:  # noqa: BLE001 - the answer is here: it must be charged whatever happened
+        log.exception("counting the answer of %s failed; charging its size", call.request_id)
+        tokens = (call.admission.estimate.prompt_tokens,
+                  count_stream_text(body.decode("utf-8", "replace"),
+                                    call.admission.estimate.info.tokenizer))
+        outcome = "gateway_error_counted"
+    await call.settle(*tokens, outcome=outcome)
+    return HttpResponse(body, status=200, content_type="application/json",
+                        headers=call.response_headers())
+
+
+def _body_usage(call: Call, body: bytes) -> tuple[tuple[int, int], str]:
+    """The usage of a whole answer: the upstream's, else its text counted."""
     try:
         data = json.loads(body)
     except ValueError:
         data = {}
-    tokens = _usage_tokens(data.get("usage")) if isinstance(data, dict) else None
-    if tokens is None:
-        info = call.admission.estimate.info
-        text = _text_of(call.parsed.endpoint, data) if isinstance(data, dict) else ""
-        tokens = (call.admission.estimate.prompt_tokens, count_stream_text(text, info.tokenizer))
-        await call.settle(*tokens, outcome="no_usage")
-    else:
-        await call.settle(*tokens)
-    return HttpResponse(body, status=200, content_type="application/json",
-                        headers=call.response_headers())
+    if not isinstance(data, dict):
+        data = {}
+    tokens = _usage_tokens(data.get("usage"))
+    if tokens is not None:
+        return tokens, "complete"
+    text = _text_of(call.parsed.endpoint, data)
+    counted = count_stream_text(text, call.admission.estimate.info.tokenizer)
+    return (call.admission.estimate.prompt_tokens, counted), "no_usage"
+
+
+class _DeadlinePassed(Exception):
+    """The call's deadline passed mid-stream."""
 
 
 class StreamRelay:
@@ -331,10 +680,15 @@ class StreamRelay:
 
     def __init__(self, call: Call, response: httpx.Response) -> None:
         self.call = call
+        call.relay = self
         self.upstream = response
         self.buffer = b""
         self.usage: tuple[int, int] | None = None
-        self.text_events: list[bytes] = []  # parsed only when no usage arrives
+        # Events that may carry output text, parsed only when needed: for a checkpoint (the new
+        # ones since the last) or for a settle without usage.
+        self.text_events: list[bytes] = []
+        self.texts: list[str] = []  # the text of text_events[:len(texts)]
+        self.counted = 0  # output tokens in `texts`, as checkpoints count them
         self.handed_off = False
         # One iterator over the upstream body, shared by the relay and the drain; a read in
         # flight when the client leaves is not cancelled with it (see _next_chunk).
@@ -360,8 +714,10 @@ class StreamRelay:
                                          headers=self.call.response_headers())
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
-        # gateway.asgi calls this when the client leaves before the stream has ended.
+        # gateway.asgi calls this when the client leaves before the stream has ended, and
+        # stops sending at the deadline (a stalled upstream or a client that stopped reading).
         response.tollgate_client_gone = self.client_gone  # type: ignore[attr-defined]
+        response.tollgate_deadline = self.call.deadline  # type: ignore[attr-defined]
         return response
 
     def client_gone(self) -> None:
@@ -369,7 +725,12 @@ class StreamRelay:
         if self.call.ended or self.handed_off:
             return
         self.handed_off = True
-        self.call.runtime.spawn(self._drain)
+        # The router also ends a stream this way when it reaches the call's deadline.
+        if asyncio.get_running_loop().time() >= self.call.deadline:
+            status, outcome = 504, "deadline"
+        else:
+            status, outcome = 499, "client_disconnected"
+        _detach(self.call.runtime, self._drain(status, outcome))
 
     def _inspect(self, event: bytes) -> bytes | None:
         """The event to send to the client (None: drop it), recording usage on the way."""
@@ -407,46 +768,86 @@ class StreamRelay:
         *events, self.buffer = self.buffer.split(b"\n\n")
         return events
 
+    def _event_text(self, event: bytes) -> str:
+        texts = []
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            try:
+                data = json.loads(payload)
+            except ValueError:
+                continue  # not JSON: no text a client could have read as output either
+            if isinstance(data, dict):
+                texts.append(_text_of(self.call.parsed.endpoint, data))
+        return "".join(texts)
+
+    def _new_text(self) -> str:
+        """The text of the events not parsed yet (each event is parsed once)."""
+        start = len(self.texts)
+        new = [self._event_text(event) for event in self.text_events[start:]]
+        self.texts.extend(new)
+        return "".join(new)
+
+    def delivered_tokens(self) -> int:
+        """Output tokens relayed so far, for a checkpoint: the new events' text, counted with
+        the tokenizer the settle's fallback uses, added to the previous count."""
+        new = self._new_text()
+        if new:
+            self.counted += count_stream_text(new, self.call.admission.estimate.info.tokenizer)
+        return self.counted
+
     def _received_tokens(self) -> int:
-        text = []
-        for event in self.text_events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                    try:
-                        text.append(_text_of(self.call.parsed.endpoint, json.loads(line[5:])))
-                    except (ValueError, AttributeError):
-                        continue
-        return count_stream_text("".join(text), self.call.admission.estimate.info.tokenizer)
+        self._new_text()
+        return count_stream_text("".join(self.texts), self.call.admission.estimate.info.tokenizer)
 
     async def _settle_produced(self, status: int, outcome: str) -> None:
+        """Settle with the upstream's usage, else with the text counted; never raises before
+        the settle has begun."""
         if self.usage is not None:
             await self.call.settle(*self.usage, status=status, outcome=outcome)
-        else:
-            await self.call.settle(self.call.admission.estimate.prompt_tokens,
-                                   self._received_tokens(), status=status,
-                                   outcome=f"{outcome}_counted")
+            return
+        try:
+            output = self._received_tokens()
+        except Exception:  # noqa: BLE001 - a counting bug must not leave the hold open
+            log.exception("counting the stream of %s failed; charging its size",
+                          self.call.request_id)
+            output = count_stream_text(b"".join(self.text_events).decode("utf-8", "replace"),
+                                       self.call.admission.estimate.info.tokenizer)
+        await self.call.settle(self.call.admission.estimate.prompt_tokens, output,
+                               status=status, outcome=f"{outcome}_counted")
 
-    async def relay(self):  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + settings.GATEWAY_UPSTREAM_TOTAL_TIMEOUT
+    async def relay(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        deadline = self.call.deadline
         try:
             while (chunk := await self._next_chunk()) is not None:
                 for event in self._events(chunk):
                     out = self._inspect(event)
                     if out is not None:
                         yield out + b"\n\n"
-                if time.monotonic() > deadline:
-                    raise TimeoutError
+                if loop.time() > deadline:
+                    raise _DeadlinePassed
             await self._settle_produced(200, "complete")
-        except (httpx.HTTPError, TimeoutError):
+        except _DeadlinePassed:
+            await self._settle_produced(504, "deadline")
+        except httpx.HTTPError:
             # The upstream broke mid-stream: charge what was produced, end the client's stream.
             await self._settle_produced(502, "upstream_broken")
+        except Exception:  # noqa: BLE001 - whatever broke, what was relayed is charged
+            log.exception("relaying the stream of %s failed", self.call.request_id)
+            await self._settle_produced(500, "gateway_error")
         finally:
             if self.call.ended:
+                if self.reading is not None:
+                    self.reading.add_done_callback(_collect)
                 await self.upstream.aclose()
             else:
                 self.client_gone()  # closed or cancelled mid-stream
 
-    async def _drain(self) -> None:
+    async def _drain(self, status: int, outcome: str) -> None:
         try:
             async with asyncio.timeout(settings.GATEWAY_STREAM_DRAIN_SECONDS):
                 while (chunk := await self._next_chunk()) is not None:
@@ -461,8 +862,10 @@ class StreamRelay:
                 # The drain gave up on a read still in flight; closing the response ends it
                 # with an error nobody awaits. Collect it so asyncio does not log it as lost.
                 self.reading.add_done_callback(_collect)
-            await self.upstream.aclose()
-            await self._settle_produced(499, "client_disconnected")
+            try:
+                await self._settle_produced(status, outcome)
+            finally:
+                await self.upstream.aclose()
 
 
 def _collect(future: asyncio.Future[bytes]) -> None:

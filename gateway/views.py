@@ -199,6 +199,11 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, parsed: P
         raise
     except GatewayError as error:
         return error.response(call.response_headers())
+    except Exception:
+        # A bug must not leave the hold to the sweep: charge what the upstream may have
+        # produced, or release when it never answered (Call.abort).
+        await call.abort(500, "gateway_error")
+        raise
 
 
 def _start_drain_if_streaming(task: asyncio.Future[HttpResponse | StreamingHttpResponse]) -> None:
