@@ -113,6 +113,8 @@ def start_redis(folder: Path, *, persistent: bool, port: int = 0, extra: list[st
     sock = folder / _REDIS_SOCKET
     if sock.exists() and _redis_ping(["-s", str(sock)]):
         return
+    # `make up` keeps its data across restarts (AOF, fsync every second: at most a second of
+    # counters lost); the tests' throwaway servers need none.
     persistence = (
         ["--appendonly", "yes", "--appendfsync", "everysec", "--save", "900 1"]
         if persistent
@@ -128,6 +130,9 @@ def start_redis(folder: Path, *, persistent: bool, port: int = 0, extra: list[st
         "--unixsocketperm", "700",
         "--pidfile", str(folder / "redis.pid"),
         "--logfile", str(folder / "redis.log"),
+        # Quota counters all have a TTL: any other policy (volatile-* included) may evict
+        # them when memory is full, silently resetting usage (quotas/durability.py refuses it).
+        "--maxmemory-policy", "noeviction",
         *persistence,
         *(extra or []),
     ]

@@ -5,6 +5,7 @@ gateway forwards to. Ctrl-C stops them all.
     python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock] [--no-celery]
 
 `make up` runs this after starting the embedded services, migrating and creating the demo data.
+It refuses to start on a quota Redis that may evict or lose counters (quotas/durability.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,33 @@ def _wait_for(url: str, process: subprocess.Popen[bytes], what: str) -> None:
     raise SystemExit(f"{what} did not come up at {url}")
 
 
+def _refuse_unsafe_quota_store() -> None:
+    """Stop before starting anything when the quota Redis may evict or lose counters
+    (quotas/durability.py); each gateway worker and the Celery worker would refuse it too, one
+    by one and less visibly."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    import django
+
+    django.setup()
+    from redis.exceptions import RedisError
+
+    from quotas.client import make_redis
+    from quotas.durability import check
+
+    client = make_redis()
+    try:
+        problems = check(client)
+    except (RedisError, OSError) as exc:  # ResponseError is handled inside the check
+        print(f"warning: cannot read the quota Redis's configuration ({exc}); the gateway's "
+              "/readyz keeps checking it", file=sys.stderr, flush=True)
+        return
+    finally:
+        client.close()
+    if problems:
+        raise SystemExit("Tollgate refuses to start on this quota Redis:\n"
+                         + "\n".join(f"  {p}" for p in problems))
+
+
 def _interrupt(signum: int, frame: object) -> None:
     """`kill` (SIGTERM) must stop the children too, not orphan them: the Ctrl-C cleanup."""
     raise KeyboardInterrupt
@@ -51,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-celery", action="store_true",
                         help="do not start the Celery worker with beat")
     args = parser.parse_args(argv)
+    _refuse_unsafe_quota_store()
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     children: list[subprocess.Popen[bytes]] = []
