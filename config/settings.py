@@ -218,6 +218,11 @@ QUOTA_REBUILDER = env.str("QUOTA_REBUILDER", default="billing.rebuild.rebuild_te
 # One worker rebuilds a tenant at a time (a Redis lock); a worker that died mid-way frees it
 # after this long.
 QUOTA_REBUILD_LOCK_SECONDS = _positive_int("QUOTA_REBUILD_LOCK_SECONDS", 60)
+# A call that finds another process rebuilding its tenant's counters waits this long for it (a
+# new tenant's rebuild takes milliseconds), then answers 503 quota_store_rebuilding.
+QUOTA_REBUILD_WAIT_SECONDS = env.float("QUOTA_REBUILD_WAIT_SECONDS", default=2.0)
+if QUOTA_REBUILD_WAIT_SECONDS < 0:
+    raise ImproperlyConfigured("QUOTA_REBUILD_WAIT_SECONDS must be >= 0 seconds")
 
 # The /v1 gateway (gateway/). Durations in seconds.
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT = env.float("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", default=5.0)

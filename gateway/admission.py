@@ -140,6 +140,7 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
         meta=_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
         input_tokens=est.prompt_tokens, price_in=est.price.input_micros_per_mtok,
         price_out=est.price.output_micros_per_mtok,
+        check_epoch=True,  # refuse (and rebuild) when Redis lost the tenant's data
     )
 
 
@@ -193,7 +194,9 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
         raise rate_limited("Your plan allows no requests at the moment.", 60)
     catalog = runtime.catalog
     est = estimate(parsed, catalog.resolve(parsed.model), ctx, priced(runtime, parsed.model))
-    engine = runtime.engine
+    # runtime.reserve: the engine's reserve, plus the rebuild of counters Redis lost (503 until
+    # they are back: nothing is admitted on an empty counter).
+    engine = runtime
     # Per-model limits count a dated snapshot under its catalog model (one model name).
     request = _request(ctx, parsed, request_id, parsed.model, est,
                        ctx.scopes(catalog.canonical(parsed.model)))

@@ -79,5 +79,21 @@ def quota_store_unavailable() -> GatewayError:
                         "Please retry shortly.", "server_error", "quota_store_unavailable")
 
 
+def quota_store_rebuilding(retry_after_s: int = 1) -> GatewayError:
+    """Redis lost the tenant's counters (its epoch marker is gone): nothing is admitted on an
+    empty counter until they are rebuilt from the ledger, which takes moments."""
+    return GatewayError(503, "Your quota counters are being restored after a quota store "
+                        "restart; the request was not forwarded. Please retry shortly.",
+                        "server_error", "quota_store_rebuilding", None, retry_after_s)
+
+
+def quota_store_unsafe() -> GatewayError:
+    """The quota Redis may evict or lose counters (quotas/durability.py): refuse to meter on it.
+    The why (server names, settings) goes to the operator's log, not to API clients."""
+    return GatewayError(503, "The quota service is misconfigured; the request was not forwarded. "
+                        "The operator has been told.", "server_error", "quota_store_unsafe",
+                        None, 30)
+
+
 def upstream_error(status: int, message: str) -> GatewayError:
     return GatewayError(status, message, "server_error", "upstream_error")

@@ -1,8 +1,9 @@
 """The per-process state of a gateway worker, built on its first request.
 
-Django's ASGI handler has no lifespan hooks, so the first request of each worker process loads
-the model catalog and the provider pool (two queries), builds the quota engine and the HTTP
-client, and starts the pub/sub listener. Everything here belongs to one event loop.
+Django's ASGI handler has no lifespan hooks, so the first request of each worker process checks
+that the quota Redis cannot evict or lose counters (quotas/durability.py), loads the model
+catalog and the provider pool (two queries), builds the quota engine and the HTTP client, and
+starts the pub/sub listener. Everything here belongs to one event loop.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -18,17 +20,35 @@ from typing import Any, TypeVar
 import httpx
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.utils.module_loading import import_string
+from redis.exceptions import RedisError
 
 from gateway.auth import AuthCache, load_key_context
 from gateway.catalog import Catalog, load_catalog
+from gateway.errors import quota_store_rebuilding, quota_store_unsafe
 from gateway.providers import ProviderPool, load_pool
 from gateway.upstream_http import make_transport
 from gateway.tokens import ensure_encodings_cached
+from quotas import durability
 from quotas.client import make_async_redis
-from quotas.engine import AsyncQuotaEngine, EngineSettings
+from quotas.engine import (
+    AsyncQuotaEngine,
+    EngineSettings,
+    QuotaEpochLost,
+    Reservation,
+    ReserveRequest,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class RebuildOutcome(Enum):
+    """How a rebuild of lost quota counters went (GatewayRuntime.rebuild_quota)."""
+
+    DONE = "done"  # rebuilt here, or found intact (another process rebuilt them since)
+    BUSY = "busy"  # another process holds the tenant's rebuild lock
+    FAILED = "failed"  # the rebuild raised (ledger or Redis unreachable): logged
 
 
 class Database:
@@ -69,6 +89,9 @@ class GatewayRuntime:
     upstream_headers: dict[str, str] = field(default_factory=dict)
     upstream_timeout: dict[str, float | None] = field(default_factory=dict)
     used_keys: set[int] = field(default_factory=set)  # API key ids used since the last flush
+    # Rebuilds of lost quota counters running in this worker, by tenant: the tenant's other
+    # calls in this worker wait for it instead of each trying (see rebuild_quota).
+    rebuilding: dict[str, asyncio.Future[RebuildOutcome]] = field(default_factory=dict)
 
     def spawn(self, coro_factory: Callable[[], object]) -> None:
         """Run a coroutine detached from the request (draining a stream after the client left,
@@ -76,6 +99,62 @@ class GatewayRuntime:
         task = asyncio.ensure_future(coro_factory())  # type: ignore[arg-type]
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    async def reserve(self, request: ReserveRequest) -> Reservation:
+        """engine.reserve, and when Redis has lost the tenant's data (its epoch marker is gone):
+        rebuild the counters from the ledger, then reserve again. Nothing is admitted on an
+        empty counter: a call that cannot have its counters back in time (another process
+        is still rebuilding them after QUOTA_REBUILD_WAIT_SECONDS, or the ledger is unreachable)
+        gets 503 quota_store_rebuilding, which the OpenAI SDKs retry after Retry-After."""
+        try:
+            return await self.engine.reserve(request)
+        except QuotaEpochLost as lost:
+            outcome = await self.rebuild_quota(lost.tenant)
+        if outcome is RebuildOutcome.FAILED:
+            raise quota_store_rebuilding()
+        if outcome is RebuildOutcome.BUSY:
+            # Another process holds the rebuild; a new tenant's takes milliseconds, a large
+            # ledger's longer. Retrying the reserve is the wait: while the marker is missing it
+            # refuses before writing anything.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + settings.QUOTA_REBUILD_WAIT_SECONDS
+            pause = 0.01
+            while loop.time() + pause < deadline:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.25)
+                try:
+                    return await self.engine.reserve(request)
+                except QuotaEpochLost:
+                    continue
+            raise quota_store_rebuilding()
+        try:
+            return await self.engine.reserve(request)
+        except QuotaEpochLost:
+            # Lost again between the rebuild and this reserve (another flush): 503, and the
+            # next call rebuilds.
+            raise quota_store_rebuilding() from None
+
+    async def rebuild_quota(self, tenant: str) -> RebuildOutcome:
+        """Rebuild the tenant's counters (settings.QUOTA_REBUILDER, on the database threads: it
+        reads the ledger). One rebuild per tenant per worker: the tenant's other calls in this
+        worker wait for it; across processes the rebuilder's Redis lock picks one (BUSY here)."""
+        running = self.rebuilding.get(tenant)
+        if running is None:
+            running = asyncio.ensure_future(self._rebuild(tenant))
+            self.rebuilding[tenant] = running
+            running.add_done_callback(lambda _: self.rebuilding.pop(tenant, None))
+        # Shielded: a caller whose client left must not cancel the rebuild for the others.
+        return await asyncio.shield(running)
+
+    async def _rebuild(self, tenant: str) -> RebuildOutcome:
+        rebuilder = import_string(settings.QUOTA_REBUILDER)
+        try:
+            result = await self.db.run(rebuilder, tenant)
+        except Exception:  # noqa: BLE001 - no ledger, no admission: 503, logged for operators
+            log.exception("cannot rebuild the quota counters of tenant %s; its calls get 503 "
+                          "until they are rebuilt", tenant)
+            return RebuildOutcome.FAILED
+        return RebuildOutcome.DONE if result.rebuilt else RebuildOutcome.BUSY
 
     async def reload_catalog(self) -> None:
         self.catalog = await self.db.run(load_catalog)
@@ -110,13 +189,14 @@ async def get_runtime() -> GatewayRuntime:
         _lock = asyncio.Lock()
     async with _lock:
         if _runtime is None:
-            db = Database(settings.GATEWAY_DB_THREADS)
-            await db.run(ensure_encodings_cached)
             redis_client = make_async_redis()
-            transport = make_transport(settings.GATEWAY_UPSTREAM_TRANSPORT,
-                                       max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
             if settings.REDIS_CLUSTER:
                 await redis_client.initialize()  # before concurrent use (redis-py cluster)
+            await _refuse_unsafe_store(redis_client)
+            db = Database(settings.GATEWAY_DB_THREADS)
+            await db.run(ensure_encodings_cached)
+            transport = make_transport(settings.GATEWAY_UPSTREAM_TRANSPORT,
+                                       max_connections=settings.GATEWAY_UPSTREAM_MAX_CONNECTIONS)
             runtime = GatewayRuntime(
                 engine=AsyncQuotaEngine(redis_client, EngineSettings.from_django()),
                 http=_http_client(transport),
@@ -139,6 +219,34 @@ async def get_runtime() -> GatewayRuntime:
             _runtime = runtime
             _tune_gc()
     return _runtime
+
+
+async def _refuse_unsafe_store(redis_client: Any) -> None:
+    """A worker does not start on a quota Redis that may evict or lose counters: every call gets
+    503 quota_store_unsafe (and the next call checks again, so fixing the server's configuration
+    is enough). An unreachable Redis is not refused here: calls fail closed on their own (or go
+    unmetered in fail-open mode), and /readyz keeps checking the configuration."""
+    try:
+        problems = await durability.acheck(redis_client)
+    except (RedisError, OSError) as exc:  # ResponseError is handled inside the check
+        log.warning("cannot read the quota Redis's configuration at start-up (%s); /readyz "
+                    "checks it", exc)
+        return
+    if problems:
+        for problem in problems:
+            log.critical("refusing the quota store: %s", problem)
+        await redis_client.aclose()
+        raise quota_store_unsafe()
+
+
+async def store_problems() -> list[durability.Problem]:
+    """What is unsafe about the quota Redis, read on a connection of its own (for /readyz in a
+    worker that refused to start, hence has no engine)."""
+    client = make_async_redis()
+    try:
+        return await durability.acheck(client)
+    finally:
+        await client.aclose()
 
 
 def _tune_gc() -> None:

@@ -28,7 +28,8 @@ from gateway.errors import (
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
 from gateway.refusals import count_refusal
-from gateway.runtime import GatewayRuntime, get_runtime
+from gateway.runtime import GatewayRuntime, get_runtime, store_problems
+from quotas import durability
 from quotas.engine import QuotaError, QuotaStoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -257,11 +258,19 @@ def _database_ok() -> bool:
 
 
 async def readyz(request: HttpRequest) -> HttpResponse:
-    """Redis and the database are reachable: the process can serve /v1."""
+    """Redis and the database are reachable, and the quota Redis cannot evict or lose counters
+    (quotas/durability.py): the process can serve /v1."""
     checks: dict[str, str] = {}
     try:
         runtime = await _runtime()
-    except GatewayError:
+    except GatewayError as error:
+        if error.code == "quota_store_unsafe":  # the worker refused to start on it
+            try:
+                issues = "; ".join(p.issue for p in await store_problems()) or "unsafe"
+            except Exception as exc:  # noqa: BLE001
+                issues = type(exc).__name__
+            return JsonResponse({"status": "unavailable", "redis_config": f"error: {issues}"},
+                                status=503)
         return JsonResponse({"status": "unavailable", "database": "error: unreachable"},
                             status=503)
     try:
@@ -269,6 +278,17 @@ async def readyz(request: HttpRequest) -> HttpResponse:
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001 - readiness reports any failure
         checks["redis"] = f"error: {type(exc).__name__}"
+    if checks["redis"] == "ok":
+        # Checked on every probe: CONFIG SET on a running server changes it under us.
+        try:
+            problems = await durability.acheck(runtime.engine.client)
+        except Exception as exc:  # noqa: BLE001
+            checks["redis_config"] = f"error: {type(exc).__name__}"
+        else:
+            for problem in problems:
+                log.error("readiness: %s", problem)
+            checks["redis_config"] = ("error: " + "; ".join(p.issue for p in problems)
+                                      if problems else "ok")
     try:
         checks["database"] = "ok" if await runtime.db.run(_database_ok) else "error"
     except Exception as exc:  # noqa: BLE001
