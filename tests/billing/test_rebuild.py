@@ -17,7 +17,7 @@ from django.core.management import call_command
 from billing.ledger import drain_tenant
 from billing.models import UsageRecord
 from billing.prices import PriceBook
-from billing.rebuild import lock_key, rebuild_lost_tenants, rebuild_tenant
+from billing.rebuild import lock_key, lost_tenants, rebuild_lost_tenants, rebuild_tenant
 from gateway.auth import KeyContext, load_key_context
 from quotas import keys
 from quotas.engine import (
@@ -300,3 +300,31 @@ def test_the_spend_counter_is_rebuilt_only_where_reserve_uses_it(
     money_key = keys.counter_key(caller.ctx.tenant_tag, "tenant:usd",
                                  engine.current_window(WindowKind.MONTH).id)
     assert not client.exists(money_key)
+
+
+@pytest.mark.cluster
+def test_rebuild_on_a_redis_cluster(redis_cluster_url: str, acme: Tenant) -> None:
+    cluster = redis.RedisCluster.from_url(redis_cluster_url, decode_responses=True)
+    engine = QuotaEngine(cluster)
+    caller = make_caller(engine, acme)
+    tag = caller.ctx.tenant_tag
+    assert lost_tenants(engine, [acme.pk]) == [acme.pk]
+    rebuild_tenant(tag, engine=engine)
+    assert lost_tenants(engine, [acme.pk]) == []
+    caller.call(300, 30)
+    caller.call(20, 2)
+    assert drain_tenant(cluster, acme.pk) == 2
+    before = counters(engine, caller)
+
+    # The shard holding the tenant's slot lost its data (the cluster is shared with other
+    # tests, so the tenant's keys are deleted rather than the whole cluster flushed).
+    lost = [keys.epoch_key(tag)] + [
+        keys.counter_key(tag, s.scope + (":usd" if s.unit is Unit.MICROS else ""),
+                         engine.current_window(s.window).id) for s in caller.ctx.scopes(MODEL)]
+    assert cluster.delete(*lost) == len(lost)
+    assert lost_tenants(engine, [acme.pk]) == [acme.pk]
+    with pytest.raises(QuotaEpochLost):
+        engine.reserve(caller.request("after-loss", 100))
+    assert rebuild_tenant(tag, engine=engine).ledger_rows == 2
+    assert counters(engine, caller) == before
+    cluster.close()
