@@ -11,9 +11,12 @@ usage event), and drives both with a minimal keep-alive HTTP/1.1 client on raw a
 
 Printed per scenario (non-streaming and streaming, each concurrency level): requests per second,
 p50 / p90 / p99 latency, direct and through the gateway, and the latency the gateway adds. Then,
-for the gateway runs: Redis commands per request (INFO commandstats: with the scripts loaded,
-each EVALSHA is one round trip), database transactions per request (pg_stat_database) and the
-gateway worker's peak RSS.
+per kind of call through the gateway: Redis commands per request (INFO commandstats: with the
+scripts loaded, each EVALSHA is one round trip), database transactions per request
+(pg_stat_database) and the gateway worker's CPU per request; and its peak RSS. The kinds: short
+non-streamed and streamed calls (done well within GATEWAY_CHECKPOINT_SECONDS: reserve and settle
+only), and streams that last `--long-seconds` (`long`: the mock's chunk delay spread over the
+stream), so their holds get a progress checkpoint every GATEWAY_CHECKPOINT_SECONDS.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +52,11 @@ class Result:
         return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] * 1000
 
 
-def _request_bytes(key: str, stream: bool) -> bytes:
-    body = {"model": "gpt-4o-mini", "max_tokens": 16,
+OUTPUT_TOKENS = 16  # per bench call (max_tokens): the mock streams one chunk per token
+
+
+def _request_bytes(key: str, stream: bool, model: str = "gpt-4o-mini") -> bytes:
+    body = {"model": model, "max_tokens": OUTPUT_TOKENS,
             "messages": [{"role": "user", "content": "hello there, how are you today?"}]}
     if stream:
         body["stream"] = True
@@ -87,10 +94,39 @@ async def _load(port: int, request: bytes, concurrency: int, seconds: float) -> 
     return Result(len(latencies), time.monotonic() - started, latencies)
 
 
-def load(port: int, key: str, stream: bool, concurrency: int, seconds: float) -> Result:
+def load(port: int, key: str, stream: bool, concurrency: int, seconds: float,
+         model: str = "gpt-4o-mini") -> Result:
     import uvloop
 
-    return uvloop.run(_load(port, _request_bytes(key, stream), concurrency, seconds))
+    return uvloop.run(_load(port, _request_bytes(key, stream, model), concurrency, seconds))
+
+
+@dataclass
+class Work:
+    """What the gateway spent on one kind of call: requests, Redis commands and EVALSHA
+    round trips, database transactions and the worker's CPU seconds."""
+
+    requests: int = 0
+    redis_calls: int = 0
+    evalsha: int = 0
+    db_xacts: int = 0
+    cpu_s: float = 0.0
+
+    def add(self, requests: int, before: dict[str, Any], after: dict[str, Any],
+            cpu_s: float) -> None:
+        self.requests += requests
+        self.redis_calls += after["redis_calls"] - before["redis_calls"]
+        self.evalsha += after["evalsha"] - before["evalsha"]
+        self.db_xacts += after["db_xacts"] - before["db_xacts"]
+        self.cpu_s += cpu_s
+
+
+def measured(gateway_pid: int, work: Work, run: Callable[[], Result]) -> Result:
+    """Run one load through the gateway and add what it cost to `work`."""
+    before, cpu_before = _server_counters(), _cpu_seconds(gateway_pid)
+    result = run()
+    work.add(result.requests, before, _server_counters(), _cpu_seconds(gateway_pid) - cpu_before)
+    return result
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes]) -> None:
@@ -152,8 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--gateway-workers", type=int, default=1)
-    parser.add_argument("--modes", nargs="+", choices=["plain", "stream"],
-                        default=["plain", "stream"], help="which scenarios to run")
+    parser.add_argument("--modes", nargs="+", choices=["plain", "stream", "long"],
+                        default=["plain", "stream", "long"],
+                        help="which scenarios to run (long: streams with checkpoints)")
+    parser.add_argument("--long-seconds", type=float, default=2.5,
+                        help="how long each stream of the long scenario lasts")
+    parser.add_argument("--long-clients", type=int, default=64,
+                        help="concurrent streams in the long scenario")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                         help="after the measurements, keep 16 clients busy this long (plain and "
                              "streaming in turn) and print the gateway worker's RSS every 10 s")
@@ -196,15 +237,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{'scenario':<22} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
               f"{'p99 ms':>8}")
-        totals = {"requests": 0}
-        counters_before = _server_counters()
-        cpu_before = _cpu_seconds(gateway.pid)
-        for stream in [mode == "stream" for mode in args.modes]:
+        work: dict[str, Work] = {}
+        for kind in [mode for mode in args.modes if mode != "long"]:
+            stream = kind == "stream"
+            spent = work.setdefault(f"{kind} (short)", Work())
             for level in args.concurrency:
                 direct = load(args.mock_port, "sk-bench", stream, level, args.duration)
-                through = load(args.gateway_port, key, stream, level, args.duration)
-                totals["requests"] += through.requests
-                kind = "stream" if stream else "plain"
+                through = measured(gateway.pid, spent, lambda: load(
+                    args.gateway_port, key, stream, level, args.duration))
                 for name, r in ((f"{kind} direct", direct), (f"{kind} via gateway", through)):
                     print(f"{name:<22} {level:>7} {r.rps:>8.0f} {r.pct(50):>8.2f} "
                           f"{r.pct(90):>8.2f} {r.pct(99):>8.2f}")
@@ -212,21 +252,35 @@ def main(argv: list[str] | None = None) -> int:
                       f"{through.pct(50) - direct.pct(50):>8.2f} "
                       f"{through.pct(90) - direct.pct(90):>8.2f} "
                       f"{through.pct(99) - direct.pct(99):>8.2f}")
-        counters_after = _server_counters()
-        cpu_used = _cpu_seconds(gateway.pid) - cpu_before
-        n = totals["requests"]
-        warmup_free = {k: counters_after[k] - counters_before[k] for k in counters_before}
+        if "long" in args.modes:
+            # The mock waits chunk_ms between its events (the role chunk, one per token, the
+            # finish chunk, the usage chunk, [DONE]): 19 gaps over --long-seconds. Each client
+            # runs back-to-back streams for at least three stream lengths.
+            chunk_ms = round(args.long_seconds * 1000 / (OUTPUT_TOKENS + 3))
+            model = f"gpt-4o-mini@chunk_ms={chunk_ms}"
+            seconds = max(args.duration, 3 * args.long_seconds)
+            name = f"stream {args.long_seconds:g} s"
+            through = measured(gateway.pid, work.setdefault(name + " (checkpoints)", Work()),
+                               lambda: load(args.gateway_port, key, True, args.long_clients,
+                                            seconds, model))
+            print(f"{name + ' via gateway':<22} {args.long_clients:>7} {through.rps:>8.0f} "
+                  f"{through.pct(50):>8.2f} {through.pct(90):>8.2f} {through.pct(99):>8.2f}")
         print()
-        print(f"gateway requests measured:       {n}")
-        print(f"Redis commands per request:      {warmup_free['redis_calls'] / n:.2f} "
-              f"(EVALSHA: {warmup_free['evalsha'] / n:.2f})")
-        print(f"database transactions / request: {warmup_free['db_xacts'] / n:.4f}")
-        print(f"gateway worker peak RSS:         {_peak_rss_mb(gateway.pid):.0f} MB")
         # CPU time per request does not depend on what else shares the machine, unlike req/s:
         # 1,000 / (ms per request) is what one worker on a core of its own could serve.
-        per_request_ms = 1000 * cpu_used / n
-        print(f"gateway CPU per request:         {per_request_ms:.3f} ms "
-              f"(one busy core: {1000 / per_request_ms:.0f} req/s)")
+        # EVALSHA calls are the hot path's Redis round trips (the gateway sends no other command
+        # per request); Redis counts the commands its scripts run as well, hence the first
+        # column.
+        print(f"{'per gateway request':<30} {'requests':>8} {'Redis cmds':>10} {'EVALSHA':>8} "
+              f"{'DB xacts':>8} {'CPU ms':>7} {'1 core req/s':>12}")
+        print(f"{'':<30} {'':>8} {'(+scripts)':>10} {'(trips)':>8}")
+        for name, spent in work.items():
+            n = max(1, spent.requests)
+            per_request_ms = 1000 * spent.cpu_s / n
+            print(f"{name:<30} {spent.requests:>8} {spent.redis_calls / n:>10.2f} "
+                  f"{spent.evalsha / n:>8.2f} {spent.db_xacts / n:>8.4f} {per_request_ms:>7.3f} "
+                  f"{1000 / per_request_ms if per_request_ms else 0:>12.0f}")
+        print(f"gateway worker peak RSS: {_peak_rss_mb(gateway.pid):.0f} MB")
         if args.soak > 0:
             soak(args.gateway_port, key, gateway.pid, args.soak)
         return 0
@@ -243,7 +297,12 @@ def _setup_tenant(mock_port: int) -> str:
     from gateway.providers import create_provider_key
     from tenants.services import create_project, create_tenant, issue_key
 
-    create_provider_key("mock", base_url=f"http://127.0.0.1:{mock_port}/v1", secret="sk-bench")
+    from gateway.prices import Price
+
+    # A default price: the long scenario's model carries the mock's latency suffix, which the
+    # catalog does not know (an unpriced model is refused).
+    create_provider_key("mock", base_url=f"http://127.0.0.1:{mock_port}/v1", secret="sk-bench",
+                        default_price=Price(150_000, 600_000))
     # Every limit on and far from binding, so each request runs every check.
     tenant = create_tenant("bench", plan_name="enterprise", actor="bench",
                            requests_per_second=1_000_000, tokens_per_minute=10**12,
