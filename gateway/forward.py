@@ -202,11 +202,14 @@ class Call:
         _check_end(result)
 
     def _give_up_at(self) -> float:
-        """When retries of the end stop (loop clock): before the sweep may take the hold as
-        stale. The margin covers the clocks' drift and the last attempt's own duration."""
-        stale = float(self.runtime.engine.settings.stale_hold_s)
-        margin = max(1.0, 0.05 * stale) + settings.REDIS_SOCKET_TIMEOUT
-        return self.reserved_at + stale - margin
+        """When retries of the end stop (loop clock): while the hold's record can still be found.
+        Past the stale threshold the sweep may have ended the hold with an estimate (once Redis
+        is back); a settle arriving then corrects it to the real usage, once, as long as the
+        swept hold's tombstone lives (QUOTA_TOMBSTONE_SECONDS, which settings require to exceed
+        the stale threshold). The margin covers the clocks' drift and the last attempt."""
+        tombstone = float(self.runtime.engine.settings.tombstone_s)
+        margin = max(1.0, 0.05 * tombstone) + settings.REDIS_SOCKET_TIMEOUT
+        return self.reserved_at + tombstone - margin
 
     # -- the upstream -------------------------------------------------------------------------
 
@@ -264,7 +267,8 @@ def _check_end(result: EndResult) -> None:
 async def _retry_end(operation: Callable[[], Awaitable[EndResult]], request_id: str,
                      give_up_at: float) -> None:
     """Retry a settle / release that found Redis unreachable, with growing gaps, until just
-    before the hold would count as stale (well past the call's deadline: DESIGN.md section 7)."""
+    before the hold's record would be gone (past the stale threshold: a settle after the sweep
+    corrects it; well past the call's deadline: DESIGN.md section 7)."""
     loop = asyncio.get_running_loop()
     delay = _RETRY_FIRST_S
     while (wait := min(delay, give_up_at - loop.time())) > 0:
