@@ -1,8 +1,10 @@
-"""What the console dashboard shows of a tenant, gathered in one place (views only render it).
+"""The figures the console dashboard shows of a tenant, gathered in one place (the page in
+config/console/dashboard_views.py only draws them).
 
 Live figures (gauges, open holds, refused today) come from the Redis counters, so a /v1 call
-shows at once; the 30-day chart comes from the ledger, a few seconds behind. When Redis is down
-the live part is None and the page says so; the ledger part still renders.
+shows at once; the 30-day usage per day and model (the chart's data) comes from the ledger, a few
+seconds behind. When Redis is down the live part is None and the page says so; the ledger part
+still renders.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
-from billing.charts import StackedChart, stacked_by_model
 from billing.models import AlertState, WebhookDelivery
 from billing.usage import total_tokens, usage_totals
 from quotas.engine import QuotaStoreUnavailable
@@ -85,7 +87,10 @@ class LiveStatus:
 class Dashboard:
     tenant: Tenant
     live: LiveStatus | None  # None: Redis is unreachable
-    chart: StackedChart
+    # Tokens per day and model over the CHART_DAYS days up to today (billing.usage.usage_totals
+    # rows grouped by ("day", "model")), from chart_first_day.
+    daily_usage: list[dict[str, Any]]
+    chart_first_day: date
     alerts: list[AlertState]
     deliveries: list[WebhookDelivery]
     month_tokens: int  # from the ledger
@@ -132,14 +137,10 @@ def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None
     return LiveStatus(scope_gauges(status, tenant, ledger_month), status.open_holds, refused)
 
 
-def usage_chart(tenant: Tenant, today: date, days: int = CHART_DAYS) -> StackedChart:
-    first = today - timedelta(days=days - 1)
-    return stacked_by_model(usage_totals(tenant, first, today, ("day", "model")), first, today)
-
-
 def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
     today = (now or datetime.now(UTC)).astimezone(UTC).date()
-    chart = usage_chart(tenant, today)
+    chart_first_day = today - timedelta(days=CHART_DAYS - 1)
+    daily_usage = usage_totals(tenant, chart_first_day, today, ("day", "model"))
     month_start = today.replace(day=1)
     month_tokens = total_tokens(tenant, month_start, today)
     alerts = list(AlertState.objects.filter(tenant=tenant).order_by("-fired_at", "-id")[:10])
@@ -150,8 +151,8 @@ def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
     ledger_month = {row["project"]: row["total_tokens"]
                     for row in usage_totals(tenant, month_start, today, ("project",))
                     if row["project"]}
-    return Dashboard(tenant=tenant, live=live_status(tenant, ledger_month), chart=chart,
-                     alerts=alerts,
+    return Dashboard(tenant=tenant, live=live_status(tenant, ledger_month),
+                     daily_usage=daily_usage, chart_first_day=chart_first_day, alerts=alerts,
                      deliveries=deliveries, month_tokens=month_tokens, today=today,
                      project_labels=projects)
 

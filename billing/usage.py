@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import TruncDate
+from django.utils import timezone
 
 from billing.models import UsageRecord
 from tenants.models import Tenant
@@ -97,3 +98,17 @@ def total_tokens(tenant: Tenant, start: date, end: date) -> int:
     """Input + output tokens of the tenant over days start..end."""
     sums = records(tenant, start, end).aggregate(i=Sum("input_tokens"), o=Sum("output_tokens"))
     return (sums["i"] or 0) + (sums["o"] or 0)
+
+
+def usage_today_and_month(tenant: Tenant, by: str) -> dict[str, dict[str, int]]:
+    """Tokens per project or key public id (`by` = "project" / "key") today and this month
+    (UTC), from the usage ledger: {"prj_...": {"today": n, "month": n}}. Ids without usage are
+    absent. The ledger trails the live counters by a few seconds."""
+    today = timezone.now().date()
+    out: dict[str, dict[str, int]] = {}
+    for window, start in (("today", today), ("month", today.replace(day=1))):
+        for row in usage_totals(tenant, start, today, (by,)):
+            ref = row.get(by)
+            if ref:
+                out.setdefault(ref, {"today": 0, "month": 0})[window] = row["total_tokens"]
+    return out

@@ -88,6 +88,9 @@ INSTALLED_APPS = [
     "quotas",
     "gateway",
     "billing",
+    # The interfaces over those apps: the tenant-admin console (config/console/, an app for its
+    # template tags and static files). The management API (config/api/) needs no app entry.
+    "config.console",
 ]
 
 MIDDLEWARE = [
@@ -393,7 +396,7 @@ PASSWORD_HASHERS = [
     "django.contrib.auth.hashers.PBKDF2PasswordHasher",  # verifies older hashes, then upgrades
 ]
 
-# The console (tenants/console/) and the management API (tenants/api/, billing/api.py).
+# The console (config/console/) and the management API (config/api/).
 LOGIN_URL = "/console/login/"
 LOGIN_REDIRECT_URL = "/console/"
 LOGOUT_REDIRECT_URL = "/console/login/"

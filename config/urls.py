@@ -9,7 +9,7 @@ urlpatterns = [
     path("api/", include("tenants.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
-    path("console/", include("tenants.console.urls")),
+    path("console/", include("config.console.urls")),
     path("", RedirectView.as_view(url="/console/", permanent=False)),
     path("admin/", admin.site.urls),
 ]

@@ -92,6 +92,11 @@ class IssuedInvitation:
     email_sent: bool
 
 
+def tenant_invitations(tenant: Tenant) -> Any:
+    """Every invitation of the tenant (pending, accepted, revoked, expired), newest first."""
+    return Invitation.objects.filter(tenant=tenant).order_by("-created_at", "-id")
+
+
 def pending_invitations(tenant: Tenant) -> Any:
     return Invitation.objects.filter(
         tenant=tenant, accepted_at=None, revoked_at=None, expires_at__gt=timezone.now()

@@ -39,7 +39,7 @@ from rest_framework.views import APIView
 
 from billing.models import AlertState, UsageRecord, WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint
-from tenants.console.base import SESSION_TENANT
+from config.console.frame import SESSION_TENANT
 from tenants.membership import invite_member
 from tenants.models import (
     ApiKey,

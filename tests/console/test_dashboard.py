@@ -12,7 +12,7 @@ from django.test import Client
 from django.urls import reverse
 
 from billing import dashboard
-from billing.charts import nice_ceiling, short, stacked_by_model
+from config.console.charts import nice_ceiling, short, stacked_by_model
 from billing.models import AlertState, UsageRecord, WebhookDelivery, WebhookEndpoint
 from gateway.refusals import count_refusal
 from quotas.client import make_async_redis

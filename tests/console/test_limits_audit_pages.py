@@ -65,7 +65,7 @@ def test_limits_page_when_redis_is_down(world: World, monkeypatch: pytest.Monkey
     def down(tenant: Tenant) -> None:
         raise QuotaStoreUnavailable("down")
 
-    monkeypatch.setattr("tenants.console.pages.quota_status", down)
+    monkeypatch.setattr("config.console.frame.quota_status", down)
     page = login(world.owner).get(url(world, "limits"))
     assert page.status_code == 200
     assert "Live counters are unavailable" in page.content.decode()
@@ -248,7 +248,7 @@ def test_set_key_sub_limit_within_project(world: World) -> None:
 
 
 def test_audit_details_read_as_changes() -> None:
-    from tenants.console.pages import audit_details
+    from config.console.audit_views import audit_details
 
     assert audit_details({"name": "ci", "expires_at": None, "allowed_models": [],
                           "changes": {"tokens_per_day": {"from": None, "to": 500}}}) == [

@@ -1,6 +1,6 @@
 """A server-rendered SVG chart: tokens per day, stacked by model (the dashboard's 30-day picture).
 
-Only geometry is computed here; templates/console/_usage_chart.html draws it. No JavaScript:
+Only geometry is computed here; templates/console/dashboard_chart.html draws it. No JavaScript:
 every bar segment carries a <title>, which browsers show as a tooltip and screen readers read.
 """
 

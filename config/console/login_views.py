@@ -12,9 +12,13 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from config.console.frame import SESSION_TENANT
+from config.console.login_throttle import (
+    clear_login_failures,
+    login_blocked,
+    record_login_failure,
+)
 from tenants.access import principal_for
-from tenants.console.base import SESSION_TENANT
-from tenants.console.throttle import clear_login_failures, login_blocked, record_login_failure
 
 THROTTLED_MESSAGE = "Too many failed logins. Wait a few minutes before trying again."
 

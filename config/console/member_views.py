@@ -16,9 +16,9 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods, require_POST, require_safe
 
+from config.console.frame import SESSION_TENANT, actor, render_page, tenant_page
+from config.console.one_use_forms import first_submission
 from tenants.access import principal_for
-from tenants.console.base import SESSION_TENANT, render_page, tenant_page
-from tenants.console.once import first_submission
 from tenants.membership import (
     INVITABLE_ROLES,
     InvitationClosed,
@@ -34,8 +34,9 @@ from tenants.membership import (
     pending_invitations,
     remove_member,
     revoke_invitation,
+    tenant_invitations,
 )
-from tenants.models import Invitation, Membership, Tenant
+from tenants.models import Membership, Tenant
 
 INVITE_ROLE_CHOICES = [(value, label) for value, label in Membership.Role.choices
                        if value in INVITABLE_ROLES]
@@ -56,10 +57,6 @@ class NewAccountForm(forms.Form):
         if data.get("password1") and data.get("password1") != data.get("password2"):
             self.add_error("password2", "The two passwords differ.")
         return data
-
-
-def _actor(request: HttpRequest) -> str:
-    return principal_for(request).actor
 
 
 def _members_page(request: HttpRequest, tenant: Tenant, *, form: InviteForm | None = None,
@@ -100,7 +97,7 @@ def invite(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     try:
         issued = invite_member(
             tenant, form.cleaned_data["email"], role=form.cleaned_data["role"],
-            actor=_actor(request),
+            actor=actor(request),
             accept_url=lambda secret: request.build_absolute_uri(
                 reverse("console-invite-accept", args=[secret])),
         )
@@ -128,7 +125,7 @@ def change_role(request: HttpRequest, tenant: Tenant, username: str) -> HttpResp
     by_role = principal_for(request).role_in(tenant)
     try:
         before = membership.role
-        change_member_role(membership, role, actor=_actor(request), by_role=by_role)
+        change_member_role(membership, role, actor=actor(request), by_role=by_role)
     except RoleNotAllowed as exc:
         raise PermissionDenied(str(exc)) from None
     except (LastOwner, ValidationError) as exc:
@@ -145,7 +142,7 @@ def change_role(request: HttpRequest, tenant: Tenant, username: str) -> HttpResp
 def remove(request: HttpRequest, tenant: Tenant, username: str) -> HttpResponse:
     membership = _membership(tenant, username)
     try:
-        remove_member(membership, actor=_actor(request),
+        remove_member(membership, actor=actor(request),
                       by_role=principal_for(request).role_in(tenant))
     except RoleNotAllowed as exc:
         raise PermissionDenied(str(exc)) from None
@@ -161,11 +158,11 @@ def remove(request: HttpRequest, tenant: Tenant, username: str) -> HttpResponse:
 @require_POST
 @tenant_page(manage=True)
 def revoke(request: HttpRequest, tenant: Tenant, invitation_id: str) -> HttpResponse:
-    invitation = Invitation.objects.filter(tenant=tenant, public_id=invitation_id).first()
+    invitation = tenant_invitations(tenant).filter(public_id=invitation_id).first()
     if invitation is None:
         raise Http404("No such invitation.")
     try:
-        revoke_invitation(invitation, actor=_actor(request))
+        revoke_invitation(invitation, actor=actor(request))
     except InvitationClosed as exc:
         messages.error(request, str(exc))
     else:

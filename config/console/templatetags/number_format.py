@@ -1,4 +1,4 @@
-"""Number formatting for the billing console pages (no django.contrib.humanize here)."""
+"""Number formatting for the console pages (no django.contrib.humanize here)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Console forms of the billing app (webhook endpoints)."""
+"""Forms of the console's webhook pages (adding an endpoint, choosing its events)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,133 @@
+"""The console's limits page: the tenant's plan and effective limits, the live counters of the
+tenant, its projects, keys and models, the projects' and keys' own sub-limits and the tenant's
+alert thresholds (each a form of its own on the page)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.views.decorators.http import require_http_methods
+
+from config.console.forms import (
+    AlertThresholdsForm,
+    KeySubLimitsForm,
+    ProjectLimitsForm,
+    add_service_errors,
+)
+from config.console.frame import (
+    actor,
+    live_status,
+    render_page,
+    require_manage,
+    tenant_key,
+    tenant_page,
+    tenant_project,
+)
+from tenants import selectors, services
+from tenants.models import Tenant
+
+
+
+def _limits_page(
+    request: HttpRequest, tenant: Tenant, *, bound: dict[str, Any] | None = None,
+    status: int = 200,
+) -> HttpResponse:
+    """`bound`: the one submitted form (by its prefix) to show with its errors."""
+    bound = bound or {}
+    live = live_status(tenant)
+    by_scope: dict[tuple[str, str, str], Any] = {}
+    if live is not None:
+        by_scope = {(s.kind, s.ref, s.window): s for s in live.scopes}
+    limits = selectors.effective_limits(tenant)
+    projects = []
+    for project in selectors.tenant_projects(tenant):
+        prefix = f"p-{project.public_id}"
+        projects.append({
+            "project": project,
+            "day": by_scope.get(("project", project.public_id, "day")),
+            "form": bound.get(prefix) or ProjectLimitsForm(prefix=prefix, initial={
+                "tokens_per_day": project.tokens_per_day,
+                "tokens_per_month": project.tokens_per_month,
+            }),
+        })
+    keys = []
+    for api_key in selectors.tenant_keys(tenant, status="active"):
+        prefix = f"k-{api_key.public_id}"
+        keys.append({
+            "key": api_key,
+            "day": by_scope.get(("key", api_key.public_id, "day")),
+            "masked": selectors.listed_masked_key(api_key),
+            "form": bound.get(prefix) or KeySubLimitsForm(prefix=prefix, initial={
+                "tokens_per_day": api_key.tokens_per_day,
+                "tokens_per_month": api_key.tokens_per_month,
+            }),
+        })
+    context = {
+        "plan": tenant.plan,
+        "limits": limits,
+        "live_available": live is not None,
+        "open_holds": live.open_holds if live is not None else None,
+        "tenant_day": by_scope.get(("tenant", tenant.public_id, "day")),
+        "tenant_month": by_scope.get(("tenant", tenant.public_id, "month")),
+        "models": [s for s in (live.of("model", "day") if live is not None else [])],
+        "projects": projects,
+        "keys": keys,
+        "alerts_form": bound.get("alerts") or AlertThresholdsForm(
+            prefix="alerts",
+            initial={"alert_thresholds": ", ".join(map(str, tenant.alert_thresholds))},
+        ),
+    }
+    return render_page(request, tenant, "console/limits.html", context,
+                       nav="console-limits", status=status)
+
+
+@require_http_methods(["GET", "POST"])
+@tenant_page()
+def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    if request.method != "POST":
+        return _limits_page(request, tenant)
+    require_manage(request, tenant)
+    target = request.POST.get("form", "")
+    if target == "alerts":
+        alerts = AlertThresholdsForm(request.POST, prefix="alerts")
+        if alerts.is_valid():
+            try:
+                services.set_tenant_limits(tenant, actor=actor(request),
+                                           alert_thresholds=alerts.cleaned_data["alert_thresholds"])
+            except ValidationError as exc:
+                add_service_errors(alerts, exc)
+            else:
+                messages.success(request, "Alert thresholds saved.")
+                return redirect("console-limits", tenant.public_id)
+        return _limits_page(request, tenant, bound={"alerts": alerts}, status=400)
+    if target.startswith("p-"):
+        project = tenant_project(tenant, target[2:])
+        form = ProjectLimitsForm(request.POST, prefix=target)
+        if form.is_valid():
+            try:
+                services.update_project(project, actor=actor(request), **form.cleaned_data)
+            except ValidationError as exc:
+                add_service_errors(form, exc)
+            else:
+                messages.success(request, f"Limits of project {project.name} saved.")
+                return redirect("console-limits", tenant.public_id)
+        return _limits_page(request, tenant, bound={target: form}, status=400)
+    if target.startswith("k-"):
+        api_key = tenant_key(tenant, target[2:])
+        key_form = KeySubLimitsForm(request.POST, prefix=target)
+        if key_form.is_valid():
+            try:
+                services.update_key(api_key, actor=actor(request), **key_form.cleaned_data)
+            except ValidationError as exc:
+                add_service_errors(key_form, exc)
+            else:
+                messages.success(request, f"Limits of key {api_key.name or api_key.public_id} "
+                                 "saved.")
+                return redirect("console-limits", tenant.public_id)
+        return _limits_page(request, tenant, bound={target: key_form}, status=400)
+    return _limits_page(request, tenant, status=400)
+
