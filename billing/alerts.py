@@ -33,7 +33,15 @@ from billing import webhooks
 from billing.ledger import usage_backlog
 from billing.models import AlertState, WebhookEvent
 from quotas import keys
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import (
+    QUOTA_PROJECT,
+    QUOTA_TENANT,
+    TENANT,
+    Counter,
+    project_counters,
+    tenant_counter,
+)
 from quotas.runtime import get_engine
 from quotas.windows import Calendar, Window, WindowKind
 from tenants.models import Membership, Project, Tenant
@@ -45,9 +53,8 @@ _CHUNK = 200
 # The counter hash layout documented in quotas/keys.py.
 _FIELDS = ("limit", "used", "pending", "credit")
 _KIND_NAMES = {WindowKind.DAY: "daily", WindowKind.MONTH: "monthly"}
-# The refusal reasons (quotas.status.REFUSAL_REASONS) that mean "this quota is used up" for the
-# scopes watched here.
-_QUOTA_REFUSALS = ("quota_tenant", "quota_project")
+# The refusal reasons (quotas.limits) of the counters watched here: the tenant's and projects'.
+_QUOTA_REFUSALS = (QUOTA_TENANT, QUOTA_PROJECT)
 # A tenant without thresholds: a project counts as refusing when this little is left.
 _REFUSAL_FLOOR_PERCENT = 5
 
@@ -84,6 +91,16 @@ class _Watched:
     kind: WindowKind
     limit: int
     thresholds: tuple[int, ...]
+    reason: str  # the refusal reason of its counter (quotas.limits)
+
+
+def _watch(tenant: Tenant, counter: Counter, thresholds: tuple[int, ...]) -> list[_Watched]:
+    """The counter, if it has a limit to alert on (-1 unlimited or 0 refuse-all have none)."""
+    if counter.limit <= 0:
+        return []
+    label = "tenant" if counter.kind == TENANT else f"{counter.kind}:{counter.label}"
+    return [_Watched(tenant, counter.scope, label, counter.window, counter.limit, thresholds,
+                     counter.reason)]
 
 
 def _chunks(items: Sequence[int], size: int = _CHUNK) -> Iterator[Sequence[int]]:
@@ -102,29 +119,24 @@ def _thresholds(tenant: Tenant) -> tuple[int, ...]:
 
 
 def _watched(tenants: Iterable[Tenant]) -> list[_Watched]:
-    """The limited counters of these tenants: tenant day and month, and projects' own limits.
-    Limits come from PostgreSQL (what the gateway passes to the reserve script)."""
+    """The limited counters of these tenants: tenant day and month, and projects' own limits,
+    as quotas.limits defines them. Limits come from PostgreSQL (what the gateway passes to the
+    reserve script)."""
     tenants = list(tenants)
     by_id = {t.pk: t for t in tenants}
     watched = []
     for tenant in tenants:
         thresholds = _thresholds(tenant)
         limits = effective_limits(tenant)
-        for kind, limit in ((WindowKind.DAY, limits.tokens_per_day),
-                            (WindowKind.MONTH, limits.monthly_token_budget)):
-            if limit > 0:
-                watched.append(_Watched(tenant, keys.tenant_scope(), "tenant", kind, limit,
-                                        thresholds))
+        for kind in (WindowKind.DAY, WindowKind.MONTH):
+            watched += _watch(tenant, tenant_counter(tenant, limits, kind), thresholds)
     projects = Project.objects.filter(tenant_id__in=by_id).filter(
         Q(tokens_per_day__isnull=False) | Q(tokens_per_month__isnull=False)).order_by("pk")
     for project in projects:
         tenant = by_id[project.tenant_id]
         thresholds = _thresholds(tenant)
-        for kind, limit in ((WindowKind.DAY, project.tokens_per_day),
-                            (WindowKind.MONTH, project.tokens_per_month)):
-            if limit is not None and limit > 0:
-                watched.append(_Watched(tenant, keys.project_scope(project.pk),
-                                        f"project:{project.slug}", kind, limit, thresholds))
+        for counter in project_counters(project):
+            watched += _watch(tenant, counter, thresholds)
     return watched
 
 
@@ -259,14 +271,14 @@ def _refusal_exhausted(readings: list[_Reading], refused: dict[str, int]) -> lis
     only limited project, or else each project whose tightest counter is within the tenant's
     lowest threshold (5% when it has none)."""
     out: list[_Reading] = []
-    tenant_level = [r for r in readings if r.item.scope == keys.tenant_scope()]
-    if refused.get("quota_tenant", 0) > 0 and tenant_level:
+    tenant_level = [r for r in readings if r.item.reason == QUOTA_TENANT]
+    if refused.get(QUOTA_TENANT, 0) > 0 and tenant_level:
         out.append(min(tenant_level, key=lambda r: (r.remaining, r.window.kind != WindowKind.DAY)))
     projects: dict[str, list[_Reading]] = {}
     for reading in readings:
-        if reading.item.scope != keys.tenant_scope():
+        if reading.item.reason == QUOTA_PROJECT:
             projects.setdefault(reading.item.scope, []).append(reading)
-    if refused.get("quota_project", 0) > 0 and projects:
+    if refused.get(QUOTA_PROJECT, 0) > 0 and projects:
         for group in projects.values():
             tightest = min(group, key=lambda r: (r.remaining, r.window.kind != WindowKind.DAY))
             floor = min(tightest.item.thresholds, default=_REFUSAL_FLOOR_PERCENT)
@@ -361,12 +373,6 @@ def all_tenant_ids() -> list[int]:
 # -- health: pending holds that stay high (a leak sign) -----------------------------------------
 
 
-def pending_high_key(tenant_id: int) -> str:
-    """When this tenant's pending was first seen above the alert level (unix seconds), with
-    `:alerted` appended once operators were told; same hash tag as the tenant's other keys."""
-    return f"tg:{{t{tenant_tag(tenant_id)}}}:pending-high"
-
-
 @dataclass(frozen=True)
 class PendingAlert:
     tenant_id: int
@@ -393,19 +399,20 @@ def check_pending_health(*, now: float | None = None, engine: Any = None) -> lis
     for chunk in _chunks(all_tenant_ids()):
         tenants = list(Tenant.objects.select_related("plan").filter(pk__in=chunk).order_by("pk"))
         day = calendar.window(WindowKind.DAY, engine.clock.now_ms()).id
-        limited = [(t, effective_limits(t).tokens_per_day) for t in tenants]
-        limited = [(t, limit) for t, limit in limited if limit > 0]
-        rows = _read_counters(client, [
-            keys.counter_key(tenant_tag(t.pk), keys.tenant_scope(), day) for t, _ in limited])
+        counters = [(t, tenant_counter(t, effective_limits(t), WindowKind.DAY)) for t in tenants]
+        counters = [(t, c) for t, c in counters if c.limit > 0]
+        limited = [(t, c.limit) for t, c in counters]
+        rows = _read_counters(client, [keys.counter_key(tenant_tag(t.pk), c.scope, day)
+                                       for t, c in counters])
         high, low = [], []
         for (tenant, limit), row in zip(limited, rows, strict=True):
             pending = _as_int(row[2])
             (high if pending * 100 > percent * limit else low).append((tenant, limit, pending))
         pipe = client.pipeline(transaction=False)
         for tenant, _limit, _pending in low:
-            pipe.delete(pending_high_key(tenant.pk))
+            pipe.delete(keys.pending_high_key(tenant_tag(tenant.pk)))
         for tenant, _limit, _pending in high:
-            key = pending_high_key(tenant.pk)
+            key = keys.pending_high_key(tenant_tag(tenant.pk))
             pipe.set(key, str(now_s), nx=True, ex=ttl)
             pipe.expire(key, ttl)
             pipe.get(key)
@@ -419,8 +426,8 @@ def check_pending_health(*, now: float | None = None, engine: Any = None) -> lis
             if now_s - since < alert_after:
                 continue
             # Atomically mark the episode alerted; only the worker that saw it unmarked alerts.
-            previous = client.set(pending_high_key(tenant.pk), f"{since}:alerted", xx=True,
-                                  keepttl=True, get=True)
+            previous = client.set(keys.pending_high_key(tenant_tag(tenant.pk)),
+                                  f"{since}:alerted", xx=True, keepttl=True, get=True)
             if previous is None or str(previous).endswith(":alerted"):
                 continue
             alert = PendingAlert(tenant.pk, tenant.slug, limit, pending, since)
@@ -444,12 +451,6 @@ def _alert_operators(alert: PendingAlert, now_s: int) -> None:
 # -- health: usage events waiting for the ledger drain ----------------------------------------
 
 
-def backlog_alert_key() -> str:
-    """Set while operators have been told about the current backlog episode (unix seconds of
-    the alert); deleted when the backlog is young again. Not a tenant's key: no hash tag."""
-    return "tg:ledger:backlog-alerted"
-
-
 @dataclass(frozen=True)
 class BacklogAlert:
     events: int
@@ -469,7 +470,7 @@ def check_ledger_backlog(*, engine: Any = None) -> BacklogAlert | None:
     client = engine.client
     alert_after = int(getattr(settings, "TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS", 300))
     backlog = usage_backlog(client)
-    key = backlog_alert_key()
+    key = keys.ledger_backlog_alert_key()
     if backlog.oldest_age_s < alert_after:
         client.delete(key)  # the episode (if any) is over: the next one alerts again
         return None

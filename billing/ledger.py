@@ -39,7 +39,7 @@ from billing.models import UsageRecord
 from billing.prices import PriceBook
 from gateway.models import ProviderKey
 from quotas import keys
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.windows import Calendar, Window, WindowKind
 from tenants.models import ApiKey, Project, Tenant
 
@@ -303,8 +303,7 @@ def _usage_streams(client: Any) -> list[str]:
         tenant_ids = list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
     except DatabaseError:
         log.warning("tenants unreadable (PostgreSQL down?): scanning Redis for usage streams")
-        # The key layout of quotas/keys.py with a wildcard for the tenant.
-        pattern = keys.usage_stream_key("0").replace("{t0}", "{t*}")
+        pattern = keys.usage_stream_pattern()
         return sorted(str(k) for k in client.scan_iter(match=pattern, count=1000,
                                                        _type="STREAM"))
     return [keys.usage_stream_key(tenant_tag(t)) for t in tenant_ids]

@@ -41,7 +41,7 @@ from django.db.models import Count, Sum
 from billing.ledger import usage_backlog
 from billing.models import UsageRecord, WebhookDelivery
 from quotas import keys
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
 

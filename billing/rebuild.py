@@ -9,7 +9,7 @@ restarted from zero. This module puts the current windows' counters back:
                         + the usage events still waiting in Redis for the drain
 
 (fail-open calls included: no counter saw them, but the tenant spent those tokens) for every
-counter the gateway checks (`gateway.auth.KeyContext.scopes`: the tenant, its project,
+counter the gateway checks (`quotas.limits.request_counters`: the tenant, its project,
 its key and the model per day; the tenant per month, and the project and key per month where
 they have a monthly limit; the tenant per minute under a tokens-per-minute limit), and the
 monthly spend counter in micro-dollars from the rows' cost. Windows come from the Redis clock
@@ -45,10 +45,10 @@ from django.db.models import Count, F, Q, Sum
 from billing.ledger import record_from_event
 from billing.models import UsageRecord
 from billing.prices import PriceBook
-from gateway.auth import KeyContext
 from quotas import keys
 from quotas.engine import QuotaEngine, RebuildCounter, ScopeLimit, Unit
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import KEY, MODEL, PROJECT, request_counters
 from quotas.runtime import get_engine
 from quotas.windows import Window, WindowKind
 from tenants.models import ApiKey, Project, Tenant
@@ -62,11 +62,6 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-
-def lock_key(tenant: str) -> str:
-    """The rebuild lock, beside the epoch marker in the tenant's slot."""
-    return keys.epoch_key(tenant) + ":rebuilding"
 
 
 @dataclass(frozen=True)
@@ -195,8 +190,9 @@ def _add_record(sums: dict[_Group, _Sums], record: UsageRecord,
 
 def _scopes(tenant: Tenant, limits: Any, project: Project | None, api_key: ApiKey | None,
             model: str) -> tuple[ScopeLimit, ...]:
-    """The counters a call of this key and model was checked against, from the gateway's own
-    definition (KeyContext.scopes), so the rebuild restores exactly what reserve reads.
+    """The counters a call of this key and model was checked against, from the definition the
+    gateway reserves (quotas.limits.request_counters), so the rebuild restores exactly what
+    reserve reads.
 
     A row whose project or key has been deleted still counts for the tenant and the model; the
     deleted ones' counters are never read again. A model name that cannot be a scope (the
@@ -206,23 +202,19 @@ def _scopes(tenant: Tenant, limits: Any, project: Project | None, api_key: ApiKe
         project = Project(tenant=tenant)
     if api_key is None:
         api_key = ApiKey(project=project)
-    context = KeyContext(digest="", valid_until=None, api_key=api_key, project=project,
-                         tenant_id=tenant.pk, tenant_tag=tenant_tag(tenant.pk), limits=limits,
-                         allowed_models=None)
     try:
-        found = context.scopes(model)
+        found = request_counters(tenant, limits, project, api_key, model)
         named_model = True
     except ValueError:
-        found = context.scopes("unnamed")
+        found = request_counters(tenant, limits, project, api_key, "unnamed")
         named_model = False
     wanted = []
-    for scope in found:
-        kind = scope.scope.split(":", 1)[0]
-        if stand_in and kind in {"project", "key"}:
+    for counter in found:
+        if stand_in and counter.kind in {PROJECT, KEY}:
             continue
-        if not named_model and kind == "model":
+        if not named_model and counter.kind == MODEL:
             continue
-        wanted.append(scope)
+        wanted.append(counter.scope_limit)
     return tuple(wanted)
 
 
@@ -274,7 +266,7 @@ def rebuild_tenant(tenant: str, *, force: bool = False,
     engine = engine or get_engine()
     client = engine.client
     token = uuid.uuid4().hex
-    lock = lock_key(tenant)
+    lock = keys.rebuild_lock_key(tenant)
     if not client.set(lock, token, nx=True, px=settings.QUOTA_REBUILD_LOCK_SECONDS * 1000):
         return RebuildResult(tenant, rebuilt=False)
     try:

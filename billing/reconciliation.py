@@ -59,6 +59,7 @@ from gateway.crypto import SecretDecryptionError, decrypt_secret
 from gateway.mock_upstream import api_key_id
 from gateway.models import ModelSpec, ProviderKey
 from gateway.prices import load_aliases
+from quotas.keys import reconcile_lock_key
 
 log = logging.getLogger(__name__)
 
@@ -372,10 +373,6 @@ def alert(run: ReconciliationRun, flagged: Sequence[ReconciliationRow]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def lock_key(day: date) -> str:
-    return f"tg:reconcile:lock:{day.isoformat()}"
-
-
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -393,7 +390,7 @@ def day_lock(day: date, *, client: Any = None, ttl_seconds: float | None = None)
     if ttl_seconds is None:
         ttl_seconds = float(getattr(settings, "TOLLGATE_RECONCILE_LOCK_SECONDS", 3600))
     token = uuid.uuid4().hex
-    key = lock_key(day)
+    key = reconcile_lock_key(day)
     if not client.set(key, token, nx=True, px=max(1, int(ttl_seconds * 1000))):
         raise DayLocked(day)
     try:

@@ -25,14 +25,12 @@ from gateway.runtime import GatewayRuntime
 from gateway.tokens import estimate_chat_prompt, estimate_completion_prompt, estimate_embedding_input
 from quotas.engine import (
     UNLIMITED,
-    CounterState,
     Outcome,
     Reservation,
     ReserveRequest,
     ScopeLimit,
-    Unit,
 )
-from quotas.windows import WindowKind
+from quotas.limits import CONCURRENCY, QUEUE_TIMEOUT
 from tenants.models import OverQuotaPolicy
 
 
@@ -157,21 +155,13 @@ def refusal_error(reservation: Reservation) -> GatewayError:
     if reservation.outcome is Outcome.CONCURRENCY:
         return rate_limited(
             f"Too many concurrent requests for this API key ({reservation.in_flight} in "
-            "flight).", 1, refusal="concurrency")
+            "flight).", 1, refusal=CONCURRENCY)
     refused = reservation.refused
     assert refused is not None
+    # The full counter's refusal reason comes with its definition (quotas/limits.py).
     return insufficient_quota(refused.scope, refused.window.kind.value,
                               _seconds_until(refused.window.end_ms - reservation.server_time_ms),
-                              refusal=_quota_reason(refused))
-
-
-def _quota_reason(refused: CounterState) -> str:
-    """The refused-today reason (quotas.status.REFUSAL_REASONS) of a full quota counter."""
-    if refused.unit is Unit.MICROS:
-        return "spend_budget"
-    if refused.window.kind is WindowKind.MINUTE:
-        return "tokens_per_minute"
-    return "quota_" + refused.scope.split(":", 1)[0]
+                              refusal=refused.reason)
 
 
 def _with_output_cap(est: Estimate, reservation: Reservation, parsed: ParsedBody,
@@ -220,7 +210,7 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
                                  _with_output_cap(est, again, parsed, ctx))
             if again.outcome is not Outcome.QUOTA:
                 raise refusal_error(again)
-        raise replace(refusal_error(reservation), refusal="queue_timeout")
+        raise replace(refusal_error(reservation), refusal=QUEUE_TIMEOUT)
     elif policy == OverQuotaPolicy.SOFT:
         percent = ctx.limits.soft_limit_percent
         ceiling = tuple(

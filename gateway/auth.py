@@ -17,9 +17,9 @@ from datetime import datetime
 
 
 from quotas import keys as quota_keys
-from quotas.engine import UNLIMITED, ConcurrencyLimit, RateLimit, ScopeLimit, Unit
-from quotas.limits import scope_limits, tenant_tag
-from quotas.windows import WindowKind
+from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
+from quotas.keys import tenant_tag
+from quotas.limits import request_limits
 from tenants.keys import digests_match, parse_key
 from tenants.models import ApiKey, Project, Tenant
 from tenants.selectors import EffectiveLimits, allowed_models_for_key, effective_limits, secret_by_prefix
@@ -46,18 +46,14 @@ class KeyContext:
         return self.allowed_models is None or model in self.allowed_models
 
     def scopes(self, model: str) -> tuple[ScopeLimit, ...]:
-        """Token quota counters for a call of `model` (memoised per model)."""
+        """The quota counters of a call of `model` (quotas.limits.request_counters), memoised
+        per model. The project's tenant was loaded with the key (load_key_context)."""
         cached = self._scopes.get(model)
         if cached is None:
             if len(self._scopes) >= _MAX_MODELS_PER_KEY:
                 self._scopes.clear()  # bounded: clients may send any model name
-            cached = scope_limits(self.limits, self.project, self.api_key, model)
-            if self.limits.tokens_per_minute != UNLIMITED:
-                cached += (ScopeLimit(quota_keys.tenant_scope(), WindowKind.MINUTE,
-                                      self.limits.tokens_per_minute),)
-            if self.limits.monthly_spend_budget_micros != UNLIMITED:
-                cached += (ScopeLimit(quota_keys.tenant_scope(), WindowKind.MONTH,
-                                      self.limits.monthly_spend_budget_micros, Unit.MICROS),)
+            cached = request_limits(self.project.tenant, self.limits, self.project, self.api_key,
+                                    model)
             self._scopes[model] = cached
         return cached
 

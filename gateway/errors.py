@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from django.http import HttpResponse
 
+from quotas.limits import MODEL_NOT_ALLOWED, QUOTA_TENANT, RATE_LIMIT
+
 
 @dataclass(frozen=True)
 class GatewayError(Exception):
@@ -16,7 +18,7 @@ class GatewayError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after_s: int | None = None
-    # Why a tenant's request was refused (quotas.status.REFUSAL_REASONS), for the refused-today
+    # Why a tenant's request was refused (quotas.limits.REFUSAL_REASONS), for the refused-today
     # counters; None for errors that are not a refusal (bad input, upstream failures, ...).
     refusal: str | None = None
 
@@ -43,7 +45,7 @@ def invalid_api_key(message: str = "Incorrect API key provided.") -> GatewayErro
 def model_not_allowed(model: str) -> GatewayError:
     return GatewayError(403, f"This API key is not allowed to use the model '{model}'.",
                         "invalid_request_error", "model_not_allowed", "model",
-                        refusal="model_not_allowed")
+                        refusal=MODEL_NOT_ALLOWED)
 
 
 def model_not_priced(model: str) -> GatewayError:
@@ -60,7 +62,7 @@ def not_found(message: str) -> GatewayError:
 
 
 def insufficient_quota(scope: str, window: str, retry_after_s: int,
-                       refusal: str = "quota_tenant") -> GatewayError:
+                       refusal: str = QUOTA_TENANT) -> GatewayError:
     return GatewayError(
         429,
         f"You exceeded your current quota ({scope}, {window} window). The quota resets at the "
@@ -69,7 +71,7 @@ def insufficient_quota(scope: str, window: str, retry_after_s: int,
     )
 
 
-def rate_limited(message: str, retry_after_s: int, refusal: str = "rate_limit") -> GatewayError:
+def rate_limited(message: str, retry_after_s: int, refusal: str = RATE_LIMIT) -> GatewayError:
     return GatewayError(429, message, "requests", "rate_limit_exceeded", None, retry_after_s,
                         refusal)
 

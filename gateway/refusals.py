@@ -12,7 +12,8 @@ import logging
 from typing import Any
 
 from quotas import keys
-from quotas.status import REFUSAL_REASONS, REFUSED_TTL_SECONDS, utc_day_id
+from quotas.limits import REFUSAL_REASONS
+from quotas.status import REFUSED_TTL_SECONDS, utc_day_id
 
 log = logging.getLogger(__name__)
 

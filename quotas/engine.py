@@ -11,6 +11,7 @@ decision path is counted in Python: every check-and-write happens inside a scrip
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -97,12 +98,17 @@ def _require_int(what: str, value: object, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class ScopeLimit:
-    """One counter a request is checked against: a scope, a window kind and its limit."""
+    """One counter a request is checked against: a scope, a window kind and its limit, and (from
+    the definitions in quotas/limits.py) what people call it and why a refusal by it counts."""
 
     scope: str
     window: WindowKind
     limit: int  # per window; UNLIMITED (-1) tracks usage without refusing; 0 refuses all
     unit: Unit = Unit.TOKENS
+    # Descriptive only (not part of the counter's identity): the name a person reads and the
+    # refused-today reason code (quotas.limits.REFUSAL_REASONS) of a refusal by this counter.
+    label: str = field(default="", compare=False)
+    reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         keys.validate_scope(self.scope)
@@ -183,6 +189,10 @@ class CounterState:
     limit: int
     remaining: int  # after this call; UNLIMITED for unlimited counters (or unknown)
     unit: Unit = Unit.TOKENS
+    # The ScopeLimit's label and refusal reason, filled in on the refused counter
+    # (Reservation.refused), the one that is reported; empty on the others.
+    label: str = field(default="", compare=False)
+    reason: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -357,8 +367,9 @@ class _ReserveCall:
 
 def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
     # Money counters live beside the token counters of the same scope, under their own name.
-    scope = f"{limit.scope}:usd" if limit.unit is Unit.MICROS else limit.scope
-    return keys.counter_key(tenant, scope, window.id)
+    if limit.unit is Unit.MICROS:
+        return keys.spend_counter_key(tenant, limit.scope, window.id)
+    return keys.counter_key(tenant, limit.scope, window.id)
 
 
 def _str(value: Any) -> str:
@@ -504,7 +515,7 @@ class _Calls:
             request_id=req.request_id,
             granted=granted,
             counters=states,
-            refused=None if admitted else states[detail - 1],
+            refused=None if admitted else _refused(call, states, detail - 1),
             server_time_ms=now_ms,
             hold=hold,
             outcome=Outcome.ADMITTED if admitted else Outcome.QUOTA,
@@ -611,6 +622,13 @@ class _Calls:
                         unit: Unit = Unit.TOKENS) -> str:
         window = self.calendar(utc_offset_s).window(kind, self.clock.now_ms())
         return _counter_key(tenant, ScopeLimit(scope, kind, UNLIMITED, unit), window)
+
+
+def _refused(call: _ReserveCall, states: tuple[CounterState, ...], index: int) -> CounterState:
+    """The refused counter's state with its definition's label and reason (only a refusal pays
+    for them)."""
+    limit = call.counters[index][0]
+    return dataclasses.replace(states[index], label=limit.label, reason=limit.reason)
 
 
 def _snapshot(key: str, fields: Sequence[Any], ttl: int) -> CounterSnapshot:

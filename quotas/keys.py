@@ -1,9 +1,10 @@
-"""Every Redis key the quota engine uses is named here, and only here.
+"""Every Redis key Tollgate uses is named here, and only here.
 
 All keys of one tenant carry the hash tag `{t<tenant>}`, so on a Redis Cluster they live in one
 slot and one script call can touch every scope of a request. Layout:
 
     tg:{t<tenant>}:q:<scope>:<window>   counter hash {limit, used, pending, credit, over}
+    tg:{t<tenant>}:q:<scope>:usd:<window>  spend counter hash (micro-dollars), same fields
     tg:{t<tenant>}:hold:<request_id>    hold record hash {amount, created, keys, state, phase, ...}
     tg:{t<tenant>}:holds                zset of open holds, score = created ms (Redis clock)
     tg:{t<tenant>}:rate:<scope>:<period>ms  token bucket hash {tokens, ts} (request rate)
@@ -11,14 +12,20 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:usage                stream of usage events (one per ended hold)
     tg:{t<tenant>}:refused:<day window> hash {reason: count} of requests refused that UTC day
     tg:{t<tenant>}:epoch                string: present while the tenant's data is (see epoch_key)
+    tg:{t<tenant>}:epoch:rebuilding     string: the lock of the process rebuilding the tenant
+    tg:{t<tenant>}:pending-high         string: since when its pending holds are high (alerts)
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
+    tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
+    tg:reconcile:lock:<date>            string: the lock of one day's reconciliation run
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
 Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
+Which counters a request touches, with their limits, is defined in quotas/limits.py.
 """
 from __future__ import annotations
 
 import re
+from datetime import date
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -29,6 +36,12 @@ def _tag(tenant: str) -> str:
     if not _TENANT_RE.match(tenant):
         raise ValueError(f"invalid tenant id for a Redis key: {tenant!r}")
     return f"tg:{{t{tenant}}}"
+
+
+def tenant_tag(tenant_id: int) -> str:
+    """The tenant id used in Redis key names (inside its hash tag): what every function here
+    takes as `tenant`."""
+    return str(tenant_id)
 
 
 def validate_request_id(request_id: str) -> str:
@@ -45,6 +58,11 @@ def validate_scope(scope: str) -> str:
 
 def counter_key(tenant: str, scope: str, window_id: str) -> str:
     return f"{_tag(tenant)}:q:{scope}:{window_id}"
+
+
+def spend_counter_key(tenant: str, scope: str, window_id: str) -> str:
+    """A spend counter (micro-dollars), beside the token counter of the same scope."""
+    return counter_key(tenant, f"{scope}:usd", window_id)
 
 
 def hold_key(tenant: str, request_id: str) -> str:
@@ -89,6 +107,23 @@ def epoch_key(tenant: str) -> str:
     return f"{_tag(tenant)}:epoch"
 
 
+def rebuild_lock_key(tenant: str) -> str:
+    """The lock of the process rebuilding the tenant's counters, beside its epoch marker."""
+    return epoch_key(tenant) + ":rebuilding"
+
+
+def usage_stream_pattern() -> str:
+    """A SCAN pattern matching every tenant's usage stream (for when PostgreSQL cannot list
+    the tenants)."""
+    return usage_stream_key("0").replace("{t0}", "{t*}")
+
+
+def pending_high_key(tenant: str) -> str:
+    """When this tenant's pending was first seen above the alert level (unix seconds), with
+    `:alerted` appended once operators were told (billing/alerts.py)."""
+    return f"{_tag(tenant)}:pending-high"
+
+
 def refused_key(tenant: str, day_window_id: str) -> str:
     """Requests the gateway refused on one UTC day, counted per reason (gateway/refusals.py)."""
     return f"{_tag(tenant)}:refused:{day_window_id}"
@@ -97,3 +132,17 @@ def refused_key(tenant: str, day_window_id: str) -> str:
 def provider_capacity_key(provider_key_id: int) -> str:
     """Capacity buckets of an upstream provider key: shared by tenants, so a tag of its own."""
     return f"tg:{{p{int(provider_key_id)}}}:cap"
+
+
+# -- not a tenant's: no hash tag --------------------------------------------------------------------
+
+
+def ledger_backlog_alert_key() -> str:
+    """Set while operators have been told about the current ledger backlog episode (unix seconds
+    of the alert); deleted when the backlog is young again (billing/alerts.py)."""
+    return "tg:ledger:backlog-alerted"
+
+
+def reconcile_lock_key(day: date) -> str:
+    """The lock of one day's reconciliation run (billing/reconciliation.py)."""
+    return f"tg:reconcile:lock:{day.isoformat()}"

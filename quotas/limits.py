@@ -1,41 +1,217 @@
-"""Which counters a request is checked against, and with which limits.
+"""Which counters exist: the one definition of every quota counter, with its limit, its label and
+the reason a refusal by it is counted under.
+
+Each counter is stated once here: its scope (`quotas.keys`), window, unit (tokens or
+micro-dollars), limit, the name a person reads (tenant name, project slug, key name, model) and
+its refusal reason code (a key of REFUSAL_REASONS). The readers all come here:
+
+- the gateway reserves `request_counters` (cached per key and model in gateway.auth.KeyContext),
+  and a refusal is counted under the full counter's `reason` (quotas.engine.CounterState);
+- the status page, the API and `manage.py quota_show` show `standing_counters` (quotas/status.py);
+- alerts watch the limited tenant and project counters of `standing_counters` (billing/alerts.py);
+- the rebuild restores `request_counters` from the ledger (billing/rebuild.py);
+- `manage.py quota_recharge` tops up `tenant_counter` / `project_counter`.
 
 Limits live in PostgreSQL (plans, tenant overrides, project and key sub-limits) and travel to the
 reserve script as ARGV on every request, so a plan change takes effect on the next request.
 Scopes without a limit are still counted where a dashboard needs the figure (tenant month,
-project, key and model per day); monthly project and key counters exist only when limited.
+project, key and model per day); monthly project and key counters exist only when limited, the
+tenant's minute counter only under a tokens-per-minute limit and its spend counter (micro-dollars)
+only under a spend budget.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from quotas import keys
-from quotas.engine import UNLIMITED, ScopeLimit
+from quotas.engine import UNLIMITED, ScopeLimit, Unit
 from quotas.windows import WindowKind
-from tenants.models import ApiKey, Project
-from tenants.selectors import EffectiveLimits
+
+if TYPE_CHECKING:  # annotations only: the reason codes import without the models
+    from tenants.models import ApiKey, Project, Tenant
+    from tenants.selectors import EffectiveLimits
+
+# -- whose counter --------------------------------------------------------------------------------
+
+TENANT, PROJECT, KEY, MODEL = "tenant", "project", "key", "model"
+
+# -- why a request was refused: the refused-today reasons ------------------------------------------
+
+# A full token quota, per kind of counter.
+QUOTA_TENANT = "quota_tenant"
+QUOTA_PROJECT = "quota_project"
+QUOTA_KEY = "quota_key"
+QUOTA_MODEL = "quota_model"
+TOKENS_PER_MINUTE = "tokens_per_minute"
+SPEND_BUDGET = "spend_budget"
+# Refusals that are not a full counter.
+QUEUE_TIMEOUT = "queue_timeout"
+RATE_LIMIT = "rate_limit"
+CONCURRENCY = "concurrency"
+MODEL_NOT_ALLOWED = "model_not_allowed"
+
+_QUOTA_REASON = {TENANT: QUOTA_TENANT, PROJECT: QUOTA_PROJECT, KEY: QUOTA_KEY, MODEL: QUOTA_MODEL}
+
+# The field names of the refused-requests hash (quotas.keys.refused_key), and what the console
+# shows for each.
+REFUSAL_REASONS: dict[str, str] = {
+    QUOTA_TENANT: "Tenant token quota used up",
+    QUOTA_PROJECT: "Project token quota used up",
+    QUOTA_KEY: "API key token quota used up",
+    QUOTA_MODEL: "Model's daily token limit used up",
+    TOKENS_PER_MINUTE: "Tokens-per-minute limit reached",
+    SPEND_BUDGET: "Monthly spend budget used up",
+    QUEUE_TIMEOUT: "Waited in the over-quota queue and timed out",
+    RATE_LIMIT: "Request rate limit reached",
+    CONCURRENCY: "Too many requests in flight",
+    MODEL_NOT_ALLOWED: "Model not allowed for the API key",
+}
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One counter: whose it is, and what the engine is given (scope, window, unit, limit, label,
+    refusal reason)."""
+
+    kind: str  # tenant / project / key / model
+    ref: str  # the tenant's, project's or key's public id, or the model name
+    scope_limit: ScopeLimit
+
+    @property
+    def scope(self) -> str:
+        return self.scope_limit.scope
+
+    @property
+    def window(self) -> WindowKind:
+        return self.scope_limit.window
+
+    @property
+    def unit(self) -> Unit:
+        return self.scope_limit.unit
+
+    @property
+    def limit(self) -> int:
+        return self.scope_limit.limit
+
+    @property
+    def label(self) -> str:
+        return self.scope_limit.label
+
+    @property
+    def reason(self) -> str:
+        return self.scope_limit.reason
 
 
 def _limit(value: int | None) -> int:
     return UNLIMITED if value is None else value
 
 
-def tenant_tag(tenant_id: int) -> str:
-    """The tenant id used in Redis key names (its hash tag)."""
-    return str(tenant_id)
+def _counter(kind: str, ref: str, label: str, scope: str, window: WindowKind, limit: int,
+             unit: Unit = Unit.TOKENS, reason: str | None = None) -> Counter:
+    return Counter(kind, ref, ScopeLimit(scope, window, limit, unit, label=label,
+                                         reason=reason or _QUOTA_REASON[kind]))
 
 
-def scope_limits(
-    limits: EffectiveLimits, project: Project, api_key: ApiKey, model: str
-) -> tuple[ScopeLimit, ...]:
-    day, month = WindowKind.DAY, WindowKind.MONTH
-    scopes = [
-        ScopeLimit(keys.tenant_scope(), day, limits.tokens_per_day),
-        ScopeLimit(keys.tenant_scope(), month, limits.monthly_token_budget),
-        ScopeLimit(keys.project_scope(project.pk), day, _limit(project.tokens_per_day)),
-        ScopeLimit(keys.api_key_scope(api_key.pk), day, _limit(api_key.tokens_per_day)),
-        ScopeLimit(keys.model_scope(model), day, limits.model_tokens_per_day.get(model, UNLIMITED)),
-    ]
-    if project.tokens_per_month is not None:
-        scopes.append(ScopeLimit(keys.project_scope(project.pk), month, project.tokens_per_month))
-    if api_key.tokens_per_month is not None:
-        scopes.append(ScopeLimit(keys.api_key_scope(api_key.pk), month, api_key.tokens_per_month))
-    return tuple(scopes)
+# -- one counter ----------------------------------------------------------------------------------
+
+
+def tenant_counter(tenant: Tenant, limits: EffectiveLimits, window: WindowKind) -> Counter:
+    """The tenant's token counter of the day (its daily limit) or month (its monthly budget)."""
+    limit = limits.tokens_per_day if window is WindowKind.DAY else limits.monthly_token_budget
+    return _counter(TENANT, tenant.public_id, tenant.name, keys.tenant_scope(), window, limit)
+
+
+def project_counter(project: Project, window: WindowKind) -> Counter:
+    limit = project.tokens_per_day if window is WindowKind.DAY else project.tokens_per_month
+    return _counter(PROJECT, project.public_id, project.slug, keys.project_scope(project.pk),
+                    window, _limit(limit))
+
+
+def key_counter(api_key: ApiKey, window: WindowKind) -> Counter:
+    limit = api_key.tokens_per_day if window is WindowKind.DAY else api_key.tokens_per_month
+    return _counter(KEY, api_key.public_id, api_key.name or api_key.public_id,
+                    keys.api_key_scope(api_key.pk), window, _limit(limit))
+
+
+def model_counter(limits: EffectiveLimits, model: str) -> Counter:
+    """A model's daily token counter (ValueError for a name that cannot be a scope)."""
+    return _counter(MODEL, model, model, keys.model_scope(model), WindowKind.DAY,
+                    limits.model_tokens_per_day.get(model, UNLIMITED))
+
+
+def tokens_per_minute_counter(tenant: Tenant, limits: EffectiveLimits) -> Counter | None:
+    """The tenant's minute counter, under a tokens-per-minute limit only."""
+    if limits.tokens_per_minute == UNLIMITED:
+        return None
+    return _counter(TENANT, tenant.public_id, tenant.name, keys.tenant_scope(),
+                    WindowKind.MINUTE, limits.tokens_per_minute, reason=TOKENS_PER_MINUTE)
+
+
+def spend_counter(tenant: Tenant, limits: EffectiveLimits) -> Counter | None:
+    """The tenant's monthly spend in micro-dollars, under a spend budget only."""
+    if limits.monthly_spend_budget_micros == UNLIMITED:
+        return None
+    return _counter(TENANT, tenant.public_id, tenant.name, keys.tenant_scope(), WindowKind.MONTH,
+                    limits.monthly_spend_budget_micros, Unit.MICROS, reason=SPEND_BUDGET)
+
+
+# -- the lists ------------------------------------------------------------------------------------
+
+
+def project_counters(project: Project) -> tuple[Counter, ...]:
+    """A project's day counter, and its month counter while it has a monthly limit."""
+    day = project_counter(project, WindowKind.DAY)
+    if project.tokens_per_month is None:
+        return (day,)
+    return (day, project_counter(project, WindowKind.MONTH))
+
+
+def key_counters(api_key: ApiKey) -> tuple[Counter, ...]:
+    """A key's day counter, and its month counter while it has a monthly limit."""
+    day = key_counter(api_key, WindowKind.DAY)
+    if api_key.tokens_per_month is None:
+        return (day,)
+    return (day, key_counter(api_key, WindowKind.MONTH))
+
+
+def request_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
+                     api_key: ApiKey, model: str) -> tuple[Counter, ...]:
+    """The counters a call of `model` with this key is checked against and charged to, in the
+    order reserve checks them (the first full one is the refusal reported): tenant day and
+    month, project day, key day, model day, then the project's and key's months where limited,
+    the tenant's minute under a tokens-per-minute limit and its spend under a spend budget.
+    ValueError when `model` cannot be a scope."""
+    project_day, *project_month = project_counters(project)
+    key_day, *key_month = key_counters(api_key)
+    extra = (tokens_per_minute_counter(tenant, limits), spend_counter(tenant, limits))
+    return (
+        tenant_counter(tenant, limits, WindowKind.DAY),
+        tenant_counter(tenant, limits, WindowKind.MONTH),
+        project_day,
+        key_day,
+        model_counter(limits, model),
+        *project_month,
+        *key_month,
+        *(c for c in extra if c is not None),
+    )
+
+
+def request_limits(tenant: Tenant, limits: EffectiveLimits, project: Project, api_key: ApiKey,
+                   model: str) -> tuple[ScopeLimit, ...]:
+    """What reserve is given for such a call: `request_counters`' ScopeLimits."""
+    return tuple(c.scope_limit for c in request_counters(tenant, limits, project, api_key, model))
+
+
+def standing_counters(tenant: Tenant, limits: EffectiveLimits, projects: Iterable[Project],
+                      api_keys: Iterable[ApiKey]) -> tuple[Counter, ...]:
+    """The day and month token counters of a tenant that dashboards show: the tenant's, these
+    projects' and keys' (months where limited), and each model with a daily limit."""
+    return (
+        tenant_counter(tenant, limits, WindowKind.DAY),
+        tenant_counter(tenant, limits, WindowKind.MONTH),
+        *(c for project in projects for c in project_counters(project)),
+        *(c for api_key in api_keys for c in key_counters(api_key)),
+        *(model_counter(limits, model) for model in sorted(limits.model_tokens_per_day)),
+    )

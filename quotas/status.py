@@ -11,7 +11,8 @@ from redis.exceptions import RedisError
 
 from quotas import keys
 from quotas.engine import UNLIMITED, QuotaStoreUnavailable
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import REFUSAL_REASONS, standing_counters
 from quotas.runtime import get_engine
 from quotas.windows import Calendar, WindowKind
 from tenants.models import ApiKey, Project, Tenant
@@ -29,6 +30,7 @@ class ScopeStatus:
     pending: int  # held by requests in flight
     credit: int  # recharged on top of the limit
     remaining: int  # UNLIMITED when there is no limit; never negative
+    redis_scope: str = ""  # the counter's scope in Redis (tenant, project:<pk>, ...)
 
     @property
     def limited(self) -> bool:
@@ -62,68 +64,36 @@ class QuotaStatus:
         return [s for s in self.scopes if s.kind == kind and s.window == window]
 
 
-def _limit(value: int | None) -> int:
-    return UNLIMITED if value is None else value
-
-
 def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
     """Today's and this month's counters of the tenant, today's of each project, live key and
-    model with a daily limit, and this month's of each project and key with a monthly limit. Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
+    model with a daily limit, and this month's of each project and key with a monthly limit
+    (quotas.limits.standing_counters). Raises quotas.engine.QuotaStoreUnavailable when Redis is
+    down."""
     limits = effective_limits(tenant)
-    day, month = WindowKind.DAY, WindowKind.MONTH
-    wanted: list[tuple[str, str, str, WindowKind, str, int]] = [
-        ("tenant", tenant.public_id, tenant.name, day, keys.tenant_scope(), limits.tokens_per_day),
-        ("tenant", tenant.public_id, tenant.name, month, keys.tenant_scope(),
-         limits.monthly_token_budget),
-    ]
-    # Project and key month counters exist only while they have a monthly limit
-    # (quotas/limits.py): without one there is no live figure to show, only the ledger's.
-    for project in Project.objects.filter(tenant=tenant).order_by("slug"):
-        scope = keys.project_scope(project.pk)
-        wanted.append(("project", project.public_id, project.slug, day, scope,
-                       _limit(project.tokens_per_day)))
-        if project.tokens_per_month is not None:
-            wanted.append(("project", project.public_id, project.slug, month, scope,
-                           project.tokens_per_month))
-    live_keys = ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
-    for api_key in live_keys.order_by("project__slug", "name", "public_id"):
-        scope = keys.api_key_scope(api_key.pk)
-        label = api_key.name or api_key.public_id
-        wanted.append(("key", api_key.public_id, label, day, scope, _limit(api_key.tokens_per_day)))
-        if api_key.tokens_per_month is not None:
-            wanted.append(("key", api_key.public_id, label, month, scope,
-                           api_key.tokens_per_month))
-    for model, limit in sorted(limits.model_tokens_per_day.items()):
-        wanted.append(("model", model, model, day, keys.model_scope(model), limit))
+    # Project and key month counters exist only while they have a monthly limit: without one
+    # there is no live figure to show, only the ledger's.
+    projects = Project.objects.filter(tenant=tenant).order_by("slug")
+    live_keys = ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True).order_by(
+        "project__slug", "name", "public_id")
+    wanted = standing_counters(tenant, limits, projects, live_keys)
 
     engine = engine or get_engine()
     tag = tenant_tag(tenant.pk)
-    snaps = engine.counters(tag, [(scope, kind) for _, _, _, kind, scope, _ in wanted])
+    snaps = engine.counters(tag, [(c.scope, c.window) for c in wanted])
     statuses = []
-    for (kind, ref, label, window, _, limit), snap in zip(wanted, snaps, strict=True):
-        remaining = (UNLIMITED if limit == UNLIMITED
-                     else max(0, limit + snap.credit - snap.used - snap.pending))
-        statuses.append(ScopeStatus(kind, ref, label, window.value, limit, snap.used,
-                                    snap.pending, snap.credit, remaining))
+    for c, snap in zip(wanted, snaps, strict=True):
+        remaining = (UNLIMITED if c.limit == UNLIMITED
+                     else max(0, c.limit + snap.credit - snap.used - snap.pending))
+        statuses.append(ScopeStatus(c.kind, c.ref, c.label, c.window.value, c.limit, snap.used,
+                                    snap.pending, snap.credit, remaining, c.scope))
     return QuotaStatus(scopes=statuses, open_holds=len(engine.open_hold_ids(tag)))
 
 
 # -- requests refused today, by reason (written by gateway/refusals.py) -------------------------
 
-# Why the gateway refused a request of a tenant: the field names of the refused-requests hash
-# (quotas.keys.refused_key), and what the console shows for each.
-REFUSAL_REASONS: dict[str, str] = {
-    "quota_tenant": "Tenant token quota used up",
-    "quota_project": "Project token quota used up",
-    "quota_key": "API key token quota used up",
-    "quota_model": "Model's daily token limit used up",
-    "tokens_per_minute": "Tokens-per-minute limit reached",
-    "spend_budget": "Monthly spend budget used up",
-    "queue_timeout": "Waited in the over-quota queue and timed out",
-    "rate_limit": "Request rate limit reached",
-    "concurrency": "Too many requests in flight",
-    "model_not_allowed": "Model not allowed for the API key",
-}
+# The reasons and what the console shows for each: quotas.limits.REFUSAL_REASONS, beside the
+# counters whose refusals they name.
+
 # Refused-request counts are kept this long after their day (long enough to read yesterday's).
 REFUSED_TTL_SECONDS = 3 * 86400
 

@@ -5,7 +5,7 @@ import logging
 
 from celery import shared_task
 
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
 

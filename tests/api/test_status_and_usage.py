@@ -7,7 +7,8 @@ from datetime import UTC, date, datetime, timedelta
 from billing.models import UsageRecord
 from billing.usage import usage_totals
 from quotas.engine import ReserveRequest
-from quotas.limits import scope_limits, tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import request_limits
 from quotas.runtime import get_engine
 from quotas.status import quota_status
 from tenants.selectors import effective_limits
@@ -17,7 +18,8 @@ from tests.world import World
 
 def _reserve(world: World, request_id: str, amount: int):
     api_key = world.issued.api_key
-    limits = scope_limits(effective_limits(world.acme), world.web, api_key, "gpt-4o-mini")
+    limits = request_limits(world.acme, effective_limits(world.acme), world.web, api_key,
+                            "gpt-4o-mini")
     return get_engine().reserve(ReserveRequest(
         tenant=tenant_tag(world.acme.pk), request_id=request_id, amount=amount, limits=limits))
 

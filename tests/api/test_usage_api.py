@@ -13,7 +13,8 @@ from billing.models import UsageRecord
 from gateway.refusals import count_refusal
 from quotas.client import make_async_redis
 from quotas.engine import QuotaStoreUnavailable, ReserveRequest
-from quotas.limits import scope_limits, tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import request_limits
 from quotas.runtime import get_engine
 from tenants.selectors import effective_limits
 from tenants.services import create_project, issue_key, set_tenant_limits
@@ -117,7 +118,8 @@ def test_outsider_and_foreign_ids_get_404(ledger: World) -> None:
 def test_quota_shows_live_counters_holds_and_refusals(world: World) -> None:
     set_tenant_limits(world.acme, actor="test", tokens_per_day=500)
     world.acme.refresh_from_db()
-    limits = scope_limits(effective_limits(world.acme), world.web, world.issued.api_key, "gpt-4o")
+    limits = request_limits(world.acme, effective_limits(world.acme), world.web,
+                            world.issued.api_key, "gpt-4o")
     get_engine().reserve(ReserveRequest(tenant=tenant_tag(world.acme.pk), request_id="q-1",
                                         amount=120, limits=limits))
 

@@ -19,14 +19,13 @@ from django.core import mail
 from billing.alerts import (
     check_pending_health,
     check_thresholds,
-    pending_high_key,
 )
 from billing.models import AlertState, WebhookDelivery
 from billing.webhooks import create_endpoint, verify_signature
 from quotas.client import make_redis
 from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import Calendar, WindowKind
 from tenants.models import Membership, Tenant
@@ -442,12 +441,12 @@ def test_pending_high_for_too_long_alerts_operators_once(
     hold = engine.reserve(ReserveRequest(tenant_tag(acme.pk), "leak", 250,
                                          (ScopeLimit("tenant", DAY, 1_000),))).hold
     t0 = time.time()
-    key = pending_high_key(acme.pk)
+    key = keys.pending_high_key(tenant_tag(acme.pk))
     assert key == f"tg:{{t{acme.pk}}}:pending-high"
 
     assert check_pending_health(now=t0) == []
     assert engine.client.get(key) == str(int(t0)) and 0 < engine.client.ttl(key) <= 600 + 1800
-    assert engine.client.get(pending_high_key(calm.pk)) is None  # 15% is below 20%
+    assert engine.client.get(keys.pending_high_key(tenant_tag(calm.pk))) is None  # 15% is below 20%
     assert check_pending_health(now=t0 + 599) == []
     # Another worker (its own Redis client and engine) sees the same first-seen time.
     other = QuotaEngine(make_redis())

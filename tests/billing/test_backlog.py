@@ -15,12 +15,12 @@ from django.db import OperationalError
 from django.db.models import Count
 
 from billing import metrics
-from billing.alerts import backlog_alert_key, check_ledger_backlog
+from billing.alerts import check_ledger_backlog
 from billing.ledger import drain_all, usage_backlog
 from billing.models import UsageRecord
 from billing.tasks import drain_usage
 from quotas import keys
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant
@@ -90,7 +90,7 @@ class _XdelFailsOnce:
 def cleanup(client: redis.Redis) -> Iterator[list[str]]:
     """Keys to delete after the test, whatever its outcome: an hour-old stream left behind
     would be the oldest backlog of every later test that looks."""
-    created: list[str] = [backlog_alert_key()]
+    created: list[str] = [keys.ledger_backlog_alert_key()]
     yield created
     client.delete(*created)
 
@@ -145,7 +145,7 @@ def test_a_hundred_thousand_events_wait_out_an_outage_then_land_exactly_once(
     assert got["tollgate_usage_backlog_events"] == 0
     assert got["tollgate_usage_backlog_oldest_seconds"] == 0
     # The episode is over; the next one alerts again.
-    assert check_ledger_backlog() is None and client.get(backlog_alert_key()) is None
+    assert check_ledger_backlog() is None and client.get(keys.ledger_backlog_alert_key()) is None
 
 
 def test_backlog_is_measured_while_postgresql_is_unreadable(

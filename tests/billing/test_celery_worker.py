@@ -12,7 +12,7 @@ import pytest
 
 from billing.models import UsageRecord
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.services import create_project, create_tenant, issue_key

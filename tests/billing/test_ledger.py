@@ -14,7 +14,7 @@ from billing.models import UsageRecord
 from gateway.models import ModelPrice
 from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.windows import WindowKind
 from tenants.models import Project, Tenant
 from tenants.services import create_project, create_tenant, issue_key

@@ -15,7 +15,7 @@ from billing.ledger import drain_tenant
 from billing.models import WebhookDelivery
 from billing.webhooks import create_endpoint, create_deliveries
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.services import create_tenant

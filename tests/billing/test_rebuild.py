@@ -17,7 +17,7 @@ from django.core.management import call_command
 from billing.ledger import drain_tenant
 from billing.models import UsageRecord
 from billing.prices import PriceBook
-from billing.rebuild import lock_key, lost_tenants, rebuild_lost_tenants, rebuild_tenant
+from billing.rebuild import lost_tenants, rebuild_lost_tenants, rebuild_tenant
 from gateway.auth import KeyContext, load_key_context
 from quotas import keys
 from quotas.engine import (
@@ -27,7 +27,7 @@ from quotas.engine import (
     ReserveRequest,
     Unit,
 )
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.keys import parse_key
@@ -251,11 +251,11 @@ def test_a_rebuild_never_lowers_a_counter_and_respects_the_lock(
     assert rebuild_tenant(tag, engine=engine, force=True).raised == 0
     assert counters(engine, caller)[("tenant", "day", "tokens")] == 150
 
-    client.set(lock_key(tag), "another worker")
+    client.set(keys.rebuild_lock_key(tag), "another worker")
     client.delete(keys.epoch_key(tag))
     busy = rebuild_tenant(tag, engine=engine)
     assert not busy.rebuilt and not engine.has_epoch(tag)
-    client.delete(lock_key(tag))
+    client.delete(keys.rebuild_lock_key(tag))
     assert rebuild_tenant(tag, engine=engine).rebuilt and engine.has_epoch(tag)
     # Found intact: another worker rebuilt it since the caller saw the loss.
     assert rebuild_tenant(tag, engine=engine).already_intact

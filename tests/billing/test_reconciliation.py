@@ -24,7 +24,6 @@ from billing.reconciliation import (
     DayLocked,
     day_lock,
     difference_rate,
-    lock_key,
     reconcile,
     upstream_key_id_for,
 )
@@ -32,6 +31,7 @@ from billing.tasks import reconcile_daily
 from gateway.mock_upstream import MockUpstream, api_key_id, ledger, start_in_thread
 from gateway.models import ProviderKey
 from gateway.providers import create_provider_key
+from quotas.keys import reconcile_lock_key
 from quotas.runtime import get_engine
 from tenants.models import Tenant
 from tenants.services import create_tenant
@@ -481,21 +481,21 @@ def test_the_daily_task_reconciles_yesterday_under_a_lock(
     # Another worker is reconciling yesterday: this one skips it and stores nothing.
     client = get_engine().client
     with day_lock(yesterday, client=client):
-        assert client.pttl(lock_key(yesterday)) > 0
+        assert client.pttl(reconcile_lock_key(yesterday)) > 0
         with pytest.raises(DayLocked):
             with day_lock(yesterday, client=client):
                 pass
         assert reconcile_daily() == {"day": yesterday.isoformat(), "skipped": "locked",
                                      "runs": []}
         assert not ReconciliationRun.objects.exists()
-    assert client.get(lock_key(yesterday)) is None  # released by its owner
+    assert client.get(reconcile_lock_key(yesterday)) is None  # released by its owner
 
     result = reconcile_daily()
     [run] = ReconciliationRun.objects.all()
     assert result == {"day": yesterday.isoformat(), "skipped": "",
                       "runs": [{"id": run.public_id, "status": "ok"}]}
     assert (run.provider_key, run.day, run.source) == (mock_key, yesterday, "mock")
-    assert run.provider_key != disabled and client.get(lock_key(yesterday)) is None
+    assert run.provider_key != disabled and client.get(reconcile_lock_key(yesterday)) is None
 
     # An explicit day, e.g. a backfill: the mock has nothing for it, ours neither.
     earlier = (yesterday - timedelta(days=3)).isoformat()
@@ -510,9 +510,9 @@ def test_an_expired_lock_is_not_released_by_its_former_owner() -> None:
         clock.sleep(0.1)  # expired: a second worker takes the day over
         with day_lock(day, client=client, ttl_seconds=10):
             pass
-        client.set(lock_key(day), "someone-else", px=10_000)
-    assert client.get(lock_key(day)) == "someone-else"
-    client.delete(lock_key(day))
+        client.set(reconcile_lock_key(day), "someone-else", px=10_000)
+    assert client.get(reconcile_lock_key(day)) == "someone-else"
+    client.delete(reconcile_lock_key(day))
 
 
 def test_the_daily_task_is_disabled_without_a_source(settings: Any) -> None:

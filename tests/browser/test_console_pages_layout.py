@@ -48,14 +48,15 @@ def _seed_month(tenant_public_id: str) -> None:
 def _settle_live(tenant: Any, today: list[Any]) -> None:
     """Today's rows through the quota engine too, so the live gauges agree with the ledger."""
     from quotas.engine import ReserveRequest
-    from quotas.limits import scope_limits, tenant_tag
+    from quotas.keys import tenant_tag
+    from quotas.limits import request_limits
     from quotas.runtime import get_engine
     from tenants.selectors import effective_limits
 
     engine = get_engine()
     limits = effective_limits(tenant)
     for row in today:
-        scopes = scope_limits(limits, row.project, row.api_key, row.model)
+        scopes = request_limits(tenant, limits, row.project, row.api_key, row.model)
         reservation = engine.reserve(ReserveRequest(
             tenant=tenant_tag(tenant.pk), request_id=f"live-{row.request_id}",
             amount=row.input_tokens + row.output_tokens, limits=scopes))

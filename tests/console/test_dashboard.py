@@ -17,7 +17,8 @@ from billing.models import AlertState, UsageRecord, WebhookDelivery, WebhookEndp
 from gateway.refusals import count_refusal
 from quotas.client import make_async_redis
 from quotas.engine import QuotaStoreUnavailable, ReserveRequest
-from quotas.limits import scope_limits, tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import request_limits
 from quotas.runtime import get_engine
 from quotas.status import refused_today
 from tenants.selectors import effective_limits
@@ -37,7 +38,8 @@ def _url(world: World) -> str:
 
 
 def _reserve(world: World, request_id: str, amount: int):
-    limits = scope_limits(effective_limits(world.acme), world.web, world.issued.api_key, "gpt-4o")
+    limits = request_limits(world.acme, effective_limits(world.acme), world.web,
+                            world.issued.api_key, "gpt-4o")
     return get_engine().reserve(ReserveRequest(
         tenant=tenant_tag(world.acme.pk), request_id=request_id, amount=amount, limits=limits))
 

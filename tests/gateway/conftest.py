@@ -27,7 +27,7 @@ from django.conf import settings
 from config.embedded import embedded_database_url, free_port
 from gateway.mock_upstream import MockUpstream, start_subprocess
 from quotas.engine import QuotaEngine
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 
 ROOT = Path(__file__).resolve().parents[2]

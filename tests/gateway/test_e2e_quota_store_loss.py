@@ -20,7 +20,6 @@ import pytest
 
 from billing.ledger import drain_tenant
 from billing.models import UsageRecord
-from billing.rebuild import lock_key
 from gateway.mock_upstream import MockUpstream
 from quotas import keys
 from quotas.engine import QuotaEngine
@@ -93,7 +92,7 @@ def test_flushall_mid_day_refuses_until_rebuilt_then_admits_only_what_fits(
     # Another process is rebuilding the tenant, and longer than the call may wait: the call
     # is not admitted on the empty counter, nor forwarded; 503 with Retry-After, which the SDKs
     # retry.
-    redis_client.set(lock_key(t.tag), "another worker")
+    redis_client.set(keys.rebuild_lock_key(t.tag), "another worker")
     calls_before = forwarded(mock_upstream)
     with pytest.raises(openai.APIStatusError) as info:
         ask(client)
@@ -106,7 +105,7 @@ def test_flushall_mid_day_refuses_until_rebuilt_then_admits_only_what_fits(
 
     # The lock is free: the next call rebuilds the counters from the ledger, then is admitted
     # only if it fits in what the day has left.
-    redis_client.delete(lock_key(t.tag))
+    redis_client.delete(keys.rebuild_lock_key(t.tag))
     admitted_after, refused = 0, None
     while refused is None:
         try:

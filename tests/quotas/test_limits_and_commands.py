@@ -9,7 +9,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from quotas.engine import UNLIMITED, ReserveRequest
-from quotas.limits import scope_limits, tenant_tag
+from quotas.keys import tenant_tag
+from quotas.limits import request_limits
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.models import AuditEvent, Tenant
@@ -44,7 +45,7 @@ def test_scopes_follow_plan_overrides_and_sub_limits(acme: Tenant) -> None:
                       model_tokens_per_day={"gpt-4o": 5000})
     acme.refresh_from_db()
     scopes = {(s.scope, s.window): s.limit
-              for s in scope_limits(effective_limits(acme), project, api_key, "gpt-4o")}
+              for s in request_limits(acme, effective_limits(acme), project, api_key, "gpt-4o")}
     assert scopes == {
         ("tenant", DAY): 500_000,  # the free plan
         ("tenant", MONTH): 9_000_000,
@@ -54,7 +55,7 @@ def test_scopes_follow_plan_overrides_and_sub_limits(acme: Tenant) -> None:
         ("model:gpt-4o", DAY): 5000,
     }
     other_model = {(s.scope, s.window): s.limit
-                   for s in scope_limits(effective_limits(acme), project, api_key, "gpt-4o-mini")}
+                   for s in request_limits(acme, effective_limits(acme), project, api_key, "gpt-4o-mini")}
     assert other_model[("model:gpt-4o-mini", DAY)] == UNLIMITED
     assert (f"key:{api_key.pk}", MONTH) not in other_model  # unlimited monthly: not counted
 
@@ -66,7 +67,7 @@ def test_a_plan_change_takes_effect_on_the_next_reservation(acme: Tenant) -> Non
     tag = tenant_tag(acme.pk)
 
     def reserve(rid: str, amount: int) -> bool:
-        limits = scope_limits(effective_limits(acme), project, api_key, "gpt-4o")
+        limits = request_limits(acme, effective_limits(acme), project, api_key, "gpt-4o")
         return engine.reserve(ReserveRequest(tag, rid, amount, limits)).admitted
 
     assert reserve("a", 500_000)
@@ -82,7 +83,7 @@ def test_quota_show_recharge_and_sweep_commands(acme: Tenant) -> None:
     api_key = issue_key(project, actor="test").api_key
     engine = get_engine()
     tag = tenant_tag(acme.pk)
-    limits = scope_limits(effective_limits(acme), project, api_key, "gpt-4o")
+    limits = request_limits(acme, effective_limits(acme), project, api_key, "gpt-4o")
     held = engine.reserve(ReserveRequest(tag, "r1", 80, limits))
     assert held.admitted
 

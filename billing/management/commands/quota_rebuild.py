@@ -18,7 +18,7 @@ from typing import Any
 from django.core.management.base import CommandError
 
 from billing.rebuild import RebuildResult, lost_tenants, rebuild_tenant
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.management.commands._base import QuotaCommand
 from quotas.runtime import get_engine
 from tenants.models import Tenant

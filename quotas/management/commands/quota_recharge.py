@@ -3,9 +3,9 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
-from quotas import keys
-from quotas.engine import UNLIMITED, ScopeLimit
-from quotas.limits import tenant_tag
+from quotas.engine import UNLIMITED
+from quotas.keys import tenant_tag
+from quotas.limits import project_counter, tenant_counter
 from quotas.management.commands._base import QuotaCommand
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
@@ -31,15 +31,11 @@ class Command(QuotaCommand):
         window = WindowKind(options["window"])
         limits = effective_limits(tenant)
         if options["project"]:
-            project = project_by_slug(tenant, options["project"])
-            scope = keys.project_scope(project.pk)
-            sub = project.tokens_per_day if window is WindowKind.DAY else project.tokens_per_month
-            limit = UNLIMITED if sub is None else sub
+            counter = project_counter(project_by_slug(tenant, options["project"]), window)
         else:
-            scope = keys.tenant_scope()
-            limit = (limits.tokens_per_day if window is WindowKind.DAY
-                     else limits.monthly_token_budget)
-        result = get_engine().recharge(tenant_tag(tenant.pk), ScopeLimit(scope, window, limit),
+            counter = tenant_counter(tenant, limits, window)
+        scope = counter.scope
+        result = get_engine().recharge(tenant_tag(tenant.pk), counter.scope_limit,
                                        options["tokens"])
         record_audit_event(
             tenant=tenant, actor="cli", action="quota.recharged", target=tenant.public_id,

@@ -3,24 +3,10 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
-from quotas import keys
 from quotas.engine import UNLIMITED
 from quotas.management.commands._base import QuotaCommand
 from quotas.status import quota_status
-from tenants.models import ApiKey, Project, Tenant
 from tenants.selectors import effective_limits, tenant_by_slug
-
-
-def _scope_names(tenant: Tenant) -> dict[tuple[str, str], str]:
-    """(kind, public ref) -> the counter's scope name in Redis, which operators grep for."""
-    names = {("tenant", tenant.public_id): keys.tenant_scope()}
-    for pk, public_id in Project.objects.filter(tenant=tenant).values_list("pk", "public_id"):
-        names[("project", public_id)] = keys.project_scope(pk)
-    for pk, public_id in ApiKey.objects.filter(project__tenant=tenant).values_list(
-        "pk", "public_id"
-    ):
-        names[("key", public_id)] = keys.api_key_scope(pk)
-    return names
 
 
 class Command(QuotaCommand):
@@ -33,11 +19,11 @@ class Command(QuotaCommand):
     def run(self, **options: Any) -> tuple[dict[str, Any], str]:
         tenant = tenant_by_slug(options["tenant"])
         # The same picture as the console and the API (quotas.status): one Redis round trip.
+        # The scope is the counter's name in Redis, which operators grep for.
         status = quota_status(tenant)
-        names = _scope_names(tenant)
         rows = [
             {
-                "scope": keys.model_scope(s.ref) if s.kind == "model" else names[(s.kind, s.ref)],
+                "scope": s.redis_scope,
                 "kind": s.kind, "id": s.ref, "label": s.label, "window": s.window,
                 "limit": s.limit, "used": s.used, "pending": s.pending, "credit": s.credit,
                 "remaining": s.remaining,

@@ -3,7 +3,7 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
-from quotas.limits import tenant_tag
+from quotas.keys import tenant_tag
 from quotas.management.commands._base import QuotaCommand
 from quotas.runtime import get_engine
 from tenants.models import Tenant
