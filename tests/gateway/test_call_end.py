@@ -313,7 +313,7 @@ def test_a_client_leaving_while_the_settle_waits_for_a_redis_connection_still_se
         received: list[bytes] = []
         client = asyncio.create_task(consume(
             StreamRelay(call, httpx.Response(200, content=chunks_of(parts))), received))
-        taken = await pool.get_connection("PING")  # the pool is empty from here on
+        taken = await pool.get_connection()  # the pool is empty from here on
         assert await eventually(lambda: _true(call.ended))
         assert received[-1] == DONE
         await asyncio.sleep(0.05)  # the settle is queued for a connection
