@@ -276,8 +276,9 @@ for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT
         raise ImproperlyConfigured(f"{_name} must be > 0 seconds")
 # The rule: a hold must end (deadline, then the drain of a stream whose client left, then one
 # settle attempt: a Redis pool wait and the call, each up to REDIS_SOCKET_TIMEOUT) within half the
-# stale threshold. The sweep never takes a live call's hold, and the other half is left for
-# settle retries while Redis is unreachable, which run until just before the threshold.
+# stale threshold. The sweep never takes a live call's hold, and a settle that Redis did not
+# answer has the other half to land before the sweep; its retries go on after that (a settle after
+# the sweep corrects it) until the hold's tombstone could be gone (QUOTA_TOMBSTONE_SECONDS).
 GATEWAY_HOLD_END_SECONDS = (GATEWAY_CALL_DEADLINE_SECONDS + GATEWAY_STREAM_DRAIN_SECONDS
                             + 2 * REDIS_SOCKET_TIMEOUT)
 if GATEWAY_HOLD_END_SECONDS > QUOTA_STALE_HOLD_SECONDS / 2:
