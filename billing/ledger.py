@@ -99,6 +99,20 @@ def over_hold(held: int, input_tokens: int, output_tokens: int) -> int:
     return max(input_tokens + output_tokens - held, 0) if held > 0 else 0
 
 
+# Outcomes whose event carries the money the scripts charged the spend counters: the price the
+# hot path resolved at admission (gateway/prices.py), so the ledger bills exactly what the budget
+# counted, even when a price period changes while the call runs. Unmetered calls had no hold and
+# carry no money: they are priced here, by the same price book.
+_CHARGED_OUTCOMES = frozenset({"settled", "swept", _CORRECTED})
+
+
+def _cost(outcome: str, fields: dict[str, str], price: Any, input_tokens: int,
+          output_tokens: int) -> int:
+    if outcome in _CHARGED_OUTCOMES and fields.get("money", "") != "":
+        return _count(fields["money"])
+    return price.cost(input_tokens, output_tokens)
+
+
 def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> UsageRecord:
     """The ledger row of one usage event (unsaved). For a "corrected" event: the row as the
     correction leaves it, swept_* holding what the sweep had charged (from the event)."""
@@ -144,7 +158,7 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         held_tokens=held,
-        cost_micros=price.cost(input_tokens, output_tokens),
+        cost_micros=_cost(outcome, fields, price, input_tokens, output_tokens),
         status=status,
         detail=str(details.get("outcome") or outcome)[:64],
         http_status=_int(details.get("st")),

@@ -65,7 +65,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TOLERANCE = Decimal("0.05")
 RATE_PLACES = Decimal("0.000001")
-COUNTED_STATUSES = (UsageRecord.Status.SETTLED, UsageRecord.Status.PARTIAL)
+# Every row of a call that reached the upstream with a provider key known: fail-open (unmetered)
+# calls are on the bill too. Swept rows carry no provider key (the hold is made before one is
+# chosen), so they cannot be attributed here.
+COUNTED_STATUSES = (UsageRecord.Status.SETTLED, UsageRecord.Status.PARTIAL,
+                    UsageRecord.Status.UNMETERED)
 MISSING_THEIRS = "missing on their side"
 MISSING_OURS = "missing on ours"
 UNKNOWN_MODEL = "unknown model"

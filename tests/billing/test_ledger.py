@@ -11,6 +11,7 @@ import redis
 
 from billing.ledger import drain_all, drain_tenant
 from billing.models import UsageRecord
+from billing.prices import PriceBook
 from gateway.models import ModelPrice
 from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
@@ -46,7 +47,10 @@ def call(engine: QuotaEngine, tenant: Tenant, project: Project, key_id: int, rid
     if release:
         engine.release(hold, json.dumps({"st": 502, "outcome": "upstream_status"}))
     else:
-        engine.settle(hold, input_tokens + output_tokens, event)
+        # The gateway settles with the cost at the price it resolved (one price book for the hot
+        # path and the ledger); the ledger bills exactly that.
+        cost = PriceBook.load().price(model, datetime.now(UTC)).cost(input_tokens, output_tokens)
+        engine.settle(hold, input_tokens + output_tokens, event, actual_money=cost)
 
 
 def test_settled_released_and_swept_calls_become_rows(client: redis.Redis, acme: Tenant) -> None:
@@ -86,7 +90,7 @@ def test_a_redelivered_event_never_makes_a_second_row(client: redis.Redis, acme:
     assert UsageRecord.objects.filter(request_id="once").count() == 1
 
 
-def test_prices_in_force_at_the_end_of_the_call_are_used(client: redis.Redis, acme: Tenant) -> None:
+def test_the_price_period_in_force_is_billed(client: redis.Redis, acme: Tenant) -> None:
     now = datetime.now(UTC)
     ModelPrice.objects.create(model="gpt-4o", input_micros_per_mtok=1_000_000,
                               output_micros_per_mtok=2_000_000, valid_from=now - timedelta(days=1))
@@ -99,6 +103,22 @@ def test_prices_in_force_at_the_end_of_the_call_are_used(client: redis.Redis, ac
          input_tokens=1_000_000, output_tokens=500_000)
     drain_tenant(client, acme.pk)
     assert UsageRecord.objects.get(request_id="priced").cost_micros == 1_000_000 + 1_000_000
+
+
+def test_the_ledger_bills_what_the_spend_counter_was_charged(
+    client: redis.Redis, acme: Tenant
+) -> None:
+    # The gateway priced the call when it admitted it; a price period that starts while the call
+    # runs must not make the ledger disagree with the spend budget it was checked against.
+    engine = QuotaEngine(client)
+    project = create_project(acme, "web", actor="test")
+    call(engine, acme, project, issue_key(project, actor="test").api_key.pk, "before",
+         input_tokens=1_000, output_tokens=1_000)
+    ModelPrice.objects.create(model="gpt-4o", input_micros_per_mtok=90_000_000,
+                              output_micros_per_mtok=90_000_000,
+                              valid_from=datetime.now(UTC) - timedelta(seconds=1))
+    drain_tenant(client, acme.pk)
+    assert UsageRecord.objects.get(request_id="before").cost_micros == cost(1_000, 1_000)
 
 
 def test_deleted_project_or_key_does_not_block_the_batch(client: redis.Redis, acme: Tenant) -> None:
@@ -202,7 +222,8 @@ def test_a_settle_after_the_sweep_corrects_the_row_once(client: redis.Redis, acm
     drain_tenant(client, acme.pk)
     assert (row_values("late")["input_tokens"], row_values("late")["output_tokens"]) == (100, 40)
 
-    assert engine.settle(hold, 100 + 250, settle_event(100, 250)).outcome == "corrected"
+    late = engine.settle(hold, 100 + 250, settle_event(100, 250), actual_money=cost(100, 250))
+    assert late.outcome == "corrected"
     stream = keys.usage_stream_key(tenant_tag(acme.pk))
     [(_, correction)] = client.xrange(stream)
     assert drain_tenant(client, acme.pk) == 1
@@ -220,7 +241,8 @@ def test_a_settle_after_the_sweep_corrects_the_row_once(client: redis.Redis, acm
     assert drain_tenant(client, acme.pk) == 1
     assert row_values("late") == before
     # A second late settle is a no-op in Redis: no event at all.
-    assert engine.settle(hold, 999, settle_event(900, 99)).outcome == "corrected"
+    again = engine.settle(hold, 999, settle_event(900, 99), actual_money=cost(900, 99))
+    assert again.outcome == "corrected"
     assert client.xlen(stream) == 0
 
 
@@ -233,7 +255,8 @@ def test_a_swept_event_and_its_correction_in_one_batch_converge(
     hold = hold_for(engine, acme, project, "both")
     engine.progress(hold, Phase.FORWARDED)
     engine.sweep(tenant_tag(acme.pk), stale_s=0)
-    engine.settle(hold, 130, settle_event(100, 30, outcome="client_disconnected"))
+    engine.settle(hold, 130, settle_event(100, 30, outcome="client_disconnected"),
+                  actual_money=cost(100, 30))
 
     assert drain_tenant(client, acme.pk) == 2  # swept, then corrected, in one transaction
     row = UsageRecord.objects.get(request_id="both")
@@ -258,7 +281,7 @@ def test_a_correction_whose_swept_row_never_came_becomes_the_row(
     stream = keys.usage_stream_key(tenant_tag(acme.pk))
     [(swept_id, swept)] = client.xrange(stream)
     client.xdel(stream, swept_id)
-    engine.settle(hold, 180, settle_event(100, 80))
+    engine.settle(hold, 180, settle_event(100, 80), actual_money=cost(100, 80))
 
     assert drain_tenant(client, acme.pk) == 1
     row = UsageRecord.objects.get(request_id="alone")
@@ -301,7 +324,8 @@ def test_a_settle_whose_hold_redis_lost_is_an_ordinary_row(
     project = create_project(acme, "web", actor="test")
     hold = hold_for(engine, acme, project, "orphan-settle")
     client.delete(keys.hold_key(tenant_tag(acme.pk), "orphan-settle"))  # Redis lost the record
-    assert engine.settle(hold, 150, settle_event(100, 50)).outcome == "settled"
+    settled = engine.settle(hold, 150, settle_event(100, 50), actual_money=cost(100, 50))
+    assert settled.outcome == "settled"
     [(_, fields)] = client.xrange(keys.usage_stream_key(tenant_tag(acme.pk)))
     assert fields.get("orphan") == "1"
 
@@ -367,7 +391,8 @@ def test_two_drainers_racing_over_one_correction_apply_it_once(
     engine.progress(hold, Phase.FORWARDED)
     engine.sweep(tenant_tag(tenant.pk), stale_s=0)
     assert committed(django_db_blocker, lambda: drain_tenant(client, tenant.pk)) == 1
-    assert engine.settle(hold, 300, settle_event(100, 200)).outcome == "corrected"
+    late = engine.settle(hold, 300, settle_event(100, 200), actual_money=cost(100, 200))
+    assert late.outcome == "corrected"
 
     both_read = threading.Barrier(2)
 
