@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 from django.conf import settings
 from django.core.mail import mail_admins
 from django.db import IntegrityError, transaction
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
@@ -66,10 +66,14 @@ log = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = Decimal("0.05")
 RATE_PLACES = Decimal("0.000001")
 # Every row of a call that reached the upstream with a provider key known: fail-open (unmetered)
-# calls are on the bill too. Swept rows carry no provider key (the hold is made before one is
-# chosen), so they cannot be attributed here.
-COUNTED_STATUSES = (UsageRecord.Status.SETTLED, UsageRecord.Status.PARTIAL,
-                    UsageRecord.Status.UNMETERED)
+# calls are on the bill too, and so are swept calls that had reached it (basis forwarded or
+# streaming) whose checkpoint named their provider key (lua/progress.lua); a hold swept before
+# any checkpoint has none and cannot be attributed.
+COUNTED = (Q(status__in=(UsageRecord.Status.SETTLED, UsageRecord.Status.PARTIAL,
+                         UsageRecord.Status.UNMETERED))
+           | Q(status=UsageRecord.Status.SWEPT,
+               sweep_basis__in=(UsageRecord.SweepBasis.FORWARDED,
+                                UsageRecord.SweepBasis.STREAMING)))
 MISSING_THEIRS = "missing on their side"
 MISSING_OURS = "missing on ours"
 UNKNOWN_MODEL = "unknown model"
@@ -192,7 +196,7 @@ def _period(day_or_range: DayOrRange) -> tuple[date, date]:
 def _ours(start: date, end: date, provider_key: ProviderKey | None,
           models: dict[str, str]) -> dict[_Group, _Side]:
     records = UsageRecord.objects.filter(
-        ended_at__gte=_moment(start), ended_at__lt=_moment(end), status__in=COUNTED_STATUSES,
+        COUNTED, ended_at__gte=_moment(start), ended_at__lt=_moment(end),
         provider_key__isnull=False)
     if provider_key is not None:
         records = records.filter(provider_key=provider_key)

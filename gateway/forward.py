@@ -340,7 +340,10 @@ class Checkpoints:
 
     async def _write(self, phase: Phase, output_tokens: int) -> None:
         try:
-            state = await self.call.runtime.engine.progress(self.hold, phase, output_tokens)
+            # The provider key it went to, so a swept hold's row can be reconciled with its bill.
+            upstream = self.call.upstream.id if self.call.upstream is not None else None
+            state = await self.call.runtime.engine.progress(self.hold, phase, output_tokens,
+                                                            upstream)
         except QuotaError as exc:
             log.info("checkpoint of %s not written (%s); retried next interval",
                      self.call.request_id, exc)

@@ -15,6 +15,8 @@ KEYS
 ARGV
   ARGV[1]  phase     "forwarded" | "streaming"
   ARGV[2]  progress  output tokens delivered so far, integer >= 0 (only ever raised)
+  ARGV[3]  upstream  the provider key id the call went to, or "" (stored as `pk`, so a swept
+                     hold's usage can be reconciled against that key's bill)
 
 Return table
   { state, phase, progress }
@@ -26,8 +28,8 @@ Return table
 TTL: untouched (the hold keeps the expiry reserve gave it).
 ]]
 
-if #KEYS ~= 1 or #ARGV ~= 2 then
-  return redis.error_reply('progress: expected KEYS = hold and ARGV = phase, progress')
+if #KEYS ~= 1 or #ARGV ~= 3 then
+  return redis.error_reply('progress: expected KEYS = hold and ARGV = phase, progress, upstream')
 end
 local rank = { reserved = 0, forwarded = 1, streaming = 2 }
 local wanted = ARGV[1]
@@ -53,4 +55,7 @@ if progress > stored then
   stored = progress
 end
 redis.call('HSET', KEYS[1], 'phase', phase, 'progress', stored)
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'pk', ARGV[3])
+end
 return { 'open', phase, stored }

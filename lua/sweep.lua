@@ -38,7 +38,8 @@ Return table
   fresh    holds not yet stale, or whose keys were not all passed (left untouched)
 
 Usage event: request_id, outcome "swept", held, actual (= tokens charged), in, out, money
-(micro-dollars charged), basis (the phase), created, ended, meta, event "". The stream is never
+(micro-dollars charged), basis (the phase), created, ended, meta, event ({"pk": provider key id}
+when a checkpoint recorded the upstream, else ""). The stream is never
 trimmed here: only the ledger drain deletes events, after committing them.
 ]]
 
@@ -66,7 +67,7 @@ for i = 1, h do
   local hold_key = KEYS[i + 2]
   local request_id = ARGV[i + 3]
   local hold = redis.call('HMGET', hold_key, 'state', 'created', 'amount', 'keys', 'gauge', 'meta',
-    'units', 'money', 'phase', 'progress', 'input', 'pin', 'pout')
+    'units', 'money', 'phase', 'progress', 'input', 'pin', 'pout', 'pk')
   if hold[1] ~= 'open' then  -- ended, or expired (false)
     redis.call('ZREM', KEYS[1], request_id)
     dropped = dropped + 1
@@ -118,7 +119,8 @@ for i = 1, h do
       redis.call('XADD', KEYS[2], '*',
         'request_id', request_id, 'outcome', 'swept', 'held', amount, 'actual', charged,
         'in', charge_in, 'out', charge_out, 'money', charged_money, 'basis', phase,
-        'created', hold[2], 'ended', now_ms, 'meta', hold[6] or '', 'event', '')
+        'created', hold[2], 'ended', now_ms, 'meta', hold[6] or '',
+        'event', hold[14] and cjson.encode({ pk = tonumber(hold[14]) }) or '')
       swept = swept + 1
       ended[#ended + 1] = request_id
       ended[#ended + 1] = amount

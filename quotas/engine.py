@@ -405,11 +405,13 @@ class RebuildCounter:
         _require_int("limit", self.limit, UNLIMITED)
 
 
-def _progress_args(phase: Phase, output_tokens: int) -> list[Any]:
+def _progress_args(phase: Phase, output_tokens: int, upstream: int | None) -> list[Any]:
     if phase not in (Phase.FORWARDED, Phase.STREAMING):
         raise ValueError(f"progress records forwarded or streaming, not {phase!r}")
     _require_int("output_tokens", output_tokens, 0)
-    return [phase.value, output_tokens]
+    if upstream is not None:
+        _require_int("upstream", upstream, 1)
+    return [phase.value, output_tokens, "" if upstream is None else upstream]
 
 
 def _unmetered_fields(request_id: str, actual: int, created_ms: int, ended_ms: int, meta: str,
@@ -695,11 +697,12 @@ class QuotaEngine:
         outcome, released, held = self._run("release", self._calls.end_keys(hold), args)
         return ReleaseResult(hold.request_id, _str(outcome), int(released), int(held))
 
-    def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0) -> str:
+    def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0,
+                 upstream: int | None = None) -> str:
         """Record how far the hold's call got (lua/progress.lua); the hold's state is returned
         ("open" when recorded; otherwise the call had already ended and nothing changed)."""
         reply = self._run("progress", [keys.hold_key(hold.tenant, hold.request_id)],
-                          _progress_args(phase, output_tokens))
+                          _progress_args(phase, output_tokens, upstream))
         return _str(reply[0])
 
     def append_unmetered(self, tenant: str, request_id: str, *, actual: int, created_ms: int,
@@ -882,10 +885,11 @@ class AsyncQuotaEngine:
         outcome, released, held = await self._run("release", self._calls.end_keys(hold), args)
         return ReleaseResult(hold.request_id, _str(outcome), int(released), int(held))
 
-    async def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0) -> str:
+    async def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0,
+                       upstream: int | None = None) -> str:
         """See QuotaEngine.progress: one round trip, off the short-call hot path."""
         reply = await self._run("progress", [keys.hold_key(hold.tenant, hold.request_id)],
-                                _progress_args(phase, output_tokens))
+                                _progress_args(phase, output_tokens, upstream))
         return _str(reply[0])
 
     async def append_unmetered(self, tenant: str, request_id: str, *, actual: int,

@@ -65,14 +65,15 @@ _seq = iter(range(10**9))
 
 
 def usage(key: ProviderKey | None, model: str, day: date, input_tokens: int, output_tokens: int,
-          *, status: str = "settled", tenant: Tenant | None = None, hour: int = 12) -> UsageRecord:
+          *, status: str = "settled", tenant: Tenant | None = None, hour: int = 12,
+          sweep_basis: str = "") -> UsageRecord:
     moment = datetime.combine(day, time(hour), tzinfo=UTC)
     tenant = tenant or (key.tenant if key and key.tenant else Tenant.objects.first())
     return UsageRecord.objects.create(
         request_id=f"req-{next(_seq)}", tenant=tenant, provider_key=key, model=model,
         served_model=model, input_tokens=input_tokens, output_tokens=output_tokens,
         cost_micros=input_tokens + 2 * output_tokens, status=status, started_at=moment,
-        ended_at=moment)
+        ended_at=moment, sweep_basis=sweep_basis)
 
 
 def csv_bill(tmp_path: Path, *lines: str, name: str = "bill.csv") -> CsvBill:
@@ -206,15 +207,17 @@ def test_an_empty_bill(key: ProviderKey, tmp_path: Path) -> None:
     assert run.status == "drift" and row.flagged and row.note == "missing on their side"
 
 
-def test_only_settled_and_partial_requests_count(key: ProviderKey, tmp_path: Path) -> None:
+def test_only_calls_that_reached_the_upstream_count(key: ProviderKey, tmp_path: Path) -> None:
     usage(key, "gpt-4o", DAY, 100, 10)
     usage(key, "gpt-4o", DAY, 7, 3, status="partial")
+    usage(key, "gpt-4o", DAY, 20, 5, status="unmetered")  # fail-open: on the bill all the same
+    usage(key, "gpt-4o", DAY, 30, 12, status="swept", sweep_basis="streaming")
     usage(key, "gpt-4o", DAY, 0, 0, status="released")
-    usage(key, "gpt-4o", DAY, 0, 0, status="swept")
+    usage(key, "gpt-4o", DAY, 0, 0, status="swept", sweep_basis="reserved")  # never sent
     usage(key, "gpt-4o", DAY - timedelta(days=1), 999, 0, hour=23)  # the day before
-    [row] = reconcile(DAY, csv_bill(tmp_path, f"{DAY},{KID},gpt-4o,107,13,2,"),
+    [row] = reconcile(DAY, csv_bill(tmp_path, f"{DAY},{KID},gpt-4o,157,30,4,"),
                       provider_key=key).rows.all()
-    assert (row.ours_input, row.ours_output, row.ours_requests, row.flagged) == (107, 13, 2, False)
+    assert (row.ours_input, row.ours_output, row.ours_requests, row.flagged) == (157, 30, 4, False)
 
 
 def test_every_key_at_once_and_keys_that_are_not_ours(key: ProviderKey, acme: Tenant,

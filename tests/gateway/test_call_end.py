@@ -243,13 +243,14 @@ class CountingProgress(Wrapped):
         self.in_flight = 0
         self.most_in_flight = 0
 
-    async def progress(self, hold: Any, phase: Any, output_tokens: int = 0) -> str:
+    async def progress(self, hold: Any, phase: Any, output_tokens: int = 0,
+                       upstream: int | None = None) -> str:
         self.calls.append((str(phase), output_tokens))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             await asyncio.sleep(self.delay)
-            return await self.engine.progress(hold, phase, output_tokens)
+            return await self.engine.progress(hold, phase, output_tokens, upstream)
         finally:
             self.in_flight -= 1
 

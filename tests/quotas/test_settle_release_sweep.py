@@ -99,7 +99,7 @@ def test_the_sweep_charges_what_the_hold_knows(
     never_sent = priced(engine, tenant, "reserved", 100, 30)
     whole = priced(engine, tenant, "forwarded", 100, 30)
     stream = priced(engine, tenant, "streaming", 100, 30)
-    assert engine.progress(whole, Phase.FORWARDED) == "open"
+    assert engine.progress(whole, Phase.FORWARDED, upstream=7) == "open"
     assert engine.progress(stream, Phase.STREAMING, 12) == "open"
     assert engine.progress(stream, Phase.STREAMING, 25) == "open"
     time.sleep(0.002)
@@ -114,6 +114,9 @@ def test_the_sweep_charges_what_the_hold_knows(
     assert [(events[r]["in"], events[r]["out"], events[r]["basis"]) for r in
             ("reserved", "forwarded", "streaming")] == [
         ("0", "0", "reserved"), ("30", "70", "forwarded"), ("30", "25", "streaming")]
+    # The checkpoint named the provider key: the ledger attributes the swept row to it.
+    assert [events[r]["event"] for r in ("reserved", "forwarded", "streaming")] == [
+        "", '{"pk":7}', ""]
     assert engine.open_hold_ids(tenant) == []
     del never_sent
 
