@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from django.http import HttpResponse
 
-from quotas.limits import MODEL_NOT_ALLOWED, QUOTA_TENANT, RATE_LIMIT
+from quotas.limits import MODEL_NOT_ALLOWED, MODEL_NOT_PRICED, QUOTA_TENANT, RATE_LIMIT
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ def model_not_priced(model: str) -> GatewayError:
     gateway will not run it until an operator prices the model; the SDKs do not retry it."""
     return GatewayError(403, f"The model '{model}' has no price on this gateway, so it cannot be "
                         "metered; ask your administrator to price it.",
-                        "invalid_request_error", "model_not_priced", "model")
+                        "invalid_request_error", "model_not_priced", "model",
+                        refusal=MODEL_NOT_PRICED)
 
 
 def not_found(message: str) -> GatewayError:

@@ -51,6 +51,7 @@ QUEUE_TIMEOUT = "queue_timeout"
 RATE_LIMIT = "rate_limit"
 CONCURRENCY = "concurrency"
 MODEL_NOT_ALLOWED = "model_not_allowed"
+MODEL_NOT_PRICED = "model_not_priced"
 
 _QUOTA_REASON = {TENANT: QUOTA_TENANT, PROJECT: QUOTA_PROJECT, KEY: QUOTA_KEY, MODEL: QUOTA_MODEL}
 
@@ -67,6 +68,7 @@ REFUSAL_REASONS: dict[str, str] = {
     RATE_LIMIT: "Request rate limit reached",
     CONCURRENCY: "Too many requests in flight",
     MODEL_NOT_ALLOWED: "Model not allowed for the API key",
+    MODEL_NOT_PRICED: "Model has no price on this gateway",
 }
 
 
