@@ -21,12 +21,15 @@ log = logging.getLogger(__name__)
 _COUNT_TIMEOUT_S = 0.5
 
 
-async def count_refusal(client: Any, tenant_tag: str, reason: str) -> None:
-    """HINCRBY the tenant's refused-today hash for `reason` (never raises)."""
+async def count_refusal(client: Any, tenant_tag: str, reason: str,
+                        now_s: float | None = None) -> None:
+    """HINCRBY the tenant's refused-today hash for `reason` (never raises). `now_s` is the
+    gateway's estimate of the Redis clock (one clock, DESIGN.md invariant 6), so a host whose
+    clock is off still counts into the day the quota counters are in."""
     if reason not in REFUSAL_REASONS:
         log.warning("not counting a refusal with unknown reason %r", reason)
         return
-    key = keys.refused_key(tenant_tag, utc_day_id())
+    key = keys.refused_key(tenant_tag, utc_day_id(now_s))
     try:
         pipe = client.pipeline(transaction=False)
         pipe.hincrby(key, reason, 1)

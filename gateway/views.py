@@ -158,7 +158,8 @@ class ProxyView(GatewayAPIView):
             return await self._admitted(runtime, ctx, request, request_id, started)
         except GatewayError as error:
             if error.refusal is not None:  # only refusals pay for the count
-                await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal)
+                await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal,
+                                    runtime.engine.clock.now_ms() / 1000)
             raise
 
     async def _admitted(self, runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,

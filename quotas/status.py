@@ -116,9 +116,10 @@ def refused_today(tenant: Tenant, *, engine: Any = None,
     """The tenant's requests refused today (UTC) per reason, most frequent first. Raises
     QuotaStoreUnavailable when Redis is down."""
     engine = engine or get_engine()
-    key = keys.refused_key(tenant_tag(tenant.pk), utc_day_id(now_s))
     try:
-        raw = engine.client.hgetall(key)
+        # Today on the Redis clock, as the gateway counts it (one clock: DESIGN.md invariant 6).
+        day = utc_day_id(now_s) if now_s is not None else engine.current_window(WindowKind.DAY).id
+        raw = engine.client.hgetall(keys.refused_key(tenant_tag(tenant.pk), day))
     except RedisError as exc:
         raise QuotaStoreUnavailable(f"quota store unreachable: {exc}") from exc
     counts = []
