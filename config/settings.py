@@ -419,7 +419,7 @@ INVITATION_TTL_SECONDS = _positive_int("INVITATION_TTL_SECONDS", 7 * 86400)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "tenants.api.authentication.ManagementTokenAuthentication",
+        "config.api.token_authentication.ManagementTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -440,7 +440,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
-    "PREPROCESSING_HOOKS": ["config.schema.management_api_only"],
+    "PREPROCESSING_HOOKS": ["config.api.openapi.management_api_only"],
     "ENUM_NAME_OVERRIDES": {
         "MembershipRoleEnum": "tenants.models.Membership.Role",
         "InvitableRoleEnum": "tenants.membership.INVITABLE_ROLES",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 
 from django.db.models import Prefetch, Q, QuerySet
@@ -202,26 +202,8 @@ def listed_masked_key(api_key: ApiKey, *, now: datetime | None = None) -> str:
     return secrets[0].masked if secrets else ""
 
 
-def month_start(day: date) -> date:
-    return day.replace(day=1)
-
-
-def usage_today_and_month(tenant: Tenant, by: str) -> dict[str, dict[str, int]]:
-    """Tokens per project or key public id (`by` = "project" / "key") today and this month
-    (UTC), from the usage ledger: {"prj_...": {"today": n, "month": n}}. Ids without usage are
-    absent. The ledger trails the live counters by a few seconds."""
-    from billing.usage import (
-        usage_totals,  # billing builds on tenants, not the other way round
-    )
-
-    today = timezone.now().date()
-    out: dict[str, dict[str, int]] = {}
-    for window, start in (("today", today), ("month", month_start(today))):
-        for row in usage_totals(tenant, start, today, (by,)):
-            ref = row.get(by)
-            if ref:
-                out.setdefault(ref, {"today": 0, "month": 0})[window] = row["total_tokens"]
-    return out
+def plans() -> QuerySet[Plan]:
+    return Plan.objects.order_by("name")
 
 
 def tenant_projects(tenant: Tenant) -> QuerySet[Project]:
@@ -242,13 +224,12 @@ def audit_events(
 ) -> QuerySet[AuditEvent]:
     """The tenant's audit trail, newest first; start..end are inclusive UTC days, action an exact
     name (key.issued) or a family (key.), actor a substring (user:alice, token:)."""
-    from billing.usage import day_start
-
     events = AuditEvent.objects.filter(tenant=tenant)
     if start is not None:
-        events = events.filter(created_at__gte=day_start(start))
+        events = events.filter(created_at__gte=datetime.combine(start, time.min, tzinfo=UTC))
     if end is not None:
-        events = events.filter(created_at__lt=day_start(end) + timedelta(days=1))
+        events = events.filter(
+            created_at__lt=datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC))
     if action:
         events = (events.filter(action__startswith=action) if action.endswith(".")
                   else events.filter(action=action))

@@ -147,7 +147,7 @@ def test_limits_with_redis_down_is_503_with_static_part(
     def down(tenant: Tenant) -> None:
         raise QuotaStoreUnavailable("connection refused")
 
-    monkeypatch.setattr("tenants.api.limits.quota_status", down)
+    monkeypatch.setattr("config.api.limit_views.quota_status", down)
     response = world.client(world.owner).get(limits_url(world))
     assert response.status_code == 503
     body = response.json()
@@ -189,7 +189,7 @@ def test_saved_limits_answer_200_even_with_redis_down(
     def down(tenant: Tenant) -> None:
         raise QuotaStoreUnavailable("connection refused")
 
-    monkeypatch.setattr("tenants.api.limits.quota_status", down)
+    monkeypatch.setattr("config.api.limit_views.quota_status", down)
     response = world.client(world.owner).patch(limits_url(world), {"alert_thresholds": [30]},
                                                format="json")
     assert response.status_code == 200

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from billing.api import views as billing_views
 from billing.models import UsageRecord
+from config.api import usage_views
 from gateway.refusals import count_refusal
 from quotas.client import make_async_redis
 from quotas.engine import QuotaStoreUnavailable, ReserveRequest
@@ -144,6 +144,6 @@ def test_quota_is_503_when_redis_is_down(world: World, monkeypatch) -> None:
     def down(*args, **kwargs):
         raise QuotaStoreUnavailable("quota store unreachable: test")
 
-    monkeypatch.setattr(billing_views, "quota_status", down)
+    monkeypatch.setattr(usage_views, "quota_status", down)
     response = world.client(world.owner).get(_quota(world))
     assert response.status_code == 503 and "Redis" in response.json()["detail"]

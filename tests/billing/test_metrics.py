@@ -20,7 +20,7 @@ from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.services import create_tenant
 
-pytestmark = [pytest.mark.django_db, pytest.mark.urls("billing.urls")]
+pytestmark = [pytest.mark.django_db, pytest.mark.urls("config.urls")]
 
 TOKEN = "metrics-token-for-tests"
 _SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')

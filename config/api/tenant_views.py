@@ -12,14 +12,14 @@ from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from tenants import services
-from tenants.api.base import ManagementAPIView, TenantScopedAPIView
-from tenants.api.errors import service_error
-from tenants.api.serializers import (
+from config.api.service_errors import service_error
+from config.api.tenant_scope import ManagementAPIView, TenantScopedAPIView
+from config.api.tenancy_serializers import (
     TenantCreateSerializer,
     TenantSerializer,
     TenantUpdateSerializer,
 )
+from tenants import services
 from tenants.exceptions import SlugTaken
 from tenants.models import Tenant
 

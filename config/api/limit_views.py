@@ -19,21 +19,24 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from quotas.engine import UNLIMITED, QuotaStoreUnavailable
-from quotas.status import quota_status
-from tenants import services
-from tenants.api.base import ManagementAPIView, TenantScopedAPIView, get_in_tenant
-from tenants.api.errors import service_error
-from tenants.api.projects import TENANT_ID
-from tenants.api.serializers import (
+from config.api.service_errors import service_error
+from config.api.tenancy_serializers import (
     PlanSerializer,
     PlanUpdateSerializer,
     TenantLimitsSerializer,
     TenantLimitsUpdateSerializer,
 )
+from config.api.tenant_scope import (
+    TENANT_ID,
+    ManagementAPIView,
+    TenantScopedAPIView,
+    get_in_tenant,
+)
+from quotas.engine import UNLIMITED, QuotaStoreUnavailable
+from quotas.status import quota_status
+from tenants import selectors, services
 from tenants.exceptions import SlugTaken
 from tenants.models import Plan, Tenant
-from tenants.selectors import effective_limits
 
 LIVE_UNAVAILABLE = (
     "Live quota counters are unavailable: the quota store (Redis) cannot be reached. The plan "
@@ -55,7 +58,9 @@ class PlanListView(ManagementAPIView, GenericAPIView):
     """GET: every plan (any authenticated caller). POST: create a plan (operators)."""
 
     serializer_class = PlanSerializer
-    queryset = Plan.objects.order_by("name")
+
+    def get_queryset(self) -> Any:
+        return selectors.plans()
 
     @extend_schema(responses=PlanSerializer(many=True))
     def get(self, request: Request) -> Response:
@@ -83,7 +88,7 @@ class PlanDetailView(ManagementAPIView):
     """GET a plan; PATCH (operators) changes it for every tenant on it, from the next request."""
 
     def _plan(self) -> Plan:
-        return get_in_tenant(Plan.objects.all(), "plan", name=self.kwargs["name"])
+        return get_in_tenant(selectors.plans(), "plan", name=self.kwargs["name"])
 
     @extend_schema(responses=PlanSerializer)
     def get(self, request: Request, name: str) -> Response:
@@ -108,7 +113,7 @@ def _or_none(value: int) -> int | None:
 
 def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
     """The limits document of a tenant and whether its live part could be read."""
-    limits = effective_limits(tenant)
+    limits = selectors.effective_limits(tenant)
     try:
         live_status = quota_status(tenant)
     except QuotaStoreUnavailable:

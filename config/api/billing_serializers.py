@@ -1,4 +1,4 @@
-"""Serializers of the billing management API: query validation and response shapes (the
+"""Serializers of the management API's usage, quota and webhook endpoints: query validation and response shapes (the
 response serializers also document the OpenAPI schema)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from tenants.api.base import TenantScopedAPIView, get_in_tenant
+from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
 from tenants.membership import (
     INVITABLE_ROLES,
     InvitationClosed,
@@ -29,6 +29,7 @@ from tenants.membership import (
     members_of,
     remove_member,
     revoke_invitation,
+    tenant_invitations,
 )
 from tenants.models import Invitation, Membership
 
@@ -140,7 +141,7 @@ class InvitationListView(TenantScopedAPIView, ListAPIView):
     serializer_class = InvitationSerializer
 
     def get_queryset(self) -> Any:
-        return Invitation.objects.filter(tenant=self.tenant()).order_by("-created_at", "-id")
+        return tenant_invitations(self.tenant())
 
     @extend_schema(request=InviteSerializer, responses={201: IssuedInvitationSerializer})
     def post(self, request: Request, tenant_id: str) -> Response:
@@ -165,7 +166,7 @@ class InvitationRevokeView(TenantScopedAPIView):
     @extend_schema(request=None, responses=InvitationSerializer)
     def post(self, request: Request, tenant_id: str, invitation_id: str) -> Response:
         tenant = self.tenant(manage=True)
-        invitation = get_in_tenant(Invitation.objects.filter(tenant=tenant), "invitation",
+        invitation = get_in_tenant(tenant_invitations(tenant), "invitation",
                                    public_id=invitation_id)
         try:
             revoke_invitation(invitation, actor=self.actor)

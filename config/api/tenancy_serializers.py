@@ -190,13 +190,13 @@ class PlanUpdateSerializer(PlanSerializer):
 class TenantCreateSerializer(serializers.Serializer):
     slug = serializers.SlugField(max_length=63)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
-    plan = serializers.SlugRelatedField(slug_field="name", queryset=Plan.objects.all())
+    plan = serializers.SlugRelatedField(slug_field="name", queryset=selectors.plans())
 
 
 class TenantUpdateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, required=False)
     plan = serializers.SlugRelatedField(
-        slug_field="name", queryset=Plan.objects.all(), required=False,
+        slug_field="name", queryset=selectors.plans(), required=False,
         help_text="Operators only.",
     )
     status = serializers.ChoiceField(choices=Tenant.Status.choices, required=False,

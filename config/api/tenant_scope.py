@@ -11,11 +11,16 @@ from typing import Any
 
 from django.db.models import Model, QuerySet
 from django.http import Http404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.views import APIView
 
 from tenants.access import NotAllowed, Principal, principal_for, visible_tenant
 from tenants.models import Tenant
+
+TENANT_ID = OpenApiParameter("tenant_id", OpenApiTypes.STR, OpenApiParameter.PATH,
+                             description="The tenant's id (ten_...).")
 
 
 class ManagementAPIView(APIView):

@@ -1,5 +1,5 @@
-"""HTTP views of the billing app outside /api/: the Prometheus /metrics endpoint. (Cost report
-downloads are management API views: billing/api/views.py.)"""
+"""The Prometheus /metrics endpoint: billing.metrics renders the figures, this view guards them
+with TOLLGATE_METRICS_TOKEN. Routed in config/urls.py."""
 from __future__ import annotations
 
 import hmac

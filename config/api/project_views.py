@@ -18,10 +18,10 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from tenants import selectors, services
-from tenants.api.base import TenantScopedAPIView, get_in_tenant
-from tenants.api.errors import service_error
-from tenants.api.serializers import (
+from billing.usage import usage_today_and_month
+from config.api.service_errors import service_error
+from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView, get_in_tenant
+from config.api.tenancy_serializers import (
     ApiKeySerializer,
     IssuedApiKeySerializer,
     KeyIssueSerializer,
@@ -31,11 +31,10 @@ from tenants.api.serializers import (
     ProjectSerializer,
     ProjectUpdateSerializer,
 )
+from tenants import selectors, services
 from tenants.exceptions import KeyExpired, KeyRevoked, SlugTaken
 from tenants.models import ApiKey, Project, Tenant
 
-TENANT_ID = OpenApiParameter("tenant_id", OpenApiTypes.STR, OpenApiParameter.PATH,
-                             description="The tenant's id (ten_...).")
 PROJECT_ID = OpenApiParameter("project_id", OpenApiTypes.STR, OpenApiParameter.PATH,
                               description="The project's id (prj_...).")
 KEY_ID = OpenApiParameter("key_id", OpenApiTypes.STR, OpenApiParameter.PATH,
@@ -43,11 +42,11 @@ KEY_ID = OpenApiParameter("key_id", OpenApiTypes.STR, OpenApiParameter.PATH,
 
 
 def _project_context(tenant: Tenant) -> dict[str, Any]:
-    return {"usage": selectors.usage_today_and_month(tenant, "project")}
+    return {"usage": usage_today_and_month(tenant, "project")}
 
 
 def _key_context(tenant: Tenant) -> dict[str, Any]:
-    return {"usage": selectors.usage_today_and_month(tenant, "key"), "now": timezone.now()}
+    return {"usage": usage_today_and_month(tenant, "key"), "now": timezone.now()}
 
 
 @extend_schema(parameters=[TENANT_ID])

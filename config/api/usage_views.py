@@ -1,31 +1,26 @@
-"""Management API of the billing app: usage, live quota status and cost reports. Webhook
-endpoints are in billing/api/webhooks.py."""
+"""Management API: a tenant's usage from the ledger (requests, tokens and, for owners and
+admins, cost, grouped by day, project, key or model) and its live quota counters."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework.exceptions import PermissionDenied, ValidationError
-from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.access import can_read_costs
-from billing.api.serializers import (
+from billing.usage import usage_totals
+from config.api.billing_serializers import (
     ErrorSerializer,
     QuotaResponseSerializer,
     UsageQuerySerializer,
     UsageResponseSerializer,
 )
-from billing.reports import Month, Report, platform_month, tenant_month, to_csv, to_xlsx
-from billing.usage import usage_totals
+from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
 from quotas.engine import QuotaStoreUnavailable
 from quotas.status import quota_status, refused_today, utc_day_id
-from tenants.api.base import ManagementAPIView, TenantScopedAPIView, get_in_tenant
-from tenants.models import ApiKey, Project, Tenant
+from tenants import selectors
+from tenants.models import Tenant
 
 LIVE_UNAVAILABLE = ("Live quota counters are unavailable: the quota store (Redis) cannot be "
                     "reached. Retry shortly; usage from the ledger is still at /usage.")
@@ -58,10 +53,10 @@ class UsageView(TenantScopedAPIView):
         params = query.validated_data
         project = key = None
         if params.get("project"):
-            project = get_in_tenant(Project.objects.filter(tenant=tenant), "project",
+            project = get_in_tenant(selectors.tenant_projects(tenant), "project",
                                     public_id=params["project"]).public_id
         if params.get("key"):
-            key = get_in_tenant(ApiKey.objects.filter(project__tenant=tenant), "API key",
+            key = get_in_tenant(selectors.tenant_keys(tenant), "API key",
                                 public_id=params["key"]).public_id
         rows = usage_totals(tenant, params["from"], params["to"], tuple(params["group_by"]),
                             project=project, key=key)
@@ -94,73 +89,3 @@ class QuotaView(TenantScopedAPIView):
                               for r in refused],
             },
         })
-
-
-# -- cost reports -------------------------------------------------------------------------------
-
-_CONTENT_TYPES = {
-    "csv": "text/csv; charset=utf-8",
-    "xlsx": "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
-}
-_FILE_RESPONSES: dict[Any, Any] = {
-    (200, "text/csv"): OpenApiTypes.BINARY,
-    (200, _CONTENT_TYPES["xlsx"]): OpenApiTypes.BINARY,
-    400: OpenApiResponse(description="Not a month (YYYY-MM)."),
-    403: OpenApiResponse(description="Cost reports are for owners, admins and operators."),
-    404: OpenApiResponse(description="No such tenant (or not yours)."),
-}
-
-
-class FileDownloadNegotiation(BaseContentNegotiation):
-    """Downloads answer with their own content type whatever the Accept header says (and errors
-    as JSON), instead of DRF's 406 for `Accept: text/csv`."""
-
-    def select_parser(self, request: Request, parsers: list[Any]) -> Any:
-        return parsers[0] if parsers else None
-
-    def select_renderer(self, request: Request, renderers: list[Any],
-                        format_suffix: str | None = None) -> tuple[Any, str]:
-        return renderers[0], renderers[0].media_type
-
-
-def _month(text: str) -> Month:
-    try:
-        return Month.parse(text)
-    except ValueError as exc:
-        raise ValidationError({"month": [str(exc)]}) from exc
-
-
-def report_response(report: Report, name: str, fmt: str) -> HttpResponse:
-    data = to_xlsx(report) if fmt == "xlsx" else to_csv(report)
-    response = HttpResponse(data, content_type=_CONTENT_TYPES[fmt])
-    response["Content-Disposition"] = f'attachment; filename="{name}.{fmt}"'
-    return response
-
-
-class TenantCostReportView(TenantScopedAPIView):
-    """GET /api/tenants/<tenant_id>/reports/<YYYY-MM>.<csv|xlsx>: the tenant's month, one row per
-    day, project, key and model. Owners, admins, tenant tokens and operators; a member gets 403
-    (finance data, billing/access.py), anyone outside the tenant 404."""
-
-    content_negotiation_class = FileDownloadNegotiation
-
-    @extend_schema(responses=_FILE_RESPONSES)
-    def get(self, request: Request, tenant_id: str, month: str, fmt: str) -> HttpResponse:
-        tenant: Tenant = self.tenant()
-        if not can_read_costs(self.principal, tenant):
-            raise PermissionDenied("Cost reports are for the tenant's owners and admins.")
-        return report_response(tenant_month(tenant, _month(month)),
-                               f"{tenant.slug}-{month}", fmt)
-
-
-class PlatformCostReportView(ManagementAPIView):
-    """GET /api/reports/<YYYY-MM>.<csv|xlsx>: every tenant's month, for operators (staff users
-    and operator tokens)."""
-
-    content_negotiation_class = FileDownloadNegotiation
-
-    @extend_schema(responses=_FILE_RESPONSES)
-    def get(self, request: Request, month: str, fmt: str) -> HttpResponse:
-        if not self.principal.is_operator:
-            raise PermissionDenied("The platform report is for operators.")
-        return report_response(platform_month(_month(month)), f"all-tenants-{month}", fmt)

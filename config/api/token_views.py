@@ -1,4 +1,5 @@
-"""Management API: a tenant's management tokens and its audit trail."""
+"""Management API: a tenant's management tokens (masked), issuing one (plaintext once) and
+revoking one."""
 
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from tenants import selectors, services
-from tenants.api.base import TenantScopedAPIView, get_in_tenant
-from tenants.api.errors import service_error
-from tenants.api.projects import TENANT_ID
-from tenants.api.serializers import (
-    AuditEventSerializer,
-    AuditFilterSerializer,
+from config.api.service_errors import service_error
+from config.api.tenancy_serializers import (
     IssuedManagementTokenSerializer,
     ManagementTokenIssueSerializer,
     ManagementTokenSerializer,
 )
+from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView, get_in_tenant
+from tenants import selectors, services
 
 TOKEN_ID = OpenApiParameter("token_id", OpenApiTypes.STR, OpenApiParameter.PATH,
                             description="The token's id (mgt_...).")
@@ -71,30 +69,3 @@ class ManagementTokenRevokeView(TenantScopedAPIView):
         token = get_in_tenant(tokens, "token", public_id=token_id)
         services.revoke_management_token(token, actor=self.actor)
         return Response(ManagementTokenSerializer(token).data)
-
-
-@extend_schema(parameters=[TENANT_ID])
-class AuditEventListView(TenantScopedAPIView, GenericAPIView):
-    """GET: who did what to the tenant, newest first, filtered by day range, action and actor."""
-
-    serializer_class = AuditEventSerializer
-
-    def get_queryset(self) -> Any:
-        filters = AuditFilterSerializer(data=self.request.query_params)
-        filters.is_valid(raise_exception=True)
-        data = filters.validated_data
-        return selectors.audit_events(
-            self.tenant(), start=data.get("from"), end=data.get("to"),
-            action=data.get("action", ""), actor=data.get("actor", ""),
-        )
-
-    @extend_schema(parameters=[
-        OpenApiParameter("from", OpenApiTypes.DATE, description="First day (UTC), inclusive."),
-        OpenApiParameter("to", OpenApiTypes.DATE, description="Last day (UTC), inclusive."),
-        OpenApiParameter("action", OpenApiTypes.STR,
-                         description="key.issued, or a family such as key."),
-        OpenApiParameter("actor", OpenApiTypes.STR, description="Substring, e.g. user:alice."),
-    ])
-    def get(self, request: Request, tenant_id: str) -> Response:
-        page = self.paginate_queryset(self.get_queryset())
-        return self.get_paginated_response(AuditEventSerializer(page, many=True).data)

@@ -18,16 +18,16 @@ from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from billing import webhooks
-from billing.api.serializers import (
+from billing import selectors, webhooks
+from billing.models import WebhookEndpoint
+from config.api.billing_serializers import (
     WebhookDeliverySerializer,
     WebhookEndpointCreatedSerializer,
     WebhookEndpointCreateSerializer,
     WebhookEndpointSerializer,
     WebhookEndpointUpdateSerializer,
 )
-from billing.models import WebhookDelivery, WebhookEndpoint
-from tenants.api.base import TenantScopedAPIView, get_in_tenant
+from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
 from tenants.models import Tenant
 
 
@@ -37,7 +37,7 @@ def _refused(field: str, exc: Exception) -> ValidationError:
 
 class _EndpointView(TenantScopedAPIView):
     def endpoints(self, tenant: Tenant) -> QuerySet[WebhookEndpoint]:
-        return WebhookEndpoint.objects.filter(tenant=tenant).select_related("tenant")
+        return selectors.webhook_endpoints(tenant)
 
     def endpoint(self, *, manage: bool = False) -> WebhookEndpoint:
         return get_in_tenant(self.endpoints(self.tenant(manage=manage)), "webhook endpoint",
@@ -52,7 +52,7 @@ class WebhookListView(_EndpointView):
 
     @extend_schema(responses=WebhookEndpointSerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
-        rows = self.endpoints(self.tenant()).order_by("created_at", "pk")
+        rows = self.endpoints(self.tenant())
         paginator = self.pagination_class()
         page = paginator.paginate_queryset(rows, request, view=self)
         return paginator.get_paginated_response(WebhookEndpointSerializer(page, many=True).data)
@@ -121,8 +121,7 @@ class DeliveryListView(_EndpointView):
 
     @extend_schema(responses=WebhookDeliverySerializer(many=True))
     def get(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
-        rows: Any = WebhookDelivery.objects.filter(endpoint=self.endpoint()).order_by(
-            "-created_at", "-id")
+        rows: Any = selectors.webhook_deliveries(self.endpoint())
         paginator = self.pagination_class()
         page = paginator.paginate_queryset(rows, request, view=self)
         return paginator.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)
@@ -136,8 +135,7 @@ class RedeliverView(_EndpointView):
     def post(self, request: Request, tenant_id: str, webhook_id: str,
              delivery_id: str) -> Response:
         endpoint = self.endpoint(manage=True)
-        delivery = get_in_tenant(WebhookDelivery.objects.filter(endpoint=endpoint)
-                                 .select_related("endpoint__tenant"), "delivery",
+        delivery = get_in_tenant(selectors.webhook_deliveries(endpoint), "delivery",
                                  public_id=delivery_id)
         delivery = webhooks.request_redelivery(delivery, actor=self.actor)
         return Response(WebhookDeliverySerializer(delivery).data)
