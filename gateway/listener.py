@@ -11,17 +11,16 @@ from django.conf import settings
 
 from gateway.runtime import GatewayRuntime
 from quotas.client import make_async_redis
-from tenants.invalidation import CHANNEL
+from quotas.keys import INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL
 from tenants.services import touch_last_used
 
 log = logging.getLogger(__name__)
-COOLDOWN_CHANNEL = "tg:provider-cooldown"
 _PING_SECONDS = 5.0
 
 
 async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
     message = json.loads(data)
-    if channel == COOLDOWN_CHANNEL:
+    if channel == PROVIDER_COOLDOWN_CHANNEL:
         runtime.pool.cool_down(int(message["id"]), float(message["until"]))
         return
     kind, ident = message.get("kind"), message.get("id")
@@ -58,7 +57,7 @@ async def listen(runtime: GatewayRuntime) -> None:
         client = make_async_redis()
         pubsub = client.pubsub()
         try:
-            await pubsub.subscribe(CHANNEL, COOLDOWN_CHANNEL)
+            await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL)
             runtime.auth.clear()
             runtime.auth.trusted = True
             if resubscribing:
@@ -100,7 +99,7 @@ async def publish_cooldown(runtime: GatewayRuntime, provider_key_id: int, until:
     runtime.pool.cool_down(provider_key_id, until)
     try:
         await runtime.engine.client.publish(
-            COOLDOWN_CHANNEL, json.dumps({"id": provider_key_id, "until": until}))
+            PROVIDER_COOLDOWN_CHANNEL, json.dumps({"id": provider_key_id, "until": until}))
     except Exception:  # noqa: BLE001 - the local cooldown still applies
         log.warning("could not publish the cooldown of provider key %s", provider_key_id)
 

@@ -17,6 +17,8 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
     tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
     tg:reconcile:lock:<date>            string: the lock of one day's reconciliation run
+    tg:invalidate                       pub/sub channel: cached tenancy data changed
+    tg:provider-cooldown                pub/sub channel: an upstream key cools down after a 429
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
 Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
@@ -146,3 +148,12 @@ def ledger_backlog_alert_key() -> str:
 def reconcile_lock_key(day: date) -> str:
     """The lock of one day's reconciliation run (billing/reconciliation.py)."""
     return f"tg:reconcile:lock:{day.isoformat()}"
+
+
+# -- pub/sub channels: names in Redis too, though not keys -----------------------------------------
+
+# Cached tenancy data (keys, tenants, plans, the catalog, provider keys) changed: published by
+# quotas/invalidation.py for tenants/invalidation.py, heard by every gateway (gateway/listener.py).
+INVALIDATION_CHANNEL = "tg:invalidate"
+# An upstream provider key answered 429: every gateway skips it until the time in the message.
+PROVIDER_COOLDOWN_CHANNEL = "tg:provider-cooldown"

@@ -9,8 +9,8 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from gateway.models import ModelSpec
+from quotas.keys import INVALIDATION_CHANNEL
 from quotas.runtime import get_engine
-from tenants.invalidation import CHANNEL
 from tenants.services import create_project, create_tenant, issue_key
 
 pytestmark = pytest.mark.django_db(transaction=False)
@@ -39,7 +39,7 @@ def test_admin_edits_publish_invalidations(admin_client: Client, django_capture_
     api_key = issue_key(project, actor="test").api_key
     spec = ModelSpec.objects.get(name="gpt-4o")
     pubsub = get_engine().client.pubsub()
-    pubsub.subscribe(CHANNEL)
+    pubsub.subscribe(INVALIDATION_CHANNEL)
     pubsub.get_message(timeout=1)  # the subscribe confirmation
 
     with django_capture_on_commit_callbacks(execute=True):

@@ -44,9 +44,9 @@ from gateway.prices import DefaultPrice, Period, Price, PriceBook, save_alias, s
 from gateway.providers import create_provider_key, update_provider_key
 from quotas import keys as quota_keys
 from quotas.engine import QuotaEngine, Reservation, ReserveRequest, ScopeLimit, Unit
+from quotas.keys import INVALIDATION_CHANNEL
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
-from tenants.invalidation import CHANNEL
 from tenants.keys import parse_key
 from tenants.services import create_project, create_tenant, issue_key
 from tests.gateway.conftest import (
@@ -202,7 +202,7 @@ def test_prices_aliases_and_default_prices_are_edited_in_admin_and_reach_the_gat
     client.force_login(get_user_model().objects.create_superuser("root", "", "pw-123-secret"))
     gpt4o = ModelSpec.objects.get(name="gpt-4o")
     pubsub = get_engine().client.pubsub()
-    pubsub.subscribe(CHANNEL)
+    pubsub.subscribe(INVALIDATION_CHANNEL)
     pubsub.get_message(timeout=1)
     with django_capture_on_commit_callbacks(execute=True):
         response = client.post("/admin/gateway/modelalias/add/",
@@ -241,7 +241,7 @@ def test_a_provider_key_change_reloads_the_catalog_with_its_default_prices() -> 
         reloaded.append("catalog")
 
     runtime = SimpleNamespace(reload_pool=reload_pool, reload_catalog=reload_catalog)
-    asyncio.run(_apply(runtime, CHANNEL, json.dumps({"kind": "providers", "id": None})))  # type: ignore[arg-type]
+    asyncio.run(_apply(runtime, INVALIDATION_CHANNEL, json.dumps({"kind": "providers", "id": None})))  # type: ignore[arg-type]
     assert reloaded == ["pool", "catalog"]
 
 
