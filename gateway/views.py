@@ -28,7 +28,8 @@ from gateway.errors import (
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
 from gateway.refusals import count_refusal
-from gateway.runtime import GatewayRuntime, get_runtime, store_problems
+from gateway.runtime import GatewayRuntime
+from gateway.startup import get_runtime, store_problems
 from quotas import durability
 from quotas.engine import QuotaError, QuotaStoreUnavailable
 
