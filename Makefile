@@ -44,7 +44,7 @@ ci:
 # run on its own embedded services; prints throughput, latency, Redis and database work per
 # request and the gateway's peak RSS (docs/benchmarks.md).
 bench: $(STAMP)
-	$(PY) -m gateway.bench
+	$(PY) -m config.bench
 
 bench-quota: $(STAMP)
 	$(PY) -m config.embedded start

@@ -1,3 +1,7 @@
+"""manage.py demo_setup: the quick start's data (`make up` runs it). A gateway command because it
+sets up both sides of a call: the tenant's side through the tenants services, and the supply side
+(the mock upstream's provider key and its default price) through the gateway's."""
+
 from __future__ import annotations
 
 import secrets

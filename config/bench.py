@@ -1,8 +1,9 @@
 """Benchmark: the same load sent directly to the mock upstream and through the gateway, in one run.
 
-    python -m gateway.bench [--duration 5] [--concurrency 1 32] [--gateway-workers 1]
+    python -m config.bench [--duration 5] [--concurrency 1 32] [--gateway-workers 1]
 
-It starts its own embedded Redis and PostgreSQL (in a temporary directory), the mock upstream
+A config module, like config/serve.py, because it runs the whole system: it starts its own
+embedded Redis and PostgreSQL (config/embedded.py, in a temporary directory), the mock upstream
 (one worker) and the gateway (uvicorn, `--gateway-workers`, every check on: API key auth,
 token estimation, the reserve script with tenant / project / key / model quotas, a monthly
 budget, tokens per minute, request-rate buckets and a concurrency cap, then settle with the
@@ -184,7 +185,7 @@ def _peak_rss_mb(parent_pid: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m config.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--gateway-workers", type=int, default=1)
