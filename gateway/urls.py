@@ -6,10 +6,10 @@ from django.urls import path
 from gateway import views
 
 _ROUTES: dict[str, Callable[..., Awaitable[Any]]] = {
-    "v1/chat/completions": views.ChatCompletionsView.as_view(),
-    "v1/completions": views.CompletionsView.as_view(),
-    "v1/embeddings": views.EmbeddingsView.as_view(),
-    "v1/models": views.ModelsView.as_view(),
+    "v1/chat/completions": views.chat_completions,
+    "v1/completions": views.completions,
+    "v1/embeddings": views.embeddings,
+    "v1/models": views.list_models,
     "healthz": views.healthz,
     "readyz": views.readyz,
 }

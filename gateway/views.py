@@ -1,18 +1,22 @@
-"""The OpenAI-compatible /v1 endpoints: async DRF views (adrf) that parse, call the gateway's
-services (auth, admission, forwarding) and render. Nothing here decides about quota."""
+"""The OpenAI-compatible /v1 endpoints: plain async Django views that parse, call the gateway's
+services (auth, admission, forwarding) and render. Nothing here decides about quota.
+
+They are not DRF views: they authenticate API keys themselves (from the worker's cache), parse
+the body themselves (gateway/bodies.py) and answer Django responses in OpenAI's error shape, so
+DRF's request wrapping, content negotiation and response finalising did nothing for them but
+cost CPU on every call (its dispatch was 5 % of a worker's profile, docs/benchmarks.md)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
 import time
-from typing import Any
 
-from adrf.views import APIView
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
 
 from gateway.admission import admit, allows, unmetered
 from gateway.auth import KeyContext
@@ -90,97 +94,68 @@ async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyCon
     return ctx
 
 
-class GatewayAPIView(APIView):
-    """adrf's APIView without its per-request thread hop.
-
-    adrf runs DRF's `initial()` (content negotiation, versioning, authentication, permission and
-    throttle checks) through `sync_to_async`, which hands every request to a worker thread and
-    back: measured, a sizeable share of the gateway's CPU, and GIL contention for the event loop.
-    These views have no authentication, permission or throttle classes, so `initial()` is pure
-    in-memory work and runs inline here. Everything else is adrf's dispatch unchanged.
-    """
-
-    authentication_classes: list[Any] = []
-    permission_classes: list[Any] = []
-    throttle_classes: list[Any] = []
-
-    async def async_dispatch(self, request, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self.args = args
-        self.kwargs = kwargs
-        request = self.initialize_request(request, *args, **kwargs)
-        self.request = request
-        self.headers = self.default_response_headers
-        try:
-            self.initial(request, *args, **kwargs)
-            method = request.method.lower()
-            if method in self.http_method_names:
-                handler = getattr(self, method, self.http_method_not_allowed)
-            else:
-                handler = self.http_method_not_allowed
-            response = handler(request, *args, **kwargs)
-            if asyncio.iscoroutine(response):
-                response = await response
-        except Exception as exc:
-            response = self.handle_exception(exc)
-        self.response = self.finalize_response(request, response, *args, **kwargs)
-        return self.response
+def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse:
+    response = GatewayError(405, f"Method {request.method} is not allowed here; use {allowed}.",
+                            "invalid_request_error", "method_not_allowed").response()
+    response["Allow"] = allowed
+    return response
 
 
-class ProxyView(GatewayAPIView):
-    """POST /v1/chat/completions, /v1/completions, /v1/embeddings."""
+async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    """POST /v1/chat/completions, /v1/completions, /v1/embeddings: every answer in OpenAI's
+    shape with an x-request-id, whatever fails."""
+    if request.method != "POST":
+        return _method_not_allowed(request, "POST")
+    started = time.monotonic()
+    request_id = f"req_{secrets.token_hex(12)}"
+    try:
+        response = await _handle(endpoint, request, request_id, started)
+    except GatewayError as error:
+        response = error.response()
+    except QuotaError as error:
+        log.error("quota store unusable: refusing request %s (fail closed): %s",
+                  request_id, error)
+        response = quota_store_unavailable().response()
+    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
+        log.exception("request %s failed", request_id)
+        response = GatewayError(500, "The gateway failed to handle the request.",
+                                "server_error", "internal_error").response()
+    response["x-request-id"] = request_id
+    return response
 
-    # The gateway authenticates API keys itself (from its cache), so DRF's session and CSRF
-    # machinery stays out of the hot path (see GatewayAPIView).
-    endpoint: Endpoint = Endpoint.CHAT
 
-    async def post(self, request: Any) -> HttpResponse | StreamingHttpResponse:
-        started = time.monotonic()
-        request_id = f"req_{secrets.token_hex(12)}"
-        try:
-            response = await self._handle(request._request, request_id, started)
-        except GatewayError as error:
-            response = error.response()
-        except QuotaError as error:
-            log.error("quota store unusable: refusing request %s (fail closed): %s",
-                      request_id, error)
-            response = quota_store_unavailable().response()
-        except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
-            log.exception("request %s failed", request_id)
-            response = GatewayError(500, "The gateway failed to handle the request.",
-                                    "server_error", "internal_error").response()
-        response["x-request-id"] = request_id
-        return response
+async def _handle(endpoint: Endpoint, request: HttpRequest, request_id: str,
+                  started: float) -> HttpResponse | StreamingHttpResponse:
+    runtime = await _runtime()
+    ctx = await _authenticate(runtime, request)
+    try:
+        return await _admitted(endpoint, runtime, ctx, request, request_id, started)
+    except GatewayError as error:
+        if error.refusal is not None:  # only refusals pay for the count
+            await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal,
+                                runtime.engine.clock.now_ms() / 1000)
+        raise
 
-    async def _handle(self, request: HttpRequest, request_id: str,
-                      started: float) -> HttpResponse | StreamingHttpResponse:
-        runtime = await _runtime()
-        ctx = await _authenticate(runtime, request)
-        try:
-            return await self._admitted(runtime, ctx, request, request_id, started)
-        except GatewayError as error:
-            if error.refusal is not None:  # only refusals pay for the count
-                await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal,
-                                    runtime.engine.clock.now_ms() / 1000)
-            raise
 
-    async def _admitted(self, runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
-                        request_id: str, started: float) -> HttpResponse | StreamingHttpResponse:
-        parsed = parse_body(self.endpoint, _read_body(request))
-        if not allows(runtime, ctx, parsed.model):
-            raise model_not_allowed(parsed.model)
-        if not runtime.pool.serves(parsed.model, ctx.tenant_id):
-            raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
-        # From the reservation on, the hold must end exactly once even if the client leaves and
-        # this request is cancelled (even mid-reserve, when the script may already have run):
-        # reserve and forward run in a task of their own, which settles or releases by itself.
-        task = asyncio.ensure_future(_admit_and_forward(runtime, ctx, parsed, request_id, started))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(_start_drain_if_streaming)
-            runtime.background.add(task)
-            task.add_done_callback(runtime.background.discard)
-            raise
+async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext,
+                    request: HttpRequest, request_id: str,
+                    started: float) -> HttpResponse | StreamingHttpResponse:
+    parsed = parse_body(endpoint, _read_body(request))
+    if not allows(runtime, ctx, parsed.model):
+        raise model_not_allowed(parsed.model)
+    if not runtime.pool.serves(parsed.model, ctx.tenant_id):
+        raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
+    # From the reservation on, the hold must end exactly once even if the client leaves and
+    # this request is cancelled (even mid-reserve, when the script may already have run):
+    # reserve and forward run in a task of their own, which settles or releases by itself.
+    task = asyncio.ensure_future(_admit_and_forward(runtime, ctx, parsed, request_id, started))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_start_drain_if_streaming)
+        runtime.background.add(task)
+        task.add_done_callback(runtime.background.discard)
+        raise
 
 
 async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
@@ -219,33 +194,40 @@ def _start_drain_if_streaming(task: asyncio.Future[HttpResponse | StreamingHttpR
         client_gone()
 
 
-class ChatCompletionsView(ProxyView):
-    endpoint = Endpoint.CHAT
+# csrf_exempt: API clients send no CSRF token. It matters only when a call goes through Django's
+# middleware (the test client, WSGI); gateway/asgi.py serves these paths without it.
 
 
-class CompletionsView(ProxyView):
-    endpoint = Endpoint.COMPLETIONS
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    return await _proxy(Endpoint.CHAT, request)
 
 
-class EmbeddingsView(ProxyView):
-    endpoint = Endpoint.EMBEDDINGS
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    return await _proxy(Endpoint.COMPLETIONS, request)
 
 
-class ModelsView(GatewayAPIView):
+@csrf_exempt
+async def embeddings(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    return await _proxy(Endpoint.EMBEDDINGS, request)
+
+
+async def list_models(request: HttpRequest) -> HttpResponse:
     """GET /v1/models: the models this key may use (and that an upstream serves)."""
-
-    async def get(self, request: Any) -> HttpResponse:
-        try:
-            runtime = await _runtime()
-            ctx = await _authenticate(runtime, request._request)
-        except GatewayError as error:
-            return error.response()
-        now = int(time.time())
-        names = [name for name in runtime.catalog.names()
-                 if ctx.allows(name) and runtime.pool.serves(name, ctx.tenant_id)]
-        return JsonResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "tollgate"}
-            for name in names]})
+    if request.method not in ("GET", "HEAD"):
+        return _method_not_allowed(request, "GET, HEAD")
+    try:
+        runtime = await _runtime()
+        ctx = await _authenticate(runtime, request)
+    except GatewayError as error:
+        return error.response()
+    now = int(time.time())
+    names = [name for name in runtime.catalog.names()
+             if ctx.allows(name) and runtime.pool.serves(name, ctx.tenant_id)]
+    return JsonResponse({"object": "list", "data": [
+        {"id": name, "object": "model", "created": now, "owned_by": "tollgate"}
+        for name in names]})
 
 
 async def healthz(request: HttpRequest) -> HttpResponse:
