@@ -13,6 +13,9 @@ from django.conf import settings
 
 from config import embedded
 
+# The shared helpers assert too: their failures explain themselves as a test's would.
+pytest.register_assert_rewrite("tests.support")
+
 DATA_DIR = Path(os.environ["TOLLGATE_DATA_DIR"])
 _OWN_DATA_DIR = os.environ.get("TOLLGATE_TEST_OWNS_DATA_DIR") == "1"
 if settings.DATA_DIR != DATA_DIR.resolve():

@@ -10,13 +10,8 @@ from rest_framework.test import APIClient
 
 from tenants.models import AuditEvent, ManagementToken
 from tenants.services import issue_management_token, revoke_management_token
+from tests.support.api_clients import bearer
 from tests.world import World
-
-
-def bearer(plaintext: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
-    return client
 
 
 def test_anonymous_is_401_or_403(world: World) -> None:

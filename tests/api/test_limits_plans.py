@@ -9,7 +9,7 @@ import pytest
 
 from quotas.engine import QuotaStoreUnavailable
 from tenants.models import AuditEvent, Plan, Tenant
-from tests.api.test_access_and_tokens import bearer
+from tests.support.api_clients import bearer
 from tests.world import World
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tenants.models import ApiKey, AuditEvent, Project
 from tenants.services import authenticate_key, revoke_key, set_tenant_limits
-from tests.api.test_access_and_tokens import bearer
+from tests.support.api_clients import bearer
 from tests.world import World
 
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from tenants.models import AuditEvent, ManagementToken
 from tenants.services import record_audit_event
-from tests.api.test_access_and_tokens import bearer
+from tests.support.api_clients import bearer
 from tests.world import World
 
 

@@ -13,7 +13,7 @@ import pytest
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint, verify_signature
 from tenants.models import AuditEvent
-from tests.billing.test_webhooks import Receiver
+from tests.support.webhook_receiver import Receiver
 from tests.world import World
 
 

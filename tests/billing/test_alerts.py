@@ -30,7 +30,7 @@ from quotas.runtime import get_engine
 from quotas.windows import Calendar, WindowKind
 from tenants.models import Membership, Tenant
 from tenants.services import create_project, create_tenant
-from tests.billing.test_webhooks import Receiver
+from tests.support.webhook_receiver import Receiver
 
 pytestmark = pytest.mark.django_db
 

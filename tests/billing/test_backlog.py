@@ -24,7 +24,7 @@ from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant
-from tests.billing.test_metrics import samples
+from tests.support.prometheus import samples
 
 pytestmark = pytest.mark.django_db
 

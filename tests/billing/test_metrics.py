@@ -2,7 +2,6 @@
 PostgreSQL."""
 from __future__ import annotations
 
-import re
 from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
@@ -19,22 +18,11 @@ from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
 from tenants.services import create_tenant
+from tests.support.prometheus import samples
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls("config.urls")]
 
 TOKEN = "metrics-token-for-tests"
-_SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
-
-
-def samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line:
-            continue
-        match = _SAMPLE.match(line)
-        assert match, f"not a Prometheus sample line: {line!r}"
-        out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return out
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from django.urls import reverse
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint
 from tenants.models import AuditEvent
-from tests.billing.test_webhooks import Receiver
+from tests.support.webhook_receiver import Receiver
 from tests.world import World
 
 

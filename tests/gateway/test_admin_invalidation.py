@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -11,6 +12,7 @@ from django.test import Client
 from gateway.models import ModelSpec
 from quotas.keys import INVALIDATION_CHANNEL
 from quotas.runtime import get_engine
+from tenants.models import Plan
 from tenants.services import create_project, create_tenant, issue_key
 
 pytestmark = pytest.mark.django_db(transaction=False)
@@ -68,3 +70,20 @@ def test_admin_edits_publish_invalidations(admin_client: Client, django_capture_
     assert {"kind": "tenant", "id": tenant.pk} in messages
     assert {"kind": "api_key", "id": api_key.pk} in messages
     pubsub.close()
+
+
+def test_plan_edits_in_admin_are_published(admin_client: Client,
+                                           django_capture_on_commit_callbacks: Any) -> None:
+    plan = Plan.objects.get(name="free")
+    pubsub = get_engine().client.pubsub()
+    pubsub.subscribe(INVALIDATION_CHANNEL)
+    pubsub.get_message(timeout=1)
+    data = {field.name: getattr(plan, field.name) for field in Plan._meta.fields
+            if field.name not in ("id", "created_at", "updated_at")}
+    data.update(tokens_per_day=600_000, allowed_models=json.dumps(plan.allowed_models))
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(f"/admin/tenants/plan/{plan.pk}/change/", data)
+    assert response.status_code == 302, response.content[:1000]
+    message = pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    pubsub.close()
+    assert json.loads(message["data"]) == {"kind": "plan", "id": plan.pk}

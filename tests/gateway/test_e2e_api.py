@@ -220,3 +220,12 @@ def test_monthly_spend_budget_holds_the_worst_case_cost(
     assert info.value.code == "insufficient_quota"
     spend = engine.counter(t.tag, "tenant", WindowKind.MONTH, unit=Unit.MICROS)
     assert (spend.limit, spend.used, spend.pending) == (400, sum(costs), 0)
+
+
+def test_spend_budget_figures_never_appear_as_token_headers(
+    gateway: GatewayServer, make_tenant: MakeTenant
+) -> None:
+    t = make_tenant(monthly_spend_budget_micros=1_000_000, tokens_per_day=123_456)
+    raw = client_for(gateway, t.plaintext).chat.completions.with_raw_response.create(
+        model="gpt-4o", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-ratelimit-limit-tokens"] == "123456"

@@ -38,7 +38,7 @@ from tests.gateway.conftest import (
     start_gateway,
     wait_until,
 )
-from tests.gateway.test_e2e_faults import billed, unique_model, usage_events
+from tests.support.gateway_calls import billed, unique_model, usage_events
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 

@@ -20,10 +20,9 @@ import pytest
 
 from config import embedded
 from config.embedded import free_port
-from gateway.mock_upstream import MockUpstream, api_key_id, start_subprocess
+from gateway.mock_upstream import MockUpstream, start_subprocess
 from quotas.client import make_redis
 from quotas.engine import QuotaEngine
-from quotas.keys import usage_stream_key
 from tests.gateway.conftest import (
     GatewayServer,
     MakeTenant,
@@ -32,41 +31,16 @@ from tests.gateway.conftest import (
     start_gateway,
     wait_until,
 )
+from tests.support.gateway_calls import billed, unique_model, usage_events
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
-
-SHARED_PROVIDER_SECRET = "sk-mock-upstream"  # the conftest's shared provider key
 
 
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def unique_model(prefix: str) -> str:
-    """A model name no other test uses, so the mock's bill for it is this test's alone."""
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def usage_events(engine: QuotaEngine, tag: str) -> list[dict[str, Any]]:
-    """The tenant's usage stream (one entry per ended hold), with `event` parsed."""
-    entries = []
-    for _, fields in engine.client.xrange(usage_stream_key(tag)):
-        entry = dict(fields)
-        entry["event"] = json.loads(entry["event"]) if entry.get("event") else {}
-        entries.append(entry)
-    return entries
-
-
 def tenant_keys(engine: QuotaEngine, tag: str) -> list[str]:
     return list(engine.client.scan_iter(match=f"tg:{{t{tag}}}:*", count=1000))
-
-
-def billed(mock: MockUpstream, model: str, secret: str = SHARED_PROVIDER_SECRET) -> dict[str, int]:
-    """What the mock billed for `model` (its base name) under one provider secret."""
-    rows = [row for row in httpx.get(f"{mock.url}/mock/usage", timeout=5).json()["completions"]
-            if row["model"] == model and row["api_key_id"] == api_key_id(secret)]
-    assert len(rows) <= 1
-    return rows[0] if rows else {"prompt_tokens": 0, "completion_tokens": 0,
-                                 "total_tokens": 0, "requests": 0}
 
 
 def assert_released_once(engine: QuotaEngine, tag: str, reason: str, status: int) -> None:
@@ -180,6 +154,21 @@ def test_upstream_cut_mid_stream_settles_the_counted_text(
     assert counter.pending == 0
     assert counter.used == int(event["actual"]) == event["event"]["in"] + event["event"]["out"]
     assert 0 < counter.used <= int(event["held"])
+
+
+def test_a_cut_stream_is_counted_even_when_the_client_asked_for_usage(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
+) -> None:
+    t = make_tenant()
+    stream = client_for(gateway, t.plaintext).chat.completions.create(
+        model="gpt-4o@cut=3", messages=[{"role": "user", "content": "count me"}], stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)  # the gateway ends the client's stream where the upstream broke
+    assert all(chunk.usage is None for chunk in chunks)  # no usage ever arrived
+    [event] = usage_events(engine, t.tag)
+    assert event["event"]["outcome"] == "upstream_broken_counted"
+    assert event["event"]["out"] > 0  # the text the client received was counted
+    assert engine.counter(t.tag, "tenant").pending == 0
 
 
 # -- 3, 9. upstream error statuses before the body ----------------------------------------------
@@ -478,3 +467,23 @@ def test_chunked_body_over_the_size_limit_is_400_in_openai_shape(
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert response.headers["x-request-id"].startswith("req_")
     assert_untouched(engine, t.tag)
+
+
+def test_an_oversized_body_is_refused_before_authentication(gateway: GatewayServer) -> None:
+    response = httpx.post(f"{gateway.base_url}/chat/completions", content=b"x" * (9 * 1024 * 1024),
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400  # not 401: nothing was read or checked
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert response.headers["x-request-id"].startswith("req_")
+
+
+@pytest.mark.parametrize("model", ["gpt 4o", "gpt-4o\u00e9", "m" * 129])
+def test_model_names_a_quota_key_cannot_carry_are_a_400(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine, model: str
+) -> None:
+    t = make_tenant()
+    with pytest.raises(openai.BadRequestError) as info:
+        client_for(gateway, t.plaintext).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.param == "model"
+    assert engine.open_hold_ids(t.tag) == []
