@@ -22,7 +22,7 @@ platform-wide cost report (operators only), the console index, switch and invita
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Self
@@ -32,7 +32,7 @@ from django.contrib.auth import get_user_model
 from django.db.models import Model
 from django.http import HttpResponse
 from django.test import Client
-from django.urls import URLPattern, URLResolver, get_resolver, reverse
+from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 from rest_framework.views import APIView
@@ -53,6 +53,7 @@ from tenants.models import (
     Tenant,
 )
 from tenants.services import issue_management_token
+from tests.support.routes import management_routes
 from tests.world import World
 
 # -- access kinds -----------------------------------------------------------------------------
@@ -252,41 +253,7 @@ FIXED_KWARGS = {"month": MONTH, "fmt": "csv"}
 # -- the resolver -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Found:
-    name: str
-    pattern: URLPattern
-    prefix: str
-
-    @property
-    def kwargs(self) -> tuple[str, ...]:
-        regex = self.pattern.pattern.regex
-        return tuple(regex.groupindex)
-
-    @property
-    def view_class(self) -> Any:
-        return getattr(self.pattern.callback, "cls", None) or getattr(
-            self.pattern.callback, "view_class", None)
-
-
-def _walk(patterns: list[Any], prefix: str = "") -> Iterator[Found]:
-    for entry in patterns:
-        if isinstance(entry, URLResolver):
-            yield from _walk(entry.url_patterns, prefix + str(entry.pattern))
-        elif isinstance(entry, URLPattern) and entry.name:
-            yield Found(entry.name, entry, prefix)
-
-
-def _found() -> dict[str, Found]:
-    routes: dict[str, Found] = {}
-    for found in _walk(get_resolver().url_patterns):
-        if (found.prefix + str(found.pattern.pattern)).startswith(("api/", "console/")):
-            assert found.name not in routes, f"two routes named {found.name}"
-            routes[found.name] = found
-    return routes
-
-
-FOUND = _found()
+FOUND = management_routes()
 
 
 def _object_kwargs(name: str) -> tuple[str, ...]:

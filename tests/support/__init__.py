@@ -5,4 +5,5 @@ files; a test module never imports another test module, it imports from here.
 - `webhook_receiver`: an HTTP server on loopback that records the webhooks it is sent.
 - `prometheus`: reading the /metrics page.
 - `gateway_calls`: what an end-to-end call left behind (the usage stream, the mock's bill).
+- `routes`: the /api/ and /console/ routes, read from Django's URL resolver.
 """
