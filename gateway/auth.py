@@ -20,8 +20,9 @@ from quotas import keys as quota_keys
 from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
 from quotas.keys import tenant_tag
 from quotas.limits import request_limits
+from tenants.key_usability import key_usability
 from tenants.keys import digests_match, parse_key
-from tenants.models import ApiKey, Project, Tenant
+from tenants.models import ApiKey, Project
 from tenants.selectors import EffectiveLimits, allowed_models_for_key, effective_limits, secret_by_prefix
 
 
@@ -44,6 +45,13 @@ class KeyContext:
 
     def allows(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+    def admits(self, plaintext: str, now: float) -> bool:
+        """Whether `plaintext` is this context's secret (constant-time digest comparison) and
+        `now` (epoch seconds) is before the deadline tenants.key_usability gave it."""
+        if not digests_match(plaintext, self.digest):
+            return False
+        return self.valid_until is None or now < self.valid_until
 
     def scopes(self, model: str) -> tuple[ScopeLimit, ...]:
         """The quota counters of a call of `model` (quotas.limits.request_counters), memoised
@@ -84,21 +92,20 @@ def _epoch(moment: datetime | None) -> float | None:
 
 
 def load_key_context(prefix: str) -> KeyContext | None:
-    """One query: the context of the secret with this prefix, or None if it cannot be used."""
+    """One query: the context of the secret with this prefix, or None if it cannot be used
+    whatever the time (tenants.key_usability decides; the context keeps its deadline)."""
     secret = secret_by_prefix(prefix)
     if secret is None:
         return None
     api_key = secret.api_key
     tenant = api_key.project.tenant
-    if secret.revoked_at is not None or api_key.revoked_at is not None:
+    usability = key_usability(api_key, secret, tenant=tenant)
+    if usability.refused:
         return None
-    if tenant.status != Tenant.Status.ACTIVE:
-        return None
-    ends = [t for t in (_epoch(secret.expires_at), _epoch(api_key.expires_at)) if t is not None]
     allowed = allowed_models_for_key(api_key)
     return KeyContext(
         digest=secret.digest,
-        valid_until=min(ends) if ends else None,
+        valid_until=_epoch(usability.until),
         api_key=api_key,
         project=api_key.project,
         tenant_id=tenant.pk,
@@ -161,9 +168,7 @@ class AuthCache:
             context = await self._lookup(prefix, now)
         else:
             context = entry[1]
-        if context is None or not digests_match(plaintext, context.digest):
-            return None
-        if context.valid_until is not None and now >= context.valid_until:
+        if context is None or not context.admits(plaintext, now):
             return None
         return context
 

@@ -15,6 +15,7 @@ from tenants.exceptions import (
     TenantNotFound,
     UnknownPlan,
 )
+from tenants.key_usability import key_usability
 from tenants.models import (
     UNLIMITED,
     ApiKey,
@@ -161,12 +162,8 @@ KEY_STATUSES: tuple[str, ...] = ("active", "expired", "revoked")
 
 
 def key_status(api_key: ApiKey, *, now: datetime | None = None) -> str:
-    """active / expired / revoked, as listings show it."""
-    if api_key.revoked_at is not None:
-        return "revoked"
-    if api_key.expires_at is not None and api_key.expires_at <= (now or timezone.now()):
-        return "expired"
-    return "active"
+    """active / expired / revoked, as listings show it (tenants.key_usability)."""
+    return key_usability(api_key).status(now or timezone.now())
 
 
 def tenant_keys(
