@@ -25,6 +25,9 @@ class TenantSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_role(self, tenant: Tenant) -> str | None:
+        roles = self.context.get("roles")  # a listing's, read in one query (TenantListView)
+        if roles is not None:
+            return roles[tenant.pk]
         principal = self.context.get("principal")
         return principal.role_in(tenant) if principal is not None else None
 

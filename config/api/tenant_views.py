@@ -36,6 +36,14 @@ class TenantListView(ManagementAPIView, ListAPIView):
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "principal": self.principal}
 
+    def get_serializer(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("many") and args:  # a page of tenants: the caller's roles in one query
+            page = list(args[0])
+            kwargs["context"] = {**self.get_serializer_context(),
+                                 "roles": self.principal.roles_in(page)}
+            args = (page, *args[1:])
+        return super().get_serializer(*args, **kwargs)
+
     @extend_schema(request=TenantCreateSerializer, responses={201: TenantSerializer})
     def post(self, request: Request) -> Response:
         if not self.principal.is_operator:

@@ -32,7 +32,7 @@ def test_everyone_authenticated_reads_plans(world: World) -> None:
 
 def test_only_operators_write_plans(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     published: list[tuple[str, Any]] = []
-    monkeypatch.setattr("tenants.services.publish", lambda kind, ident=None:
+    monkeypatch.setattr("tenants.invalidation.publish", lambda kind, ident=None:
                         published.append((kind, ident)))
     body = {"name": "tiny", "tokens_per_day": 100, "requests_per_second": 1}
     for user in (world.owner, world.member, world.outsider):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tenants.models import ApiKey, AuditEvent, Project
-from tenants.services import authenticate_key, revoke_key, set_tenant_limits
+from tenants.services import revoke_key, set_tenant_limits
+from tests.support.api_keys import authenticated_key
 from tests.support.api_clients import bearer
 from tests.world import World
 
@@ -129,7 +130,7 @@ def test_issue_key_returns_plaintext_once(world: World) -> None:
     plaintext = body["key"]
     assert plaintext.startswith("tgk_") and body["masked"].endswith(plaintext[-4:])
     assert body["status"] == "active" and body["project"] == world.web.public_id
-    assert authenticate_key(plaintext) is not None
+    assert authenticated_key(plaintext) is not None
     listing = client.get(f"{base(world)}/keys/").content.decode()
     detail = client.get(f"{base(world)}/keys/{body['id']}/").content.decode()
     for text in (listing, detail):
@@ -247,8 +248,8 @@ def test_rotate_with_grace_and_revoke(world: World) -> None:
     new_plaintext = rotated.json()["key"]
     assert new_plaintext != world.issued.plaintext
     # Both work during the grace period.
-    assert authenticate_key(new_plaintext) is not None
-    assert authenticate_key(world.issued.plaintext) is not None
+    assert authenticated_key(new_plaintext) is not None
+    assert authenticated_key(world.issued.plaintext) is not None
     assert new_plaintext not in client.get(f"{base(world)}/keys/{key.public_id}/").content.decode()
 
     too_long = client.post(f"{base(world)}/keys/{key.public_id}/rotate/",
@@ -257,7 +258,7 @@ def test_rotate_with_grace_and_revoke(world: World) -> None:
 
     revoked = client.post(f"{base(world)}/keys/{key.public_id}/revoke")
     assert revoked.status_code == 200 and revoked.json()["status"] == "revoked"
-    assert authenticate_key(new_plaintext) is None
+    assert authenticated_key(new_plaintext) is None
     again = client.post(f"{base(world)}/keys/{key.public_id}/rotate", {}, format="json")
     assert again.status_code == 400
     assert AuditEvent.objects.filter(target=key.public_id, action="key.revoked").count() == 1

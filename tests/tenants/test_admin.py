@@ -6,7 +6,8 @@ from django.test import Client
 from django.urls import reverse
 
 from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Plan, Tenant
-from tenants.services import IssuedKey, authenticate_key
+from tenants.services import IssuedKey
+from tests.support.api_keys import authenticated_key
 
 pytestmark = pytest.mark.django_db
 
@@ -52,7 +53,7 @@ def test_revoke_action_goes_through_the_service(
         {"action": "revoke_selected", "_selected_action": [issued.api_key.pk]},
     )
     assert response.status_code == 302
-    assert authenticate_key(issued.plaintext) is None
+    assert authenticated_key(issued.plaintext) is None
     event = AuditEvent.objects.get(action="key.revoked")
     assert event.actor == f"user:{admin_user.username}"
 

@@ -12,13 +12,13 @@ from tenants.models import ApiKey, ApiKeySecret, AuditEvent, Project, Tenant
 from tenants.selectors import masked_key, valid_secrets
 from tenants.services import (
     IssuedKey,
-    authenticate_key,
     issue_key,
     revoke_key,
     rotate_key,
     set_tenant_status,
     touch_last_used,
 )
+from tests.support.api_keys import authenticated_key
 
 pytestmark = pytest.mark.django_db
 
@@ -27,7 +27,7 @@ def test_a_fresh_key_authenticates_with_everything_loaded(
     issued: IssuedKey, django_assert_num_queries: DjangoAssertNumQueries
 ) -> None:
     with django_assert_num_queries(1):
-        api_key = authenticate_key(issued.plaintext)
+        api_key = authenticated_key(issued.plaintext)
         assert api_key is not None
         # Loaded by the same query: the gateway needs them on every request.
         assert api_key.project.tenant.plan.name == "standard"
@@ -37,29 +37,29 @@ def test_a_fresh_key_authenticates_with_everything_loaded(
 def test_authentication_does_not_write(issued: IssuedKey) -> None:
     before = ApiKey.objects.values().get(pk=issued.api_key.pk)
     events = AuditEvent.objects.count()
-    assert authenticate_key(issued.plaintext) is not None
+    assert authenticated_key(issued.plaintext) is not None
     assert ApiKey.objects.values().get(pk=issued.api_key.pk) == before
     assert AuditEvent.objects.count() == events
 
 
 def test_wrong_secret_with_a_known_prefix_is_rejected(issued: IssuedKey) -> None:
     tampered = issued.plaintext[:-1] + ("A" if issued.plaintext[-1] != "A" else "B")
-    assert authenticate_key(tampered) is None
+    assert authenticated_key(tampered) is None
 
 
 def test_unknown_and_malformed_keys_are_rejected(issued: IssuedKey) -> None:
-    assert authenticate_key("tgk_" + "x" * 12 + "_" + "y" * 40) is None
-    assert authenticate_key("") is None
-    assert authenticate_key(issued.plaintext + "x") is None
-    assert authenticate_key(issued.plaintext.upper()) is None
+    assert authenticated_key("tgk_" + "x" * 12 + "_" + "y" * 40) is None
+    assert authenticated_key("") is None
+    assert authenticated_key(issued.plaintext + "x") is None
+    assert authenticated_key(issued.plaintext.upper()) is None
 
 
 def test_changing_the_pepper_invalidates_existing_keys(
     issued: IssuedKey, settings: Settings
 ) -> None:
-    assert authenticate_key(issued.plaintext) is not None
+    assert authenticated_key(issued.plaintext) is not None
     settings.TOLLGATE_KEY_PEPPER = "a-new-pepper"
-    assert authenticate_key(issued.plaintext) is None
+    assert authenticated_key(issued.plaintext) is None
 
 
 def test_plaintext_is_not_stored_in_any_key_or_audit_column(issued: IssuedKey) -> None:
@@ -102,8 +102,8 @@ def test_rotation_without_grace_kills_the_old_secret_at_once(issued: IssuedKey) 
     rotated = rotate_key(issued.api_key, actor="test")
     assert rotated.api_key.pk == issued.api_key.pk
     assert rotated.plaintext != issued.plaintext
-    assert authenticate_key(issued.plaintext) is None
-    assert authenticate_key(rotated.plaintext) == issued.api_key
+    assert authenticated_key(issued.plaintext) is None
+    assert authenticated_key(rotated.plaintext) == issued.api_key
     old = ApiKeySecret.objects.get(prefix=issued.plaintext[4:16])
     assert old.revoked_at is not None
     assert masked_key(issued.api_key) == rotated.masked
@@ -118,12 +118,12 @@ def test_rotation_with_grace_keeps_the_old_secret_until_expiry(issued: IssuedKey
     assert old.expires_at is not None
     assert before + timedelta(seconds=300) <= old.expires_at <= after + timedelta(seconds=300)
 
-    assert authenticate_key(issued.plaintext) == issued.api_key
-    assert authenticate_key(issued.plaintext, now=after + timedelta(seconds=299)) == issued.api_key
-    assert authenticate_key(issued.plaintext, now=old.expires_at) is None
-    assert authenticate_key(issued.plaintext, now=after + timedelta(seconds=301)) is None
+    assert authenticated_key(issued.plaintext) == issued.api_key
+    assert authenticated_key(issued.plaintext, now=after + timedelta(seconds=299)) == issued.api_key
+    assert authenticated_key(issued.plaintext, now=old.expires_at) is None
+    assert authenticated_key(issued.plaintext, now=after + timedelta(seconds=301)) is None
     # The new secret is unaffected by the old one's deadline.
-    assert authenticate_key(rotated.plaintext, now=after + timedelta(days=30)) == issued.api_key
+    assert authenticated_key(rotated.plaintext, now=after + timedelta(days=30)) == issued.api_key
     assert masked_key(issued.api_key) == rotated.masked
 
 
@@ -135,9 +135,9 @@ def test_a_second_graceful_rotation_does_not_extend_the_first_deadline(issued: I
     assert first_secret.expires_at is not None and second_secret.expires_at is not None
     assert second_secret.expires_at - first_secret.expires_at > timedelta(seconds=3000)
     later = timezone.now() + timedelta(seconds=120)
-    assert authenticate_key(issued.plaintext, now=later) is None
-    assert authenticate_key(second.plaintext, now=later) == issued.api_key
-    assert authenticate_key(third.plaintext, now=later) == issued.api_key
+    assert authenticated_key(issued.plaintext, now=later) is None
+    assert authenticated_key(second.plaintext, now=later) == issued.api_key
+    assert authenticated_key(third.plaintext, now=later) == issued.api_key
     assert len(valid_secrets(issued.api_key, now=later)) == 2
 
 
@@ -165,12 +165,12 @@ def test_rotation_refuses_a_negative_grace(issued: IssuedKey) -> None:
 def test_revocation_kills_every_secret_and_is_idempotent(issued: IssuedKey) -> None:
     graceful = rotate_key(issued.api_key, actor="test", grace_seconds=3600)
     current = rotate_key(issued.api_key, actor="test", grace_seconds=3600)
-    assert authenticate_key(graceful.plaintext) is not None
+    assert authenticated_key(graceful.plaintext) is not None
 
     assert revoke_key(issued.api_key, actor="test") is True
     assert issued.api_key.revoked_at is not None
     for plaintext in (issued.plaintext, graceful.plaintext, current.plaintext):
-        assert authenticate_key(plaintext) is None
+        assert authenticated_key(plaintext) is None
     assert not ApiKeySecret.objects.filter(api_key=issued.api_key, revoked_at__isnull=True).exists()
 
     events = AuditEvent.objects.filter(action="key.revoked").count()
@@ -183,9 +183,9 @@ def test_revocation_kills_every_secret_and_is_idempotent(issued: IssuedKey) -> N
 def test_expired_key_is_rejected(project: Project) -> None:
     expires_at = timezone.now() + timedelta(hours=1)
     issued = issue_key(project, actor="test", expires_at=expires_at)
-    assert authenticate_key(issued.plaintext, now=expires_at - timedelta(seconds=1)) is not None
-    assert authenticate_key(issued.plaintext, now=expires_at) is None
-    assert authenticate_key(issued.plaintext, now=expires_at + timedelta(days=1)) is None
+    assert authenticated_key(issued.plaintext, now=expires_at - timedelta(seconds=1)) is not None
+    assert authenticated_key(issued.plaintext, now=expires_at) is None
+    assert authenticated_key(issued.plaintext, now=expires_at + timedelta(days=1)) is None
 
 
 def test_a_key_cannot_be_issued_already_expired(project: Project) -> None:
@@ -198,9 +198,9 @@ def test_suspended_tenant_keys_are_rejected_until_reactivated(
     tenant: Tenant, issued: IssuedKey
 ) -> None:
     set_tenant_status(tenant, Tenant.Status.SUSPENDED, actor="test")
-    assert authenticate_key(issued.plaintext) is None
+    assert authenticated_key(issued.plaintext) is None
     set_tenant_status(tenant, Tenant.Status.ACTIVE, actor="test")
-    assert authenticate_key(issued.plaintext) == issued.api_key
+    assert authenticated_key(issued.plaintext) == issued.api_key
 
 
 def test_touch_last_used_updates_in_bulk_and_never_goes_backwards(project: Project) -> None:

@@ -9,7 +9,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from tenants.models import ApiKey, AuditEvent, Tenant
-from tenants.services import IssuedKey, authenticate_key
+from tenants.services import IssuedKey
+from tests.support.api_keys import authenticated_key
 
 pytestmark = pytest.mark.django_db
 
@@ -95,7 +96,7 @@ def test_project_create(tenant: Tenant) -> None:
 
 def test_key_issue_prints_a_working_key_once(project: object) -> None:
     data = run_json("key_issue", "acme", "web", "--name", "laptop")
-    api_key = authenticate_key(data["key"])
+    api_key = authenticated_key(data["key"])
     assert api_key is not None
     assert api_key.public_id == data["key_id"]
     assert data["key_id"].startswith("key_")
@@ -107,7 +108,7 @@ def test_key_issue_prints_a_working_key_once(project: object) -> None:
 def test_key_issue_text_output_contains_the_key(project: object) -> None:
     text = run_text("key_issue", "acme", "web")
     key = text.strip().splitlines()[-1]
-    assert authenticate_key(key) is not None
+    assert authenticated_key(key) is not None
     assert ApiKey.objects.get().public_id in text
 
 
@@ -115,15 +116,15 @@ def test_key_rotate(issued: IssuedKey) -> None:
     data = run_json("key_rotate", issued.api_key.public_id)
     assert data["key_id"] == issued.api_key.public_id
     assert data["grace_seconds"] == 0
-    assert authenticate_key(data["key"]) == issued.api_key
-    assert authenticate_key(issued.plaintext) is None
+    assert authenticated_key(data["key"]) == issued.api_key
+    assert authenticated_key(issued.plaintext) is None
 
 
 def test_key_rotate_with_grace(issued: IssuedKey) -> None:
     data = run_json("key_rotate", issued.api_key.public_id, "--grace", "600")
     assert data["grace_seconds"] == 600
-    assert authenticate_key(data["key"]) == issued.api_key
-    assert authenticate_key(issued.plaintext) == issued.api_key
+    assert authenticated_key(data["key"]) == issued.api_key
+    assert authenticated_key(issued.plaintext) == issued.api_key
 
 
 def test_key_rotate_refuses_revoked_and_negative_grace(issued: IssuedKey) -> None:
@@ -138,7 +139,7 @@ def test_key_revoke_is_idempotent(issued: IssuedKey) -> None:
     first = run_json("key_revoke", issued.api_key.public_id)
     assert first["already_revoked"] is False
     assert first["revoked_at"]
-    assert authenticate_key(issued.plaintext) is None
+    assert authenticated_key(issued.plaintext) is None
     second = run_json("key_revoke", issued.api_key.public_id)
     assert second["already_revoked"] is True
     assert second["revoked_at"] == first["revoked_at"]

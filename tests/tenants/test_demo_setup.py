@@ -8,7 +8,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
 from tenants.models import ApiKey, Membership, Tenant
-from tenants.services import authenticate_key
+from tests.support.api_keys import authenticated_key
 
 
 def demo_setup() -> dict:
@@ -21,7 +21,7 @@ def demo_setup() -> dict:
 def test_demo_setup_creates_a_working_key_once_and_is_idempotent() -> None:
     first = demo_setup()
     assert first["key"].startswith("tgk_")
-    api_key = authenticate_key(first["key"])
+    api_key = authenticated_key(first["key"])
     assert api_key is not None and api_key.project.tenant.slug == "demo"
     assert get_user_model().objects.get(username="admin").check_password(first["admin_password"])
 

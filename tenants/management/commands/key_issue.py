@@ -5,7 +5,7 @@ from typing import Any
 
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.selectors import project_by_slug, tenant_by_slug
-from tenants.services import issue_key
+from tenants.services.api_keys import issue_key
 
 
 class Command(TenantsCommand):

@@ -5,7 +5,7 @@ from typing import Any
 
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.selectors import api_key_by_public_id
-from tenants.services import revoke_key
+from tenants.services.api_keys import revoke_key
 
 
 class Command(TenantsCommand):

@@ -11,7 +11,7 @@ from django.core.management.base import CommandError
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.management_tokens import masked_token
 from tenants.selectors import tenant_by_slug
-from tenants.services import issue_management_token
+from tenants.services.management_tokens import issue_management_token
 
 
 class Command(TenantsCommand):

@@ -5,7 +5,7 @@ from typing import Any
 
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.selectors import tenant_by_slug
-from tenants.services import create_project
+from tenants.services.projects import create_project
 
 
 class Command(TenantsCommand):

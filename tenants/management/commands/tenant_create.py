@@ -4,7 +4,7 @@ from argparse import ArgumentParser
 from typing import Any
 
 from tenants.management.commands._base import ACTOR, TenantsCommand, tenant_as_dict
-from tenants.services import create_tenant
+from tenants.services.tenants import create_tenant
 
 
 class Command(TenantsCommand):

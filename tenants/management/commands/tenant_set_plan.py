@@ -5,7 +5,7 @@ from typing import Any
 
 from tenants.management.commands._base import ACTOR, TenantsCommand, tenant_as_dict
 from tenants.selectors import tenant_by_slug
-from tenants.services import change_plan
+from tenants.services.tenants import change_plan
 
 
 class Command(TenantsCommand):

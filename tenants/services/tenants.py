@@ -1,0 +1,106 @@
+"""Tenants: creating one, its plan, its limit overrides, its status and its name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from tenants.exceptions import TenantNotFound
+from tenants.models import Tenant
+from tenants.selectors import plan_by_name
+from tenants.services._base import (
+    Entity,
+    check_field_names,
+    clean,
+    from_to,
+    insert_with_slug,
+    record_change,
+    update,
+)
+
+# What set_tenant_limits (and create_tenant's **overrides) may change.
+TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
+    "tokens_per_day",
+    "tokens_per_minute",
+    "requests_per_second",
+    "monthly_token_budget",
+    "monthly_spend_budget_micros",
+    "model_tokens_per_day",
+    "alert_thresholds",
+)
+
+
+def _lock_tenant(tenant: Tenant) -> Tenant:
+    # Row lock so concurrent edits of one tenant serialise instead of losing an update.
+    try:
+        return (
+            Tenant.objects.select_for_update(of=("self",)).select_related("plan").get(pk=tenant.pk)
+        )
+    except Tenant.DoesNotExist:
+        raise TenantNotFound(tenant.slug) from None
+
+
+TENANT: Entity[Tenant] = Entity(
+    lock=_lock_tenant,
+    tenant=lambda tenant: tenant,
+    target=lambda tenant: tenant.public_id,
+    invalidation=lambda tenant: ("tenant", tenant.pk),  # its keys' contexts carry its limits
+)
+
+
+def create_tenant(
+    slug: str, *, plan_name: str, actor: str, name: str = "", **overrides: Any
+) -> Tenant:
+    check_field_names(overrides, TENANT_OVERRIDE_FIELDS, "tenant limit")
+    with transaction.atomic():
+        plan = plan_by_name(plan_name)
+        tenant = Tenant(slug=slug, name=name or slug, plan=plan, **overrides)
+        clean(tenant)
+        insert_with_slug(tenant, taken=Tenant.objects.filter(slug=slug), kind="tenant", slug=slug)
+        record_change(
+            TENANT, tenant, actor=actor, action="tenant.created", publish=False,
+            data={"slug": slug, "name": tenant.name, "plan": plan.name, "overrides": overrides},
+        )
+    return tenant
+
+
+def change_plan(tenant: Tenant, plan_name: str, *, actor: str) -> Tenant:
+    plan = plan_by_name(plan_name)
+    return update(
+        TENANT, tenant, {"plan": plan}, actor=actor, action="tenant.plan_changed",
+        data=from_to("plan", show=lambda plan: plan.name),
+    )
+
+
+def set_tenant_limits(tenant: Tenant, *, actor: str, **overrides: Any) -> Tenant:
+    """Set tenant overrides: None inherits the plan, UNLIMITED (-1) lifts the limit."""
+    if not overrides:
+        raise ValueError("No limits given")
+    check_field_names(overrides, TENANT_OVERRIDE_FIELDS, "tenant limit")
+    return update(
+        TENANT, tenant, overrides, actor=actor, action="tenant.limits_changed",
+        refresh=TENANT_OVERRIDE_FIELDS,
+    )
+
+
+def set_tenant_status(tenant: Tenant, status: str, *, actor: str) -> Tenant:
+    if status not in Tenant.Status.values:
+        raise ValueError(
+            f"Unknown tenant status {status!r}; expected one of {', '.join(Tenant.Status.values)}"
+        )
+    return update(
+        TENANT, tenant, {"status": status}, actor=actor, action="tenant.status_changed",
+        data=from_to("status"),
+    )
+
+
+def rename_tenant(tenant: Tenant, name: str, *, actor: str) -> Tenant:
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": "A tenant needs a name."})
+    return update(
+        TENANT, tenant, {"name": name}, actor=actor, action="tenant.renamed",
+        data=from_to("name"), publish=False,  # the gateways do not cache names
+    )
