@@ -1,9 +1,12 @@
 """Django admin for platform operators.
 
-Changes that the audit trail must record (creating tenants and projects, plan, limit and status
-changes, key revocation) go through tenants.services rather than a plain save. Keys are issued
-and rotated with the management commands only, because the plaintext must be shown exactly once
-to the person who asked for it. Digests are never displayed.
+Every save and delete here goes through the services, as the console's and the API's do: the
+same audit events, the same limit checks and the same invalidation messages to the gateways
+(tenants.services, tenants.membership). What no service does is not offered: tenants, projects
+and keys are not deleted (suspend a tenant, revoke a key), a tenant's slug, a project's tenant
+and slug, a plan's name and a key's expiry are fixed once created. Keys are issued and rotated
+with the console, the API or the management commands only, because the plaintext must be shown
+exactly once to the person who asked for it. Digests are never displayed.
 """
 
 from __future__ import annotations
@@ -11,14 +14,20 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
-from django.forms import ModelForm
+from django.forms import BaseInlineFormSet, ModelForm
 from django.http import HttpRequest
 
-from tenants import services
-from tenants.invalidation import publish
+from tenants.key_usability import key_usability
 from tenants.management_tokens import masked_token
-from tenants.membership import revoke_invitation
+from tenants.membership import (
+    LastOwner,
+    add_member,
+    change_member_role,
+    remove_member,
+    revoke_invitation,
+)
 from tenants.models import (
     ApiKey,
     ApiKeySecret,
@@ -31,10 +40,32 @@ from tenants.models import (
     Tenant,
 )
 from tenants.selectors import masked_key
+from tenants.services.api_keys import KEY_EDIT_FIELDS, revoke_key, update_key
+from tenants.services.limits import check_key_limits, check_project_limits
+from tenants.services.management_tokens import revoke_management_token
+from tenants.services.plans import PLAN_FIELDS, create_plan, delete_plan, update_plan
+from tenants.services.projects import PROJECT_EDIT_FIELDS, create_project, update_project
+from tenants.services.tenants import (
+    TENANT_OVERRIDE_FIELDS,
+    change_plan,
+    create_tenant,
+    rename_tenant,
+    set_tenant_limits,
+    set_tenant_status,
+)
 
 
 def _actor(request: HttpRequest) -> str:
     return f"user:{request.user.get_username()}"
+
+
+def _changes(form: ModelForm, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The form's changed values of the fields a service may change."""
+    return {name: form.cleaned_data[name] for name in form.changed_data if name in allowed}
+
+
+def _no_delete(self: admin.ModelAdmin, request: HttpRequest, obj: Any = None) -> bool:
+    return False
 
 
 @admin.register(Plan)
@@ -51,10 +82,25 @@ class PlanAdmin(admin.ModelAdmin):
     )
     readonly_fields = ("created_at", "updated_at")
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # The API names plans by name: it stays what it was created as.
+        return (*self.readonly_fields, "name") if obj is not None else self.readonly_fields
+
     def save_model(self, request: HttpRequest, obj: Plan, form: ModelForm, change: bool) -> None:
-        super().save_model(request, obj, form, change)
         if change:
-            publish("plan", obj.pk)  # limits and policy take effect on the next request
+            # Audited, and every gateway applies it to the next request.
+            update_plan(obj, actor=_actor(request), **_changes(form, PLAN_FIELDS))
+            return
+        fields = {n: form.cleaned_data[n] for n in PLAN_FIELDS if n in form.cleaned_data}
+        created = create_plan(obj.name, actor=_actor(request), **fields)
+        obj.pk, obj.created_at, obj.updated_at = created.pk, created.created_at, created.updated_at
+
+    def delete_model(self, request: HttpRequest, obj: Plan) -> None:
+        delete_plan(obj, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Plan]) -> None:
+        for plan in queryset:
+            delete_plan(plan, actor=_actor(request))
 
 
 class ProjectInline(admin.TabularInline):
@@ -70,8 +116,38 @@ class ProjectInline(admin.TabularInline):
         return False
 
 
+class MembershipForm(ModelForm):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            # A membership is one person's: remove it and add another instead.
+            self.fields["user"].disabled = True
+
+
+class MembershipFormSet(BaseInlineFormSet):
+    def clean(self) -> None:
+        super().clean()
+        before = after = 0
+        for form in self.forms:
+            if not hasattr(form, "cleaned_data") or not form.cleaned_data:
+                continue
+            if form.instance.pk is not None and form.initial.get("role") == Membership.Role.OWNER:
+                before += 1
+            if not self._should_delete_form(form) and (
+                form.cleaned_data.get("role") == Membership.Role.OWNER
+            ):
+                after += 1
+        if before and not after:
+            raise ValidationError(str(LastOwner()))
+
+
 class MembershipInline(admin.TabularInline):
+    """Added, changed and removed through tenants.membership (audited; operators act as
+    owners, so they may make and remove owners, never the last one)."""
+
     model = Membership
+    form = MembershipForm
+    formset = MembershipFormSet
     extra = 0
     autocomplete_fields = ("user",)
 
@@ -83,22 +159,27 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ("slug", "name", "public_id")
     readonly_fields = ("public_id", "created_at")
     inlines = (ProjectInline, MembershipInline)
+    has_delete_permission = _no_delete  # suspend it instead; its ledger keeps it anyway
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # The CLI names tenants by slug: it stays what it was created as.
+        return (*self.readonly_fields, "slug") if obj is not None else self.readonly_fields
 
     def save_model(self, request: HttpRequest, obj: Tenant, form: ModelForm, change: bool) -> None:
         actor = _actor(request)
         limits = {
             name: form.cleaned_data[name]
-            for name in services.TENANT_OVERRIDE_FIELDS
+            for name in TENANT_OVERRIDE_FIELDS
             if name in form.cleaned_data
         }
         if not change:
             # Blank override fields mean "inherit the plan": leave them out of the audit record.
             overrides = {name: value for name, value in limits.items() if value is not None}
-            created = services.create_tenant(
+            created = create_tenant(
                 obj.slug, plan_name=obj.plan.name, actor=actor, name=obj.name, **overrides
             )
             if obj.status != created.status:
-                services.set_tenant_status(created, obj.status, actor=actor)
+                set_tenant_status(created, obj.status, actor=actor)
             # The admin redirects to the object it saved, so give it the created row's identity.
             obj.pk, obj.public_id, obj.created_at = (
                 created.pk,
@@ -107,15 +188,45 @@ class TenantAdmin(admin.ModelAdmin):
             )
             return
         changed = set(form.changed_data)
-        if changed & {"slug", "name"}:
-            Tenant.objects.filter(pk=obj.pk).update(slug=obj.slug, name=obj.name)
+        if "name" in changed:
+            rename_tenant(obj, obj.name, actor=actor)
         if "plan" in changed:
-            services.change_plan(obj, obj.plan.name, actor=actor)
+            change_plan(obj, obj.plan.name, actor=actor)
         changed_limits = {name: value for name, value in limits.items() if name in changed}
         if changed_limits:
-            services.set_tenant_limits(obj, actor=actor, **changed_limits)
+            set_tenant_limits(obj, actor=actor, **changed_limits)
         if "status" in changed:
-            services.set_tenant_status(obj, obj.status, actor=actor)
+            set_tenant_status(obj, obj.status, actor=actor)
+
+    def save_formset(
+        self, request: HttpRequest, form: ModelForm, formset: Any, change: bool
+    ) -> None:
+        if formset.model is not Membership:
+            super().save_formset(request, form, formset, change)
+            return
+        actor, tenant = _actor(request), form.instance
+        formset.save(commit=False)  # sorts the rows into new, changed and deleted
+        # New owners first, so handing ownership over in one save never passes through none.
+        for membership in formset.new_objects:
+            add_member(tenant, membership.user, membership.role, actor=actor)
+        for membership, fields in formset.changed_objects:
+            if "role" in fields:
+                change_member_role(membership, membership.role, actor=actor,
+                                   by_role=Membership.Role.OWNER)
+        for membership in formset.deleted_objects:
+            remove_member(membership, actor=actor, by_role=Membership.Role.OWNER)
+
+
+class ProjectAdminForm(ModelForm):
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        tenant = cleaned.get("tenant") if self.instance.pk is None else self.instance.tenant
+        if tenant is not None:
+            # Within the tenant's limits, as the console and the API check (the service checks
+            # again under its lock); here so that a refusal lands on the field.
+            check_project_limits(tenant, tokens_per_day=cleaned.get("tokens_per_day"),
+                                 tokens_per_month=cleaned.get("tokens_per_month"))
+        return cleaned
 
 
 @admin.register(Project)
@@ -124,19 +235,28 @@ class ProjectAdmin(admin.ModelAdmin):
     list_select_related = ("tenant",)
     search_fields = ("slug", "name", "public_id", "tenant__slug")
     readonly_fields = ("public_id", "created_at")
+    form = ProjectAdminForm
+    # Deleting one would delete its keys unrevoked: revoke them instead.
+    has_delete_permission = _no_delete
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        if obj is None:
+            return self.readonly_fields
+        return (*self.readonly_fields, "tenant", "slug")
 
     def save_model(self, request: HttpRequest, obj: Project, form: ModelForm, change: bool) -> None:
         if change:
-            super().save_model(request, obj, form, change)
-            publish("tenant", obj.tenant_id)  # gateways cache projects with the keys
+            # Audited; gateways cache projects with the keys.
+            update_project(obj, actor=_actor(request), **_changes(form, PROJECT_EDIT_FIELDS))
             return
-        created = services.create_project(
+        created = create_project(
             obj.tenant,
             obj.slug,
             actor=_actor(request),
             name=obj.name,
             tokens_per_day=obj.tokens_per_day,
             tokens_per_month=obj.tokens_per_month,
+            within_limits=True,
         )
         obj.pk, obj.public_id, obj.created_at = created.pk, created.public_id, created.created_at
 
@@ -154,6 +274,20 @@ class ApiKeySecretInline(admin.TabularInline):
     @admin.display(description="Secret")
     def masked(self, secret: ApiKeySecret) -> str:
         return secret.masked
+
+
+class ApiKeyAdminForm(ModelForm):
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        key = self.instance
+        value = {n: cleaned.get(n, getattr(key, n)) for n in KEY_EDIT_FIELDS}
+        # Within the project's and the tenant's limits and the plan's models, as the console
+        # and the API check (update_key checks again under its lock).
+        check_key_limits(key.project, tokens_per_day=value["tokens_per_day"],
+                         tokens_per_month=value["tokens_per_month"],
+                         requests_per_minute=value["requests_per_minute"],
+                         allowed_models=value["allowed_models"])
+        return cleaned
 
 
 @admin.register(ApiKey)
@@ -197,6 +331,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "public_id",
         "masked",
         "project",
+        "expires_at",
         "revoked_at",
         "last_used_at",
         "created_at",
@@ -204,21 +339,29 @@ class ApiKeyAdmin(admin.ModelAdmin):
     )
     inlines = (ApiKeySecretInline,)
     actions = ("revoke_selected",)
+    form = ApiKeyAdminForm
+    has_delete_permission = _no_delete  # revoke instead: the gateways hear of a revocation
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    @admin.display(description="Key")
-    def save_model(self, request: HttpRequest, obj: ApiKey, form: ModelForm, change: bool) -> None:
-        super().save_model(request, obj, form, change)
-        publish("api_key", obj.pk)  # sub-limits and allowed models are cached by the gateways
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # A revoked key cannot be changed (update_key refuses): its page is read-only.
+        if obj is not None and key_usability(obj).revoked:
+            return False
+        return super().has_change_permission(request, obj)
 
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: ModelForm, change: bool) -> None:
+        # Audited; sub-limits and allowed models are cached by the gateways.
+        update_key(obj, actor=_actor(request), **_changes(form, KEY_EDIT_FIELDS))
+
+    @admin.display(description="Key")
     def masked(self, api_key: ApiKey) -> str:
         return masked_key(api_key)
 
     @admin.action(description="Revoke selected API keys")
     def revoke_selected(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        revoked = sum(services.revoke_key(key, actor=_actor(request)) for key in queryset)
+        revoked = sum(revoke_key(key, actor=_actor(request)) for key in queryset)
         self.message_user(request, f"Revoked {revoked} API key(s).", messages.SUCCESS)
 
 
@@ -269,7 +412,7 @@ class ManagementTokenAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected management tokens")
     def revoke_selected(self, request: HttpRequest, queryset: QuerySet[ManagementToken]) -> None:
         revoked = sum(
-            services.revoke_management_token(token, actor=_actor(request))
+            revoke_management_token(token, actor=_actor(request))
             for token in queryset.select_related("tenant")
         )
         self.message_user(request, f"Revoked {revoked} management token(s).", messages.SUCCESS)

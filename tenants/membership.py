@@ -32,7 +32,7 @@ from tenants.exceptions import TenantsError
 from tenants.ids import random_base62
 from tenants.keys import digest_key
 from tenants.models import Invitation, Membership, Tenant
-from tenants.services import record_audit_event
+from tenants.services.audit import record_audit_event
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +273,18 @@ def revoke_invitation(invitation: Invitation, *, actor: str) -> Invitation:
                            tenant=locked.tenant, data={"role": locked.role})
     invitation.revoked_at = locked.revoked_at
     return invitation
+
+
+def add_member(tenant: Tenant, user: Any, role: str, *, actor: str) -> Membership:
+    """Make `user` a member of the tenant with `role`, any role: for operators (Django admin),
+    who give a new tenant its first owner; everyone else invites."""
+    if role not in Membership.Role.values:
+        raise ValidationError({"role": [f"Choose one of: {', '.join(Membership.Role.values)}."]})
+    with transaction.atomic():
+        membership = Membership.objects.create(user=user, tenant=tenant, role=role)
+        record_audit_event(actor=actor, action="member.add", target=user.get_username(),
+                           tenant=tenant, data={"role": role})
+    return membership
 
 
 def _locked_memberships(membership: Membership) -> tuple[Membership, int]:
