@@ -4,6 +4,10 @@ Provider secrets are write-only here: the form has a password field that sets a 
 never renders the stored one; the list and the change page show only the last four characters.
 Prices are append-mostly: a price that has been used to cost requests should not change, so a
 new price is a new row and an existing one can only be closed (its `valid_to` set).
+
+Every save and delete goes through the services of gateway/prices.py and gateway/providers.py,
+as the management commands' do: validated, audited, and published so that every gateway process
+reloads its catalog or provider pool.
 """
 
 from __future__ import annotations
@@ -16,15 +20,22 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
-from gateway.prices import Price, save_alias, save_price
+from gateway.prices import (
+    Price,
+    delete_alias,
+    delete_model_spec,
+    save_alias,
+    save_model_spec,
+    save_price,
+)
 from gateway.providers import (
     apply_provider_secret,
     create_provider_key,
+    delete_provider_key,
     normalize_base_url,
     set_provider_secret,
     update_provider_key,
 )
-from tenants.invalidation import publish
 
 
 def _actor(request: HttpRequest) -> str:
@@ -48,19 +59,17 @@ class ModelSpecAdmin(admin.ModelAdmin):
     search_fields = ("name",)
     readonly_fields = ("created_at", "updated_at")
 
-    # Every gateway worker keeps the catalog in memory: tell them to reload it.
+    # Every gateway worker keeps the catalog in memory: the services tell them to reload it.
     def save_model(self, request: HttpRequest, obj: ModelSpec, form: forms.ModelForm,
                    change: bool) -> None:
-        super().save_model(request, obj, form, change)
-        publish("catalog")
+        save_model_spec(obj, actor=_actor(request), changed=form.changed_data)
 
     def delete_model(self, request: HttpRequest, obj: ModelSpec) -> None:
-        super().delete_model(request, obj)
-        publish("catalog")
+        delete_model_spec(obj, actor=_actor(request))
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
-        super().delete_queryset(request, queryset)
-        publish("catalog")
+        for spec in queryset:
+            delete_model_spec(spec, actor=_actor(request))
 
 
 @admin.register(ModelPrice)
@@ -80,7 +89,7 @@ class ModelPriceAdmin(admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: ModelPrice, form: forms.ModelForm,
                    change: bool) -> None:
-        save_price(obj)  # validated, and every gateway reloads its catalog
+        save_price(obj, actor=_actor(request))  # validated, and every gateway reloads its catalog
 
 
 @admin.register(ModelAlias)
@@ -93,16 +102,15 @@ class ModelAliasAdmin(admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm,
                    change: bool) -> None:
-        save_alias(obj)
+        save_alias(obj, actor=_actor(request))
 
     # An alias deleted here stops applying on every gateway at once.
     def delete_model(self, request: HttpRequest, obj: ModelAlias) -> None:
-        super().delete_model(request, obj)
-        publish("catalog")
+        delete_alias(obj, actor=_actor(request))
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
-        super().delete_queryset(request, queryset)
-        publish("catalog")
+        for alias in queryset.select_related("model"):
+            delete_alias(alias, actor=_actor(request))
 
 
 def _default_price(obj: ProviderKey) -> Price | None:
@@ -221,3 +229,10 @@ class ProviderKeyAdmin(admin.ModelAdmin):
         )
         if secret:
             set_provider_secret(obj, secret, actor=_actor(request))
+
+    def delete_model(self, request: HttpRequest, obj: ProviderKey) -> None:
+        delete_provider_key(obj, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ProviderKey]) -> None:
+        for provider_key in queryset.select_related("tenant"):
+            delete_provider_key(provider_key, actor=_actor(request))

@@ -11,8 +11,9 @@ A name resolves to its canonical model first (ModelAlias: "gpt-4o-2024-08-06" ->
 4. else no price: the gateway refuses the call (model_not_priced). Never $0 by accident; a model
    is free only when an operator priced it at 0.
 
-Writes go through save_price / save_alias, which validate and tell every gateway process to reload
-its catalog (pub/sub).
+Every write to the catalog (models, price periods, aliases) goes through the functions at the end
+(save_model_spec, save_price, save_alias and the deletes): they validate, record an audit event and
+tell every gateway process to reload its catalog (pub/sub). Django admin calls them too.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from django.db import transaction
 
 from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
 from tenants.invalidation import publish
+from tenants.services.audit import record_audit_event
 
 MICROS_PER_MTOK_DIVISOR = 1_000_000  # prices are per million tokens
 
@@ -161,19 +163,74 @@ def load_aliases() -> dict[str, str]:
     return dict(ModelAlias.objects.values_list("alias", "model__name"))
 
 
-def save_price(price: ModelPrice) -> ModelPrice:
+def _when(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def save_model_spec(spec: ModelSpec, *, actor: str = "system",
+                    changed: Iterable[str] = ()) -> ModelSpec:
+    """Validate and save a catalog model (`changed`: the fields an edit changed, for the audit
+    trail); every gateway process reloads its catalog."""
+    created = spec.pk is None
+    spec.full_clean()
+    with transaction.atomic():
+        spec.save()
+        publish("catalog")
+        record_audit_event(
+            actor=actor, action="model.create" if created else "model.update", target=spec.name,
+            data={"fields": sorted(changed)} if not created else {
+                "kind": spec.kind, "input_price_micros_per_mtok": spec.input_price_micros_per_mtok,
+                "output_price_micros_per_mtok": spec.output_price_micros_per_mtok},
+        )
+    return spec
+
+
+def delete_model_spec(spec: ModelSpec, *, actor: str = "system") -> None:
+    """Delete a catalog model and its aliases; every gateway process reloads its catalog."""
+    with transaction.atomic():
+        aliases = sorted(spec.aliases.values_list("alias", flat=True))
+        spec.delete()
+        publish("catalog")
+        record_audit_event(actor=actor, action="model.delete", target=spec.name,
+                           data={"aliases": aliases})
+
+
+def save_price(price: ModelPrice, *, actor: str = "system") -> ModelPrice:
     """Validate and save a price period; every gateway process reloads its catalog."""
+    created = price.pk is None
     price.full_clean()
     with transaction.atomic():
         price.save()
         publish("catalog")
+        record_audit_event(
+            actor=actor, action="model_price.create" if created else "model_price.update",
+            target=price.model,
+            data={"input_micros_per_mtok": price.input_micros_per_mtok,
+                  "output_micros_per_mtok": price.output_micros_per_mtok,
+                  "valid_from": _when(price.valid_from), "valid_to": _when(price.valid_to)},
+        )
     return price
 
 
-def save_alias(alias: ModelAlias) -> ModelAlias:
+def save_alias(alias: ModelAlias, *, actor: str = "system") -> ModelAlias:
     """Validate and save a model alias; every gateway process reloads its catalog."""
+    created = alias.pk is None
     alias.full_clean()
     with transaction.atomic():
         alias.save()
         publish("catalog")
+        record_audit_event(
+            actor=actor, action="model_alias.create" if created else "model_alias.update",
+            target=alias.alias, data={"model": alias.model.name},
+        )
     return alias
+
+
+def delete_alias(alias: ModelAlias, *, actor: str = "system") -> None:
+    """Delete a model alias: it stops applying on every gateway at once."""
+    with transaction.atomic():
+        model = alias.model.name
+        alias.delete()
+        publish("catalog")
+        record_audit_event(actor=actor, action="model_alias.delete", target=alias.alias,
+                           data={"model": model})

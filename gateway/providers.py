@@ -20,7 +20,7 @@ from gateway.models import ProviderKey
 from gateway.prices import Price
 from tenants.models import Tenant
 from tenants.invalidation import publish
-from tenants.services import record_audit_event
+from tenants.services.audit import record_audit_event
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,18 @@ def update_provider_key(
             tenant=provider_key.tenant,
             data={"fields": fields},
         )
+
+
+def delete_provider_key(provider_key: ProviderKey, *, actor: str = "system") -> None:
+    """Delete a provider key; audited, and every gateway process reloads its pool (and its
+    catalog, which holds the key's default prices). Disabling it keeps its history instead."""
+    with transaction.atomic():
+        public_id, tenant = provider_key.public_id, provider_key.tenant
+        provider_key.delete()
+        publish("providers")
+        record_audit_event(actor=actor, action="provider_key.delete", target=public_id,
+                           tenant=tenant, data={"name": provider_key.name,
+                                                "base_url": provider_key.base_url})
 
 
 def reencrypt_provider_secrets() -> int:
