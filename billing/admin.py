@@ -2,8 +2,9 @@
 edited with the catalog (gateway/admin.py): the hot path and the ledger share them.
 
 The ledger is the truth about what requests cost: nobody edits or deletes it here.
-Reconciliation runs are a history: they are read here, with their rows inline; upstream key
-aliases are edited here (OpenAI key ids).
+Reconciliation runs are a history: they are read here, with their rows inline, and a superuser
+may prune them; upstream key aliases are edited here (OpenAI key ids). Both writes go through
+billing/reconciliation.py's services, which record them in the audit trail.
 """
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ from billing.models import (
     UpstreamKeyAlias,
     UsageRecord,
 )
+from billing.reconciliation import (
+    delete_reconciliation_run,
+    delete_upstream_key_alias,
+    save_upstream_key_alias,
+)
+
+
+def _actor(request: HttpRequest) -> str:
+    return f"user:{request.user.get_username()}"
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -86,6 +96,19 @@ class ReconciliationRunAdmin(ReadOnlyAdmin):
         # Old history may be pruned by a superuser.
         return bool(request.user.is_superuser)
 
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> Any:
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        # A run's rows go with it (nobody deletes a row alone): no permission of their own.
+        perms_needed.discard(ReconciliationRow._meta.verbose_name)
+        return deleted, counts, perms_needed, protected
+
+    def delete_model(self, request: HttpRequest, obj: ReconciliationRun) -> None:
+        delete_reconciliation_run(obj, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ReconciliationRun]) -> None:
+        for run in queryset:
+            delete_reconciliation_run(run, actor=_actor(request))
+
 
 @admin.register(ReconciliationRow)
 class ReconciliationRowAdmin(ReadOnlyAdmin):
@@ -105,3 +128,14 @@ class UpstreamKeyAliasAdmin(admin.ModelAdmin):
     autocomplete_fields = ("provider_key",)
     readonly_fields = ("derived", "created_at")
     list_select_related = ("provider_key",)
+
+    def save_model(self, request: HttpRequest, obj: UpstreamKeyAlias, form: Any,
+                   change: bool) -> None:
+        save_upstream_key_alias(obj, actor=_actor(request))
+
+    def delete_model(self, request: HttpRequest, obj: UpstreamKeyAlias) -> None:
+        delete_upstream_key_alias(obj, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[UpstreamKeyAlias]) -> None:
+        for alias in queryset.select_related("provider_key"):
+            delete_upstream_key_alias(alias, actor=_actor(request))

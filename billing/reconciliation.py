@@ -60,6 +60,7 @@ from gateway.mock_upstream import api_key_id
 from gateway.models import ModelSpec, ProviderKey
 from gateway.prices import load_aliases
 from quotas.keys import reconcile_lock_key
+from tenants.services.audit import record_audit_event
 
 log = logging.getLogger(__name__)
 
@@ -469,3 +470,42 @@ def reconcile_configured(day: date, kind: str, *, tolerance: Decimal | str | Non
 
 def yesterday_utc() -> date:
     return datetime.now(UTC).date() - timedelta(days=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# What operators edit (Django admin): upstream key aliases, and pruning the run history
+# ---------------------------------------------------------------------------------------------
+
+
+def save_upstream_key_alias(alias: UpstreamKeyAlias, *, actor: str) -> UpstreamKeyAlias:
+    """Validate and save an alias an operator entered (an OpenAI key id); audited. The next
+    reconciliation run reads it: nothing caches aliases."""
+    created = alias.pk is None
+    alias.full_clean()
+    with transaction.atomic():
+        alias.save()
+        record_audit_event(
+            actor=actor, target=alias.upstream_key_id,
+            action="upstream_key_alias.create" if created else "upstream_key_alias.update",
+            data={"provider_key": alias.provider_key.public_id},
+        )
+    return alias
+
+
+def delete_upstream_key_alias(alias: UpstreamKeyAlias, *, actor: str) -> None:
+    with transaction.atomic():
+        provider_key = alias.provider_key.public_id
+        alias.delete()
+        record_audit_event(actor=actor, action="upstream_key_alias.delete",
+                           target=alias.upstream_key_id, data={"provider_key": provider_key})
+
+
+def delete_reconciliation_run(run: ReconciliationRun, *, actor: str) -> None:
+    """Prune a run and its rows from the history; audited with what it found."""
+    with transaction.atomic():
+        public_id = run.public_id
+        data = {"period_start": run.period_start.isoformat(), "source": run.source,
+                "status": run.status, "flagged_count": run.flagged_count}
+        run.delete()
+        record_audit_event(actor=actor, action="reconciliation_run.delete", target=public_id,
+                           data=data)

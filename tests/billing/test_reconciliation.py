@@ -595,3 +595,25 @@ def test_operators_see_runs_and_rows_in_the_admin(admin_client: Any, key: Provid
         "provider_key": key.pk, "upstream_key_id": "key_from_openai"})
     assert response.status_code == 302
     assert UpstreamKeyAlias.objects.get(upstream_key_id="key_from_openai").derived is False
+
+
+def test_admin_alias_edits_and_run_pruning_are_audited(admin_client: Any, admin_user: Any,
+                                                       key: ProviderKey, tmp_path: Path) -> None:
+    from tenants.models import AuditEvent
+
+    actor = f"user:{admin_user.username}"
+    assert admin_client.post("/admin/billing/upstreamkeyalias/add/", {
+        "provider_key": key.pk, "upstream_key_id": "key_entered"}).status_code == 302
+    alias = UpstreamKeyAlias.objects.get(upstream_key_id="key_entered")
+    assert admin_client.post(f"/admin/billing/upstreamkeyalias/{alias.pk}/delete/",
+                             {"post": "yes"}).status_code == 302
+    usage(key, "gpt-4o", DAY, 1000, 0)
+    run = reconcile(DAY, csv_bill(tmp_path, f"{DAY},{KID},gpt-4o,1000,0,1,"), provider_key=key)
+    assert admin_client.post(f"/admin/billing/reconciliationrun/{run.pk}/delete/",
+                             {"post": "yes"}).status_code == 302
+    events = list(AuditEvent.objects.filter(actor=actor).order_by("id")
+                  .values_list("action", "target"))
+    assert events == [("upstream_key_alias.create", "key_entered"),
+                      ("upstream_key_alias.delete", "key_entered"),
+                      ("reconciliation_run.delete", run.public_id)]
+    assert not ReconciliationRun.objects.filter(pk=run.pk).exists()
