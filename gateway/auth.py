@@ -20,8 +20,8 @@ from quotas import keys as quota_keys
 from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
 from quotas.keys import tenant_tag
 from quotas.limits import request_limits
+from tenants.api_key_format import digests_match, parse_key
 from tenants.key_usability import key_usability
-from tenants.keys import digests_match, parse_key
 from tenants.models import ApiKey, Project
 from tenants.selectors import EffectiveLimits, allowed_models_for_key, effective_limits, secret_by_prefix
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
+from tenants.api_key_format import LAST4_LENGTH, PREFIX_LENGTH, SECRET_LENGTH, digest_key
 from tenants.ids import random_base62
-from tenants.keys import LAST4_LENGTH, PREFIX_LENGTH, SECRET_LENGTH, digest_key
 
 TOKEN_SCHEME = "tgm"
 

@@ -1,7 +1,7 @@
 """Who belongs to a tenant's console: invitations, accepting them, roles and removal.
 
 An invitation is a link carrying a random secret; only its digest is stored (the same keyed
-HMAC as API keys, tenants.keys.digest_key), so the link is shown to the inviter once and mailed
+HMAC as API keys, tenants.api_key_format.digest_key), so the link is shown to the inviter once and mailed
 once, and a copy of the database cannot rebuild it. A link works once, until it expires or is
 revoked. Audit events name the invitation by its public id and never carry the link.
 
@@ -28,9 +28,9 @@ from django.core.validators import validate_email
 from django.db import transaction
 from django.utils import timezone
 
+from tenants.api_key_format import digest_key
 from tenants.exceptions import TenantsError
 from tenants.ids import random_base62
-from tenants.keys import digest_key
 from tenants.models import Invitation, Membership, Tenant
 from tenants.services.audit import record_audit_event
 

@@ -15,6 +15,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
+from tenants.api_key_format import DIGEST_LENGTH, LAST4_LENGTH, PREFIX_LENGTH, masked
 from tenants.ids import (
     PUBLIC_ID_MAX_LENGTH,
     new_api_key_id,
@@ -23,7 +24,6 @@ from tenants.ids import (
     new_project_id,
     new_tenant_id,
 )
-from tenants.keys import DIGEST_LENGTH, LAST4_LENGTH, PREFIX_LENGTH, masked
 from tenants.validators import (
     validate_alert_thresholds,
     validate_model_limits,

@@ -10,7 +10,7 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from tenants.keys import digests_match
+from tenants.api_key_format import digests_match
 from tenants.management_tokens import TOKEN_SCHEME, parse_token
 from tenants.models import ManagementToken
 

@@ -17,9 +17,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from tenants.api_key_format import generate_key, mask_plaintext
 from tenants.exceptions import ApiKeyNotFound, KeyExpired, KeyRevoked
 from tenants.key_usability import key_usability
-from tenants.keys import generate_key, mask_plaintext
 from tenants.models import ApiKey, ApiKeySecret, Project
 from tenants.services._base import Entity, check_field_names, clean, record_change, update
 from tenants.services.limits import check_key_limits

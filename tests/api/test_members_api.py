@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.core import mail
 from django.utils import timezone
 
-from tenants.keys import digest_key
+from tenants.api_key_format import digest_key
 from tenants.membership import accept_invitation, accept_invitation_as_new_user, invite_member
 from tenants.models import AuditEvent, Invitation, Membership
 from tests.world import World

@@ -30,7 +30,7 @@ from quotas.engine import (
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
-from tenants.keys import parse_key
+from tenants.api_key_format import parse_key
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant, issue_key
 from tests.private_redis import PrivateRedis, private_redis  # noqa: F401 - fixture

@@ -10,7 +10,7 @@ from django.core import mail
 from django.test import Client
 from django.utils import timezone
 
-from tenants.keys import digest_key
+from tenants.api_key_format import digest_key
 from tenants.membership import invite_member
 from tenants.models import AuditEvent, Invitation, Membership
 from tests.world import World

@@ -47,7 +47,7 @@ from quotas.engine import QuotaEngine, Reservation, ReserveRequest, ScopeLimit, 
 from quotas.keys import INVALIDATION_CHANNEL
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
-from tenants.keys import parse_key
+from tenants.api_key_format import parse_key
 from tenants.services import create_project, create_tenant, issue_key
 from tests.gateway.conftest import (
     MOCK_DEFAULT_INPUT_PRICE,

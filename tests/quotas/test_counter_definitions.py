@@ -23,7 +23,7 @@ from quotas.limits import REFUSAL_REASONS, request_counters, request_limits, sta
 from quotas.runtime import get_engine
 from quotas.status import quota_status
 from quotas.windows import WindowKind
-from tenants.keys import parse_key
+from tenants.api_key_format import parse_key
 from tenants.models import ApiKey, Project, Tenant
 from tenants.selectors import effective_limits
 from tenants.services import create_project, create_tenant, issue_key, set_tenant_limits

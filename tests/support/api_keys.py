@@ -8,7 +8,7 @@ from datetime import datetime
 from django.utils import timezone
 
 from gateway.auth import load_key_context
-from tenants.keys import parse_key
+from tenants.api_key_format import parse_key
 from tenants.models import ApiKey
 
 

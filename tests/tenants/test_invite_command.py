@@ -8,7 +8,7 @@ import pytest
 from django.core import mail
 from django.core.management import CommandError, call_command
 
-from tenants.keys import digest_key
+from tenants.api_key_format import digest_key
 from tenants.models import AuditEvent, Invitation
 from tests.world import World
 

@@ -8,7 +8,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from pytest_django import Settings
 
-from tenants.keys import digest_key, digests_match, generate_key, mask_plaintext, masked, parse_key
+from tenants.api_key_format import digest_key, digests_match, generate_key, mask_plaintext, masked, parse_key
 
 KEY_RE = re.compile(r"tgk_[0-9A-Za-z]{12}_[0-9A-Za-z]{40}")
 
