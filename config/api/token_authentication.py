@@ -1,21 +1,16 @@
-"""Bearer management tokens for the /api/ endpoints (`Authorization: Bearer tgm_...`)."""
+"""Bearer management tokens for the /api/ endpoints (`Authorization: Bearer tgm_...`): DRF's
+side of it. Which token a plaintext stands for is decided by the tenants services
+(authenticate_management_token)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from django.db.models import Q
-from django.utils import timezone
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from tenants.api_key_format import digests_match
-from tenants.management_tokens import TOKEN_SCHEME, parse_token
+from tenants.management_tokens import TOKEN_SCHEME
 from tenants.models import ManagementToken
-
-# last_used_at is for humans ("used 3 minutes ago"); one write a minute per token is plenty.
-_TOUCH_EVERY = timedelta(minutes=1)
+from tenants.services import authenticate_management_token
 
 
 class TokenUser:
@@ -52,7 +47,7 @@ class ManagementTokenAuthentication(BaseAuthentication):
             plaintext = parts[1].decode("ascii")
         except UnicodeDecodeError:
             raise AuthenticationFailed("Invalid management token.") from None
-        token = authenticate_token(plaintext)
+        token = authenticate_management_token(plaintext)
         if token is None:
             raise AuthenticationFailed(
                 f"Invalid, expired or revoked management token (expected {TOKEN_SCHEME}_...; "
@@ -63,21 +58,3 @@ class ManagementTokenAuthentication(BaseAuthentication):
     def authenticate_header(self, request: Request) -> str:
         return f'{self.keyword} realm="api"'
 
-
-def authenticate_token(plaintext: str) -> ManagementToken | None:
-    prefix = parse_token(plaintext)
-    if prefix is None:
-        return None
-    now = timezone.now()
-    token = (
-        ManagementToken.objects.select_related("tenant")
-        .filter(prefix=prefix, revoked_at__isnull=True)
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-        .first()
-    )
-    if token is None or not digests_match(plaintext, token.digest):
-        return None
-    if token.last_used_at is None or now - token.last_used_at > _TOUCH_EVERY:
-        ManagementToken.objects.filter(pk=token.pk).update(last_used_at=now)
-        token.last_used_at = now
-    return token

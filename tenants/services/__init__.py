@@ -31,6 +31,7 @@ from tenants.services.audit import record_audit_event
 from tenants.services.limits import check_key_limits, check_project_limits
 from tenants.services.management_tokens import (
     IssuedToken,
+    authenticate_management_token,
     issue_management_token,
     revoke_management_token,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "TENANT_OVERRIDE_FIELDS",
     "IssuedKey",
     "IssuedToken",
+    "authenticate_management_token",
     "change_plan",
     "check_key_limits",
     "check_project_limits",

@@ -1,15 +1,17 @@
-"""Management API tokens: issuing one (its plaintext exists once, in the IssuedToken returned)
-and revoking it."""
+"""Management API tokens: issuing one (its plaintext exists once, in the IssuedToken returned),
+revoking it, and finding the live token a bearer plaintext stands for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from tenants.management_tokens import generate_token, masked_token
+from tenants.api_key_format import digests_match
+from tenants.management_tokens import generate_token, masked_token, parse_token
 from tenants.models import ManagementToken, Tenant
 from tenants.services._base import Entity, clean, record_change
 
@@ -67,3 +69,28 @@ def revoke_management_token(token: ManagementToken, *, actor: str) -> bool:
             record_change(MANAGEMENT_TOKEN, token, actor=actor, action="token.revoked",
                           data={"name": token.name})
     return bool(changed)
+
+
+# last_used_at is for humans ("used 3 minutes ago"); one write a minute per token is plenty.
+_TOUCH_EVERY = timedelta(minutes=1)
+
+
+def authenticate_management_token(plaintext: str) -> ManagementToken | None:
+    """The unrevoked, unexpired token whose digest matches `plaintext` (its tenant loaded), or
+    None. Records its use (last_used_at) at most once a minute."""
+    prefix = parse_token(plaintext)
+    if prefix is None:
+        return None
+    now = timezone.now()
+    token = (
+        ManagementToken.objects.select_related("tenant")
+        .filter(prefix=prefix, revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .first()
+    )
+    if token is None or not digests_match(plaintext, token.digest):
+        return None
+    if token.last_used_at is None or now - token.last_used_at > _TOUCH_EVERY:
+        ManagementToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        token.last_used_at = now
+    return token
