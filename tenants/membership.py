@@ -1,9 +1,10 @@
 """Who belongs to a tenant's console: invitations, accepting them, roles and removal.
 
 An invitation is a link carrying a random secret; only its digest is stored (the same keyed
-HMAC as API keys, tenants.api_key_format.digest_key), so the link is shown to the inviter once and mailed
-once, and a copy of the database cannot rebuild it. A link works once, until it expires or is
-revoked. Audit events name the invitation by its public id and never carry the link.
+HMAC as API keys, tenants.api_key_format.digest_key), so the link is shown to the inviter once
+and mailed once, and a copy of the database cannot rebuild it. A link works once, until it
+expires or is revoked. Audit events name the invitation by its public id and never carry the
+link.
 
 Role rules, on top of tenants.access (owners and admins may change, members only read):
 - only an owner may make someone an owner, or demote or remove an owner, so an admin cannot
