@@ -2,6 +2,7 @@
 files; a test module never imports another test module, it imports from here.
 
 - `api_clients`: management API clients (a bearer token).
+- `api_keys`: whether the gateway would accept a plaintext API key (its own auth path).
 - `webhook_receiver`: an HTTP server on loopback that records the webhooks it is sent.
 - `prometheus`: reading the /metrics page.
 - `gateway_calls`: what an end-to-end call left behind (the usage stream, the mock's bill).
