@@ -146,11 +146,9 @@ def test_status_cli_alerts_and_rebuild_read_the_same_definitions(
         "tenant", "model:gpt-4o"}
 
 
-# Redis names outside quotas/keys.py that are not keys: pub/sub channels and the Django cache's
-# prefix (it prefixes keys Django builds itself).
+# The one Redis name outside quotas/keys.py: the Django cache's prefix (it prefixes keys Django
+# builds itself). The pub/sub channels are named in quotas/keys.py too.
 _NOT_KEYS = {
-    "gateway/listener.py": 'COOLDOWN_CHANNEL = "tg:provider-cooldown"',
-    "tenants/invalidation.py": 'CHANNEL = "tg:invalidate"',
     "config/settings.py": '"KEY_PREFIX": "tg:cache"',
 }
 
