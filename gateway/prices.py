@@ -17,10 +17,11 @@ tell every gateway process to reload its catalog (pub/sub). Django admin calls t
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
+from typing import Any
 
 from django.db import transaction
 
@@ -167,21 +168,28 @@ def _when(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
 
+def _save_catalog_row(row: Any, *, actor: str, action: str, target: str,
+                      data: Callable[[bool], dict[str, Any]]) -> None:
+    """Validate and save one catalog row (a model, a price period, an alias), tell every gateway
+    process to reload its catalog, and audit `<action>.create` or `<action>.update` with
+    `data(created)`; one transaction."""
+    created = row.pk is None
+    row.full_clean()
+    with transaction.atomic():
+        row.save()
+        publish("catalog")
+        record_audit_event(actor=actor, action=f"{action}.{'create' if created else 'update'}",
+                           target=target, data=data(created))
+
+
 def save_model_spec(spec: ModelSpec, *, actor: str = "system",
                     changed: Iterable[str] = ()) -> ModelSpec:
     """Validate and save a catalog model (`changed`: the fields an edit changed, for the audit
     trail); every gateway process reloads its catalog."""
-    created = spec.pk is None
-    spec.full_clean()
-    with transaction.atomic():
-        spec.save()
-        publish("catalog")
-        record_audit_event(
-            actor=actor, action="model.create" if created else "model.update", target=spec.name,
-            data={"fields": sorted(changed)} if not created else {
-                "kind": spec.kind, "input_price_micros_per_mtok": spec.input_price_micros_per_mtok,
-                "output_price_micros_per_mtok": spec.output_price_micros_per_mtok},
-        )
+    _save_catalog_row(spec, actor=actor, action="model", target=spec.name, data=lambda created: (
+        {"kind": spec.kind, "input_price_micros_per_mtok": spec.input_price_micros_per_mtok,
+         "output_price_micros_per_mtok": spec.output_price_micros_per_mtok} if created
+        else {"fields": sorted(changed)}))
     return spec
 
 
@@ -197,32 +205,19 @@ def delete_model_spec(spec: ModelSpec, *, actor: str = "system") -> None:
 
 def save_price(price: ModelPrice, *, actor: str = "system") -> ModelPrice:
     """Validate and save a price period; every gateway process reloads its catalog."""
-    created = price.pk is None
-    price.full_clean()
-    with transaction.atomic():
-        price.save()
-        publish("catalog")
-        record_audit_event(
-            actor=actor, action="model_price.create" if created else "model_price.update",
-            target=price.model,
-            data={"input_micros_per_mtok": price.input_micros_per_mtok,
-                  "output_micros_per_mtok": price.output_micros_per_mtok,
-                  "valid_from": _when(price.valid_from), "valid_to": _when(price.valid_to)},
-        )
+    _save_catalog_row(price, actor=actor, action="model_price", target=price.model,
+                      data=lambda _created: {
+                          "input_micros_per_mtok": price.input_micros_per_mtok,
+                          "output_micros_per_mtok": price.output_micros_per_mtok,
+                          "valid_from": _when(price.valid_from),
+                          "valid_to": _when(price.valid_to)})
     return price
 
 
 def save_alias(alias: ModelAlias, *, actor: str = "system") -> ModelAlias:
     """Validate and save a model alias; every gateway process reloads its catalog."""
-    created = alias.pk is None
-    alias.full_clean()
-    with transaction.atomic():
-        alias.save()
-        publish("catalog")
-        record_audit_event(
-            actor=actor, action="model_alias.create" if created else "model_alias.update",
-            target=alias.alias, data={"model": alias.model.name},
-        )
+    _save_catalog_row(alias, actor=actor, action="model_alias", target=alias.alias,
+                      data=lambda _created: {"model": alias.model.name})
     return alias
 
 
