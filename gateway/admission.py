@@ -120,7 +120,8 @@ def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price)
     return Estimate(info, prompt, amount, cap, price)
 
 
-def _meta(ctx: KeyContext, parsed: ParsedBody, model: str) -> str:
+def reserve_meta(ctx: KeyContext, parsed: ParsedBody, model: str) -> str:
+    """What the hold stores and its usage event carries for the ledger (who, which model)."""
     return json.dumps({"p": ctx.project.pk, "k": ctx.api_key.pk, "m": parsed.model,
                        "served": model, "ep": parsed.endpoint.value}, separators=(",", ":"))
 
@@ -135,7 +136,7 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
     return ReserveRequest(
         tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
         min_amount=min_amount, rates=ctx.rates, concurrency=ctx.concurrency,
-        meta=_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
+        meta=reserve_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
         input_tokens=est.prompt_tokens, price_in=est.price.input_micros_per_mtok,
         price_out=est.price.output_micros_per_mtok,
         check_epoch=True,  # refuse (and rebuild) when Redis lost the tenant's data
@@ -184,13 +185,12 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
         raise rate_limited("Your plan allows no requests at the moment.", 60)
     catalog = runtime.catalog
     est = estimate(parsed, catalog.resolve(parsed.model), ctx, priced(runtime, parsed.model))
-    # runtime.reserve: the engine's reserve, plus the rebuild of counters Redis lost (503 until
-    # they are back: nothing is admitted on an empty counter).
-    engine = runtime
     # Per-model limits count a dated snapshot under its catalog model (one model name).
     request = _request(ctx, parsed, request_id, parsed.model, est,
                        ctx.scopes(catalog.canonical(parsed.model)))
-    reservation = await engine.reserve(request)
+    # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
+    # back: nothing is admitted on an empty counter).
+    reservation = await runtime.reserve(request)
     if reservation.admitted:
         return Admission(reservation, parsed.model, est, _with_output_cap(est, reservation, parsed, ctx))
     if reservation.outcome is not Outcome.QUOTA:
@@ -204,7 +204,7 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
         while time.monotonic() + pause < deadline:
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
-            again = await engine.reserve(request)
+            again = await runtime.reserve(request)
             if again.admitted:
                 return Admission(again, parsed.model, est,
                                  _with_output_cap(est, again, parsed, ctx))
@@ -216,19 +216,18 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
         ceiling = tuple(
             s if s.limit == UNLIMITED else replace(s, limit=s.limit * percent // 100)
             for s in request.limits)
-        soft = await engine.reserve(replace(request, limits=ceiling))
+        soft = await runtime.reserve(replace(request, limits=ceiling))
         if soft.admitted:
             return Admission(soft, parsed.model, est, _with_output_cap(est, soft, parsed, ctx),
                              soft=True)
     elif policy == OverQuotaPolicy.FALLBACK:
         target = ctx.limits.fallback_model
-        fb_price = runtime.catalog.price(target) if target else None
-        if (target and target != parsed.model and fb_price is not None
-                and allows(runtime, ctx, target)):
+        if (target and target != parsed.model and allows(runtime, ctx, target)
+                and (fb_price := catalog.price(target)) is not None):
             fb_est = estimate(parsed, catalog.resolve(target), ctx, fb_price)
             fb_request = _request(ctx, parsed, request_id, target, fb_est,
                                   ctx.scopes(catalog.canonical(target)))
-            fb = await engine.reserve(fb_request)
+            fb = await runtime.reserve(fb_request)
             if fb.admitted:
                 return Admission(fb, target, fb_est, _with_output_cap(fb_est, fb, parsed, ctx),
                                  fallback_from=parsed.model)

@@ -29,11 +29,9 @@ import httpx
 from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
 
-from gateway.admission import Admission
-from gateway.admission import _meta as unmetered_meta  # the reserve's meta: one format
+from gateway.admission import Admission, reserve_meta
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
-from gateway.catalog import cost_micros
 from gateway.errors import GatewayError, upstream_error
 from gateway.listener import publish_cooldown
 from gateway.providers import Upstream
@@ -62,15 +60,6 @@ _RETRY_CAP_S = 30.0
 _UNMETERED_BACKLOG = 10_000
 
 EndResult = SettleResult | ReleaseResult
-
-
-def _detach(runtime: GatewayRuntime, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """Run `coro` in a task no request owns (a client leaving cannot cancel it), referenced in
-    runtime.background until it finishes so it is not garbage collected mid-way."""
-    task = asyncio.ensure_future(coro)
-    runtime.background.add(task)
-    task.add_done_callback(runtime.background.discard)
-    return task
 
 
 def _ms_now() -> int:
@@ -156,16 +145,12 @@ class Call:
     def _begin_end(self, work: Coroutine[Any, Any, None]) -> None:
         if self._checkpoints is not None:
             self._checkpoints.stop()
-        self._end = _detach(self.runtime, work)
+        self._end = self.runtime.detach(work)
 
     async def _wait_end(self) -> None:
         assert self._end is not None
         # Shielded: cancelling this request (its client left) leaves the end task running.
         await asyncio.shield(self._end)
-
-    def _cost(self, input_tokens: int, output_tokens: int) -> int:
-        # The price resolved at admission: the one the money hold and the ledger use.
-        return cost_micros(self.admission.estimate.price, input_tokens, output_tokens)
 
     async def _settle_hold(self, input_tokens: int, output_tokens: int, event: str) -> None:
         hold = self.admission.reservation.hold
@@ -174,10 +159,11 @@ class Call:
                       self.ctx.tenant_id, event)
             _unmetered_backlog().add(self.runtime, UnmeteredUsage(
                 self.ctx.tenant_tag, self.request_id, input_tokens + output_tokens,
-                self.started_ms, _ms_now(), unmetered_meta(self.ctx, self.parsed,
+                self.started_ms, _ms_now(), reserve_meta(self.ctx, self.parsed,
                                                            self.admission.model), event))
             return
-        cost = self._cost(input_tokens, output_tokens)
+        # The price resolved at admission: the one the money hold and the ledger use.
+        cost = self.admission.estimate.price.cost(input_tokens, output_tokens)
         engine = self.runtime.engine
         await self._end_hold(lambda: engine.settle(hold, input_tokens + output_tokens, event, cost))
 
@@ -189,17 +175,10 @@ class Call:
         await self._end_hold(lambda: engine.release(hold, event))
 
     async def _end_hold(self, operation: Callable[[], Awaitable[EndResult]]) -> None:
-        try:
-            result = await operation()
-        except QuotaStoreUnavailable:
+        if not await _try_end(operation, self.request_id):
             # The hold stays open; retry in the background rather than leave it to the sweep,
             # which can only charge an estimate.
-            _detach(self.runtime, _retry_end(operation, self.request_id, self._give_up_at()))
-            return
-        except Exception:  # noqa: BLE001 - log it; the sweep then charges what the hold knows
-            log.exception("ending the hold of %s failed", self.request_id)
-            return
-        _check_end(result)
+            self.runtime.detach(_retry_end(operation, self.request_id, self._give_up_at()))
 
     def _give_up_at(self) -> float:
         """When retries of the end stop (loop clock): while the hold's record can still be found.
@@ -264,6 +243,20 @@ def _check_end(result: EndResult) -> None:
               result.request_id, result.outcome)
 
 
+async def _try_end(operation: Callable[[], Awaitable[EndResult]], request_id: str) -> bool:
+    """One attempt to end a hold; False only when Redis was unreachable (worth retrying). Any
+    other failure is logged: the sweep then charges what the hold knows."""
+    try:
+        result = await operation()
+    except QuotaStoreUnavailable:
+        return False
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("ending the hold of %s failed", request_id)
+        return True
+    _check_end(result)
+    return True
+
+
 async def _retry_end(operation: Callable[[], Awaitable[EndResult]], request_id: str,
                      give_up_at: float) -> None:
     """Retry a settle / release that found Redis unreachable, with growing gaps, until just
@@ -273,18 +266,11 @@ async def _retry_end(operation: Callable[[], Awaitable[EndResult]], request_id: 
     delay = _RETRY_FIRST_S
     while (wait := min(delay, give_up_at - loop.time())) > 0:
         await asyncio.sleep(wait)
-        try:
-            result = await operation()
-        except QuotaStoreUnavailable:
-            delay = min(delay * 2, _RETRY_CAP_S)
-            continue
-        except Exception:  # noqa: BLE001
-            log.exception("ending the hold of %s failed", request_id)
+        if await _try_end(operation, request_id):
             return
-        _check_end(result)
-        return
-    log.error("could not end hold %s: Redis unreachable until the stale threshold; the sweep "
-              "will charge what the hold knows", request_id)
+        delay = min(delay * 2, _RETRY_CAP_S)
+    log.error("could not end hold %s: Redis unreachable until its record could be gone; the "
+              "sweep charges what the hold knows", request_id)
 
 
 class Checkpoints:
@@ -333,7 +319,7 @@ class Checkpoints:
             else:
                 mark = (Phase.FORWARDED, 0)
             if mark != self.written:
-                self.writing = _detach(call.runtime, self._write(*mark))
+                self.writing = call.runtime.detach(self._write(*mark))
             elif not call.parsed.stream:
                 return  # `forwarded` is all a non-streamed call has to tell
         self.timer = self.loop.call_at(self.loop.time() + self.interval, self._due)
@@ -386,7 +372,7 @@ class UnmeteredBacklog:
                       lost.request_id, lost)
         self.pending.append(usage)
         if self.flushing is None:
-            self.flushing = _detach(runtime, self._flush(runtime))
+            self.flushing = runtime.detach(self._flush(runtime))
 
     async def _flush(self, runtime: GatewayRuntime) -> None:
         delay = _RETRY_FIRST_S
@@ -737,7 +723,7 @@ class StreamRelay:
             status, outcome = 504, "deadline"
         else:
             status, outcome = 499, "client_disconnected"
-        _detach(self.call.runtime, self._drain(status, outcome))
+        self.call.runtime.detach(self._drain(status, outcome))
 
     def _inspect(self, event: bytes) -> bytes | None:
         """The event to send to the client (None: drop it), recording usage on the way."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -79,11 +79,17 @@ class GatewayRuntime:
     rebuilding: dict[str, asyncio.Future[RebuildOutcome]] = field(default_factory=dict)
 
     def spawn(self, coro_factory: Callable[[], object]) -> None:
-        """Run a coroutine detached from the request (draining a stream after the client left,
-        settling after a disconnect); keep a reference so it is not garbage collected."""
-        task = asyncio.ensure_future(coro_factory())  # type: ignore[arg-type]
+        """Run a coroutine detached from the request (see detach)."""
+        self.detach(coro_factory())  # type: ignore[arg-type]
+
+    def detach(self, coro: Coroutine[Any, Any, T] | asyncio.Future[T]) -> asyncio.Future[T]:
+        """Run `coro` (or keep an existing task) detached from the request: no client leaving
+        can cancel it, and it is referenced in `background` until it finishes, so it is not
+        garbage collected mid-way (draining a stream, ending a hold, a checkpoint)."""
+        task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     async def reserve(self, request: ReserveRequest) -> Reservation:
         """engine.reserve, and when Redis has lost the tenant's data (its epoch marker is gone):

@@ -153,8 +153,7 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         task.add_done_callback(_start_drain_if_streaming)
-        runtime.background.add(task)
-        task.add_done_callback(runtime.background.discard)
+        runtime.detach(task)
         raise
 
 

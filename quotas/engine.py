@@ -465,7 +465,7 @@ class _Calls:
             key = _counter_key(req.tenant, limit, window)
             counters.append((limit, window, key))
             args += [limit.limit, window.start_ms, window.end_ms, self.expire_at(window),
-                     1 if limit.unit is Unit.MICROS else 0]
+                     _unit_code(limit.unit)]
         call_keys = [keys.hold_key(req.tenant, req.request_id), keys.hold_index_key(req.tenant)]
         call_keys += [c[2] for c in counters]
         for rate in req.rates:
