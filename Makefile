@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Settings refuse to load without TOLLGATE_ENV (config/settings.py): the quick start and the
+# benchmarks are development; `make test` runs as test (tests/session_env.py).
+up bench bench-quota down clean: export TOLLGATE_ENV ?= development
+
 # Bring the whole system up on embedded defaults: Redis and PostgreSQL from pip packages under
 # .data/, migrations, the demo tenant / project / key (printed once), the mock upstream on :8099
 # as its provider, and the gateway on :8000 (2 uvicorn workers). Ctrl-C stops the servers;

@@ -15,6 +15,7 @@ from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from config.embedded import embedded_database_url, embedded_redis_url, local_secret
+from gateway.client_address import parse_networks as _parse_networks
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -43,11 +44,18 @@ def _bool(name: str, default: bool) -> bool:
 
 
 DEBUG = _bool("DEBUG", default=False)
-TOLLGATE_ENV = env.str("TOLLGATE_ENV", default="development")
+# No default on purpose: a production host that forgot to say so must not come up with the
+# development defaults (generated secrets, plain-http cookies, testserver in ALLOWED_HOSTS).
+# `make up`, the tests and the benchmarks set it themselves.
+TOLLGATE_ENV = env.str("TOLLGATE_ENV", default="")
 if TOLLGATE_ENV not in {"development", "test", "production"}:
     raise ImproperlyConfigured(
-        f"TOLLGATE_ENV must be development, test or production, got {TOLLGATE_ENV!r}"
+        "TOLLGATE_ENV must be set to development, test or production, got "
+        f"{TOLLGATE_ENV or 'nothing'!r}"
     )
+if TOLLGATE_ENV == "production" and DEBUG:
+    raise ImproperlyConfigured("DEBUG must be off in production: it shows settings and "
+                               "tracebacks to anyone who triggers an error")
 DATA_DIR = Path(env.str("TOLLGATE_DATA_DIR", default=str(BASE_DIR / ".data"))).resolve()
 
 
@@ -72,10 +80,19 @@ TOLLGATE_ENCRYPTION_KEYS = env.list("TOLLGATE_ENCRYPTION_KEYS", default=[])
 if TOLLGATE_ENV == "production" and not TOLLGATE_ENCRYPTION_KEYS:
     raise ImproperlyConfigured("TOLLGATE_ENCRYPTION_KEYS must be set in production")
 
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+_DEVELOPMENT_HOSTS = ["localhost", "127.0.0.1", "[::1]", "testserver"]
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS",
+                         default=[] if TOLLGATE_ENV == "production" else _DEVELOPMENT_HOSTS)
+if TOLLGATE_ENV == "production":
+    # Invitation links are built from the Host header: production names its hosts.
+    if not ALLOWED_HOSTS:
+        raise ImproperlyConfigured("ALLOWED_HOSTS must be set in production")
+    if {"testserver", "*"} & set(ALLOWED_HOSTS):
+        raise ImproperlyConfigured("ALLOWED_HOSTS must not contain 'testserver' or '*' in "
+                                   "production")
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "config.admin_apps.TollgateAdminConfig",  # django.contrib.admin, login throttled
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -259,6 +276,11 @@ GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default
 GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)
 # Cached API keys are re-read at least this often even without an invalidation message.
 GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=300.0)
+# Reverse proxies whose X-Forwarded-For is believed (CIDRs, comma-separated; default none).
+try:
+    TRUSTED_PROXIES = _parse_networks(env.list("TOLLGATE_TRUSTED_PROXIES", default=[]))
+except ValueError as _error:
+    raise ImproperlyConfigured(f"TOLLGATE_TRUSTED_PROXIES: {_error}") from None
 GATEWAY_LAST_USED_FLUSH_SECONDS = env.float("GATEWAY_LAST_USED_FLUSH_SECONDS", default=5.0)
 # Redis unreachable: refuse with 503 (default, fail closed), or forward unmetered (fail open:
 # every such call is logged at ERROR and marked X-Tollgate-Unmetered).
@@ -410,6 +432,29 @@ SESSION_COOKIE_SECURE = _bool("SESSION_COOKIE_SECURE", default=TOLLGATE_ENV == "
 CSRF_COOKIE_SECURE = _bool("CSRF_COOKIE_SECURE", default=TOLLGATE_ENV == "production")
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 SECURE_CONTENT_TYPE_NOSNIFF = True
+
+
+def _proxy_ssl_header() -> tuple[str, str] | None:
+    """SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO,https": behind a TLS-terminating proxy
+    that sets this header (and strips it from clients), requests count as https."""
+    raw = env.str("SECURE_PROXY_SSL_HEADER", default="").strip()
+    if not raw:
+        return None
+    name, _, value = (part.strip() for part in raw.partition(","))
+    if not name.startswith("HTTP_") or not value:
+        raise ImproperlyConfigured(
+            "SECURE_PROXY_SSL_HEADER must be 'HTTP_<HEADER>,<value>', e.g. "
+            f"'HTTP_X_FORWARDED_PROTO,https', got {raw!r}")
+    return name, value
+
+
+SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
+# HSTS is sent on https responses only (Django's SecurityMiddleware); on by default in production.
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS",
+                              default=31_536_000 if TOLLGATE_ENV == "production" else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = _bool("SECURE_HSTS_PRELOAD", default=False)
+SECURE_SSL_REDIRECT = _bool("SECURE_SSL_REDIRECT", default=False)
 X_FRAME_OPTIONS = "DENY"
 # Failed console logins allowed per username and per client address in the window, then refused
 # until the window passes.

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.urls import reverse
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.exceptions import PermissionDenied, ValidationError
@@ -18,6 +17,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
+from tenants.invitation_links import invitation_link
 from tenants.membership import (
     INVITABLE_ROLES,
     InvitationClosed,
@@ -131,7 +131,7 @@ class MemberDetailView(TenantScopedAPIView):
 
 
 def accept_url_for(request: Any, secret: str) -> str:
-    return request.build_absolute_uri(reverse("console-invite-accept", args=[secret]))
+    return invitation_link(request.build_absolute_uri("/"), secret)
 
 
 class InvitationListView(TenantScopedAPIView, ListAPIView):

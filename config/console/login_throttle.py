@@ -1,37 +1,72 @@
-"""Login throttling: failed console logins are counted per username and per client address in
-Redis (Django's cache), and once either count reaches LOGIN_FAILURE_LIMIT in the window, further
-attempts are refused without checking the password until the window passes."""
+"""Login throttling for the console and Django admin.
+
+Every password attempt takes a slot from two budgets in Redis (Django's cache) before the
+password is checked: one per username, one per client address. Taking the slot is one atomic
+INCR, so concurrent guesses cannot all read "under the limit" and all be checked (the
+check-then-act race of counting failures afterwards). Once either budget is spent, attempts are
+refused without checking the password until the window (started by the first attempt) passes. A
+successful login gives its slot back and clears the username's budget; the address keeps its
+count, so one success does not reset a guesser's budget across many usernames.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.cache import cache
+from django.http import HttpRequest, HttpResponse
+
+from gateway.client_address import request_client_address
+
+THROTTLED_MESSAGE = "Too many failed logins. Wait a few minutes before trying again."
 
 
-def _keys(username: str, address: str) -> list[str]:
+def _keys(username: str, address: str) -> tuple[str, str]:
     # Hashed so that usernames typed into the form never sit in Redis in clear.
     name = hashlib.sha256(username.strip().lower().encode()).hexdigest()[:32]
-    return [f"login-fail:user:{name}", f"login-fail:addr:{address}"]
+    return f"login-fail:user:{name}", f"login-fail:addr:{address}"
 
 
-def login_blocked(username: str, address: str) -> bool:
-    counts = cache.get_many(_keys(username, address))
-    return any(int(count) >= settings.LOGIN_FAILURE_LIMIT for count in counts.values())
-
-
-def record_login_failure(username: str, address: str) -> None:
+def _take(key: str) -> int:
+    """This attempt's number in the key's window (atomic INCR; add() starts the window)."""
     window = settings.LOGIN_FAILURE_WINDOW_SECONDS
-    for key in _keys(username, address):
-        # add() starts the window on the first failure; incr() never extends it.
-        if not cache.add(key, 1, timeout=window):
-            try:
-                cache.incr(key)
-            except ValueError:  # expired between add() and incr()
-                cache.add(key, 1, timeout=window)
+    cache.add(key, 0, timeout=window)
+    try:
+        return int(cache.incr(key))
+    except ValueError:  # expired between add() and incr(): this attempt starts a new window
+        cache.add(key, 1, timeout=window)
+        return 1
 
 
-def clear_login_failures(username: str, address: str) -> None:
-    cache.delete_many(_keys(username, address)[:1])  # the address keeps its count: one
-    # success must not reset a guesser's budget across many usernames
+def take_login_attempt(username: str, address: str) -> bool:
+    """Counts the attempt against both budgets; False when either is already spent (the
+    password must then not be checked)."""
+    numbers = [_take(key) for key in _keys(username, address)]
+    return all(number <= settings.LOGIN_FAILURE_LIMIT for number in numbers)
+
+
+def login_succeeded(username: str, address: str) -> None:
+    user_key, address_key = _keys(username, address)
+    cache.delete(user_key)
+    try:
+        cache.decr(address_key)  # a success is not a failure against the address
+    except ValueError:  # the window ended meanwhile
+        pass
+
+
+def throttled_login(request: HttpRequest, attempt: Callable[[], HttpResponse],
+                    refuse: Callable[[], HttpResponse]) -> HttpResponse:
+    """Runs a login view's POST (`attempt`) only if the attempt gets a slot, else `refuse()`
+    (a 429 page). `attempt` logs the user in on success (request.user is then authenticated)."""
+    if request.method != "POST":
+        return attempt()
+    username = request.POST.get("username", "")
+    address = request_client_address(request)
+    if not take_login_attempt(username, address):
+        return refuse()
+    response = attempt()
+    if request.user.is_authenticated:
+        login_succeeded(username, address)
+    return response

@@ -13,20 +13,8 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from config.console.frame import SESSION_TENANT
-from config.console.login_throttle import (
-    clear_login_failures,
-    login_blocked,
-    record_login_failure,
-)
+from config.console.login_throttle import THROTTLED_MESSAGE, throttled_login
 from tenants.access import principal_for
-
-THROTTLED_MESSAGE = "Too many failed logins. Wait a few minutes before trying again."
-
-
-def client_address(request: HttpRequest) -> str:
-    # REMOTE_ADDR only: X-Forwarded-For is client-controlled unless a trusted proxy sets it,
-    # and trusting it would let a guesser pick a fresh address per attempt.
-    return request.META.get("REMOTE_ADDR", "") or "unknown"
 
 
 class ConsoleLoginView(auth_views.LoginView):
@@ -34,18 +22,13 @@ class ConsoleLoginView(auth_views.LoginView):
     redirect_authenticated_user = True
 
     def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        username = request.POST.get("username", "")
-        address = client_address(request)
-        if login_blocked(username, address):
-            form = AuthenticationForm(request, data=None)
+        def refuse() -> HttpResponse:
             return render(request, self.template_name,
-                          {"form": form, "throttled": THROTTLED_MESSAGE}, status=429)
-        response = super().post(request, *args, **kwargs)
-        if request.user.is_authenticated:
-            clear_login_failures(username, address)
-        else:
-            record_login_failure(username, address)
-        return response
+                          {"form": AuthenticationForm(request, data=None),
+                           "throttled": THROTTLED_MESSAGE}, status=429)
+
+        return throttled_login(request, lambda: super(ConsoleLoginView, self).post(
+            request, *args, **kwargs), refuse)
 
 
 class ConsoleLogoutView(auth_views.LogoutView):

@@ -19,6 +19,7 @@ from django.views.decorators.http import require_http_methods, require_POST, req
 from config.console.frame import SESSION_TENANT, actor, render_page, tenant_page
 from config.console.one_use_forms import first_submission
 from tenants.access import principal_for
+from tenants.invitation_links import invitation_link
 from tenants.membership import (
     INVITABLE_ROLES,
     InvitationClosed,
@@ -98,8 +99,7 @@ def invite(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         issued = invite_member(
             tenant, form.cleaned_data["email"], role=form.cleaned_data["role"],
             actor=actor(request),
-            accept_url=lambda secret: request.build_absolute_uri(
-                reverse("console-invite-accept", args=[secret])),
+            accept_url=lambda secret: invitation_link(request.build_absolute_uri("/"), secret),
         )
     except ValidationError as exc:
         for field, errors in exc.message_dict.items():

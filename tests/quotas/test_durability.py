@@ -133,7 +133,8 @@ def test_production_mode_requires_persistence_by_default() -> None:
         return result.stdout.strip()
 
     production = {"TOLLGATE_ENV": "production", "SECRET_KEY": "s" * 50,
-                  "TOLLGATE_KEY_PEPPER": "p" * 50, "TOLLGATE_ENCRYPTION_KEYS": "k" * 44}
+                  "TOLLGATE_KEY_PEPPER": "p" * 50, "TOLLGATE_ENCRYPTION_KEYS": "k" * 44,
+                  "ALLOWED_HOSTS": "tollgate.example"}  # production names its hosts
     assert required(**production) == "True"
     assert required(**production, QUOTA_REDIS_REQUIRE_PERSISTENCE="false") == "False"
     assert required(TOLLGATE_ENV="development") == "False"

@@ -3,8 +3,7 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
-from django.urls import reverse
-
+from tenants.invitation_links import invitation_link
 from tenants.management.commands._base import ACTOR, TenantsCommand
 from tenants.membership import INVITABLE_ROLES, invite_member
 from tenants.models import Membership
@@ -32,7 +31,7 @@ class Command(TenantsCommand):
         base = options["base_url"].rstrip("/")
         issued = invite_member(
             tenant, options["email"], role=options["role"], actor=ACTOR,
-            accept_url=lambda secret: base + reverse("console-invite-accept", args=[secret]),
+            accept_url=lambda secret: invitation_link(base, secret),
         )
         invitation = issued.invitation
         data = {
