@@ -274,8 +274,20 @@ if GATEWAY_UPSTREAM_TRANSPORT not in {"native", "httpx"}:
 # After a client leaves mid-stream, keep reading the upstream this long for its usage event.
 GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default=10.0)
 GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)
-# Cached API keys are re-read at least this often even without an invalidation message.
-GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=300.0)
+# Cached API keys are re-read at least this often even without an invalidation message: the
+# bound on a revocation whose writer could not reach Redis at all (README, Security).
+GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=60.0)
+# Keys kept per worker (least recently used evicted first).
+GATEWAY_AUTH_CACHE_MAX_KEYS = _positive_int("GATEWAY_AUTH_CACHE_MAX_KEYS", 100_000)
+# Unknown or unusable keys are remembered this long (their own bounded store: never evicts keys).
+GATEWAY_AUTH_NEGATIVE_TTL_SECONDS = env.float("GATEWAY_AUTH_NEGATIVE_TTL_SECONDS", default=5.0)
+GATEWAY_AUTH_NEGATIVE_MAX_KEYS = _positive_int("GATEWAY_AUTH_NEGATIVE_MAX_KEYS", 50_000)
+# Database lookups of keys not cached, per client address per worker: a token bucket.
+GATEWAY_AUTH_LOOKUPS_PER_SECOND = env.float("GATEWAY_AUTH_LOOKUPS_PER_SECOND", default=5.0)
+GATEWAY_AUTH_LOOKUP_BURST = _positive_int("GATEWAY_AUTH_LOOKUP_BURST", 20)
+# How often each worker reads the auth cache's version from Redis (a lost invalidation message
+# empties the cache within two such checks).
+GATEWAY_AUTH_VERSION_CHECK_SECONDS = env.float("GATEWAY_AUTH_VERSION_CHECK_SECONDS", default=1.0)
 # Reverse proxies whose X-Forwarded-For is believed (CIDRs, comma-separated; default none).
 try:
     TRUSTED_PROXIES = _parse_networks(env.list("TOLLGATE_TRUSTED_PROXIES", default=[]))
@@ -293,6 +305,8 @@ GATEWAY_GC_GEN0_THRESHOLD = env.int("GATEWAY_GC_GEN0_THRESHOLD", default=20_000)
 for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",
               "GATEWAY_CALL_DEADLINE_SECONDS", "GATEWAY_CHECKPOINT_SECONDS",
               "GATEWAY_STREAM_DRAIN_SECONDS", "GATEWAY_AUTH_CACHE_SECONDS",
+              "GATEWAY_AUTH_NEGATIVE_TTL_SECONDS", "GATEWAY_AUTH_LOOKUPS_PER_SECOND",
+              "GATEWAY_AUTH_VERSION_CHECK_SECONDS",
               "GATEWAY_LAST_USED_FLUSH_SECONDS"):
     if globals()[_name] <= 0:
         raise ImproperlyConfigured(f"{_name} must be > 0 seconds")

@@ -3,19 +3,29 @@
 The hot path makes no database query: a key is looked up once (one query), kept as an immutable
 `KeyContext`, and re-checked on every request in memory (HMAC digest in constant time, secret and
 key expiry). Changes reach the cache through Redis pub/sub (tenants/invalidation.py,
-gateway/listener.py); while the subscription is down the cache is bypassed, so a revoked key can
-never outlive its revocation by more than the pub/sub latency.
+gateway/listener.py), backed by a version counter the listener checks once a second; while the
+subscription is down or the version cannot be read the cache is bypassed. A lookup that was in
+flight when an invalidation arrived is not kept (`generation`).
+
+Unauthenticated load is bounded: unknown keys are remembered briefly in a store of their own
+(so a flood of random keys evicts no real key), known keys are evicted least recently used
+first, and database lookups of keys not known are limited per client address (a token bucket
+per address, in process): beyond it, 429 without a query.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from datetime import datetime
+from functools import cached_property
 
+from django.conf import settings
 
+from gateway.errors import GatewayError
 from quotas import keys as quota_keys
 from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
 from quotas.keys import tenant_tag
@@ -23,8 +33,12 @@ from quotas.limits import request_limits
 from tenants.api_key_format import digests_match, parse_key
 from tenants.key_usability import key_usability
 from tenants.models import ApiKey, Project
-from tenants.selectors import EffectiveLimits, allowed_models_for_key, effective_limits, secret_by_prefix
-
+from tenants.selectors import (
+    EffectiveLimits,
+    allowed_models_for_key,
+    effective_limits,
+    secret_by_prefix,
+)
 
 _MAX_MODELS_PER_KEY = 256
 
@@ -121,19 +135,67 @@ _MISSING = object()
 Loader = Callable[[str], Awaitable["KeyContext | None"]]
 
 
+def lookups_refused(retry_after_s: int) -> GatewayError:
+    """429 in OpenAI's shape: this client address asked for too many keys not cached."""
+    return GatewayError(429, "Too many API key lookups from your address; retry shortly.",
+                        "requests", "rate_limit_exceeded", None, retry_after_s)
+
+
+class LookupThrottle:
+    """A token bucket per client address for database lookups of keys not cached: `rate` per
+    second, up to `burst` at once. At most `max_clients` addresses are tracked (the least
+    recently seen forgotten first: a forgotten address starts again with a full bucket, which
+    bounds memory, not the rate of any one address)."""
+
+    def __init__(self, rate: float, burst: int, max_clients: int = 10_000) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.max_clients = max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
+
+    def take(self, client: str, now: float) -> float:
+        """Take one lookup for `client`: 0.0 if allowed, else seconds until one is."""
+        tokens, at = self._buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.rate)
+        wait = 0.0
+        if tokens >= 1.0:
+            tokens -= 1.0
+        else:
+            wait = (1.0 - tokens) / self.rate if self.rate > 0 else 60.0
+        self._buckets[client] = (tokens, now)
+        if len(self._buckets) > self.max_clients:
+            self._buckets.popitem(last=False)
+        return wait
+
+
 class AuthCache:
-    """Prefix -> KeyContext (or None for a prefix known to be unusable), per process.
+    """Prefix -> KeyContext, per process; unusable prefixes in a short-lived store of their own.
 
     Concurrent misses of one prefix share one database query: a burst of requests with a key
     not yet cached must not open a connection each.
     """
 
-    def __init__(self, max_age_s: float, load: Loader, max_entries: int = 100_000) -> None:
+    def __init__(self, max_age_s: float, load: Loader, max_entries: int | None = None, *,
+                 negative_ttl_s: float | None = None, max_negative: int | None = None,
+                 lookups_per_second: float | None = None, lookup_burst: int | None = None
+                 ) -> None:
         self.max_age_s = max_age_s
-        self.max_entries = max_entries
-        self.trusted = False  # set by the pub/sub listener while it is subscribed
+        self.max_entries = max_entries or settings.GATEWAY_AUTH_CACHE_MAX_KEYS
+        self.negative_ttl_s = (settings.GATEWAY_AUTH_NEGATIVE_TTL_SECONDS
+                               if negative_ttl_s is None else negative_ttl_s)
+        self.max_negative = max_negative or settings.GATEWAY_AUTH_NEGATIVE_MAX_KEYS
+        self.throttle = LookupThrottle(
+            settings.GATEWAY_AUTH_LOOKUPS_PER_SECOND if lookups_per_second is None
+            else lookups_per_second,
+            lookup_burst or settings.GATEWAY_AUTH_LOOKUP_BURST)
+        # Until when (epoch seconds) the cache may be used: the pub/sub listener extends it
+        # each time it confirms the version (gateway/listener.py); 0: bypassed.
+        self.trusted_until = 0.0
+        # Bumped by every invalidation: a lookup that saw it move while its query ran is stale.
+        self.generation = 0
         self._load = load
-        self._entries: dict[str, tuple[float, KeyContext | None]] = {}
+        self._entries: OrderedDict[str, tuple[float, KeyContext]] = OrderedDict()
+        self._unknown: OrderedDict[str, float] = OrderedDict()  # prefix -> when looked up
         self._loading: dict[str, asyncio.Task[KeyContext | None]] = {}
 
     async def _lookup(self, prefix: str, now: float) -> KeyContext | None:
@@ -147,30 +209,76 @@ class AuthCache:
         return await asyncio.shield(task)
 
     async def _load_and_keep(self, prefix: str, now: float) -> KeyContext | None:
+        generation = self.generation
         context = await self._load(prefix)
-        if len(self._entries) >= self.max_entries:
-            self._entries.clear()  # crude bound: a refill costs one query per live key
-        self._entries[prefix] = (now, context)
+        # An invalidation processed while the query ran may be about this key, and the query
+        # may have read the row before the change committed: answer this caller, keep nothing.
+        if generation == self.generation:
+            self._keep(prefix, now, context)
         return context
 
+    def _keep(self, prefix: str, now: float, context: KeyContext | None) -> None:
+        if context is None:
+            self._unknown[prefix] = now
+            self._unknown.move_to_end(prefix)
+            if len(self._unknown) > self.max_negative:
+                self._unknown.popitem(last=False)
+            return
+        self._unknown.pop(prefix, None)
+        self._entries[prefix] = (now, context)
+        self._entries.move_to_end(prefix)
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)  # the least recently used key
+
     def _finished(self, prefix: str, task: asyncio.Task[KeyContext | None]) -> None:
-        self._loading.pop(prefix, None)
+        if self._loading.get(prefix) is task:  # not a newer lookup started after an invalidation
+            del self._loading[prefix]
         if not task.cancelled():
             task.exception()  # retrieved even if every waiter has gone
 
-    async def authenticate(self, plaintext: str) -> KeyContext | None:
+    def _cached(self, prefix: str, now: float) -> KeyContext | None | object:
+        """The cached answer for `prefix` (a context, or None for unusable), or _MISSING."""
+        entry = self._entries.get(prefix)
+        if entry is not None:
+            if now - entry[0] <= self.max_age_s:
+                self._entries.move_to_end(prefix)
+                return entry[1]
+            return _MISSING
+        seen = self._unknown.get(prefix)
+        if seen is not None and now - seen <= self.negative_ttl_s:
+            return None
+        return _MISSING
+
+    async def authenticate(self, plaintext: str, client: str | None = None) -> KeyContext | None:
+        """The context `plaintext` authenticates as, or None. `client`: the caller's address
+        (gateway/client_address.py); a lookup of a key not known here counts against it, and
+        raises 429 (lookups_refused) beyond GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
         prefix = parse_key(plaintext)
         if prefix is None:
             return None
         now = time.time()
-        entry = self._entries.get(prefix, _MISSING) if self.trusted else _MISSING
-        if entry is _MISSING or now - entry[0] > self.max_age_s:
+        context = self._cached(prefix, now) if now < self.trusted_until else _MISSING
+        if context is _MISSING:
+            # A key seen before (even while the cache is not trusted) costs its own client
+            # nothing: only lookups of keys not known here are bounded per address.
+            if client is not None and prefix not in self._entries:
+                wait = self.throttle.take(client, now)
+                if wait > 0:
+                    raise lookups_refused(max(1, math.ceil(wait)))
             context = await self._lookup(prefix, now)
-        else:
-            context = entry[1]
-        if context is None or not context.admits(plaintext, now):
+        if context is None or not context.admits(plaintext, now):  # type: ignore[union-attr]
             return None
-        return context
+        return context  # type: ignore[return-value]
+
+    @property
+    def trusted(self) -> bool:
+        return time.time() < self.trusted_until
+
+    def trust_for(self, seconds: float) -> None:
+        self.trusted_until = time.time() + seconds
+
+    def distrust(self) -> None:
+        self.trusted_until = 0.0
 
     def forget_key(self, api_key_id: int) -> None:
         self._drop(lambda c: c.api_key.pk == api_key_id)
@@ -179,10 +287,18 @@ class AuthCache:
         self._drop(lambda c: c.tenant_id == tenant_id)
 
     def clear(self) -> None:
+        self._invalidated()
         self._entries.clear()
 
+    def _invalidated(self) -> None:
+        # Lookups in flight may have read the old row: they keep nothing, and callers arriving
+        # from now on start a lookup of their own. Unknown prefixes may have been issued since.
+        self.generation += 1
+        self._loading.clear()
+        self._unknown.clear()
+
     def _drop(self, matches) -> None:  # type: ignore[no-untyped-def]
+        self._invalidated()
         for prefix, (_, context) in list(self._entries.items()):
-            # Unknown prefixes (None) may have been issued since: drop them too.
-            if context is None or matches(context):
+            if matches(context):
                 self._entries.pop(prefix, None)

@@ -6,19 +6,58 @@ import asyncio
 import json
 import logging
 from datetime import UTC, datetime
+from typing import Any
 
 from django.conf import settings
 
 from gateway.runtime import GatewayRuntime
 from quotas.client import make_async_redis
-from quotas.keys import INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL
+from quotas.keys import (
+    INVALIDATION_CHANNEL,
+    PROVIDER_COOLDOWN_CHANNEL,
+    auth_version_key,
+)
 from tenants.services import touch_last_used
 
 log = logging.getLogger(__name__)
 _PING_SECONDS = 5.0
 
 
-async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
+class VersionWatch:
+    """This worker's view of the invalidation version (quotas.keys.auth_version_key): every
+    message carries the version its publish set, so a version read from Redis that no message
+    has reached within one more check means a message was lost."""
+
+    def __init__(self, version: int) -> None:
+        self.seen = version  # the highest version applied (or read when subscribing)
+        self.unmatched: int | None = None  # read at the last check, not yet reached by a message
+
+    def message(self, version: int) -> bool:
+        """Record a message's version; True if messages before it were lost."""
+        lost = version > self.seen + 1
+        self.seen = max(self.seen, version)
+        return lost
+
+    def check(self, current: int) -> bool:
+        """Record the version read from Redis; True if a message was lost. A version ahead of
+        the messages is given until the next check for its message to arrive (the publish and
+        the read travel on different connections)."""
+        if current <= self.seen:
+            self.unmatched = None
+            return False
+        if self.unmatched is not None and self.seen < self.unmatched:
+            self.seen, self.unmatched = current, None
+            return True
+        self.unmatched = current
+        return False
+
+
+async def _read_version(client: Any) -> int:
+    return int(await client.get(auth_version_key()) or 0)
+
+
+async def _apply(runtime: GatewayRuntime, channel: str, data: str,
+                 watch: VersionWatch | None = None) -> None:
     message = json.loads(data)
     if channel == PROVIDER_COOLDOWN_CHANNEL:
         runtime.pool.cool_down(int(message["id"]), float(message["until"]))
@@ -33,9 +72,23 @@ async def _apply(runtime: GatewayRuntime, channel: str, data: str) -> None:
     elif kind == "catalog":  # models, prices or aliases
         await runtime.reload_catalog()
     elif kind == "providers":
+        if ident is not None:
+            # That key was deleted or changed: out of the pool at once, back with the reload
+            # if it still serves (a reload that fails keeps it out rather than stale).
+            runtime.pool = runtime.pool.without(int(ident))
         await runtime.reload_pool()
         # The catalog's price book holds the provider keys' default prices.
         await runtime.reload_catalog()
+    version = message.get("v")
+    if watch is not None and version is not None and watch.message(int(version)):
+        await _lost_messages(runtime)
+
+
+async def _lost_messages(runtime: GatewayRuntime) -> None:
+    log.warning("invalidation messages were lost; emptying the auth cache and reloading the "
+                "catalog and provider keys")
+    runtime.auth.clear()
+    await _reload_after_gap(runtime)
 
 
 async def _reload_after_gap(runtime: GatewayRuntime) -> None:
@@ -44,43 +97,57 @@ async def _reload_after_gap(runtime: GatewayRuntime) -> None:
     try:
         await runtime.reload_pool()
         await runtime.reload_catalog()
-    except Exception:  # noqa: BLE001 - the previous snapshots stay in use; the next message reloads
+    except Exception:
         log.warning("could not reload the catalog and provider keys after resubscribing",
                     exc_info=True)
 
 
 async def listen(runtime: GatewayRuntime) -> None:
-    """Subscribe forever. The auth cache is trusted only while subscribed, and emptied on every
-    (re)subscription because messages sent while disconnected are lost."""
+    """Subscribe forever. The auth cache is trusted only while subscribed and while the version
+    was read within the last two checks, and emptied on every (re)subscription because messages
+    sent while disconnected are lost."""
+    interval = settings.GATEWAY_AUTH_VERSION_CHECK_SECONDS
     resubscribing = False
     while True:
         client = make_async_redis()
         pubsub = client.pubsub()
         try:
             await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL)
+            # Read after subscribing: a message published in between is not lost, merely old.
+            watch = VersionWatch(await asyncio.wait_for(_read_version(client), interval))
             runtime.auth.clear()
-            runtime.auth.trusted = True
+            runtime.auth.trust_for(2 * interval)
             if resubscribing:
                 await _reload_after_gap(runtime)
             resubscribing = True
-            last_ping = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            last_ping = next_check = loop.time()
+            next_check += interval
             while True:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                wait = min(1.0, max(0.0, next_check - loop.time()))
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
                 if message is not None and message["type"] == "message":  # not our pongs
-                    await _apply(runtime, message["channel"], message["data"])
+                    await _apply(runtime, message["channel"], message["data"], watch)
+                now = loop.time()
+                if now >= next_check:
+                    # At most once per interval per worker, never per request.
+                    current = await asyncio.wait_for(_read_version(client), interval)
+                    if watch.check(current):
+                        await _lost_messages(runtime)
+                    runtime.auth.trust_for(2 * interval)
+                    next_check = now + interval
                 # A half-open connection delivers nothing and raises nothing: prove it is alive,
                 # or the cache would keep trusting it through missed revocations.
-                now = asyncio.get_running_loop().time()
                 if now - last_ping >= _PING_SECONDS:
                     await asyncio.wait_for(pubsub.ping(), timeout=_PING_SECONDS)
                     last_ping = now
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - any failure: distrust the cache, reconnect
+        except Exception:
             log.warning("invalidation subscription lost; authenticating from the database "
                         "until it is back", exc_info=True)
         finally:
-            runtime.auth.trusted = False
+            runtime.auth.distrust()
             try:
                 await pubsub.aclose()
                 await client.aclose()
@@ -116,7 +183,7 @@ async def _flush_forever(runtime: GatewayRuntime) -> None:
         await asyncio.sleep(settings.GATEWAY_LAST_USED_FLUSH_SECONDS)
         try:
             await flush_last_used(runtime)
-        except Exception:  # noqa: BLE001 - telemetry; retried with the next batch
+        except Exception:
             log.warning("could not record last use of API keys", exc_info=True)
 
 

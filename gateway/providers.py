@@ -15,11 +15,16 @@ from dataclasses import dataclass, field
 
 from django.db import transaction
 
-from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret, reencrypt
+from gateway.crypto import (
+    SecretDecryptionError,
+    decrypt_secret,
+    encrypt_secret,
+    reencrypt,
+)
 from gateway.models import ProviderKey
 from gateway.prices import Price
-from tenants.models import Tenant
 from tenants.invalidation import publish
+from tenants.models import Tenant
 from tenants.services.audit import record_audit_event
 
 logger = logging.getLogger(__name__)
@@ -155,9 +160,9 @@ def delete_provider_key(provider_key: ProviderKey, *, actor: str = "system") -> 
     """Delete a provider key; audited, and every gateway process reloads its pool (and its
     catalog, which holds the key's default prices). Disabling it keeps its history instead."""
     with transaction.atomic():
-        public_id, tenant = provider_key.public_id, provider_key.tenant
+        ident, public_id, tenant = provider_key.pk, provider_key.public_id, provider_key.tenant
         provider_key.delete()
-        publish("providers")
+        publish("providers", ident)  # dropped from every pool at once, then pools reload
         record_audit_event(actor=actor, action="provider_key.delete", target=public_id,
                            tenant=tenant, data={"name": provider_key.name,
                                                 "base_url": provider_key.base_url})
@@ -212,6 +217,13 @@ class ProviderPool:
 
     def __len__(self) -> int:
         return len(self._upstreams)
+
+    def without(self, provider_key_id: int) -> ProviderPool:
+        """A pool of the same keys but this one, with the same cooldowns."""
+        pool = ProviderPool(u for u in self._upstreams if u.id != provider_key_id)
+        for upstream_id, until in self.cooldowns().items():
+            pool.cool_down(upstream_id, until)
+        return pool
 
     def get(self, provider_key_id: int) -> Upstream | None:
         return self._by_id.get(provider_key_id)

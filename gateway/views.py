@@ -21,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 from gateway.admission import admit, allows, unmetered
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody, parse_body
+from gateway.client_address import request_client_address
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -82,7 +83,7 @@ async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyCon
         raise invalid_api_key("You didn't provide an API key. Send it as 'Authorization: "
                               "Bearer tgk_...'.")
     try:
-        ctx = await runtime.auth.authenticate(token)
+        ctx = await runtime.auth.authenticate(token, request_client_address(request))
     except DatabaseError:
         # Only a key not yet cached needs the database; cached keys keep working through an
         # outage (the hot path never touches PostgreSQL).

@@ -17,6 +17,7 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
     tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
     tg:reconcile:lock:<date>            string: the lock of one day's reconciliation run
+    tg:auth:version                     string: count of invalidations published (gateway caches)
     tg:invalidate                       pub/sub channel: cached tenancy data changed
     tg:provider-cooldown                pub/sub channel: an upstream key cools down after a 429
 
@@ -148,6 +149,13 @@ def ledger_backlog_alert_key() -> str:
 def reconcile_lock_key(day: date) -> str:
     """The lock of one day's reconciliation run (billing/reconciliation.py)."""
     return f"tg:reconcile:lock:{day.isoformat()}"
+
+
+def auth_version_key() -> str:
+    """Incremented with every invalidation message, in the same script as the publish
+    (quotas/invalidation.py): a gateway that sees it move without the message dropped a message
+    and empties its auth cache (gateway/listener.py)."""
+    return "tg:auth:version"
 
 
 # -- pub/sub channels: names in Redis too, though not keys -----------------------------------------

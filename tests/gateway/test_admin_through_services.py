@@ -78,7 +78,7 @@ def test_deleting_a_provider_key_in_admin_is_audited_and_reloads_every_pool(
     events, sent = changes(published, django_capture_on_commit_callbacks, lambda: root.post(
         f"/admin/gateway/providerkey/{key.pk}/delete/", {"post": "yes"}))
     assert [(a, actor) for a, actor, _ in events] == [("provider_key.delete", "user:root")]
-    assert sent == [("providers", None)]
+    assert sent == [("providers", key.pk)]
     assert not ProviderKey.objects.filter(pk=key.pk).exists()
 
 

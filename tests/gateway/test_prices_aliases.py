@@ -191,7 +191,9 @@ def _received(pubsub: Any) -> list[dict[str, Any]]:
     while time.monotonic() < deadline:
         message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
         if message:
-            messages.append(json.loads(message["data"]))
+            body = json.loads(message["data"])
+            body.pop("v")  # the message's number (quotas/invalidation.py)
+            messages.append(body)
     return messages
 
 
