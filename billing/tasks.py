@@ -1,18 +1,23 @@
-"""Background jobs of the ledger (scheduled in config/settings.py CELERY_BEAT_SCHEDULE)."""
+"""Background jobs of the ledger (scheduled in config/settings.py CELERY_BEAT_SCHEDULE).
+
+Every task has a soft and a hard time limit, and webhook deliveries run on their own queue
+(config/celery.py), so a slow receiver can neither hold a worker nor delay the sweep and the
+ledger drain."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Mapping
 
 from celery import shared_task
+from django.db import transaction
 from django.utils import timezone
 
 from billing.alerts import all_tenant_ids, check_thresholds
 from billing.alerts import check_ledger_backlog as check_ledger_backlog_now
 from billing.alerts import check_pending_health as check_pending_health_now
 from billing.ledger import DrainResult, drain_all
-from billing.models import WebhookDelivery
-from billing.webhooks import deliver, due_delivery_ids
+from billing.models import WebhookDelivery, WebhookEndpoint
+from billing.webhooks import deliver, due_delivery_ids, request_redelivery, request_test_event
 from quotas.runtime import get_engine
 from quotas.windows import Window
 
@@ -56,6 +61,28 @@ def dispatch_deliveries(delivery_ids: Iterable[int]) -> int:
     return queued
 
 
+def dispatch_after_commit(delivery_ids: Iterable[int]) -> None:
+    """Queue the deliveries once the current transaction commits (at once outside one), so the
+    worker finds their rows."""
+    ids = list(delivery_ids)
+    transaction.on_commit(lambda: dispatch_deliveries(ids))
+
+
+def queue_test_event(endpoint: WebhookEndpoint, *, actor: str) -> WebhookDelivery:
+    """A person's "send test event" (console, API): audited, queued for a worker, and returned
+    pending at once; the delivery log shows its result when the receiver has answered."""
+    delivery = request_test_event(endpoint, actor=actor)
+    dispatch_after_commit([delivery.pk])
+    return delivery
+
+
+def queue_redelivery(delivery: WebhookDelivery, *, actor: str) -> WebhookDelivery:
+    """A person's "redeliver" (console, API): audited, due now, queued for a worker."""
+    delivery = request_redelivery(delivery, actor=actor)
+    dispatch_after_commit([delivery.pk])
+    return delivery
+
+
 def _fire_alerts(tenant_ids: Iterable[int], windows: Mapping[int, Collection[Window]] | None = None,
                  ) -> int:
     alerts = check_thresholds(tenant_ids, windows=windows)
@@ -89,7 +116,8 @@ def check_quota_thresholds() -> int:
 def deliver_webhook(delivery_id: int) -> str:
     """One attempt of a webhook delivery if due (idempotent: a delivered or not-yet-due one is
     skipped, and a conditional UPDATE gives each attempt to exactly one worker). A failed
-    attempt is queued again after its backoff."""
+    attempt is queued again after its backoff. Runs on the `webhooks` queue, each attempt within
+    TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS, the task within its time limits (config/celery.py)."""
     delivery = deliver(delivery_id)
     if delivery is None:
         return "missing"

@@ -18,7 +18,13 @@ and the console's delivery log show it) say what it is.
 Delivery: one attempt at a time is claimed with a conditional UPDATE (two workers never send the
 same attempt); a failed attempt is retried after TOLLGATE_WEBHOOK_BACKOFF_SECONDS (10 s, 30 s,
 2 min, 10 min, 1 h) up to TOLLGATE_WEBHOOK_MAX_ATTEMPTS (6), then the delivery is `failed`.
-This module never talks to the broker: the Celery tasks (billing/tasks.py) dispatch.
+Every attempt has a total deadline (TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS, 10 s: wall clock over
+DNS, connect, TLS, sending and every read), so a receiver that answers slowly on purpose (`100
+Continue` every second, a response head trickled a byte at a time) cannot hold a worker: each
+socket operation gets what is left of the deadline, never more.
+This module never talks to the broker: the Celery tasks (billing/tasks.py) dispatch. A person's
+test event or redelivery is queued (request_test_event, request_redelivery) and sent by a worker,
+never inside the web request.
 """
 from __future__ import annotations
 
@@ -27,15 +33,19 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+import httpcore
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
@@ -54,7 +64,8 @@ TIMESTAMP_HEADER = "Tollgate-Timestamp"
 SIGNATURE_VERSION = "v1"
 SECRET_PREFIX = "whsec_"
 # How long a claimed attempt is reserved for the worker sending it. Longer than any attempt can
-# take (the timeouts below); after it, a worker that died mid-attempt is retried by the beat.
+# take (the total deadline, at most 60 s: config/settings.py); after it, a worker that died
+# mid-attempt is retried by the beat.
 CLAIM_SECONDS = 120
 _DEFAULT_BACKOFF = (10, 30, 120, 600, 3600)
 _USER_AGENT = "Tollgate-Webhooks/1"
@@ -62,6 +73,14 @@ _USER_AGENT = "Tollgate-Webhooks/1"
 
 class WebhookUrlRefused(ValueError):
     """The URL is malformed or its host resolves to an address webhooks may not reach (SSRF)."""
+
+
+class WebhookDeadlineExceeded(Exception):
+    """An attempt ran out of its total deadline (whatever phase it was in)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no complete answer within the total deadline of {seconds:g} s "
+                         "(TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS)")
 
 
 # -- settings -----------------------------------------------------------------------------------
@@ -72,7 +91,13 @@ def allow_private() -> bool:
 
 
 def _timeout_s() -> float:
+    """The limit of each socket operation (connect, one write, one read)."""
     return float(getattr(settings, "TOLLGATE_WEBHOOK_TIMEOUT_SECONDS", 5.0))
+
+
+def total_timeout_s() -> float:
+    """The wall-clock limit of a whole attempt, DNS included (see Deadline)."""
+    return float(getattr(settings, "TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS", 10.0))
 
 
 def _max_attempts() -> int:
@@ -86,12 +111,93 @@ def backoff_s(attempt: int) -> float:
     return float(delays[min(attempt, len(delays)) - 1]) if delays else 0.0
 
 
+# -- the total deadline -------------------------------------------------------------------------
+
+
+class Deadline:
+    """The wall-clock end of one attempt. Every blocking step asks it for its timeout: the
+    step's own limit, cut to what is left, so the sum of all steps never passes the end."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self._end - time.monotonic()
+
+    def clamp(self, timeout: float | None) -> float:
+        """The timeout for the next step; WebhookDeadlineExceeded once nothing is left."""
+        left = self.remaining()
+        if left <= 0:
+            raise WebhookDeadlineExceeded(self.seconds)
+        return left if timeout is None else min(timeout, left)
+
+
+# getaddrinfo has no timeout of its own (the system resolver's retries can take half a
+# minute, and a tenant controls its domain's name servers), so lookups run on a few threads and
+# the caller waits at most until its deadline. A lookup left behind ends by itself; with every
+# thread busy, new lookups queue and fail at their deadline. One pool per process (Celery forks).
+_RESOLVER_THREADS = 4
+_resolver: tuple[int, ThreadPoolExecutor] | None = None
+_resolver_lock = threading.Lock()
+
+
+def _resolver_pool() -> ThreadPoolExecutor:
+    global _resolver
+    with _resolver_lock:
+        if _resolver is None or _resolver[0] != os.getpid():
+            _resolver = (os.getpid(), ThreadPoolExecutor(_RESOLVER_THREADS,
+                                                         thread_name_prefix="webhook-dns"))
+        return _resolver[1]
+
+
+def _getaddrinfo(host: str, port: int, deadline: Deadline) -> list[str]:
+    """The addresses of `host`, in the resolver's order, within the deadline."""
+    future: Future[Any] = _resolver_pool().submit(socket.getaddrinfo, host, port,
+                                                  type=socket.SOCK_STREAM)
+    try:
+        infos = future.result(timeout=deadline.clamp(None))
+    except FutureTimeout:
+        future.cancel()
+        raise WebhookUrlRefused(f"the webhook URL's host {host!r} did not resolve within "
+                                f"{deadline.seconds:g} s") from None
+    except WebhookDeadlineExceeded:
+        future.cancel()
+        raise
+    except (socket.gaierror, UnicodeError):
+        # Said the same way as a private answer: the refusal must not tell a tenant which
+        # internal names exist.
+        raise WebhookUrlRefused(_NOT_PUBLIC.format(host=host)) from None
+    return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+
+
 # -- SSRF guard ---------------------------------------------------------------------------------
+
+# The whole refusal: never the addresses the host resolved to (internal DNS answers are not the
+# tenant's business), and the same words whether the name is internal or does not exist.
+_NOT_PUBLIC = ("the webhook URL's host {host!r} is not a public address "
+               "(webhooks only go to public internet addresses)")
+
+# IPv6 ranges that carry an IPv4 address inside them. A relay or translator on the way forwards
+# to that IPv4 address, which may be an internal one, and no webhook receiver needs them: all
+# refused, whatever they embed. (IPv4-mapped addresses, ::ffff:a.b.c.d, are judged as the IPv4
+# address they are: a dual-stack socket connects to exactly that.)
+EMBEDDED_IPV4_NETWORKS = tuple(ipaddress.IPv6Network(n) for n in (
+    "2002::/16",         # 6to4
+    "2001::/32",         # Teredo
+    "64:ff9b::/96",      # NAT64, well-known prefix
+    "64:ff9b:1::/48",    # NAT64, local use
+    "::/96",             # IPv4-compatible (deprecated)
+    "::ffff:0:0:0/96",   # IPv4-translated (SIIT)
+))
 
 
 def _forbidden(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif any(ip in network for network in EMBEDDED_IPV4_NETWORKS):
+            return True
     return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
             or ip.is_reserved or ip.is_unspecified or not ip.is_global)
 
@@ -111,22 +217,19 @@ def _split(url: str) -> tuple[Any, str, int]:
     return parts, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
-def resolve_allowed(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to, or WebhookUrlRefused when one of them is private,
-    loopback, link-local, multicast or reserved (unless TOLLGATE_WEBHOOK_ALLOW_PRIVATE)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise WebhookUrlRefused(f"cannot resolve {host!r}: {exc}") from None
-    addresses = list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+def resolve_allowed(host: str, port: int, deadline: Deadline | None = None) -> list[str]:
+    """Every address `host` resolves to (within the deadline: by default the total one), or
+    WebhookUrlRefused when one of them is private, loopback, link-local, multicast, reserved or
+    an IPv4-embedding transition address (unless TOLLGATE_WEBHOOK_ALLOW_PRIVATE)."""
+    addresses = _getaddrinfo(host, port, deadline or Deadline(total_timeout_s()))
     if not addresses:
-        raise WebhookUrlRefused(f"{host!r} resolves to no address")
+        raise WebhookUrlRefused(_NOT_PUBLIC.format(host=host))
     if not allow_private():
-        for address in addresses:
-            if _forbidden(ipaddress.ip_address(address)):
-                raise WebhookUrlRefused(
-                    f"{host!r} resolves to {address}, a private, loopback, link-local, "
-                    "multicast or reserved address (TOLLGATE_WEBHOOK_ALLOW_PRIVATE is off)")
+        refused = [a for a in addresses if _forbidden(ipaddress.ip_address(a))]
+        if refused:
+            # The operator's log may name the address; the tenant's message does not.
+            log.info("webhook host %r refused: it resolves to %s", host, ", ".join(refused))
+            raise WebhookUrlRefused(_NOT_PUBLIC.format(host=host))
     return addresses
 
 
@@ -138,8 +241,9 @@ def check_url(url: str) -> None:
     resolve_allowed(host, port)
 
 
-def pinned_request(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
-    """The URL to connect to, with extra headers and httpx extensions.
+def pinned_request(url: str, deadline: Deadline | None = None,
+                   ) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The URL to connect to, with extra headers and httpcore extensions.
 
     The host is resolved and checked here, and the connection goes to that checked address (the
     Host header and TLS server name keep the original name, so virtual hosts and certificate
@@ -147,7 +251,7 @@ def pinned_request(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
     cannot send the request elsewhere.
     """
     parts, host, port = _split(url)
-    addresses = resolve_allowed(host, port)
+    addresses = resolve_allowed(host, port, deadline)
     if allow_private():
         return url, {}, {}
     address = addresses[0]
@@ -157,6 +261,91 @@ def pinned_request(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
     pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
     extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
     return pinned, {"Host": parts.netloc}, extensions
+
+
+# -- the HTTP client under the deadline ---------------------------------------------------------
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket stream whose every operation gets at most what is left of the deadline. A
+    timeout that the deadline cut short is reported as the deadline, not as a slow read."""
+
+    def __init__(self, stream: httpcore.NetworkStream, deadline: Deadline) -> None:
+        self._stream = stream
+        self._deadline = deadline
+
+    def _timed(self, step: Any, timeout: float | None) -> Any:
+        limit = self._deadline.clamp(timeout)
+        try:
+            return step(limit)
+        except httpcore.TimeoutException:
+            if timeout is None or limit < timeout:
+                raise WebhookDeadlineExceeded(self._deadline.seconds) from None
+            raise
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._timed(lambda t: self._stream.read(max_bytes, t), timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._timed(lambda t: self._stream.write(buffer, t), timeout)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        tls = self._timed(lambda t: self._stream.start_tls(ssl_context, server_hostname, t),
+                          timeout)
+        return _DeadlineStream(tls, self._deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's socket backend with the deadline on every step, name resolution included
+    (a pinned URL names an address, which resolves at once; with private targets allowed the
+    name is resolved here, under the deadline, and each address tried in turn)."""
+
+    def __init__(self, deadline: Deadline) -> None:
+        self._backend = httpcore.SyncBackend()
+        self._deadline = deadline
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        failure: Exception = httpcore.ConnectError(f"{host!r} resolves to no address")
+        for address in _getaddrinfo(host, port, self._deadline):
+            limit = self._deadline.clamp(timeout)
+            try:
+                stream = self._backend.connect_tcp(address, port, limit, local_address,
+                                                   socket_options)
+            except httpcore.ConnectTimeout:
+                if timeout is None or limit < timeout:
+                    raise WebhookDeadlineExceeded(self._deadline.seconds) from None
+                raise
+            except httpcore.ConnectError as exc:
+                failure = exc
+                continue
+            return _DeadlineStream(stream, self._deadline)
+        raise failure
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(min(seconds, max(self._deadline.remaining(), 0.0)))
+
+
+def post_within(url: str, body: bytes, headers: dict[str, str], extensions: dict[str, Any],
+                deadline: Deadline) -> int:
+    """POST `body` and return the response's status code, all within `deadline`. No proxies
+    (they would bypass the address check), no redirects (a 3xx is a failure), and the response
+    body is never read: the status line and headers are the answer."""
+    timeout = _timeout_s()
+    timeouts = {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
+    with httpcore.ConnectionPool(network_backend=_DeadlineBackend(deadline),
+                                 max_connections=1) as pool:
+        with pool.stream("POST", url, headers=list(headers.items()), content=body,
+                         extensions={**extensions, "timeout": timeouts}) as response:
+            return response.status
 
 
 # -- signatures ---------------------------------------------------------------------------------
@@ -216,8 +405,10 @@ def create_endpoint(tenant: Tenant, url: str, events: Iterable[str], *,
     with transaction.atomic():
         endpoint = WebhookEndpoint.objects.create(
             tenant=tenant, url=url, secret_encrypted=encrypt_secret(secret), events=events)
+        # The audit log is readable by members: it names the endpoint's masked URL only.
         record_audit_event(tenant=tenant, actor=actor, action="webhook.created",
-                           target=endpoint.public_id, data={"url": url, "events": events})
+                           target=endpoint.public_id,
+                           data={"url": masked_url(url), "events": events})
     return endpoint, secret
 
 
@@ -240,8 +431,9 @@ def update_endpoint(endpoint: WebhookEndpoint, *, actor: str, url: str | None = 
         return endpoint
     with transaction.atomic():
         WebhookEndpoint.objects.filter(pk=endpoint.pk).update(**changes)
+        audited = {**changes, "url": masked_url(changes["url"])} if "url" in changes else changes
         record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.updated",
-                           target=endpoint.public_id, data=changes)
+                           target=endpoint.public_id, data=audited)
     endpoint.refresh_from_db()
     return endpoint
 
@@ -250,7 +442,7 @@ def delete_endpoint(endpoint: WebhookEndpoint, *, actor: str) -> None:
     """Delete an endpoint and its delivery log."""
     with transaction.atomic():
         record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.deleted",
-                           target=endpoint.public_id, data={"url": endpoint.url})
+                           target=endpoint.public_id, data={"url": masked_url(endpoint.url)})
         endpoint.delete()
 
 
@@ -296,11 +488,14 @@ def _claim(delivery: WebhookDelivery, now: datetime) -> bool:
 
 def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
           delivery_id: str) -> tuple[int | None, str]:
-    """POST one attempt; (status code or None, error text)."""
+    """POST one attempt within the total deadline; (status code or None, error text)."""
+    deadline = Deadline(total_timeout_s())
     try:
-        url, headers, extensions = pinned_request(endpoint.url)
+        url, headers, extensions = pinned_request(endpoint.url, deadline)
     except WebhookUrlRefused as exc:
         return None, f"refused: {exc}"
+    except WebhookDeadlineExceeded as exc:
+        return None, str(exc)
     try:
         secret = endpoint.secret
     except SecretDecryptionError:
@@ -315,12 +510,9 @@ def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
         SIGNATURE_HEADER: sign(secret, timestamp, body),
     })
     try:
-        # No proxies from the environment (they would bypass the address check), no redirects
-        # (a 3xx is a failure), and the response body is never read.
-        with httpx.Client(timeout=_timeout_s(), trust_env=False, follow_redirects=False) as client:
-            with client.stream("POST", url, content=body, headers=headers,
-                               extensions=extensions) as response:
-                return response.status_code, ""
+        return post_within(url, body, headers, extensions, deadline), ""
+    except WebhookDeadlineExceeded as exc:
+        return None, str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure is a failed attempt, retried later
         return None, f"{type(exc).__name__}: {exc}"[:500]
 
@@ -374,35 +566,73 @@ def due_delivery_ids(*, limit: int = 500) -> list[int]:
                 .order_by("next_attempt_at").values_list("pk", flat=True)[:limit])
 
 
-def redeliver(delivery: WebhookDelivery) -> WebhookDelivery:
-    """Manual redelivery: one new attempt now, whatever the delivery's state (same event id,
-    fresh timestamp and signature). If it fails, automatic retries continue while attempts
-    remain; past the maximum the delivery is `failed` again."""
+def schedule_redelivery(delivery: WebhookDelivery) -> WebhookDelivery:
+    """Make a delivery pending and due now, whatever its state (the next attempt sends the same
+    event id with a fresh timestamp and signature). If that attempt fails, automatic retries
+    continue while attempts remain; past the maximum the delivery is `failed` again."""
     WebhookDelivery.objects.filter(pk=delivery.pk).update(
         status=WebhookDelivery.Status.PENDING, next_attempt_at=timezone.now(), delivered_at=None)
+    delivery.refresh_from_db()
+    return delivery
+
+
+def redeliver(delivery: WebhookDelivery) -> WebhookDelivery:
+    """Manual redelivery in this process: one new attempt now (see schedule_redelivery). For
+    workers and scripts; a person's redelivery is queued (request_redelivery)."""
+    schedule_redelivery(delivery)
     return deliver(delivery.pk) or delivery
 
 
-def send_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
-    """Send a `test` event to the endpoint now (whether or not it subscribes to `test`)."""
+def create_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
+    """A pending `test` delivery to the endpoint, due now (whether or not it subscribes to
+    `test`); a worker sends it."""
     payload = event_payload(WebhookEvent.TEST, endpoint.tenant, scope="tenant", window="",
                             limit=0, used=0, pending=0, remaining=0, threshold=0)
-    delivery = WebhookDelivery.objects.create(
+    return WebhookDelivery.objects.create(
         endpoint=endpoint, event_type=WebhookEvent.TEST, payload=payload,
         next_attempt_at=timezone.now())
+
+
+def send_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
+    """A `test` event sent in this process now (for workers and scripts)."""
+    delivery = create_test_event(endpoint)
     return deliver(delivery.pk) or delivery
 
 
 def request_test_event(endpoint: WebhookEndpoint, *, actor: str) -> WebhookDelivery:
-    """A person's "send test event": audited, then sent now (see send_test_event)."""
+    """A person's "send test event": audited, and a pending delivery for a worker to send. The
+    caller queues it (billing.tasks.queue_test_event): no web request waits on a receiver."""
     record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.test_sent",
                        target=endpoint.public_id)
-    return send_test_event(endpoint)
+    return create_test_event(endpoint)
 
 
 def request_redelivery(delivery: WebhookDelivery, *, actor: str) -> WebhookDelivery:
-    """A person's "redeliver": audited, then one attempt now (see redeliver)."""
+    """A person's "redeliver": audited, and the delivery due now for a worker to send (the
+    caller queues it: billing.tasks.queue_redelivery)."""
     record_audit_event(tenant=delivery.endpoint.tenant, actor=actor, action="webhook.redelivered",
                        target=delivery.public_id, data={"endpoint": delivery.endpoint.public_id,
                                                         "event_type": delivery.event_type})
-    return redeliver(delivery)
+    return schedule_redelivery(delivery)
+
+
+# -- what members see ---------------------------------------------------------------------------
+
+
+def masked_url(url: str) -> str:
+    """An endpoint's URL as a member (read-only role) sees it: the scheme and the last two labels
+    of the host name, nothing of the path, query or port (receivers often carry a token there:
+    https://hooks.example.com/T0/B0/secret -> "https://…example.com/…"). An address literal
+    shows no host at all."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        return "…"
+    try:
+        ipaddress.ip_address(host)
+        shown = ""
+    except ValueError:
+        labels = host.split(".")
+        shown = ".".join(labels[-2:]) if len(labels) > 2 else host
+    return f"{parts.scheme}://…{shown}/…" if shown else f"{parts.scheme}://…/…"

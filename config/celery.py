@@ -6,6 +6,18 @@
 
 Every task is idempotent and safe when two workers run it at once (see each task).
 
+Queues: webhook deliveries go to their own queue (`webhooks`), everything else to `celery`, so
+slow receivers never delay the sweep, the ledger drain or the alerts. A worker started without
+`-Q` consumes both (both are declared in task_queues); a deployment may run dedicated workers:
+
+    celery -A config worker -Q celery -l info      # sweep, drain, alerts, reconciliation
+    celery -A config worker -Q webhooks -l info    # webhook deliveries
+
+Time limits: every task has a soft limit (SoftTimeLimitExceeded is raised inside it) and a hard
+one (the worker process running it is killed and replaced): TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS
+and TOLLGATE_TASK_TIME_LIMIT_SECONDS, with overrides below for the jobs that legitimately take
+longer or must be shorter. Every task is idempotent, so one cut short runs again on schedule.
+
 A worker refuses to start on a quota Redis that may evict or lose counters (quotas/durability.py):
 its sweeps and ledger drain would work on counters that can vanish.
 """
@@ -17,6 +29,8 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import worker_init
+from django.conf import settings
+from kombu import Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -27,6 +41,37 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["quotas", "billing"])
 # The rebuild of lost quota counters lives with the ledger it reads (billing/rebuild.py).
 app.autodiscover_tasks(["billing"], related_name="rebuild")
+
+DEFAULT_QUEUE = "celery"
+WEBHOOK_QUEUE = "webhooks"
+WORKER_QUEUES = (DEFAULT_QUEUE, WEBHOOK_QUEUE)
+
+# Seconds beyond a webhook attempt's total deadline for the task's own database work.
+_WEBHOOK_TASK_MARGIN_S = 20
+
+
+def time_limits() -> dict[str, dict[str, float]]:
+    """The tasks whose limits differ from the default: (soft, hard) by task name."""
+    webhook_soft = settings.TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS + _WEBHOOK_TASK_MARGIN_S
+    reconcile_soft = float(settings.TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS)
+    return {
+        # One attempt is bounded by its total deadline: the task needs little more.
+        "billing.tasks.deliver_webhook": {"soft_time_limit": webhook_soft,
+                                          "time_limit": webhook_soft + 10},
+        # Pages through the upstream's usage API for every provider key.
+        "billing.tasks.reconcile_daily": {"soft_time_limit": reconcile_soft,
+                                          "time_limit": reconcile_soft + 60},
+    }
+
+
+app.conf.update(
+    task_default_queue=DEFAULT_QUEUE,
+    task_queues=tuple(Queue(name, routing_key=name) for name in WORKER_QUEUES),
+    task_routes={"billing.tasks.deliver_webhook": {"queue": WEBHOOK_QUEUE}},
+    task_soft_time_limit=float(settings.TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS),
+    task_time_limit=float(settings.TOLLGATE_TASK_TIME_LIMIT_SECONDS),
+    task_annotations=time_limits(),
+)
 
 
 @worker_init.connect

@@ -1,6 +1,6 @@
 """Serve Tollgate in the foreground: the gateway under uvicorn (several worker processes), a
-Celery worker with beat (sweep, ledger), and, for a first local run, the mock upstream the
-gateway forwards to. Ctrl-C stops them all.
+Celery worker with beat (sweep, ledger), one for webhook deliveries, and, for a first local run,
+the mock upstream the gateway forwards to. Ctrl-C stops them all.
 
     python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock] [--no-celery]
 
@@ -64,6 +64,21 @@ def _refuse_unsafe_quota_store() -> None:
                          + "\n".join(f"  {p}" for p in problems))
 
 
+def celery_commands(schedule: Path) -> list[list[str]]:
+    """The Celery workers to start: one with beat for the default queue (sweep, ledger drain,
+    alerts) and one for webhook deliveries, so a slow receiver never takes their slot."""
+    from config.celery import DEFAULT_QUEUE, WEBHOOK_QUEUE
+
+    commands = []
+    for queue in (DEFAULT_QUEUE, WEBHOOK_QUEUE):
+        command = [sys.executable, "-m", "celery", "-A", "config", "worker", "--queues", queue,
+                   "--hostname", f"{queue}@%h", "--concurrency", "2", "--loglevel", "WARNING"]
+        if queue == DEFAULT_QUEUE:
+            command += ["--beat", "--schedule", str(schedule)]
+        commands.append(command)
+    return commands
+
+
 def _interrupt(signum: int, frame: object) -> None:
     """`kill` (SIGTERM) must stop the children too, not orphan them: the Ctrl-C cleanup."""
     raise KeyboardInterrupt
@@ -77,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mock-port", type=int, default=8099)
     parser.add_argument("--no-mock", action="store_true", help="do not start the mock upstream")
     parser.add_argument("--no-celery", action="store_true",
-                        help="do not start the Celery worker with beat")
+                        help="do not start the Celery workers (and beat)")
     args = parser.parse_args(argv)
     _refuse_unsafe_quota_store()
 
@@ -91,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             children.append(mock)
             _wait_for(f"http://127.0.0.1:{args.mock_port}/v1/models", mock, "the mock upstream")
         if not args.no_celery:
-            children.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "config", "worker", "--beat",
-                 "--concurrency", "2", "--loglevel", "WARNING",
-                 "--schedule", str(data_dir() / "celerybeat-schedule")], cwd=ROOT, env=env))
+            for command in celery_commands(data_dir() / "celerybeat-schedule"):
+                children.append(subprocess.Popen(command, cwd=ROOT, env=env))
         gateway = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", args.host,
              "--port", str(args.port), "--workers", str(args.workers), "--loop", "uvloop",

@@ -373,6 +373,23 @@ TOLLGATE_WEBHOOK_BACKOFF_SECONDS = tuple(
 if TOLLGATE_WEBHOOK_TIMEOUT_SECONDS <= 0 or not TOLLGATE_WEBHOOK_BACKOFF_SECONDS or min(
         TOLLGATE_WEBHOOK_BACKOFF_SECONDS) <= 0:
     raise ImproperlyConfigured("webhook timeout and backoff steps must be > 0 seconds")
+# The wall-clock limit of one whole delivery attempt (DNS, connect, TLS, send, every read): the
+# per-operation timeout above alone lets a receiver that trickles its answer hold a worker for
+# ever. At most 60 s: a claimed attempt is reserved for 120 s (billing/webhooks.py).
+TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS = env.float("TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS",
+                                                   default=10.0)
+if not 0 < TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS <= 60:
+    raise ImproperlyConfigured("TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS must be > 0 and <= 60, got "
+                               f"{TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS:g}")
+# Every Celery task's soft and hard time limit (config/celery.py; a soft limit raises inside the
+# task, a hard one kills its worker process). Webhook deliveries get their total deadline plus a
+# margin, the daily reconciliation TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS.
+TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS", 240)
+TOLLGATE_TASK_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_TASK_TIME_LIMIT_SECONDS", 300)
+TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS", 1800)
+if TOLLGATE_TASK_TIME_LIMIT_SECONDS <= TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS:
+    raise ImproperlyConfigured("TOLLGATE_TASK_TIME_LIMIT_SECONDS must be above "
+                               "TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS (the hard limit comes last)")
 # Pending-holds health: alert operators when pending stays above this share of a tenant's daily
 # limit for this long (a leak sign).
 TOLLGATE_PENDING_ALERT_SECONDS = _positive_int("TOLLGATE_PENDING_ALERT_SECONDS", 600)

@@ -10,6 +10,7 @@ from rest_framework import serializers
 
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 from billing.usage import GROUPINGS
+from billing.webhooks import masked_url
 
 DEFAULT_USAGE_DAYS = 30
 MAX_USAGE_DAYS = 366
@@ -129,14 +130,31 @@ class ErrorSerializer(serializers.Serializer):
 
 
 class WebhookEndpointSerializer(serializers.ModelSerializer):
+    """An endpoint. Its URL is shown in full only with context {"show_url": True} (callers who
+    may change it); others (members) get `url: null` and the masked form only, since receivers
+    often carry a token in the URL."""
+
     id = serializers.CharField(source="public_id", read_only=True)
+    url = serializers.URLField(max_length=2000, allow_null=True, help_text=(
+        "The endpoint's URL; null for members (read-only role), who see url_masked only."))
+    url_masked = serializers.SerializerMethodField(help_text=(
+        'The scheme and the end of the host name only, e.g. "https://…example.com/…".'))
     events = serializers.ListField(child=serializers.ChoiceField(choices=WebhookEvent.choices),
                                    allow_empty=True)
 
     class Meta:
         model = WebhookEndpoint
-        fields = ["id", "url", "events", "enabled", "created_at"]
-        read_only_fields = ["id", "created_at"]
+        fields = ["id", "url", "url_masked", "events", "enabled", "created_at"]
+        read_only_fields = ["id", "url_masked", "created_at"]
+
+    def get_url_masked(self, endpoint: WebhookEndpoint) -> str:
+        return masked_url(endpoint.url)
+
+    def to_representation(self, instance: WebhookEndpoint) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        if not self.context.get("show_url", False):
+            data["url"] = None
+        return data
 
 
 class WebhookEndpointCreateSerializer(serializers.Serializer):

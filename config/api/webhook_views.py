@@ -1,9 +1,12 @@
 """Management API: a tenant's webhook endpoints, their test events, delivery log and redelivery.
 
-Reading is for everyone in the tenant (a member too); every change, a test send and a
-redelivery are for owners and admins (403 for a member). The signing secret is in the creation
-response only: no other response carries it. Endpoints and deliveries are addressed by public id
-(whk_..., dlv_...) through the tenant, so another tenant's are a 404.
+Reading is for everyone in the tenant (a member too, who sees each endpoint's URL masked: it can
+carry a receiver's token); every change, a test send and a redelivery are for owners and admins
+(403 for a member). The signing secret is in the creation response only (`Cache-Control:
+no-store`): no other response carries it. Endpoints and deliveries are addressed by public id
+(whk_..., dlv_...) through the tenant, so another tenant's are a 404. A test send and a
+redelivery are queued for a worker and answered at once (202, the delivery pending): the
+delivery log shows the result.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from billing import selectors, webhooks
+from billing import selectors, tasks, webhooks
 from billing.models import WebhookEndpoint
 from config.api.billing_serializers import (
     WebhookDeliverySerializer,
@@ -36,6 +39,11 @@ def _refused(field: str, exc: Exception) -> ValidationError:
 
 
 class _EndpointView(TenantScopedAPIView):
+    def url_context(self, tenant: Tenant) -> dict[str, bool]:
+        """Serializer context: whether the caller sees endpoint URLs in full (those who may
+        change the endpoint: owners, admins, operators, tenant tokens; not members)."""
+        return {"show_url": self.principal.can_manage(tenant)}
+
     def endpoints(self, tenant: Tenant) -> QuerySet[WebhookEndpoint]:
         return selectors.webhook_endpoints(tenant)
 
@@ -52,10 +60,12 @@ class WebhookListView(_EndpointView):
 
     @extend_schema(responses=WebhookEndpointSerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
-        rows = self.endpoints(self.tenant())
+        tenant = self.tenant()
+        rows = self.endpoints(tenant)
         paginator = self.pagination_class()
         page = paginator.paginate_queryset(rows, request, view=self)
-        return paginator.get_paginated_response(WebhookEndpointSerializer(page, many=True).data)
+        return paginator.get_paginated_response(WebhookEndpointSerializer(
+            page, many=True, context=self.url_context(tenant)).data)
 
     @extend_schema(request=WebhookEndpointCreateSerializer,
                    responses={201: WebhookEndpointCreatedSerializer,
@@ -72,8 +82,11 @@ class WebhookListView(_EndpointView):
             raise _refused("url", exc) from None
         except ValueError as exc:
             raise _refused("events", exc) from None
-        body = WebhookEndpointSerializer(endpoint).data
-        return Response({**body, "secret": secret}, status=http.HTTP_201_CREATED)
+        body = WebhookEndpointSerializer(endpoint, context={"show_url": True}).data
+        response = Response({**body, "secret": secret}, status=http.HTTP_201_CREATED)
+        # It carries the signing secret: no browser or proxy may keep a copy.
+        response["Cache-Control"] = "no-store"
+        return response
 
 
 class WebhookDetailView(_EndpointView):
@@ -81,7 +94,9 @@ class WebhookDetailView(_EndpointView):
 
     @extend_schema(responses=WebhookEndpointSerializer)
     def get(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
-        return Response(WebhookEndpointSerializer(self.endpoint()).data)
+        endpoint = self.endpoint()
+        return Response(WebhookEndpointSerializer(
+            endpoint, context=self.url_context(endpoint.tenant)).data)
 
     @extend_schema(request=WebhookEndpointUpdateSerializer,
                    responses={200: WebhookEndpointSerializer,
@@ -96,7 +111,7 @@ class WebhookDetailView(_EndpointView):
             raise _refused("url", exc) from None
         except ValueError as exc:
             raise _refused("events", exc) from None
-        return Response(WebhookEndpointSerializer(endpoint).data)
+        return Response(WebhookEndpointSerializer(endpoint, context={"show_url": True}).data)
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
@@ -105,13 +120,13 @@ class WebhookDetailView(_EndpointView):
 
 
 class WebhookTestView(_EndpointView):
-    """POST /api/tenants/<tenant_id>/webhooks/<id>/test: send a `test` event now; the answer is
-    the delivery after its first attempt."""
+    """POST /api/tenants/<tenant_id>/webhooks/<id>/test: queue a `test` event for a worker; the
+    answer (202) is the delivery, pending. Its result shows in the delivery log."""
 
-    @extend_schema(request=None, responses={201: WebhookDeliverySerializer})
+    @extend_schema(request=None, responses={202: WebhookDeliverySerializer})
     def post(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
-        delivery = webhooks.request_test_event(self.endpoint(manage=True), actor=self.actor)
-        return Response(WebhookDeliverySerializer(delivery).data, status=http.HTTP_201_CREATED)
+        delivery = tasks.queue_test_event(self.endpoint(manage=True), actor=self.actor)
+        return Response(WebhookDeliverySerializer(delivery).data, status=http.HTTP_202_ACCEPTED)
 
 
 class DeliveryListView(_EndpointView):
@@ -129,13 +144,13 @@ class DeliveryListView(_EndpointView):
 
 class RedeliverView(_EndpointView):
     """POST /api/tenants/<tenant_id>/webhooks/<id>/deliveries/<delivery_id>/redeliver: one new
-    attempt now (same event id); the answer is the delivery after it."""
+    attempt (same event id), queued for a worker; the answer (202) is the delivery, pending."""
 
-    @extend_schema(request=None, responses=WebhookDeliverySerializer)
+    @extend_schema(request=None, responses={202: WebhookDeliverySerializer})
     def post(self, request: Request, tenant_id: str, webhook_id: str,
              delivery_id: str) -> Response:
         endpoint = self.endpoint(manage=True)
         delivery = get_in_tenant(selectors.webhook_deliveries(endpoint), "delivery",
                                  public_id=delivery_id)
-        delivery = webhooks.request_redelivery(delivery, actor=self.actor)
-        return Response(WebhookDeliverySerializer(delivery).data)
+        delivery = tasks.queue_redelivery(delivery, actor=self.actor)
+        return Response(WebhookDeliverySerializer(delivery).data, status=http.HTTP_202_ACCEPTED)

@@ -3,8 +3,11 @@ once), an endpoint's events and delivery log, enabling or disabling it, a test e
 redelivery and deleting it.
 
 Every page resolves its tenant through config.console.frame.tenant_page (outsiders get 404);
-pages that change something are for owners and admins (members get 403). The logic is in
-billing/webhooks.py (services) and billing/selectors.py (reads); these views read forms and render.
+pages that change something are for owners and admins (members get 403), and members see each
+endpoint's URL masked (it can carry a receiver's token). A test event and a redelivery are
+queued for a worker: the page answers at once and the delivery log shows the result. The logic
+is in billing/webhooks.py (services), billing/tasks.py (queueing) and billing/selectors.py
+(reads); these views read forms and render.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.views.decorators.http import require_http_methods, require_POST
 
-from billing import selectors, webhooks
-from billing.models import WebhookDelivery, WebhookEndpoint
+from billing import selectors, tasks, webhooks
+from billing.models import WebhookEndpoint
 from config.console.frame import actor, no_store, render_page, require_manage, tenant_page
 from config.console.one_use_forms import REPEATED_MESSAGE, first_submission
 from config.console.webhook_forms import WebhookCreateForm, WebhookEventsForm
+from tenants.access import principal_for
 from tenants.models import Tenant
 
 DELIVERIES_PER_PAGE = 25
@@ -32,9 +36,19 @@ def _endpoint(tenant: Tenant, public_id: str) -> WebhookEndpoint:
     return endpoint
 
 
+def _shown(endpoints: list[WebhookEndpoint], request: HttpRequest,
+           tenant: Tenant) -> list[WebhookEndpoint]:
+    """The endpoints with `shown_url`: the URL for owners and admins, masked for members (it
+    can carry the receiver's token). One permission check for the page."""
+    full = principal_for(request).can_manage(tenant)
+    for endpoint in endpoints:
+        endpoint.shown_url = endpoint.url if full else webhooks.masked_url(endpoint.url)
+    return endpoints
+
+
 def _webhooks_page(request: HttpRequest, tenant: Tenant, form: WebhookCreateForm | None = None,
                    *, status: int = 200) -> HttpResponse:
-    endpoints = list(selectors.webhook_endpoints(tenant))
+    endpoints = _shown(list(selectors.webhook_endpoints(tenant)), request, tenant)
     return render_page(request, tenant, "console/webhooks.html", {
         "endpoints": endpoints, "form": form or WebhookCreateForm(),
     }, nav="console-webhooks", status=status)
@@ -71,7 +85,7 @@ def webhooks_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
 @tenant_page()
 def webhook_detail(request: HttpRequest, tenant: Tenant, webhook_id: str) -> HttpResponse:
     """The endpoint, its events (editable by owners and admins) and its delivery log."""
-    endpoint = _endpoint(tenant, webhook_id)
+    [endpoint] = _shown([_endpoint(tenant, webhook_id)], request, tenant)
     form = WebhookEventsForm(initial={"events": endpoint.events})
     status = 200
     if request.method == "POST":
@@ -85,8 +99,9 @@ def webhook_detail(request: HttpRequest, tenant: Tenant, webhook_id: str) -> Htt
         status = 400
     deliveries = Paginator(selectors.webhook_deliveries(endpoint), DELIVERIES_PER_PAGE)
     page = deliveries.get_page(request.GET.get("page"))
+    waiting = any(d.status == d.Status.PENDING for d in page.object_list)
     return render_page(request, tenant, "console/webhook_detail.html", {
-        "endpoint": endpoint, "form": form, "page": page,
+        "endpoint": endpoint, "form": form, "page": page, "waiting": waiting,
     }, nav="console-webhooks", status=status)
 
 
@@ -105,12 +120,9 @@ def webhook_toggle(request: HttpRequest, tenant: Tenant, webhook_id: str) -> Htt
 @tenant_page(manage=True)
 def webhook_test(request: HttpRequest, tenant: Tenant, webhook_id: str) -> HttpResponse:
     endpoint = _endpoint(tenant, webhook_id)
-    delivery = webhooks.request_test_event(endpoint, actor=actor(request))
-    if delivery.status == WebhookDelivery.Status.DELIVERED:
-        messages.success(request, f"Test event delivered (HTTP {delivery.last_status_code}).")
-    else:
-        messages.error(request, "The test event was not accepted: "
-                       f"{delivery.last_error or 'no answer'}. It will be retried.")
+    delivery = tasks.queue_test_event(endpoint, actor=actor(request))
+    messages.success(request, f"Test event queued as delivery {delivery.public_id}: its result "
+                     "shows in the delivery log below once the endpoint has answered.")
     return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
 
 
@@ -122,12 +134,9 @@ def webhook_redeliver(request: HttpRequest, tenant: Tenant, webhook_id: str,
     delivery = selectors.webhook_deliveries(endpoint).filter(public_id=delivery_id).first()
     if delivery is None:
         raise Http404("No such delivery.")
-    delivery = webhooks.request_redelivery(delivery, actor=actor(request))
-    if delivery.status == WebhookDelivery.Status.DELIVERED:
-        messages.success(request, f"Delivery {delivery.public_id} redelivered.")
-    else:
-        messages.error(request, f"Redelivery of {delivery.public_id} failed: "
-                       f"{delivery.last_error or 'no answer'}.")
+    delivery = tasks.queue_redelivery(delivery, actor=actor(request))
+    messages.success(request, f"Redelivery of {delivery.public_id} queued: its result shows in "
+                     "the delivery log below once the endpoint has answered.")
     return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
 
 

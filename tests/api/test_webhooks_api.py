@@ -13,6 +13,7 @@ import pytest
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint, verify_signature
 from tenants.models import AuditEvent
+from tests.support.celery_queue import run_queued_deliveries
 from tests.support.webhook_receiver import Receiver
 from tests.world import World
 
@@ -88,16 +89,23 @@ def test_update_enable_disable_and_delete(world: World, receiver: Receiver, sett
     assert AuditEvent.objects.filter(action="webhook.deleted", target=endpoint.public_id).exists()
 
 
-def test_test_send_log_and_redeliver(world: World, receiver: Receiver) -> None:
+def test_test_send_log_and_redeliver(world: World, receiver: Receiver,
+                                     django_capture_on_commit_callbacks: Any) -> None:
     endpoint, secret = create_endpoint(world.acme, receiver.url, ["quota.threshold"],
                                        actor="test")
     owner = world.client(world.owner)
     base = f"{_base(world)}{endpoint.public_id}/"
-    sent = owner.post(f"{base}test")
-    assert sent.status_code == 201
+    # The request queues the delivery (after its commit) and answers at once, pending.
+    with django_capture_on_commit_callbacks(execute=True) as queued:
+        sent = owner.post(f"{base}test")
+    assert sent.status_code == 202 and len(queued) == 1
     delivery = sent.json()
-    assert delivery["id"].startswith("dlv_") and delivery["status"] == "delivered"
-    assert delivery["attempts"] == 1 and delivery["last_status_code"] == 200
+    assert delivery["id"].startswith("dlv_") and delivery["status"] == "pending"
+    assert delivery["attempts"] == 0 and delivery["last_status_code"] is None
+    assert receiver.requests == []
+    # A worker of the webhooks queue sends it; the delivery log shows the result.
+    pk = WebhookDelivery.objects.get(public_id=delivery["id"]).pk
+    assert run_queued_deliveries({pk}) == ["delivered"]
     request = receiver.requests[-1]
     assert request["headers"]["Tollgate-Delivery"] == delivery["id"]
     assert verify_signature(secret, request["headers"]["Tollgate-Timestamp"], request["body"],
@@ -105,9 +113,15 @@ def test_test_send_log_and_redeliver(world: World, receiver: Receiver) -> None:
 
     log = owner.get(f"{base}deliveries/").json()
     assert log["count"] == 1 and log["results"][0]["id"] == delivery["id"]
+    assert log["results"][0]["status"] == "delivered"
+    assert log["results"][0]["attempts"] == 1 and log["results"][0]["last_status_code"] == 200
     assert "payload" not in log["results"][0]
-    again = owner.post(f"{base}deliveries/{delivery['id']}/redeliver")
-    assert again.status_code == 200 and again.json()["attempts"] == 2
+    with django_capture_on_commit_callbacks(execute=True):
+        again = owner.post(f"{base}deliveries/{delivery['id']}/redeliver")
+    assert again.status_code == 202 and again.json()["status"] == "pending"
+    assert again.json()["attempts"] == 1 and len(receiver.requests) == 1
+    assert run_queued_deliveries({pk}) == ["delivered"]
+    assert owner.get(f"{base}deliveries/").json()["results"][0]["attempts"] == 2
     assert len(receiver.requests) == 2
     first, second = (json.loads(r["body"]) for r in receiver.requests)
     assert first["id"] == second["id"]  # the same event, again

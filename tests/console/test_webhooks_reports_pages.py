@@ -15,6 +15,7 @@ from django.urls import reverse
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint
 from tenants.models import AuditEvent
+from tests.support.celery_queue import run_queued_deliveries
 from tests.support.webhook_receiver import Receiver
 from tests.world import World
 
@@ -112,28 +113,43 @@ def test_refused_url_writes_nothing_and_says_why(world: World, settings: Any) ->
     response = client.post(_hooks(world), {"url": "http://127.0.0.1:8000/x",
                                            "events": ["quota.threshold"]})
     assert response.status_code == 400
-    assert "private, loopback" in response.content.decode()
+    assert "is not a public address" in response.content.decode()
     bad = client.post(_hooks(world), {"url": "https://example.com/x", "events": ["nope"]})
     assert bad.status_code == 400 and "secret-once" not in bad.content.decode()
     assert not WebhookEndpoint.objects.exists() and AuditEvent.objects.count() == audits
 
 
-def test_detail_page_toggle_events_test_and_redeliver(world: World, receiver: Receiver) -> None:
+def test_detail_page_toggle_events_test_and_redeliver(world: World, receiver: Receiver,
+                                                     django_capture_on_commit_callbacks: Any,
+                                                     ) -> None:
     endpoint, _ = create_endpoint(world.acme, receiver.url, ["quota.threshold"], actor="test")
     client = _client(world.owner)
     html = client.get(_hook(world, endpoint)).content.decode()
     assert "Send test event" in html and "Disable" in html and "Nothing delivered" in html
 
-    client.post(_hook(world, endpoint, "console-webhook-test"))
+    # Queued, not sent inside the request: the page shows it pending.
+    with django_capture_on_commit_callbacks(execute=True) as queued:
+        client.post(_hook(world, endpoint, "console-webhook-test"))
     delivery = WebhookDelivery.objects.get(endpoint=endpoint)
-    assert delivery.status == "delivered" and len(receiver.requests) == 1
+    assert len(queued) == 1 and delivery.status == "pending" and delivery.attempts == 0
+    assert receiver.requests == []
     html = client.get(_hook(world, endpoint)).content.decode()
-    assert "Test event delivered (HTTP 200)" in html
+    assert f"Test event queued as delivery {delivery.public_id}" in html
+    row = html[html.index(f'data-delivery="{delivery.public_id}"'):]
+    assert "Pending" in row and "queued" in row
+    # A worker sends it; the page shows the result.
+    assert run_queued_deliveries({delivery.pk}) == ["delivered"]
+    assert len(receiver.requests) == 1
+    html = client.get(_hook(world, endpoint)).content.decode()
     row = html[html.index(f'data-delivery="{delivery.public_id}"'):]
     assert "Delivered" in row and '<td class="num">1</td>' in row and "Redeliver" in row
     assert all(f"<th scope=\"col\"{c}" in html for c in ("", ' class="num"'))
 
-    client.post(_hook(world, endpoint, "console-webhook-redeliver", delivery.public_id))
+    with django_capture_on_commit_callbacks(execute=True):
+        client.post(_hook(world, endpoint, "console-webhook-redeliver", delivery.public_id))
+    delivery.refresh_from_db()
+    assert delivery.status == "pending" and len(receiver.requests) == 1
+    assert run_queued_deliveries({delivery.pk}) == ["delivered"]
     delivery.refresh_from_db()
     assert delivery.attempts == 2 and len(receiver.requests) == 2
 
@@ -161,8 +177,11 @@ def test_member_reads_only(world: World, receiver: Receiver) -> None:
     delivery = WebhookDelivery.objects.create(endpoint=endpoint, event_type="test", payload={})
     client = _client(world.member)
     listing = client.get(_hooks(world)).content.decode()
-    assert receiver.url in listing and "Add endpoint" not in listing
+    # A member sees the endpoint, not its URL (it can carry the receiver's token).
+    assert endpoint.public_id in listing and "Add endpoint" not in listing
+    assert receiver.url not in listing and "http://…/…" in listing
     detail = client.get(_hook(world, endpoint)).content.decode()
+    assert receiver.url not in detail and "http://…/…" in detail
     assert "Send test event" not in detail and "Redeliver" not in detail
     assert delivery.public_id in detail
     assert client.post(_hooks(world), {"url": receiver.url, "events": ["test"]}).status_code == 403
