@@ -498,8 +498,13 @@ REST_FRAMEWORK = {
         "config.api.token_authentication.ManagementTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    # A management token must also have the scope its view declares (config/api/scopes.py).
+    "DEFAULT_PERMISSION_CLASSES": [
+        "rest_framework.permissions.IsAuthenticated",
+        "config.api.scopes.TokenScopeRequired",
+    ],
+    # limit 1..200, offset bounded; a malformed or out-of-range value is a 400.
+    "DEFAULT_PAGINATION_CLASS": "config.api.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": [
@@ -517,9 +522,20 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "PREPROCESSING_HOOKS": ["config.api.openapi.management_api_only"],
+    # Every operation documents the errors any of them can answer (400/401/403/404/...).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "config.api.openapi.document_common_errors",
+    ],
+    # The schema and its docs page are for signed-in console users and management tokens only.
+    "SERVE_PERMISSIONS": [
+        "rest_framework.permissions.IsAuthenticated",
+        "config.api.scopes.TokenScopeRequired",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "MembershipRoleEnum": "tenants.models.Membership.Role",
         "InvitableRoleEnum": "tenants.membership.INVITABLE_ROLES",
+        "ManagementTokenScopeEnum": "tenants.models.ManagementToken.Scope",
     },
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -10,6 +10,10 @@ Role rules, on top of tenants.access (owners and admins may change, members only
 - only an owner may make someone an owner, or demote or remove an owner, so an admin cannot
   raise themselves above their role or lock the owners out;
 - a tenant always keeps at least one owner.
+
+Management tokens a member issued carry that member's rights: they are revoked, in the same
+transaction, when the member is removed or demoted to a role that may not change the tenant
+(owner <-> admin keeps them: both may do everything a token may).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from django.core.validators import validate_email
 from django.db import transaction
 from django.utils import timezone
 
+from tenants.access import ADMIN_ROLES
 from tenants.api_key_format import digest_key
 from tenants.exceptions import TenantsError
 from tenants.ids import random_base62
 from tenants.models import Invitation, Membership, Tenant
 from tenants.services.audit import record_audit_event
+from tenants.services.management_tokens import revoke_member_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +333,9 @@ def change_member_role(
         locked.save(update_fields=["role"])
         record_audit_event(actor=actor, action="member.role", target=locked.user.get_username(),
                            tenant=locked.tenant, data={"role": {"from": before, "to": role}})
+        if role not in ADMIN_ROLES:  # may no longer issue tokens: theirs go
+            revoke_member_tokens(locked.tenant, locked.user, actor=actor,
+                                 reason=f"issuer demoted to {role}")
     membership.role = role
     return membership
 
@@ -342,3 +351,5 @@ def remove_member(membership: Membership, *, actor: str, by_role: str | None) ->
         locked.delete()
         record_audit_event(actor=actor, action="member.remove", target=username,
                            tenant=locked.tenant, data={"role": role})
+        revoke_member_tokens(locked.tenant, locked.user, actor=actor,
+                             reason="issuer removed from the tenant")

@@ -297,7 +297,16 @@ class ManagementToken(models.Model):
 
     A tenant token acts as an admin of its tenant and sees nothing else; an operator token
     (no tenant) sees every tenant. Only a digest of the token is stored (tenants/management_tokens.py).
+
+    Its `scope` narrows what it may do there (read < keys < full, ranked by SCOPE_ORDER; the API
+    checks it per view, config/api/scopes.py), and a token issued by a console user is tied to that user (`issued_by`): it is
+    revoked when they leave the tenant or lose its admin rights (tenants.membership).
     """
+
+    class Scope(models.TextChoices):
+        READ = "read", "Read only"
+        KEYS = "keys", "Read, and manage projects and API keys"
+        FULL = "full", "Everything a tenant admin may do"
 
     public_id = models.CharField(
         max_length=PUBLIC_ID_MAX_LENGTH, unique=True, editable=False,
@@ -312,6 +321,14 @@ class ManagementToken(models.Model):
     digest = models.CharField(max_length=DIGEST_LENGTH)
     last4 = models.CharField(max_length=LAST4_LENGTH)
     created_by = models.CharField(max_length=200)
+    scope = models.CharField(max_length=8, choices=Scope.choices, default=Scope.FULL)
+    # CASCADE: a deleted user's tokens go with them (a token must never outlive its issuer).
+    issued_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+        related_name="management_tokens",
+        help_text="The console user whose rights the token carries; empty: issued by an operator "
+        "with the CLI.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -326,6 +343,17 @@ class ManagementToken(models.Model):
     @property
     def is_operator(self) -> bool:
         return self.tenant_id is None
+
+    def allows(self, needed: str) -> bool:
+        """Whether this token's scope covers `needed` (a Scope value): each scope includes the
+        ones before it in SCOPE_ORDER."""
+        return SCOPE_ORDER.index(self.scope) >= SCOPE_ORDER.index(needed)
+
+
+# Narrowest first: a token of one scope may do everything the earlier ones may.
+SCOPE_ORDER: tuple[str, ...] = (
+    ManagementToken.Scope.READ, ManagementToken.Scope.KEYS, ManagementToken.Scope.FULL,
+)
 
 
 class Invitation(models.Model):

@@ -37,7 +37,7 @@ class AuditEventListView(TenantScopedAPIView, GenericAPIView):
         OpenApiParameter("action", OpenApiTypes.STR,
                          description="key.issued, or a family such as key."),
         OpenApiParameter("actor", OpenApiTypes.STR, description="Substring, e.g. user:alice."),
-    ])
+    ], responses=AuditEventSerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
         page = self.paginate_queryset(self.get_queryset())
         return self.get_paginated_response(AuditEventSerializer(page, many=True).data)

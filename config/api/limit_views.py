@@ -1,6 +1,10 @@
-"""Management API: plans (everyone reads, operators write) and a tenant's limits.
+"""Management API: plans (operators read and write every plan; anyone else reads the plans of
+the tenants they see) and a tenant's limits.
 
-Plans are not tenant objects, so a tenant user changing one gets 403 (not 404). A tenant's
+A plan has no "public" flag: which plans a tenant could move to is the operators' business (they
+change plans), so a tenant user or token sees only its own tenants' plans; any other plan is a
+404, like an object of another tenant. A tenant user changing a plan gets 403 (not 404), before
+any lookup. A tenant's
 limits are its plan, its overrides (operators) and its alert thresholds (tenant admins), plus the
 live counters from Redis; with Redis down the live part is missing and the answer is a 503 that
 still carries the static part.
@@ -11,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
@@ -54,13 +59,22 @@ def _require_operator(principal: Any, what: str) -> None:
         raise PermissionDenied(f"Only operators may {what}.")
 
 
+def visible_plans(principal: Any) -> QuerySet[Plan]:
+    """Every plan for an operator; for anyone else the plans of the tenants they see."""
+    plans = selectors.plans()
+    if principal.is_operator:
+        return plans
+    return plans.filter(tenants__in=principal.visible_tenants()).distinct()
+
+
 class PlanListView(ManagementAPIView, GenericAPIView):
-    """GET: every plan (any authenticated caller). POST: create a plan (operators)."""
+    """GET: the plans the caller sees (operators: all; others: their tenants' plans).
+    POST: create a plan (operators)."""
 
     serializer_class = PlanSerializer
 
     def get_queryset(self) -> Any:
-        return selectors.plans()
+        return visible_plans(self.principal)
 
     @extend_schema(responses=PlanSerializer(many=True))
     def get(self, request: Request) -> Response:
@@ -88,7 +102,7 @@ class PlanDetailView(ManagementAPIView):
     """GET a plan; PATCH (operators) changes it for every tenant on it, from the next request."""
 
     def _plan(self) -> Plan:
-        return get_in_tenant(selectors.plans(), "plan", name=self.kwargs["name"])
+        return get_in_tenant(visible_plans(self.principal), "plan", name=self.kwargs["name"])
 
     @extend_schema(responses=PlanSerializer)
     def get(self, request: Request, name: str) -> Response:

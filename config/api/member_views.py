@@ -16,7 +16,7 @@ from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
+from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant, secret_response
 from tenants.invitation_links import invitation_link
 from tenants.membership import (
     INVITABLE_ROLES,
@@ -37,7 +37,10 @@ from tenants.models import Invitation, Membership
 class MemberSerializer(serializers.ModelSerializer):
     id = serializers.CharField(source="user.username", read_only=True)
     username = serializers.CharField(source="user.username", read_only=True)
-    email = serializers.EmailField(source="user.email", read_only=True)
+    # A CharField, not an EmailField: a user made without an email has "", which `format: email`
+    # would wrongly promise never happens.
+    email = serializers.CharField(source="user.email", read_only=True,
+                                  help_text="The user's email address; empty when they have none.")
 
     class Meta:
         model = Membership
@@ -157,7 +160,7 @@ class InvitationListView(TenantScopedAPIView, ListAPIView):
             raise _as_drf(exc) from None
         data = dict(InvitationSerializer(issued.invitation).data)
         data.update(accept_url=issued.accept_url, email_sent=issued.email_sent)
-        return Response(data, status=status.HTTP_201_CREATED)
+        return secret_response(data, status=status.HTTP_201_CREATED)
 
 
 class InvitationRevokeView(TenantScopedAPIView):

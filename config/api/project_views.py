@@ -19,8 +19,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.usage import usage_today_and_month
+from config.api.scopes import KEYS, READS_AND_FULL_WRITES
 from config.api.service_errors import service_error
-from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView, get_in_tenant
 from config.api.tenancy_serializers import (
     ApiKeySerializer,
     IssuedApiKeySerializer,
@@ -31,6 +31,12 @@ from config.api.tenancy_serializers import (
     ProjectSerializer,
     ProjectUpdateSerializer,
 )
+from config.api.tenant_scope import (
+    TENANT_ID,
+    TenantScopedAPIView,
+    get_in_tenant,
+    secret_response,
+)
 from tenants import selectors, services
 from tenants.exceptions import KeyExpired, KeyRevoked, SlugTaken
 from tenants.models import ApiKey, Project, Tenant
@@ -39,6 +45,10 @@ PROJECT_ID = OpenApiParameter("project_id", OpenApiTypes.STR, OpenApiParameter.P
                               description="The project's id (prj_...).")
 KEY_ID = OpenApiParameter("key_id", OpenApiTypes.STR, OpenApiParameter.PATH,
                           description="The key's id (key_...).")
+
+
+# Projects and keys are what a `keys` token may change (issue, rotate, revoke, sub-limits).
+KEYS_WRITES = {**READS_AND_FULL_WRITES, "POST": KEYS, "PATCH": KEYS}
 
 
 def _project_context(tenant: Tenant) -> dict[str, Any]:
@@ -53,6 +63,7 @@ def _key_context(tenant: Tenant) -> dict[str, Any]:
 class ProjectListView(TenantScopedAPIView, GenericAPIView):
     """GET: the tenant's projects with today's and this month's usage. POST: create one."""
 
+    token_scopes = KEYS_WRITES
     serializer_class = ProjectSerializer
 
     def get_queryset(self) -> Any:
@@ -89,6 +100,8 @@ class ProjectListView(TenantScopedAPIView, GenericAPIView):
 class ProjectDetailView(TenantScopedAPIView):
     """GET / PATCH one project (name and sub-limits; null removes a sub-limit)."""
 
+    token_scopes = KEYS_WRITES
+
     def _project(self, manage: bool = False) -> Project:
         projects = selectors.tenant_projects(self.tenant(manage=manage))
         return get_in_tenant(projects, "project", public_id=self.kwargs["project_id"])
@@ -115,6 +128,7 @@ class KeyListView(TenantScopedAPIView, GenericAPIView):
     """GET: the tenant's keys, masked, newest first. POST: issue a key (plaintext in the
     response, once)."""
 
+    token_scopes = KEYS_WRITES
     serializer_class = ApiKeySerializer
 
     def get_queryset(self) -> Any:
@@ -156,13 +170,13 @@ class KeyListView(TenantScopedAPIView, GenericAPIView):
         except DjangoValidationError as exc:
             raise service_error(exc) from None
         context = {"plaintext": issued.plaintext, "now": timezone.now(), "usage": {}}
-        response = Response(IssuedApiKeySerializer(issued.api_key, context=context).data,
-                            status=status.HTTP_201_CREATED)
-        response["Cache-Control"] = "no-store"
-        return response
+        return secret_response(IssuedApiKeySerializer(issued.api_key, context=context).data,
+                               status=status.HTTP_201_CREATED)
 
 
 class _KeyView(TenantScopedAPIView):
+    token_scopes = KEYS_WRITES
+
     def _key(self, manage: bool = False) -> ApiKey:
         keys = selectors.tenant_keys(self.tenant(manage=manage))
         return get_in_tenant(keys, "API key", public_id=self.kwargs["key_id"])
@@ -206,9 +220,7 @@ class KeyRotateView(_KeyView):
             raise ValidationError({"non_field_errors": [str(exc)]}) from None
         fresh = selectors.tenant_keys(self.tenant()).get(pk=issued.api_key.pk)
         context = {**_key_context(self.tenant()), "plaintext": issued.plaintext}
-        response = Response(IssuedApiKeySerializer(fresh, context=context).data)
-        response["Cache-Control"] = "no-store"
-        return response
+        return secret_response(IssuedApiKeySerializer(fresh, context=context).data)
 
 
 @extend_schema(parameters=[TENANT_ID, KEY_ID])

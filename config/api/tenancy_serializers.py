@@ -284,11 +284,15 @@ class ManagementTokenSerializer(serializers.ModelSerializer):
     id = serializers.CharField(source="public_id", read_only=True)
     masked = serializers.SerializerMethodField()
     status = serializers.SerializerMethodField(help_text="active, expired or revoked")
+    issued_by = serializers.CharField(
+        source="issued_by.username", read_only=True, allow_null=True, default=None,
+        help_text="The console user whose rights the token carries (revoked when they leave the "
+        "tenant or lose its admin role); null: issued by an operator.")
 
     class Meta:
         model = ManagementToken
-        fields = ["id", "name", "masked", "status", "created_by", "created_at", "expires_at",
-                  "revoked_at", "last_used_at"]
+        fields = ["id", "name", "masked", "status", "scope", "issued_by", "created_by",
+                  "created_at", "expires_at", "revoked_at", "last_used_at"]
         read_only_fields = fields
 
     def get_masked(self, token: ManagementToken) -> str:
@@ -317,8 +321,16 @@ class IssuedManagementTokenSerializer(ManagementTokenSerializer):
 
 
 class ManagementTokenIssueSerializer(serializers.Serializer):
-    name = serializers.CharField(max_length=200)
-    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+    name = serializers.CharField(max_length=200, help_text="What the token is for.")
+    scope = serializers.ChoiceField(
+        choices=ManagementToken.Scope.choices, default=ManagementToken.Scope.FULL,
+        help_text="read: read only; keys: read, and manage projects and API keys; full: "
+        "everything a tenant admin may do (the default). A token issuing a token cannot give it "
+        "a wider scope than its own.")
+    expires_at = serializers.DateTimeField(
+        required=False, allow_null=True,
+        help_text="When the token stops working. Omitted: 90 days from now; null: never (an "
+        "explicit choice). A token issuing a token cannot give it a later expiry than its own.")
 
     def validate_expires_at(self, value: Any) -> Any:
         if value is not None and value <= timezone.now():
@@ -346,6 +358,11 @@ class AuditFilterSerializer(serializers.Serializer):
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # A query string's `from=` reaches a non-required field as "not given"; the schema
+        # says a date, so an empty one is refused rather than ignored.
+        for name in ("from", "to"):
+            if self.initial_data.get(name, None) == "":
+                raise serializers.ValidationError({name: ["Give a date (YYYY-MM-DD)."]})
         if attrs.get("from") and attrs.get("to") and attrs["from"] > attrs["to"]:
             raise serializers.ValidationError({"to": "Must not be before 'from'."})
         return attrs

@@ -7,15 +7,20 @@ lookup then goes through that tenant, so another tenant's object is a 404.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.db.models import Model, QuerySet
-from django.http import Http404
+from django.http import Http404, QueryDict
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from config.api.openapi import ManagementAutoSchema
+from config.api.scopes import READS_AND_FULL_WRITES
 from tenants.access import NotAllowed, Principal, principal_for, visible_tenant
 from tenants.models import Tenant
 
@@ -24,6 +29,18 @@ TENANT_ID = OpenApiParameter("tenant_id", OpenApiTypes.STR, OpenApiParameter.PAT
 
 
 class ManagementAPIView(APIView):
+    # The scope a management token needs, per HTTP method (config/api/scopes.py): reads `read`,
+    # changes `full`, unless a view declares otherwise.
+    token_scopes: Mapping[str, str] = READS_AND_FULL_WRITES
+
+    # The schema documents JSON bodies only (config/api/openapi.py); form encodings stay
+    # accepted, through the same serializers, for the clients that already send them.
+    schema = ManagementAutoSchema()
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # authentication and permissions first
+        check_path_and_query(kwargs, request.query_params)
+
     @property
     def principal(self) -> Principal:
         return principal_for(self.request)
@@ -31,6 +48,29 @@ class ManagementAPIView(APIView):
     @property
     def actor(self) -> str:
         return self.principal.actor
+
+
+def check_path_and_query(kwargs: Mapping[str, Any], query: QueryDict) -> None:
+    """What no view accepts: PostgreSQL text cannot hold NUL, so an id carrying one names no
+    object (404) and a filter value with one is a 400 (rather than a database error); and no
+    query parameter of this API is a list, so one given twice is a 400 (rather than silently
+    taking the last)."""
+    if any("\x00" in str(value) for value in kwargs.values()):
+        raise Http404("No such object.")
+    for name in sorted(query):
+        values = query.getlist(name)
+        if "\x00" in name + "".join(map(str, values)):
+            raise ValidationError({name: ["Must not contain NUL characters."]})
+        if len(values) > 1:
+            raise ValidationError({name: ["Give this parameter once."]})
+
+
+def secret_response(data: Any, *, status: int = 200) -> Response:
+    """A response that carries a secret shown once (a plaintext key or token, an invitation
+    link): no cache, shared or private, may keep a copy."""
+    response = Response(data, status=status)
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 class TenantScopedAPIView(ManagementAPIView):

@@ -19,17 +19,23 @@ from config.api.tenancy_serializers import (
     ManagementTokenIssueSerializer,
     ManagementTokenSerializer,
 )
-from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView, get_in_tenant
+from config.api.tenant_scope import (
+    TENANT_ID,
+    TenantScopedAPIView,
+    get_in_tenant,
+    secret_response,
+)
 from tenants import selectors, services
+from tenants.services.management_tokens import DEFAULT_EXPIRY
 
 TOKEN_ID = OpenApiParameter("token_id", OpenApiTypes.STR, OpenApiParameter.PATH,
-                            description="The token's id (mgt_...).")
+                            description="The token's id (tok_...).")
 
 
 @extend_schema(parameters=[TENANT_ID])
 class ManagementTokenListView(TenantScopedAPIView, GenericAPIView):
     """GET: the tenant's management tokens, masked. POST: issue one (plaintext once); it acts as
-    an admin of this tenant."""
+    an admin of this tenant within its scope, until it expires."""
 
     serializer_class = ManagementTokenSerializer
 
@@ -47,16 +53,20 @@ class ManagementTokenListView(TenantScopedAPIView, GenericAPIView):
         tenant = self.tenant(manage=True)
         body = ManagementTokenIssueSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        data = dict(body.validated_data)
+        data.setdefault("expires_at", DEFAULT_EXPIRY)
+        # A token issued by a token carries the same user's rights, no wider scope and no later
+        # expiry; one issued in a console session carries that user's.
+        principal = self.principal
+        origin = ({"parent": principal.token} if principal.token is not None
+                  else {"issued_by": principal.user})
         try:
-            issued = services.issue_management_token(tenant, actor=self.actor,
-                                                     **body.validated_data)
+            issued = services.issue_management_token(tenant, actor=self.actor, **origin, **data)
         except DjangoValidationError as exc:
             raise service_error(exc) from None
         data = IssuedManagementTokenSerializer(
             issued.token, context={"plaintext": issued.plaintext}).data
-        response = Response(data, status=status.HTTP_201_CREATED)
-        response["Cache-Control"] = "no-store"
-        return response
+        return secret_response(data, status=status.HTTP_201_CREATED)
 
 
 @extend_schema(parameters=[TENANT_ID, TOKEN_ID])

@@ -4,10 +4,15 @@ tenant (config/api/tenant_scope.py).
 
 Action endpoints (rotate, revoke, limits) answer with or without a trailing slash, since both
 spellings appear in scripts and a POST cannot follow a redirect to the other.
+
+Any other path under /api/ (but the schema and its docs page, routed in config/urls.py) is a
+JSON 404 in the API's error shape, not Django's HTML page: a client of the API only ever gets JSON
+errors, as the schema promises.
 """
 
 from __future__ import annotations
 
+from django.http import HttpRequest, JsonResponse
 from django.urls import URLPattern, path, re_path
 
 from config.api import (  # noqa: F401 - openapi registers the token scheme's description
@@ -27,6 +32,12 @@ _TENANT = "tenants/<str:tenant_id>/"
 _TENANT_RE = r"^tenants/(?P<tenant_id>[^/]+)"
 _HOOK = f"{_TENANT}webhooks/<str:webhook_id>/"
 _MONTH_FILE = r"(?P<month>\d{4}-\d{2})\.(?P<fmt>csv|xlsx)"
+
+
+
+def api_not_found(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"detail": "Not found."}, status=404)
+
 
 urlpatterns: list[URLPattern] = [
     # tenants
@@ -81,4 +92,6 @@ urlpatterns: list[URLPattern] = [
             report_views.TenantCostReportView.as_view(), name="api-tenant-cost-report"),
     re_path(rf"^reports/{_MONTH_FILE}$", report_views.PlatformCostReportView.as_view(),
             name="platform-cost-report"),
+    # Last: everything else below /api/ except the schema and docs (config/urls.py).
+    re_path(r"^(?!schema/$|docs/$)", api_not_found),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -48,6 +49,11 @@ class UsageView(TenantScopedAPIView):
     )
     def get(self, request: Request, tenant_id: str) -> Response:
         tenant: Tenant = self.tenant()
+        # An empty `from=` or `to=` would read as "not given" (the default range); the schema
+        # says a date, so it is refused instead.
+        for name in ("from", "to"):
+            if request.query_params.get(name) == "":
+                raise ValidationError({name: ["Give a date (YYYY-MM-DD)."]})
         query = UsageQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         params = query.validated_data

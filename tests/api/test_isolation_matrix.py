@@ -13,6 +13,9 @@ For each tenant-scoped route and method, with acme's objects in the URL:
   reports, billing/access.py, and the confirmation pages of key revocation and webhook deletion),
   200 for every other read;
 - anonymous gets 401/403 from /api and a redirect to the login page from /console;
+- acme's own management tokens of narrower scope: a `read` token reads every route (200) and is
+  refused every change (403); a `keys` token may also change projects and keys (KEYS_WRITES) and
+  is refused every other change (403); each route's scope is what its view declares;
 - every refused request wrote nothing: no audit event, no row added, changed or deleted;
 - and, so that none of the above passes on a mistyped URL, the owner's own request works.
 Plus the routes that are not below a tenant: plans (operators write), tenant creation, the
@@ -231,6 +234,12 @@ CONSOLE_ROUTES: dict[str, Route] = {
 
 TENANT_ROUTES: dict[str, Route] = {**API_ROUTES, **CONSOLE_ROUTES}
 
+# The changes a `keys` token may make (config/api/scopes.py); every other change needs `full`.
+KEYS_WRITES: set[tuple[str, str]] = {
+    ("api-project-list", "POST"), ("api-project-detail", "PATCH"), ("api-key-list", "POST"),
+    ("api-key-detail", "PATCH"), ("api-key-rotate", "POST"), ("api-key-revoke", "POST"),
+}
+
 # Routes not below a tenant, with the test that covers each.
 GLOBAL_ROUTES: dict[str, str] = {
     "api-tenant-list": "test_tenant_list_and_creation",
@@ -414,6 +423,42 @@ def test_owner_request_works(objs: Objects, name: str, method: str) -> None:
                     TENANT_ROUTES[name].body(method, ids))
     assert response.status_code < 400, (response.status_code, response.content[:300])
     assert_names_none_of(response, objs.globex.markers, "")
+
+
+# -- narrower token scopes: reads for `read`, projects and keys too for `keys` ---------------
+
+
+def _scope_expectation(scope: str, name: str, method: str) -> int:
+    kind = API_ROUTES[name].methods[method]
+    if kind != WRITE or (scope == "keys" and (name, method) in KEYS_WRITES):
+        return 200
+    return 403
+
+
+@pytest.mark.parametrize("scope", ["read", "keys"])
+@pytest.mark.parametrize("name, method", API_CASES)
+def test_narrow_token_scopes(objs: Objects, name: str, method: str, scope: str) -> None:
+    ids = objs.acme.ids
+    url = _url(name, objs.world.acme.public_id, ids)
+    token = issue_management_token(objs.world.acme, name=f"{scope}-token", actor="test",
+                                   scope=scope).plaintext
+    expected = _scope_expectation(scope, name, method)
+    body = API_ROUTES[name].body(method, ids)
+    if expected == 403:
+        with Unchanged():
+            response = call(_client(token=token), name, method, url, body)
+        assert response.status_code == 403, (response.status_code, response.content[:300])
+        assert response.json() == {"detail": f"This management token's scope is '{scope}'; "
+                                             "this request needs 'full'."}
+    else:
+        response = call(_client(token=token), name, method, url, body)
+        assert response.status_code in (200, 201), (response.status_code, response.content[:300])
+
+
+def test_every_api_write_is_in_scope_matrix() -> None:
+    """KEYS_WRITES names real writes of the matrix (a renamed route cannot hide there)."""
+    for name, method in KEYS_WRITES:
+        assert API_ROUTES[name].methods[method] == WRITE, (name, method)
 
 
 # -- outsiders: 404, like a tenant that does not exist ----------------------------------------
@@ -635,8 +680,13 @@ def test_platform_report_is_for_operators_only(objs: Objects) -> None:
 def test_schema_and_docs_name_no_tenant_object(objs: Objects) -> None:
     for url in (reverse("api-schema"), reverse("api-docs")):
         response = APIClient().get(url)
-        assert response.status_code in (200, 401, 403)
+        # Signed-in users and tokens only (issue 11, item 13): anonymous is refused.
+        assert response.status_code == 401
         assert_names_none_of(response, objs.acme.markers | objs.globex.markers, url)
+        for client in (_client(objs.world.outsider), _client(token=objs.acme.token)):
+            shown = client.get(url)
+            assert shown.status_code == 200
+            assert_names_none_of(shown, objs.acme.markers | objs.globex.markers, url)
 
 
 def test_login_and_logout(objs: Objects) -> None:
