@@ -196,6 +196,10 @@ class AuthCache:
         self._load = load
         self._entries: OrderedDict[str, tuple[float, KeyContext]] = OrderedDict()
         self._unknown: OrderedDict[str, float] = OrderedDict()  # prefix -> when looked up
+        # Prefixes that authenticated here once, kept through invalidations (same bound, LRU):
+        # their lookups are never throttled, so emptying the cache (a plan change, a lost
+        # message) cannot turn into 429s for real clients sharing an address.
+        self._known: OrderedDict[str, None] = OrderedDict()
         self._loading: dict[str, asyncio.Task[KeyContext | None]] = {}
 
     async def _lookup(self, prefix: str, now: float) -> KeyContext | None:
@@ -229,6 +233,10 @@ class AuthCache:
         self._entries.move_to_end(prefix)
         if len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)  # the least recently used key
+        self._known[prefix] = None
+        self._known.move_to_end(prefix)
+        if len(self._known) > self.max_entries:
+            self._known.popitem(last=False)
 
     def _finished(self, prefix: str, task: asyncio.Task[KeyContext | None]) -> None:
         if self._loading.get(prefix) is task:  # not a newer lookup started after an invalidation
@@ -259,9 +267,9 @@ class AuthCache:
         now = time.time()
         context = self._cached(prefix, now) if now < self.trusted_until else _MISSING
         if context is _MISSING:
-            # A key seen before (even while the cache is not trusted) costs its own client
-            # nothing: only lookups of keys not known here are bounded per address.
-            if client is not None and prefix not in self._entries:
+            # A key that authenticated here before costs its client nothing: only lookups of
+            # keys never seen valid are bounded per address.
+            if client is not None and prefix not in self._known:
                 wait = self.throttle.take(client, now)
                 if wait > 0:
                     raise lookups_refused(max(1, math.ceil(wait)))

@@ -221,6 +221,10 @@ def test_lookups_beyond_an_address_bucket_are_refused_without_a_query(
     # has a bucket of its own.
     assert from_address(real, "198.51.100.1")[1] == 0
     assert from_address(random_key(), "198.51.100.2") == (None, 1)
+    # Emptied (a plan change, a lost message): the key is looked up again, never refused.
+    cache.clear()
+    context, looked_up = from_address(real, "198.51.100.1")
+    assert context is not None and looked_up > 0
     clock.now += 2.0  # one lookup back
     assert from_address(random_key(), "198.51.100.1") == (None, 1)
 
@@ -512,3 +516,45 @@ def test_a_provider_key_invalidation_drops_it_even_if_the_reload_fails(
                            json.dumps({"kind": "providers", "id": 1})))
     assert runtime.pool.get(1) is None and runtime.pool.get(2) is not None
     assert runtime.pool.in_cooldown(2, 0.0)  # what the pool knew of the others is kept
+
+
+# -- item 6: every admin write goes through a service --------------------------------------------
+
+# Django's own users and groups: no gateway caches them (a user's memberships and management
+# tokens are the tenants app's, reached through the console and API services).
+_NOT_TOLLGATE_DATA = {"auth"}
+
+
+def test_every_admin_save_and_delete_is_routed_through_an_override(world: World) -> None:
+    """A ModelAdmin that may save or delete, and does so with Django's own save_model,
+    delete_model or delete_queryset (the bulk "delete selected"), writes the row directly:
+    no audit event, no invalidation. Each one here overrides them (with a service call), and
+    inlines that may add, change or delete are saved by their page's save_formset."""
+    from django.contrib import admin
+    from django.contrib.admin import ModelAdmin
+    from django.test import RequestFactory
+
+    world.operator.is_superuser = True
+    request = RequestFactory().get("/admin/")
+    request.user = world.operator
+    unrouted = []
+    for model, model_admin in admin.site._registry.items():
+        if model._meta.app_label in _NOT_TOLLGATE_DATA:
+            continue
+        cls, name = type(model_admin), model._meta.label
+        if model_admin.has_delete_permission(request):
+            unrouted += [f"{name}.{m}" for m in ("delete_model", "delete_queryset")
+                         if getattr(cls, m) is getattr(ModelAdmin, m)]
+        editable = set(model_admin.get_fields(request)) - set(
+            model_admin.get_readonly_fields(request))
+        if (model_admin.has_add_permission(request)
+                or (model_admin.has_change_permission(request) and editable)) and (
+                cls.save_model is ModelAdmin.save_model):
+            unrouted.append(f"{name}.save_model")
+        for inline in model_admin.get_inline_instances(request):
+            writes = (inline.has_add_permission(request, None)
+                      or (inline.can_delete and inline.has_delete_permission(request))
+                      or set(inline.get_fields(request)) - set(inline.get_readonly_fields(request)))
+            if writes and cls.save_formset is ModelAdmin.save_formset:
+                unrouted.append(f"{name} inline {inline.model._meta.label}")
+    assert unrouted == []
