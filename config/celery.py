@@ -1,8 +1,12 @@
 """The Celery app and its beat schedule (in code, so every deployment runs the same jobs).
 
-    celery -A config worker --beat -l info        # one process: worker and scheduler (make up)
+    celery -A config worker --beat -l info        # one process: worker and scheduler
     celery -A config worker -l info               # production: workers ...
     celery -A config beat -l info                 # ... and exactly one scheduler
+
+(`make up`, config/serve.py, runs one worker with beat for the `celery` queue and one for
+`webhooks`.) A web process that queues tasks (the console's and the API's webhook views) imports
+this module, so it publishes with this app's broker and routes.
 
 Every task is idempotent and safe when two workers run it at once (see each task).
 

@@ -31,6 +31,7 @@ from config.api.billing_serializers import (
     WebhookEndpointUpdateSerializer,
 )
 from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
+from config.celery import app as _celery_app  # noqa: F401 - the web process publishes with it
 from tenants.models import Tenant
 
 

@@ -20,6 +20,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from billing import selectors, tasks, webhooks
 from billing.models import WebhookEndpoint
+from config.celery import app as _celery_app  # noqa: F401 - the web process publishes with it
 from config.console.frame import actor, no_store, render_page, require_manage, tenant_page
 from config.console.one_use_forms import REPEATED_MESSAGE, first_submission
 from config.console.webhook_forms import WebhookCreateForm, WebhookEventsForm

@@ -13,6 +13,8 @@ ends) and the test fails on `tarpit.aborted`.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +30,7 @@ from billing.webhooks import create_endpoint
 from config import serve
 from config.celery import DEFAULT_QUEUE, WEBHOOK_QUEUE, WORKER_QUEUES, app
 from tests.billing.conftest import celery_worker_process
-from tests.gateway.conftest import committed, gateway_env, wait_until
+from tests.gateway.conftest import ROOT, committed, gateway_env, wait_until
 from tests.support.celery_queue import queued_tasks, run_queued_deliveries
 from tests.support.tarpit import Tarpit
 from tests.support.webhook_receiver import Receiver
@@ -230,6 +232,22 @@ def test_webhook_delivery_has_its_own_queue_and_everything_else_the_default() ->
             assert route({}, name)["queue"].name == DEFAULT_QUEUE, name
     # A worker started without -Q consumes every declared queue: both.
     assert set(app.amqp.queues) == set(WORKER_QUEUES) == {"celery", "webhooks"}
+
+
+def test_a_web_process_publishes_with_tollgates_celery_app() -> None:
+    """The web process (not a worker: nothing imported config.celery for it) that serves the
+    console and the API must queue deliveries on Tollgate's broker and webhooks queue, not on
+    Celery's default app (amqp://localhost). A fresh interpreter, as uvicorn starts one."""
+    script = ("import django; django.setup()\n"
+              "from django.urls import resolve\n"
+              "resolve('/api/tenants/ten_x/webhooks/whk_x/test')\n"
+              "resolve('/console/t/ten_x/webhooks/whk_x/test/')\n"
+              "from billing.tasks import deliver_webhook as t\n"
+              "print(t.app.main, t.app.amqp.router.route({}, t.name)['queue'].name)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=gateway_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["tollgate", WEBHOOK_QUEUE]
 
 
 @pytest.mark.django_db
