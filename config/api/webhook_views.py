@@ -17,7 +17,6 @@ from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status as http
 from rest_framework.exceptions import ValidationError
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -30,6 +29,7 @@ from config.api.billing_serializers import (
     WebhookEndpointSerializer,
     WebhookEndpointUpdateSerializer,
 )
+from config.api.pagination import BoundedLimitOffsetPagination
 from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
 from config.celery import app as _celery_app  # noqa: F401 - the web process publishes with it
 from tenants.models import Tenant
@@ -57,7 +57,7 @@ class WebhookListView(_EndpointView):
     """GET /api/tenants/<tenant_id>/webhooks/ (paginated) and POST (create; the response holds
     the signing secret, once)."""
 
-    pagination_class = LimitOffsetPagination
+    pagination_class = BoundedLimitOffsetPagination
 
     @extend_schema(responses=WebhookEndpointSerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
@@ -133,7 +133,7 @@ class WebhookTestView(_EndpointView):
 class DeliveryListView(_EndpointView):
     """GET /api/tenants/<tenant_id>/webhooks/<id>/deliveries/: newest first, paginated."""
 
-    pagination_class = LimitOffsetPagination
+    pagination_class = BoundedLimitOffsetPagination
 
     @extend_schema(responses=WebhookDeliverySerializer(many=True))
     def get(self, request: Request, tenant_id: str, webhook_id: str) -> Response:

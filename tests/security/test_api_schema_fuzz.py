@@ -131,16 +131,8 @@ def _run(operation: Any, mode: GenerationMode, fixed: dict[str, Any]) -> None:
     check()
 
 
-# config/api/webhook_views.py paginates its two lists with DRF's own LimitOffsetPagination (no
-# bound, malformed values silently ignored) instead of the API's default: its owner's to change.
-# Strict, so that the day it is fixed this marker fails and goes.
-_WEBHOOK_PAGINATION = pytest.mark.xfail(
-    strict=True, reason="webhook lists do not use config.api.pagination yet")
-_KNOWN = {("GET /api/tenants/{tenant_id}/webhooks/", "negative"),
-          ("GET /api/tenants/{tenant_id}/webhooks/{webhook_id}/deliveries/", "negative")}
 CASES = [
-    pytest.param(operation, mode, id=f"{name}-{operation.label}",
-                 marks=[_WEBHOOK_PAGINATION] if (operation.label, name) in _KNOWN else [])
+    pytest.param(operation, mode, id=f"{name}-{operation.label}")
     for name, mode in (("positive", GenerationMode.POSITIVE),
                        ("negative", GenerationMode.NEGATIVE))
     for operation in OPERATIONS
