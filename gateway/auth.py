@@ -25,6 +25,7 @@ from functools import cached_property
 
 from django.conf import settings
 
+from gateway.client_address import rate_limit_key
 from gateway.errors import GatewayError
 from quotas import keys as quota_keys
 from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
@@ -257,10 +258,12 @@ class AuthCache:
             return None
         return _MISSING
 
-    async def authenticate(self, plaintext: str, client: str | None = None) -> KeyContext | None:
+    async def authenticate(self, plaintext: str,
+                           client: str | Callable[[], str] | None = None) -> KeyContext | None:
         """The context `plaintext` authenticates as, or None. `client`: the caller's address
-        (gateway/client_address.py); a lookup of a key not known here counts against it, and
-        raises 429 (lookups_refused) beyond GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
+        (gateway/client_address.py), or a function that tells it (called only on a lookup, so
+        a cached key costs no address parsing); a lookup of a key never seen valid here counts
+        against it, and raises 429 (lookups_refused) beyond GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
         prefix = parse_key(plaintext)
         if prefix is None:
             return None
@@ -270,7 +273,8 @@ class AuthCache:
             # A key that authenticated here before costs its client nothing: only lookups of
             # keys never seen valid are bounded per address.
             if client is not None and prefix not in self._known:
-                wait = self.throttle.take(client, now)
+                address = client() if callable(client) else client
+                wait = self.throttle.take(rate_limit_key(address), now)
                 if wait > 0:
                     raise lookups_refused(max(1, math.ceil(wait)))
             context = await self._lookup(prefix, now)

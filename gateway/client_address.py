@@ -80,6 +80,18 @@ def client_address(peer: str | None, forwarded_for: str | None,
     return str(client)
 
 
+def rate_limit_key(address: str) -> str:
+    """The key a per-client limit counts `address` under: an IPv6 address by its /64 (one
+    subscriber's whole allocation, which it may rotate through at will), anything else as is."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(parsed, ipaddress.IPv6Address):
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return address
+
+
 def request_client_address(request: Any) -> str:
     """The client address of a Django request under settings.TRUSTED_PROXIES."""
     meta = request.META

@@ -83,7 +83,7 @@ async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyCon
         raise invalid_api_key("You didn't provide an API key. Send it as 'Authorization: "
                               "Bearer tgk_...'.")
     try:
-        ctx = await runtime.auth.authenticate(token, request_client_address(request))
+        ctx = await runtime.auth.authenticate(token, lambda: request_client_address(request))
     except DatabaseError:
         # Only a key not yet cached needs the database; cached keys keep working through an
         # outage (the hot path never touches PostgreSQL).

@@ -23,7 +23,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from gateway.auth import AuthCache, KeyContext, load_key_context
-from gateway.client_address import client_address, parse_networks
+from gateway.client_address import client_address, parse_networks, rate_limit_key
 from gateway.errors import GatewayError
 from gateway.listener import VersionWatch, _apply, listen
 from gateway.providers import ProviderPool, Upstream
@@ -127,6 +127,13 @@ def test_without_trusted_proxies_the_forwarded_header_is_ignored() -> None:
     assert client_address("10.0.0.2", "198.51.100.1", ()) == "10.0.0.2"
 
 
+def test_limits_count_an_ipv6_client_by_its_64() -> None:
+    assert rate_limit_key("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert rate_limit_key("2001:db8:1:2::ffff") == "2001:db8:1:2::/64"
+    assert rate_limit_key("203.0.113.7") == "203.0.113.7"
+    assert rate_limit_key("unknown") == "unknown"
+
+
 def test_a_bad_trusted_proxy_entry_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'10.0.0.0/33'"):
         parse_networks(["10.0.0.0/8", "10.0.0.0/33"])
@@ -221,12 +228,35 @@ def test_lookups_beyond_an_address_bucket_are_refused_without_a_query(
     # has a bucket of its own.
     assert from_address(real, "198.51.100.1")[1] == 0
     assert from_address(random_key(), "198.51.100.2") == (None, 1)
+    # The address may be given as a function, called only when a lookup is needed.
+    asked: list[str] = []
+
+    def address() -> str:
+        asked.append("asked")
+        return "198.51.100.1"
+
+    assert db_loader.queries_of(lambda: cache.authenticate(real, address))[1] == 0
+    assert asked == []  # a cached key: not even the address was worked out
+    with pytest.raises(GatewayError):
+        db_loader.queries_of(lambda: cache.authenticate(random_key(), address))
+    assert asked == ["asked"]
     # Emptied (a plan change, a lost message): the key is looked up again, never refused.
     cache.clear()
     context, looked_up = from_address(real, "198.51.100.1")
     assert context is not None and looked_up > 0
     clock.now += 2.0  # one lookup back
     assert from_address(random_key(), "198.51.100.1") == (None, 1)
+
+
+def test_ipv6_clients_of_one_64_share_a_bucket(world: World, db_loader: Database) -> None:
+    cache = trusted_cache(db_loader, lookups_per_second=0.001, lookup_burst=2)
+    for host in ("2001:db8:1:2::1", "2001:db8:1:2::2"):
+        assert db_loader.queries_of(
+            lambda host=host: cache.authenticate(random_key(), host)) == (None, 1)
+    with pytest.raises(GatewayError):
+        db_loader.queries_of(lambda: cache.authenticate(random_key(), "2001:db8:1:2::3"))
+    assert db_loader.queries_of(
+        lambda: cache.authenticate(random_key(), "2001:db8:1:3::1")) == (None, 1)
 
 
 # -- item 7 (a): a lookup in flight when the revocation arrives ------------------------------
