@@ -389,13 +389,13 @@ class ManagementTokenAdmin(admin.ModelAdmin):
     plaintext is shown once; here operators see them masked and may revoke them. The digest is
     never displayed."""
 
-    list_display = ("public_id", "masked", "name", "tenant", "created_by", "created_at",
-                    "last_used_at", "expires_at", "revoked_at")
-    list_select_related = ("tenant",)
-    list_filter = ("revoked_at",)
+    list_display = ("public_id", "masked", "name", "tenant", "scope", "issued_by", "created_by",
+                    "created_at", "last_used_at", "expires_at", "revoked_at")
+    list_select_related = ("tenant", "issued_by")
+    list_filter = ("scope", "revoked_at")
     search_fields = ("public_id", "name", "tenant__slug", "prefix")
-    fields = ("public_id", "masked", "name", "tenant", "created_by", "created_at",
-              "last_used_at", "expires_at", "revoked_at")
+    fields = ("public_id", "masked", "name", "tenant", "scope", "issued_by", "created_by",
+              "created_at", "last_used_at", "expires_at", "revoked_at")
     readonly_fields = fields
     actions = ("revoke_selected",)
 
