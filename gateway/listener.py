@@ -39,10 +39,15 @@ class VersionWatch:
         return lost
 
     def check(self, current: int) -> bool:
-        """Record the version read from Redis; True if a message was lost. A version ahead of
-        the messages is given until the next check for its message to arrive (the publish and
-        the read travel on different connections)."""
-        if current <= self.seen:
+        """Record the version read from Redis; True if a message was (or may have been) lost.
+        A version ahead of the messages is given until the next check for its message to arrive
+        (the publish and the read travel on different connections)."""
+        if current < self.seen:
+            # The version went back: Redis lost its data (and maybe messages with it). Start
+            # counting again from what it holds now.
+            self.seen, self.unmatched = current, None
+            return True
+        if current == self.seen:
             self.unmatched = None
             return False
         if self.unmatched is not None and self.seen < self.unmatched:

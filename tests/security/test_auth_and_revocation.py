@@ -343,6 +343,12 @@ def test_the_version_watch_tells_a_late_message_from_a_lost_one() -> None:
     assert watch.check(12) is True  # still no message for 12: lost
     assert watch.seen == 12
     assert watch.message(15) is True  # 13 and 14 never arrived
+    # Redis lost its data (a flush, a restart without persistence): the version starts again,
+    # and losses must be seen from the new count on.
+    assert watch.check(0) is True
+    assert watch.seen == 0
+    assert watch.check(1) is False
+    assert watch.check(1) is True
 
 
 def test_each_message_carries_the_version_its_publish_set() -> None:
