@@ -270,9 +270,11 @@ class AuthCache:
         now = time.time()
         context = self._cached(prefix, now) if now < self.trusted_until else _MISSING
         if context is _MISSING:
-            # A key that authenticated here before costs its client nothing: only lookups of
-            # keys never seen valid are bounded per address.
-            if client is not None and prefix not in self._known:
+            # Only new lookups of keys never seen valid here are bounded per address: a key
+            # that authenticated before costs its client nothing, nor does joining a lookup
+            # already in flight (a client's first burst with a new key is one query).
+            if (client is not None and prefix not in self._known
+                    and prefix not in self._loading):
                 address = client() if callable(client) else client
                 wait = self.throttle.take(rate_limit_key(address), now)
                 if wait > 0:

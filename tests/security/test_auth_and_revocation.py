@@ -248,6 +248,21 @@ def test_lookups_beyond_an_address_bucket_are_refused_without_a_query(
     assert from_address(random_key(), "198.51.100.1") == (None, 1)
 
 
+def test_a_burst_with_one_new_key_is_one_lookup_and_no_refusal(
+    world: World, db_loader: Database,
+) -> None:
+    cache = trusted_cache(db_loader, lookups_per_second=0.001, lookup_burst=1)
+    fresh = issue_key(world.web, actor="test").plaintext
+
+    async def burst() -> list[KeyContext | None]:
+        return list(await asyncio.gather(*(cache.authenticate(fresh, "198.51.100.9")
+                                           for _ in range(50))))
+
+    answers, looked_up = db_loader.queries_of(burst)
+    assert looked_up > 0 and all(a is not None for a in answers) and len(answers) == 50
+    assert len({id(a) for a in answers}) == 1  # one lookup, shared
+
+
 def test_ipv6_clients_of_one_64_share_a_bucket(world: World, db_loader: Database) -> None:
     cache = trusted_cache(db_loader, lookups_per_second=0.001, lookup_burst=2)
     for host in ("2001:db8:1:2::1", "2001:db8:1:2::2"):
