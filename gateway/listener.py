@@ -112,6 +112,9 @@ async def listen(runtime: GatewayRuntime) -> None:
     was read within the last two checks, and emptied on every (re)subscription because messages
     sent while disconnected are lost."""
     interval = settings.GATEWAY_AUTH_VERSION_CHECK_SECONDS
+    # A slow read is waited for rather than torn down (the trust it renews lapses on its own
+    # two intervals after the last good read).
+    read_timeout = max(interval, settings.REDIS_SOCKET_TIMEOUT)
     resubscribing = False
     while True:
         client = make_async_redis()
@@ -119,7 +122,7 @@ async def listen(runtime: GatewayRuntime) -> None:
         try:
             await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL)
             # Read after subscribing: a message published in between is not lost, merely old.
-            watch = VersionWatch(await asyncio.wait_for(_read_version(client), interval))
+            watch = VersionWatch(await asyncio.wait_for(_read_version(client), read_timeout))
             runtime.auth.clear()
             runtime.auth.trust_for(2 * interval)
             if resubscribing:
@@ -136,7 +139,7 @@ async def listen(runtime: GatewayRuntime) -> None:
                 now = loop.time()
                 if now >= next_check:
                     # At most once per interval per worker, never per request.
-                    current = await asyncio.wait_for(_read_version(client), interval)
+                    current = await asyncio.wait_for(_read_version(client), read_timeout)
                     if watch.check(current):
                         await _lost_messages(runtime)
                     runtime.auth.trust_for(2 * interval)
