@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from config.api.tenancy_serializers import AuditEventSerializer, AuditFilterSerializer
-from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView
+from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView, check_date_params
 from tenants import selectors
 
 
@@ -23,6 +23,7 @@ class AuditEventListView(TenantScopedAPIView, GenericAPIView):
     serializer_class = AuditEventSerializer
 
     def get_queryset(self) -> Any:
+        check_date_params(self.request.query_params, "from", "to")
         filters = AuditFilterSerializer(data=self.request.query_params)
         filters.is_valid(raise_exception=True)
         data = filters.validated_data
@@ -34,9 +35,10 @@ class AuditEventListView(TenantScopedAPIView, GenericAPIView):
     @extend_schema(parameters=[
         OpenApiParameter("from", OpenApiTypes.DATE, description="First day (UTC), inclusive."),
         OpenApiParameter("to", OpenApiTypes.DATE, description="Last day (UTC), inclusive."),
-        OpenApiParameter("action", OpenApiTypes.STR,
+        OpenApiParameter("action", {"type": "string", "maxLength": 64},
                          description="key.issued, or a family such as key."),
-        OpenApiParameter("actor", OpenApiTypes.STR, description="Substring, e.g. user:alice."),
+        OpenApiParameter("actor", {"type": "string", "maxLength": 200},
+                         description="Substring, e.g. user:alice."),
     ], responses=AuditEventSerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
         page = self.paginate_queryset(self.get_queryset())

@@ -138,7 +138,7 @@ class KeyListView(TenantScopedAPIView, GenericAPIView):
             project = selectors.tenant_projects(tenant).filter(public_id=project_id).first()
             if project is None:
                 raise ValidationError({"project": ["No such project in this tenant."]})
-        state = self.request.query_params.get("status") or None
+        state = self.request.query_params.get("status")
         if state is not None and state not in selectors.KEY_STATUSES:
             raise ValidationError(
                 {"status": [f"Must be one of: {', '.join(selectors.KEY_STATUSES)}."]}
@@ -147,7 +147,8 @@ class KeyListView(TenantScopedAPIView, GenericAPIView):
 
     @extend_schema(parameters=[
         OpenApiParameter("project", OpenApiTypes.STR, description="Only this project's (prj_...)."),
-        OpenApiParameter("status", OpenApiTypes.STR, description="active, expired or revoked"),
+        OpenApiParameter("status", OpenApiTypes.STR, enum=list(selectors.KEY_STATUSES),
+                         description="Only keys in this state."),
     ], responses=ApiKeySerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
         page = self.paginate_queryset(self.get_queryset())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.utils import timezone
@@ -37,11 +38,30 @@ class TenantSerializer(serializers.ModelSerializer):
 # context, computed once per request (tenants.selectors), so a page of keys costs no query per key.
 
 MAX_GRACE_SECONDS = 7 * 24 * 3600
+# The largest limit, budget or quantity the API takes: far beyond any real one, and inside both
+# PostgreSQL's bigint and the integers the Lua scripts hold exactly (2^53), so that no number a
+# client sends can overflow a column or a counter (a 400 instead).
+MAX_QUANTITY = 10**15
 
 
 def _sub_limit(help_text: str = "Tokens; null: no sub-limit of its own.") -> serializers.IntegerField:
     return serializers.IntegerField(required=False, allow_null=True, min_value=0,
-                                    help_text=help_text)
+                                    max_value=MAX_QUANTITY, help_text=help_text)
+
+
+# RFC 3339, what the schema's `format: date-time` means: a full date and time with its offset.
+# DRF alone would also take "2026-01-31T12:00" (no offset) or "2026-1-31", which the schema
+# refuses, so a client reading the schema and the server would disagree.
+_RFC3339 = re.compile(
+    r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+class RFC3339DateTimeField(serializers.DateTimeField):
+    def to_internal_value(self, value: Any) -> Any:
+        if not (isinstance(value, str) and _RFC3339.fullmatch(value)):
+            raise serializers.ValidationError(
+                "Give a date and time with its offset (RFC 3339), e.g. 2026-01-31T12:00:00Z.")
+        return super().to_internal_value(value)
 
 
 class UsageSerializer(serializers.Serializer):
@@ -150,7 +170,7 @@ class _KeyLimitFields(serializers.Serializer):
 
 class KeyIssueSerializer(_KeyLimitFields):
     project = serializers.CharField(help_text="The project's id (prj_...), in this tenant.")
-    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+    expires_at = RFC3339DateTimeField(required=False, allow_null=True)
 
     def validate_expires_at(self, value: Any) -> Any:
         if value is not None and value <= timezone.now():
@@ -208,7 +228,7 @@ class TenantUpdateSerializer(serializers.Serializer):
 
 def _nullable_limit(minimum: int, help_text: str) -> serializers.IntegerField:
     return serializers.IntegerField(required=False, allow_null=True, min_value=minimum,
-                                    help_text=help_text)
+                                    max_value=MAX_QUANTITY, help_text=help_text)
 
 
 class EffectiveLimitsSerializer(serializers.Serializer):
@@ -233,7 +253,7 @@ class TenantOverridesSerializer(serializers.Serializer):
     monthly_token_budget = _nullable_limit(0, "Tokens per month; null: none.")
     monthly_spend_budget_micros = _nullable_limit(0, "Micro-dollars per month; null: none.")
     model_tokens_per_day = serializers.DictField(
-        child=serializers.IntegerField(min_value=0), required=False,
+        child=serializers.IntegerField(min_value=0, max_value=MAX_QUANTITY), required=False,
         help_text='Daily token limits of single models, e.g. {"gpt-4o": 1000000}.',
     )
 
@@ -327,7 +347,7 @@ class ManagementTokenIssueSerializer(serializers.Serializer):
         help_text="read: read only; keys: read, and manage projects and API keys; full: "
         "everything a tenant admin may do (the default). A token issuing a token cannot give it "
         "a wider scope than its own.")
-    expires_at = serializers.DateTimeField(
+    expires_at = RFC3339DateTimeField(
         required=False, allow_null=True,
         help_text="When the token stops working. Omitted: 90 days from now; null: never (an "
         "explicit choice). A token issuing a token cannot give it a later expiry than its own.")
@@ -358,11 +378,6 @@ class AuditFilterSerializer(serializers.Serializer):
         return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        # A query string's `from=` reaches a non-required field as "not given"; the schema
-        # says a date, so an empty one is refused rather than ignored.
-        for name in ("from", "to"):
-            if self.initial_data.get(name, None) == "":
-                raise serializers.ValidationError({name: ["Give a date (YYYY-MM-DD)."]})
         if attrs.get("from") and attrs.get("to") and attrs["from"] > attrs["to"]:
             raise serializers.ValidationError({"to": "Must not be before 'from'."})
         return attrs

@@ -7,6 +7,7 @@ lookup then goes through that tenant, so another tenant's object is a 404.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +64,18 @@ def check_path_and_query(kwargs: Mapping[str, Any], query: QueryDict) -> None:
             raise ValidationError({name: ["Must not contain NUL characters."]})
         if len(values) > 1:
             raise ValidationError({name: ["Give this parameter once."]})
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def check_date_params(query: QueryDict, *names: str) -> None:
+    """Date query parameters are YYYY-MM-DD exactly, as the schema's `format: date` says: an
+    empty value would otherwise read as "not given" and "2026-1-5" would pass the parser."""
+    for name in names:
+        value = query.get(name)
+        if value is not None and not _DATE.fullmatch(value):
+            raise ValidationError({name: ["Give a date as YYYY-MM-DD."]})
 
 
 def secret_response(data: Any, *, status: int = 200) -> Response:

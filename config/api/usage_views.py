@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -17,7 +16,7 @@ from config.api.billing_serializers import (
     UsageQuerySerializer,
     UsageResponseSerializer,
 )
-from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
+from config.api.tenant_scope import TenantScopedAPIView, check_date_params, get_in_tenant
 from quotas.engine import QuotaStoreUnavailable
 from quotas.status import quota_status, refused_today, utc_day_id
 from tenants import selectors
@@ -41,19 +40,17 @@ class UsageView(TenantScopedAPIView):
                              "(default: today). At most 366 days in all."),
             OpenApiParameter("group_by", OpenApiTypes.STR, description="Comma-separated: day, "
                              "project, key, model (default: day)."),
-            OpenApiParameter("project", OpenApiTypes.STR, description="Only this project."),
-            OpenApiParameter("key", OpenApiTypes.STR, description="Only this API key."),
+            OpenApiParameter("project", {"type": "string", "maxLength": 64},
+                             description="Only this project."),
+            OpenApiParameter("key", {"type": "string", "maxLength": 64},
+                             description="Only this API key."),
         ],
         responses={200: UsageResponseSerializer, 400: OpenApiResponse(
             description="Field messages, e.g. {\"from\": [\"...\"]}")},
     )
     def get(self, request: Request, tenant_id: str) -> Response:
         tenant: Tenant = self.tenant()
-        # An empty `from=` or `to=` would read as "not given" (the default range); the schema
-        # says a date, so it is refused instead.
-        for name in ("from", "to"):
-            if request.query_params.get(name) == "":
-                raise ValidationError({name: ["Give a date (YYYY-MM-DD)."]})
+        check_date_params(request.query_params, "from", "to")
         query = UsageQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         params = query.validated_data

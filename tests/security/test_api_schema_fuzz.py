@@ -12,7 +12,8 @@ rather than stop at a 404. Each response is checked for:
 
 Reproducible: Hypothesis is derandomized (a fixed seed per test), no example database, and a
 modest number of examples per operation and mode (EXAMPLES, below), so the whole file runs in
-well under the suite's budget. A wider run by hand: TOLLGATE_FUZZ_EXAMPLES=25 pytest this file.
+well under the suite's budget. A wider run by hand: TOLLGATE_FUZZ_EXAMPLES=25 pytest this file
+(and TOLLGATE_FUZZ_SEED=<n> for other examples than the suite's).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
 from drf_spectacular.generators import SchemaGenerator
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from rest_framework.utils.encoders import JSONEncoder
 from schemathesis.checks import not_a_server_error
@@ -47,6 +48,8 @@ from tenants.services import issue_management_token
 from tests.world import World
 
 EXAMPLES = int(os.environ.get("TOLLGATE_FUZZ_EXAMPLES", "4"))
+# Unset (the suite, CI): derandomized, the same examples every run. Set: another seed, by hand.
+SEED = os.environ.get("TOLLGATE_FUZZ_SEED")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection]
 
@@ -122,12 +125,14 @@ def _run(operation: Any, mode: GenerationMode, fixed: dict[str, Any]) -> None:
         # Sometimes the schema's own path values too: unknown ids must be a documented 404.
         strategy = st.one_of(strategy, operation.as_strategy(generation_mode=mode))
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+    @settings(max_examples=EXAMPLES, derandomize=SEED is None, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def check(case: Any) -> None:
         case.call_and_validate(headers=fixed["headers"], checks=CHECKS)
 
+    if SEED is not None:
+        check = seed(int(SEED))(check)
     check()
 
 
