@@ -55,7 +55,7 @@ def set_provider_secret(
     apply_provider_secret(provider_key, plaintext)
     with transaction.atomic():
         provider_key.save(update_fields=["secret_encrypted", "secret_last4", "updated_at"])
-        publish("providers")  # every gateway process reloads its pool
+        publish("providers", provider_key.pk)  # out of every pool until it reloads it
         record_audit_event(
             actor=actor,
             action="provider_key.secret_set",
@@ -146,7 +146,8 @@ def update_provider_key(
     provider_key.full_clean()
     with transaction.atomic():
         provider_key.save(update_fields=[*fields, "updated_at"])
-        publish("providers")  # every gateway process reloads its pool
+        # Out of every pool until it is reloaded with the change (disabled: for good).
+        publish("providers", provider_key.pk)
         record_audit_event(
             actor=actor,
             action="provider_key.update",

@@ -609,3 +609,24 @@ def test_every_admin_save_and_delete_is_routed_through_an_override(world: World)
             if writes and cls.save_formset is ModelAdmin.save_formset:
                 unrouted.append(f"{name} inline {inline.model._meta.label}")
     assert unrouted == []
+
+
+def test_a_provider_key_disabled_or_given_a_new_secret_names_itself_in_its_message(
+    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any,
+) -> None:
+    """So every pool drops it at once (test above), whether or not its reload works."""
+    from gateway.providers import (
+        create_provider_key,
+        set_provider_secret,
+        update_provider_key,
+    )
+
+    sent: list[tuple[str, Any]] = []
+    monkeypatch.setattr(invalidation, "_publish_now", lambda kind, ident: sent.append((kind, ident)))
+    key = create_provider_key("to-disable", base_url="https://api.example.test/v1",
+                              secret="sk-disable-me-0123456789")
+    with django_capture_on_commit_callbacks(execute=True):
+        key.enabled = False
+        update_provider_key(key, ["enabled"], actor="test")
+        set_provider_secret(key, "sk-another-secret-0123456789", actor="test")
+    assert sent == [("providers", key.pk), ("providers", key.pk)]
