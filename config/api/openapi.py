@@ -79,14 +79,18 @@ def _add(responses: dict[str, Any], code: str, description: str, schema: dict[st
 
 
 def _anchor_path_patterns(operation: dict[str, Any]) -> None:
-    # drf-spectacular copies a URL regex group (csv|xlsx) as the parameter's pattern, but a JSON
-    # Schema pattern matches anywhere in the value ("csv-anything" would pass): anchor it, as
+    # drf-spectacular copies a URL regex group as the parameter's pattern, as "^csv|xlsx$":
+    # that is "^csv" or "xlsx$", so "csv-anything" would pass. Anchor the whole alternation, as
     # the URL resolver does.
     for parameter in operation.get("parameters", []):
         schema = parameter.get("schema", {})
         pattern = schema.get("pattern")
-        if parameter.get("in") == "path" and pattern and not pattern.startswith("^"):
-            schema["pattern"] = f"^(?:{pattern})$"
+        if parameter.get("in") != "path" or not pattern or pattern.startswith("^(?:"):
+            continue
+        inner = pattern.removeprefix("^")
+        if inner.endswith("$") and not inner.endswith("\\$"):
+            inner = inner[:-1]
+        schema["pattern"] = f"^(?:{inner})$"
 
 
 def _document_operation(method: str, operation: dict[str, Any]) -> None:
@@ -103,6 +107,11 @@ def _document_operation(method: str, operation: dict[str, Any]) -> None:
         _add(responses, *_WITH_INPUT)
     if "requestBody" in operation:
         _add(responses, *_WITH_BODY)
+    # An error a view documents with a description only still has a body: the shared one.
+    for code, response in responses.items():
+        if code.isdigit() and int(code) >= 400 and not response.get("content"):
+            response["content"] = {"application/json": {
+                "schema": _FIELD_ERRORS if code == "400" else _ERROR}}
 
 
 def document_common_errors(result: dict[str, Any], **_: Any) -> dict[str, Any]:

@@ -299,3 +299,70 @@ def test_unknown_api_path_and_non_json_body_get_json_errors(world: World) -> Non
     assert not world.acme.projects.filter(slug="x").exists()
     nul = owner.get(_tenant_url(world, "keys/?project=prj_%00"))
     assert nul.status_code == 400 and "project" in nul.json()
+
+
+# -- the schema's constraints are the server's -------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), [
+    ("post", "keys/", {"name": "big", "tokens_per_day": 10**15 + 1}, "tokens_per_day"),
+    ("post", "projects/", {"slug": "big", "tokens_per_month": 10**30}, "tokens_per_month"),
+    ("post", "tokens/", {"name": "naive", "expires_at": "2099-01-01T00:00"}, "expires_at"),
+    ("post", "tokens/", {"name": "short", "expires_at": "2099-1-1T00:00:00Z"}, "expires_at"),
+    ("get", "audit-events/?from=2026-1-5", None, "from"),
+    ("get", "audit-events/?to=", None, "to"),
+    ("get", "usage?from=", None, "from"),
+    ("get", "keys/?status=", None, "status"),
+    ("get", "audit-events/?action=" + "a" * 65, None, "action"),
+])
+def test_input_the_schema_refuses_is_a_400(world: World, method: str, path: str,
+                                           body: dict[str, Any] | None, field: str) -> None:
+    owner = world.client(world.owner)
+    if body is not None and path == "keys/":
+        body = {**body, "project": world.web.public_id}
+    before = _counts()
+    response = getattr(owner, method)(_tenant_url(world, path), body, format="json")
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert _counts() == before
+
+
+def test_rfc3339_expiry_with_offset_is_taken(world: World) -> None:
+    response = world.client(world.owner).post(
+        _tenant_url(world, "tokens/"), {"name": "ok", "expires_at": "2099-01-01T00:00:00+02:00"},
+        format="json")
+    assert response.status_code == 201 and response.json()["expires_at"] == "2098-12-31T22:00:00Z"
+
+
+def test_schema_documents_every_error_and_what_responses_really_are(world: World) -> None:
+    schema = world.client(world.owner).get(
+        "/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    for path, item in schema["paths"].items():
+        for method, operation in item.items():
+            codes = set(operation["responses"])
+            assert {"401", "403", "429"} <= codes, (method, path, codes)
+            if "{" in path:
+                assert "404" in codes, (method, path)
+            if method != "get":
+                assert "400" in codes, (method, path)
+            for code in codes - {"204"}:
+                assert operation["responses"][code].get("content"), (method, path, code)
+    components = schema["components"]["schemas"]
+    assert "format" not in components["Member"]["properties"]["email"]
+    audit = schema["paths"]["/api/tenants/{tenant_id}/audit-events/"]["get"]
+    assert audit["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/PaginatedAuditEventList"}
+    limit = next(p for p in audit["parameters"] if p["name"] == "limit")
+    assert (limit["schema"]["minimum"], limit["schema"]["maximum"]) == (1, 200)
+    fmt = next(p for p in schema["paths"]["/api/reports/{month}.{fmt}"]["get"]["parameters"]
+               if p["name"] == "fmt")
+    assert fmt["schema"]["pattern"] == "^(?:csv|xlsx)$"
+
+
+def test_a_member_without_email_matches_the_schema(world: World) -> None:
+    from django.contrib.auth import get_user_model
+
+    nomail = get_user_model().objects.create_user("nomail", "", "x")
+    Membership.objects.create(user=nomail, tenant=world.acme, role="member")
+    members = world.client(world.owner).get(_tenant_url(world, "members/")).json()["results"]
+    assert {"id": "nomail", "username": "nomail", "email": "", "role": "member"} in members
