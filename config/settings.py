@@ -274,6 +274,19 @@ if GATEWAY_UPSTREAM_TRANSPORT not in {"native", "httpx"}:
 # After a client leaves mid-stream, keep reading the upstream this long for its usage event.
 GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default=10.0)
 GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)
+# Every other path (admin, console, management API): a larger body is refused (413) before it
+# is read or spooled (gateway/asgi.py).
+REQUEST_MAX_BODY_BYTES = _positive_int("REQUEST_MAX_BODY_BYTES", 1024 * 1024)
+# Every request body, on every path, must have arrived this long after its headers, else 408
+# and the connection is closed (a client trickling its body holds nothing for longer).
+REQUEST_BODY_TIMEOUT_SECONDS = env.float("REQUEST_BODY_TIMEOUT_SECONDS", default=30.0)
+# JSON bodies nested deeper than this (arrays and objects) are a 400, on /v1 and the API.
+JSON_MAX_DEPTH = _positive_int("JSON_MAX_DEPTH", 64)
+# /v1 bodies of at least this many bytes are parsed and token-counted on a thread
+# (GATEWAY_ESTIMATE_THREADS per worker), so the worker's event loop keeps serving other calls;
+# smaller ones inline, where a thread hand-off would cost more than it saves (docs/benchmarks.md).
+GATEWAY_ESTIMATE_THREAD_BYTES = _positive_int("GATEWAY_ESTIMATE_THREAD_BYTES", 32 * 1024)
+GATEWAY_ESTIMATE_THREADS = _positive_int("GATEWAY_ESTIMATE_THREADS", 2)
 # Cached API keys are re-read at least this often even without an invalidation message: the
 # bound on a revocation whose writer could not reach Redis at all (README, Security).
 GATEWAY_AUTH_CACHE_SECONDS = env.float("GATEWAY_AUTH_CACHE_SECONDS", default=60.0)
@@ -307,7 +320,7 @@ for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT
               "GATEWAY_STREAM_DRAIN_SECONDS", "GATEWAY_AUTH_CACHE_SECONDS",
               "GATEWAY_AUTH_NEGATIVE_TTL_SECONDS", "GATEWAY_AUTH_LOOKUPS_PER_SECOND",
               "GATEWAY_AUTH_VERSION_CHECK_SECONDS",
-              "GATEWAY_LAST_USED_FLUSH_SECONDS"):
+              "GATEWAY_LAST_USED_FLUSH_SECONDS", "REQUEST_BODY_TIMEOUT_SECONDS"):
     if globals()[_name] <= 0:
         raise ImproperlyConfigured(f"{_name} must be > 0 seconds")
 # The rule: a hold must end (deadline, then the drain of a stream whose client left, then one
@@ -324,8 +337,9 @@ if GATEWAY_HOLD_END_SECONDS > QUOTA_STALE_HOLD_SECONDS / 2:
         f"REDIS_SOCKET_TIMEOUT ({REDIS_SOCKET_TIMEOUT:g}) = {GATEWAY_HOLD_END_SECONDS:g} s must be "
         f"at most half of QUOTA_STALE_HOLD_SECONDS ({QUOTA_STALE_HOLD_SECONDS} s): the sweep would "
         "otherwise take holds of calls still running or still settling")
-# Django refuses larger bodies before the gateway sees them; keep one limit.
-DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+# Django refuses larger bodies before the gateway sees them; keep one limit. (Under ASGI the
+# router refuses larger bodies on other paths first: REQUEST_MAX_BODY_BYTES.)
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(GATEWAY_MAX_BODY_BYTES, REQUEST_MAX_BODY_BYTES)
 
 # Celery (config/celery.py): the broker is the Redis server (a standalone one: Celery cannot use
 # a Redis Cluster as its broker, so a cluster deployment sets CELERY_BROKER_URL to another).
@@ -502,6 +516,12 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": [
         "rest_framework.permissions.IsAuthenticated",
         "config.api.scopes.TokenScopeRequired",
+    ],
+    # DRF's JSON parser with a nesting bound (JSON_MAX_DEPTH): a deep body is a 400, not a 500.
+    "DEFAULT_PARSER_CLASSES": [
+        "config.api.parsers.BoundedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
     ],
     # limit 1..200, offset bounded; a malformed or out-of-range value is a 400.
     "DEFAULT_PAGINATION_CLASS": "config.api.pagination.BoundedLimitOffsetPagination",

@@ -22,7 +22,13 @@ from gateway.errors import (
 )
 from gateway.prices import Price
 from gateway.runtime import GatewayRuntime
-from gateway.tokens import estimate_chat_prompt, estimate_completion_prompt, estimate_embedding_input
+from gateway.tokens import (
+    estimate_chat_prompt,
+    estimate_completion_prompt,
+    estimate_embedding_input,
+    is_large,
+    off_loop,
+)
 from quotas.engine import (
     UNLIMITED,
     Outcome,
@@ -31,6 +37,7 @@ from quotas.engine import (
     ScopeLimit,
 )
 from quotas.limits import CONCURRENCY, QUEUE_TIMEOUT
+from quotas.windows import Calendar
 from tenants.models import OverQuotaPolicy
 
 
@@ -84,11 +91,11 @@ def allows(runtime: GatewayRuntime, ctx: KeyContext, model: str) -> bool:
     return ctx.allows(model) or ctx.allows(runtime.catalog.canonical(model))
 
 
-def unmetered(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
-              request_id: str) -> Admission:
+async def unmetered(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+                    request_id: str) -> Admission:
     """Admission without a hold, for the operator's fail-open mode while Redis is unreachable."""
-    est = estimate(parsed, runtime.catalog.resolve(parsed.model), ctx,
-                   priced(runtime, parsed.model))
+    est = await estimated(parsed, runtime.catalog.resolve(parsed.model), ctx,
+                          priced(runtime, parsed.model))
     reservation = Reservation(admitted=True, request_id=request_id, granted=0, counters=(),
                               refused=None, server_time_ms=0, hold=None)
     return Admission(reservation, parsed.model, est, est.output_cap)
@@ -178,16 +185,44 @@ def _with_output_cap(est: Estimate, reservation: Reservation, parsed: ParsedBody
                                choices=parsed.choices)
 
 
+def refuse_before_reading(ctx: KeyContext) -> None:
+    """Refusals decidable from the key alone, checked before the body is parsed or counted."""
+    if ctx.request_rate_blocked():
+        raise rate_limited("Your plan allows no requests at the moment.", 60)
+
+
+def refuse_impossible(ctx: KeyContext, scopes: tuple[ScopeLimit, ...]) -> None:
+    """A counter whose limit is 0 refuses every call (DESIGN.md: limit 0 rejects everything),
+    whatever its size: refuse before the tokenizer runs, as the reserve would. Not under the
+    fallback policy, whose other model may have counters that admit it."""
+    if ctx.limits.over_quota_policy == OverQuotaPolicy.FALLBACK:
+        return
+    for scope in scopes:
+        if scope.limit == 0:
+            now_ms = int(time.time() * 1000)
+            window = Calendar().window(scope.window, now_ms)
+            raise insufficient_quota(scope.scope, scope.window.value,
+                                     _seconds_until(window.end_ms - now_ms), refusal=scope.reason)
+
+
+async def estimated(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price) -> Estimate:
+    """estimate(), off the event loop for a large body (gateway/tokens.py: off_loop)."""
+    if is_large(parsed.size):
+        return await off_loop(estimate, parsed, info, ctx, price)
+    return estimate(parsed, info, ctx, price)
+
+
 async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
                 request_id: str) -> Admission:
     """Reserve, or apply the plan's policy to a quota refusal; raises GatewayError (429)."""
-    if ctx.request_rate_blocked():
-        raise rate_limited("Your plan allows no requests at the moment.", 60)
+    refuse_before_reading(ctx)
     catalog = runtime.catalog
-    est = estimate(parsed, catalog.resolve(parsed.model), ctx, priced(runtime, parsed.model))
+    price = priced(runtime, parsed.model)
     # Per-model limits count a dated snapshot under its catalog model (one model name).
-    request = _request(ctx, parsed, request_id, parsed.model, est,
-                       ctx.scopes(catalog.canonical(parsed.model)))
+    scopes = ctx.scopes(catalog.canonical(parsed.model))
+    refuse_impossible(ctx, scopes)
+    est = await estimated(parsed, catalog.resolve(parsed.model), ctx, price)
+    request = _request(ctx, parsed, request_id, parsed.model, est, scopes)
     # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
     # back: nothing is admitted on an empty counter).
     reservation = await runtime.reserve(request)
@@ -224,7 +259,7 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
         target = ctx.limits.fallback_model
         if (target and target != parsed.model and allows(runtime, ctx, target)
                 and (fb_price := catalog.price(target)) is not None):
-            fb_est = estimate(parsed, catalog.resolve(target), ctx, fb_price)
+            fb_est = await estimated(parsed, catalog.resolve(target), ctx, fb_price)
             fb_request = _request(ctx, parsed, request_id, target, fb_est,
                                   ctx.scopes(catalog.canonical(target)))
             fb = await runtime.reserve(fb_request)

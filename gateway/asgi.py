@@ -15,6 +15,7 @@ it reaches its call's deadline or sending it fails.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import tempfile
@@ -26,7 +27,7 @@ from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
-from gateway.errors import bad_request
+from gateway.errors import GatewayError, bad_request
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,19 @@ class GatewayRouter:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         view = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
         if view is None:
-            await self.django_app(scope, receive, send)
+            if scope["type"] == "http":
+                await _bounded_django(self.django_app, scope, receive, send)
+            else:
+                await self.django_app(scope, receive, send)
             return
         handler = self.django_app
         try:
-            body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES)
+            body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES,
+                                         _body_deadline())
         except RequestAborted:
             return
-        if body_file is None:  # too large: refused before reading it, and before any auth
-            refusal = bad_request(
-                f"The request body is larger than {settings.GATEWAY_MAX_BODY_BYTES} bytes.",
-                None, "request_too_large").response()
-            refusal["x-request-id"] = f"req_{secrets.token_hex(12)}"
-            await handler.send_response(refusal, send)
+        except BodyRefused as refused:  # before any auth or parsing
+            await handler.send_response(_v1_refusal(refused), send)
             return
         request, error_response = handler.create_request(scope, body_file)
         if request is None:
@@ -106,26 +107,142 @@ class GatewayRouter:
         body_file.close()
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> IO[bytes] | None:
-    """The request body, or None when it exceeds `limit` (checked before reading when the
-    client says its length, and while reading a chunked one), so nobody can fill the disk."""
+class BodyRefused(Exception):
+    """A request body refused while reading it: larger than its limit (`too_large`), or not
+    all there by the read deadline (`timeout`, a client trickling it: slowloris)."""
+
+    def __init__(self, reason: str, limit: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.limit = limit
+
+
+def _body_deadline() -> float:
+    """When the body must be complete (loop clock): REQUEST_BODY_TIMEOUT_SECONDS from now."""
+    return asyncio.get_running_loop().time() + settings.REQUEST_BODY_TIMEOUT_SECONDS
+
+
+def _declared_too_large(scope: Scope, limit: int) -> bool:
     for name, value in scope.get("headers", ()):
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            return None
+        if name == b"content-length":
+            return value.isdigit() and int(value) > limit
+    return False
+
+
+async def _receive_by(receive: Receive, deadline: float, limit: int) -> dict[str, Any]:
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await receive()
+    except TimeoutError:
+        raise BodyRefused("timeout", limit) from None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int, deadline: float) -> IO[bytes]:
+    """The request body; BodyRefused when it exceeds `limit` (checked before reading when the
+    client says its length, and while reading a chunked one), so nobody can fill the memory or
+    the disk, or when it is not complete by `deadline`, so nobody can hold a worker's request
+    open by trickling it."""
+    if _declared_too_large(scope, limit):
+        raise BodyRefused("too_large", limit)
     body = tempfile.SpooledTemporaryFile(max_size=1024 * 1024, mode="w+b")
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            body.close()
-            raise RequestAborted
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            body.close()
-            return None
-        body.write(chunk)
-        if not message.get("more_body", False):
-            break
+    try:
+        while True:
+            message = await _receive_by(receive, deadline, limit)
+            if message["type"] == "http.disconnect":
+                raise RequestAborted
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyRefused("too_large", limit)
+            body.write(chunk)
+            if not message.get("more_body", False):
+                break
+    except BaseException:
+        body.close()
+        raise
     body.seek(0)
     return body
+
+
+def _v1_refusal(refused: BodyRefused) -> HttpResponseBase:
+    """A refused /v1 body in OpenAI's shape; the connection is closed after it (the rest of the
+    body is not worth reading)."""
+    if refused.reason == "timeout":
+        error = GatewayError(408, "The request body was not received in time "
+                             f"({settings.REQUEST_BODY_TIMEOUT_SECONDS:g} s).",
+                             "invalid_request_error", "request_timeout")
+    else:
+        error = bad_request(f"The request body is larger than {refused.limit} bytes.", None,
+                            "request_too_large")
+    response = error.response()
+    response["x-request-id"] = f"req_{secrets.token_hex(12)}"
+    response["Connection"] = "close"
+    return response
+
+
+class _BoundedReceive:
+    """Django's handler reads (and spools to disk) the whole body before any view runs, with
+    no limit of its own: this receive() ends the body at REQUEST_MAX_BODY_BYTES or at the read
+    deadline by telling Django the client left, and records why, so the router answers."""
+
+    __slots__ = ("deadline", "done", "limit", "receive", "refused", "size")
+
+    def __init__(self, receive: Receive, deadline: float, limit: int) -> None:
+        self.receive = receive
+        self.deadline = deadline
+        self.limit = limit
+        self.size = 0
+        self.done = False  # the body is complete: from here on only disconnects are awaited
+        self.refused: BodyRefused | None = None
+
+    async def __call__(self) -> dict[str, Any]:
+        if self.done:
+            return await self.receive()
+        if self.refused is not None:
+            return {"type": "http.disconnect"}
+        try:
+            message = await _receive_by(self.receive, self.deadline, self.limit)
+        except BodyRefused as refused:
+            self.refused = refused
+            return {"type": "http.disconnect"}
+        if message["type"] == "http.request":
+            self.size += len(message.get("body", b""))
+            if self.size > self.limit:
+                self.refused = BodyRefused("too_large", self.limit)
+                return {"type": "http.disconnect"}
+            self.done = not message.get("more_body", False)
+        return message
+
+
+async def _bounded_django(django_app: ASGIHandler, scope: Scope, receive: Receive,
+                          send: Send) -> None:
+    """Admin, the console and the management API through Django, with a size limit and a read
+    deadline on every body: too large by its Content-Length is refused before reading it."""
+    limit = settings.REQUEST_MAX_BODY_BYTES
+    if _declared_too_large(scope, limit):
+        await _send_refusal(scope, send, BodyRefused("too_large", limit))
+        return
+    bounded = _BoundedReceive(receive, _body_deadline(), limit)
+    await django_app(scope, bounded, send)
+    if bounded.refused is not None:  # Django saw a disconnect and answered nothing
+        await _send_refusal(scope, send, bounded.refused)
+
+
+async def _send_refusal(scope: Scope, send: Send, refused: BodyRefused) -> None:
+    """413 or 408 in the caller's format: the management API's `{"detail": ...}`, else plain
+    text; then the connection is closed."""
+    if refused.reason == "timeout":
+        status = 408
+        message = (f"The request body was not received within "
+                   f"{settings.REQUEST_BODY_TIMEOUT_SECONDS:g} s.")
+    else:
+        status, message = 413, f"The request body is larger than {refused.limit} bytes."
+    if scope.get("path", "").startswith("/api/"):
+        body, kind = json.dumps({"detail": message}).encode(), b"application/json"
+    else:
+        body, kind = message.encode(), b"text/plain; charset=utf-8"
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", kind), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -8,12 +8,14 @@ reservation is made.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from django.conf import settings
+
 from gateway.errors import bad_request
+from gateway.prices import MODEL_NAME_RULE, is_model_name
 
 # An output cap above this is a typo or an attack, whatever the model.
 ABSURD_MAX_TOKENS = 10_000_000
@@ -35,9 +37,9 @@ class ParsedBody:
     include_usage: bool  # the client asked for the usage chunk in a stream
     max_output: int | None  # the client's output cap per choice, if any
     choices: int  # n (times best_of for legacy completions): output is reserved per choice
+    size: int = 0  # bytes of the raw body: a large one is token-counted off the event loop
 
 
-_MODEL_NAME = re.compile(r"^[\x21-\x7e]{1,128}$")  # what a quota key can carry
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -91,19 +93,56 @@ def _prompt_count(prompt: Any) -> int:
     return 1
 
 
-def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
+def nested_deeper_than(raw: bytes, value: Any, limit: int) -> bool:
+    """Whether the parsed JSON `value` (parsed from `raw`) nests arrays and objects more than
+    `limit` levels deep (the top level is 1).
+
+    Every level needs an opening bracket in the text, so a body with at most `limit` of them
+    cannot be too deep: two byte counts at C speed settle the common case, and only a body with
+    more brackets is walked (iteratively: the walk itself must not recurse)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        pending.extend((child, depth + 1) for child in children
+                       if isinstance(child, (dict, list)))
+    return False
+
+
+def too_deep_message(limit: int) -> str:
+    return f"The JSON body is nested more than {limit} levels deep."
+
+
+def load_json(raw: bytes) -> Any:
+    """The JSON of a /v1 body; 400 when it is not JSON or nested deeper than JSON_MAX_DEPTH
+    (Python's parser raises RecursionError on very deep nesting: a 400 too, never a 500)."""
+    limit = settings.JSON_MAX_DEPTH
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise bad_request(too_deep_message(limit), None, "json_too_deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"We could not parse the JSON body of your request: {exc}") from exc
+    if isinstance(body, (dict, list)) and nested_deeper_than(raw, body, limit):
+        raise bad_request(too_deep_message(limit), None, "json_too_deep")
+    return body
+
+
+def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise bad_request("You must provide a model parameter.", "model")
-    if not _MODEL_NAME.match(model):
-        raise bad_request("The model name must be 1 to 128 printable ASCII characters without "
-                          "spaces.", "model", "model_not_found")
+    if not is_model_name(model):
+        # Before anything is reserved or forwarded: such a name never reaches a quota key,
+        # the upstream or the ledger (and finance's reports).
+        raise bad_request(f"Invalid model name. {MODEL_NAME_RULE}.", "model", "invalid_model")
 
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
@@ -143,4 +182,5 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
         if stream:
             raise bad_request("Embeddings cannot be streamed.", "stream")
         max_output = None
-    return ParsedBody(endpoint, body, model, stream, include_usage, max_output, choices)
+    return ParsedBody(endpoint, body, model, stream, include_usage, max_output, choices,
+                      len(raw))

@@ -3,7 +3,9 @@ should: `{"error": {"message", "type", "param", "code"}}` with the status codes 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from django.http import HttpResponse
 
@@ -100,3 +102,54 @@ def quota_store_unsafe() -> GatewayError:
 
 def upstream_error(status: int, message: str) -> GatewayError:
     return GatewayError(status, message, "server_error", "upstream_error")
+
+
+# What an upstream's client error may pass on to the tenant: `type`, `code` and `param` when each
+# is a short token ("invalid_request_error", "context_length_exceeded", "messages[0].content");
+# never its message, which names the provider, its organisation, deployments or URLs.
+_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.\[\]-]{1,64}")
+# Larger error bodies are not parsed: a real one is a few hundred bytes.
+_MAX_UPSTREAM_ERROR_BYTES = 64 * 1024
+_UPSTREAM_MESSAGES = {
+    400: "The upstream provider rejected the request as invalid",
+    404: "The upstream provider does not serve the requested model or resource",
+    409: "The upstream provider refused the request because of a conflict",
+    413: "The upstream provider refused the request as too large",
+    415: "The upstream provider refused the request's content type",
+    422: "The upstream provider could not process the request",
+}
+
+
+def _safe_token(value: Any) -> str | None:
+    if isinstance(value, str) and _SAFE_TOKEN.fullmatch(value):
+        return value
+    return None
+
+
+def _upstream_error_fields(body: bytes) -> dict[str, Any]:
+    if len(body) > _MAX_UPSTREAM_ERROR_BYTES:
+        return {}
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    error = data.get("error") if isinstance(data, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def upstream_client_error(status: int, body: bytes) -> GatewayError:
+    """An upstream's 4xx (other than the key refusals and rate limits the gateway handles) in
+    Tollgate's words: the status, a message of ours naming the parameter, and the upstream's
+    `type`, `code` and `param` when they are safe short tokens, so SDKs and clients can still
+    tell what was wrong."""
+    fields = _upstream_error_fields(body)
+    param = _safe_token(fields.get("param"))
+    code = _safe_token(fields.get("code"))
+    kind = _safe_token(fields.get("type")) or "invalid_request_error"
+    message = _UPSTREAM_MESSAGES.get(status, f"The upstream provider refused the request "
+                                             f"(HTTP {status})")
+    if param is not None:
+        message += f" (parameter '{param}')"
+    if code is not None:
+        message += f": {code}"
+    return GatewayError(status, message + ".", kind, code, param)

@@ -32,7 +32,7 @@ from django.http import HttpResponse, StreamingHttpResponse
 from gateway.admission import Admission, reserve_meta
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
-from gateway.errors import GatewayError, upstream_error
+from gateway.errors import GatewayError, upstream_client_error, upstream_error
 from gateway.listener import publish_cooldown
 from gateway.providers import Upstream
 from gateway.runtime import GatewayRuntime
@@ -447,12 +447,12 @@ def _retry_after(response: httpx.Response) -> float:
         return 1.0
 
 
-def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError | HttpResponse:
-    """A client error of the upstream is passed through (it is OpenAI-shaped and about the
-    request); a server error becomes our 502."""
+def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError:
+    """A client error of the upstream is told in Tollgate's words, keeping its status, type,
+    code and param (never its message: it may name the provider's organisation, deployments
+    or URLs); a server error becomes our 502."""
     if response.status_code < 500:
-        return HttpResponse(body, status=response.status_code,
-                            content_type=response.headers.get("content-type", "application/json"))
+        return upstream_client_error(response.status_code, body)
     return upstream_error(502, f"The upstream provider failed with HTTP {response.status_code}.")
 
 
@@ -526,17 +526,15 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
         await call.release(504, "upstream_timeout" if call.sent else "deadline")
         raise upstream_error(504, "The upstream provider did not answer within the gateway's "
                              "deadline.") from None
-    if not isinstance(answer, httpx.Response):
-        return answer
     call.answered = True
     if call.parsed.stream:
         return StreamRelay(call, answer).response()
     return await _complete(call, answer)
 
 
-async def _answer(call: Call) -> httpx.Response | HttpResponse:
-    """The first upstream answer worth relaying (a 200, or a client error passed through);
-    every other outcome releases the hold and raises the matching GatewayError."""
+async def _answer(call: Call) -> httpx.Response:
+    """The first upstream answer worth relaying (a 200); every other outcome releases the hold
+    and raises the matching GatewayError (a client error in Tollgate's words)."""
     runtime = call.runtime
     payload = call.payload()
     candidates = runtime.pool.candidates(call.admission.model, call.ctx.tenant_id, time.time())
@@ -589,12 +587,7 @@ async def _answer(call: Call) -> httpx.Response | HttpResponse:
                 body = b""
             await response.aclose()
             await call.release(response.status_code, "upstream_status")
-            failure = _upstream_failure(response, body)
-            if isinstance(failure, GatewayError):
-                raise failure
-            for name, value in call.response_headers().items():
-                failure[name] = value
-            return failure
+            raise _upstream_failure(response, body)
         return response
 
     if refused_key and last_429 is None:

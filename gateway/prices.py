@@ -17,12 +17,14 @@ tell every gateway process to reload its catalog (pub/sub). Django admin calls t
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
@@ -30,6 +32,21 @@ from tenants.invalidation import publish
 from tenants.services.audit import record_audit_event
 
 MICROS_PER_MTOK_DIVISOR = 1_000_000  # prices are per million tokens
+
+# The one rule for a model name, in the catalog (models, aliases, price periods) and in every
+# /v1 request: it becomes a quota key, a ledger row and a cell of finance's CSV and XLSX. An
+# ASCII letter or digit first (never a spreadsheet formula's `=`, `+`, `-`, `@`, tab or CR),
+# then letters, digits and `. _ - : / @ =` ("gpt-4o", "ft:gpt-4o-mini:acme::id",
+# "meta-llama/Llama-3.1-8B", "claude@20240620", the mock's "gpt-4o@status=500"): no spaces,
+# quotes, parentheses, commas or `&`, so a name cannot be a formula or break out of a cell.
+MODEL_NAME_MAX_LENGTH = 128
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@=-]{0,%d}" % (MODEL_NAME_MAX_LENGTH - 1))
+MODEL_NAME_RULE = (f"A model name is 1 to {MODEL_NAME_MAX_LENGTH} characters: an ASCII letter or "
+                   "digit, then letters, digits and . _ - : / @ =")
+
+
+def is_model_name(name: object) -> bool:
+    return isinstance(name, str) and MODEL_NAME.fullmatch(name) is not None
 
 
 def price_micros(input_micros_per_mtok: int, output_micros_per_mtok: int, input_tokens: int,
@@ -168,12 +185,19 @@ def _when(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
 
+# The model name of each kind of catalog row, checked against MODEL_NAME before it is saved.
+_NAME_FIELDS: dict[type, str] = {ModelSpec: "name", ModelAlias: "alias", ModelPrice: "model"}
+
+
 def _save_catalog_row(row: Any, *, actor: str, action: str, target: str,
                       data: Callable[[bool], dict[str, Any]]) -> None:
     """Validate and save one catalog row (a model, a price period, an alias), tell every gateway
     process to reload its catalog, and audit `<action>.create` or `<action>.update` with
     `data(created)`; one transaction."""
     created = row.pk is None
+    name_field = _NAME_FIELDS[type(row)]
+    if not is_model_name(getattr(row, name_field)):
+        raise ValidationError({name_field: MODEL_NAME_RULE})
     row.full_clean()
     with transaction.atomic():
         row.save()

@@ -24,6 +24,7 @@ Unknown models use the "heuristic" tokenizer (see `_heuristic_count`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gzip
 import hashlib
@@ -32,10 +33,12 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import regex
 import tiktoken
@@ -207,9 +210,25 @@ def _heuristic_piece(piece: str) -> int:
     return max(1, -(-ascii_chars // _ASCII_CHARS_PER_TOKEN) + other)
 
 
+# From this many characters on, ASCII text is split by the `regex` engine with the GIL released
+# (concurrent=True) and its pieces' lengths are tallied at C speed: a large prompt counted on an
+# estimation thread (see off_loop) then leaves the event loop's thread free to run meanwhile.
+# Below it, the stdlib engine is faster. Both split ASCII alike (tests/gateway/test_tokens.py).
+_LARGE_TEXT_CHARS = 64 * 1024
+
+
+def _large_ascii_heuristic_count(text: str) -> int:
+    pieces = _HEURISTIC_PIECES.findall(text, concurrent=True)
+    per_token = _ASCII_CHARS_PER_TOKEN
+    return sum((length + per_token - 1) // per_token * count
+               for length, count in Counter(map(len, pieces)).items())
+
+
 def _heuristic_count(text: str) -> int:
     # Per request for unknown models: one findall, then arithmetic on the pieces' lengths.
     if text.isascii():
+        if len(text) >= _LARGE_TEXT_CHARS:
+            return _large_ascii_heuristic_count(text)
         per_token = _ASCII_CHARS_PER_TOKEN
         pieces = _ASCII_HEURISTIC_PIECES.findall(text)
         return sum([(len(piece) + per_token - 1) // per_token for piece in pieces])
@@ -396,3 +415,37 @@ def estimate_completion_prompt(prompt: str | list[Any], tokenizer: str) -> int:
 def estimate_embedding_input(input: str | list[Any], tokenizer: str) -> int:  # noqa: A002
     """Input tokens of an embedding request: strings, a token array, or lists of either."""
     return _count_input(input, tokenizer)
+
+
+# -- Off the event loop -----------------------------------------------------------------------
+#
+# Parsing and counting an 8 MB prompt takes most of a second of CPU. Inline, that second is the
+# worker's event loop's: every other call on the worker waits. Bodies of at least
+# GATEWAY_ESTIMATE_THREAD_BYTES are parsed and counted on one of GATEWAY_ESTIMATE_THREADS threads
+# per worker instead: tiktoken's encoder and the heuristic's large-text split release the GIL,
+# so the loop keeps serving meanwhile. Smaller bodies stay inline, where the hand-off to a
+# thread costs more than the counting (docs/benchmarks.md, "Abuse").
+
+T = TypeVar("T")
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _estimation_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(settings.GATEWAY_ESTIMATE_THREADS,
+                                       thread_name_prefix="tollgate-estimate")
+        return _pool
+
+
+def is_large(size: int) -> bool:
+    """Whether a body of `size` bytes is parsed and counted off the event loop."""
+    return size >= settings.GATEWAY_ESTIMATE_THREAD_BYTES
+
+
+async def off_loop(work: Callable[..., T], *args: Any) -> T:
+    """work(*args) on an estimation thread; the caller's task waits, the event loop does not.
+    The pool is bounded: when all its threads are busy, further large bodies queue for one."""
+    return await asyncio.get_running_loop().run_in_executor(_estimation_pool(), work, *args)

@@ -18,7 +18,7 @@ from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from gateway.admission import admit, allows, unmetered
+from gateway.admission import admit, allows, refuse_before_reading, unmetered
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody, parse_body
 from gateway.client_address import request_client_address
@@ -35,6 +35,7 @@ from gateway.headers import rate_headers
 from gateway.refusals import count_refusal
 from gateway.runtime import GatewayRuntime
 from gateway.startup import get_runtime, store_problems
+from gateway.tokens import is_large, off_loop
 from quotas import durability
 from quotas.engine import QuotaError, QuotaStoreUnavailable
 
@@ -141,7 +142,13 @@ async def _handle(endpoint: Endpoint, request: HttpRequest, request_id: str,
 async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext,
                     request: HttpRequest, request_id: str,
                     started: float) -> HttpResponse | StreamingHttpResponse:
-    parsed = parse_body(endpoint, _read_body(request))
+    # Cheap refusals first: the key's own (above all before a large body is parsed or counted).
+    refuse_before_reading(ctx)
+    raw = _read_body(request)
+    # A large body is parsed on an estimation thread: json.loads of megabytes would hold the
+    # event loop (and so every other call on this worker) for tens of milliseconds.
+    parsed = await off_loop(parse_body, endpoint, raw) if is_large(len(raw)) else \
+        parse_body(endpoint, raw)
     if not allows(runtime, ctx, parsed.model):
         raise model_not_allowed(parsed.model)
     if not runtime.pool.serves(parsed.model, ctx.tenant_id):
@@ -167,7 +174,7 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, parsed: P
             raise
         log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
                   "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
-        admission = unmetered(runtime, ctx, parsed, request_id)
+        admission = await unmetered(runtime, ctx, parsed, request_id)
     call = Call(runtime, ctx, parsed, admission, request_id, started,
                 rate_headers(ctx, admission.reservation))
     try:

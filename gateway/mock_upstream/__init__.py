@@ -69,6 +69,9 @@ wins over the header). The model echoed in responses and billed is the part befo
   X-Mock-Hang: 1             gpt-4o@hang                     never answer (one hour, or until the
                                                              client disconnects)
   X-Mock-Output-Tokens: 50   gpt-4o@output_tokens=50         answer length before max_tokens
+  X-Mock-Leaky: 1            gpt-4o@status=404@leaky         an injected 4xx names an
+                                                             organisation, a deployment and a
+                                                             URL in its message, param "model"
 
 Options combine (`gpt-4o@first_byte_ms=50@chunk_ms=5@cut=3`). Headers apply to every /v1
 inference endpoint and /v1/models; an unknown X-Mock-* header or suffix option is a 400 so typos

@@ -182,6 +182,7 @@ class Faults:
     cut_after: int | None = None
     hang: bool = False
     output_tokens: int | None = None
+    leaky: bool = False  # an injected 4xx's message names an organisation, deployment and URL
 
 
 _HEADER_FAULTS: dict[bytes, str] = {
@@ -192,6 +193,7 @@ _HEADER_FAULTS: dict[bytes, str] = {
     b"x-mock-cut-after": "cut_after",
     b"x-mock-hang": "hang",
     b"x-mock-output-tokens": "output_tokens",
+    b"x-mock-leaky": "leaky",
 }
 _MODEL_FAULTS: dict[str, str] = {
     "first_byte_ms": "first_byte_ms",
@@ -202,6 +204,7 @@ _MODEL_FAULTS: dict[str, str] = {
     "cut_after": "cut_after",
     "hang": "hang",
     "output_tokens": "output_tokens",
+    "leaky": "leaky",
 }
 
 
@@ -226,8 +229,8 @@ def _set_fault(faults: Faults, field: str, raw: str, source: str) -> None:
             if cut < 0:
                 raise ValueError
             faults.cut_after = cut
-        elif field == "hang":
-            faults.hang = raw.lower() not in ("0", "false", "no", "off")
+        elif field in ("hang", "leaky"):
+            setattr(faults, field, raw.lower() not in ("0", "false", "no", "off"))
         elif field == "output_tokens":
             tokens = int(raw)
             if not 0 <= tokens <= MAX_OUTPUT_TOKENS:
@@ -251,7 +254,7 @@ def parse_faults(headers: RequestHeaders, model: str | None) -> tuple[str | None
     for option in options:
         key, sep, raw = option.partition("=")
         field = _MODEL_FAULTS.get(key)
-        if field is None or (not sep and field != "hang"):
+        if field is None or (not sep and field not in ("hang", "leaky")):
             raise BadRequest(f"Unknown mock model option {option!r} in {model!r}.", param="model")
         _set_fault(faults, field, raw if sep else "1", f"model option {key!r}")
     if not base:
@@ -508,6 +511,8 @@ async def _send_error(send: Send, error: BadRequest) -> None:
                     _error_body(error.status, error.message, error.param, error.error_type, error.code))
 
 
+LEAKY_ORGANIZATION = "org-Qx7LeakyOrgId4242"
+LEAKY_URL = "https://upstream.internal.example/deployments/acme-prod-eastus2"
 _INJECTED: dict[int, tuple[str, str | None, str]] = {
     400: ("invalid_request_error", None, "Mock injected bad request."),
     401: ("invalid_request_error", "invalid_api_key", "Mock injected authentication failure."),
@@ -543,7 +548,13 @@ async def _apply_faults(faults: Faults, receive: Receive, send: Send) -> bool:
                      f"Mock injected HTTP {status}.")
         )
         extra = [(b"retry-after", faults.retry_after.encode())] if faults.retry_after is not None else None
-        await send_json(send, status, _error_body(status, message, None, error_type, code), extra)
+        param = None
+        if faults.leaky and status < 500:
+            # What real providers put in their errors, which a gateway must not pass on.
+            message = (f"{message} The deployment 'acme-prod-eastus2' of organization "
+                       f"{LEAKY_ORGANIZATION} does not allow this; see {LEAKY_URL}.")
+            param, code = "model", code or "invalid_value"
+        await send_json(send, status, _error_body(status, message, param, error_type, code), extra)
         return True
     return False
 

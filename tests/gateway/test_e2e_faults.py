@@ -187,7 +187,7 @@ def test_upstream_500_is_502_and_releases_the_hold(
     assert_released_once(engine, t.tag, "upstream_status", 500)
 
 
-def test_upstream_400_is_passed_through_and_releases_the_hold(
+def test_upstream_400_is_told_in_tollgate_words_and_releases_the_hold(
     gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
 ) -> None:
     t = make_tenant()
@@ -195,7 +195,7 @@ def test_upstream_400_is_passed_through_and_releases_the_hold(
         client_for(gateway, t.plaintext).chat.completions.create(
             model="gpt-4o@status=400", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 400
-    assert info.value.body["message"] == "Mock injected bad request."
+    assert info.value.body["message"] == "The upstream provider rejected the request as invalid."
     assert info.value.type == "invalid_request_error"
     assert_released_once(engine, t.tag, "upstream_status", 400)
 
