@@ -210,18 +210,31 @@ class PlanUpdateSerializer(PlanSerializer):
         read_only_fields = ["name", "created_at", "updated_at"]
 
 
+class PlanNameField(serializers.SlugRelatedField):
+    """A plan by name. The name is checked as a slug before the lookup: a value PostgreSQL cannot
+    compare (a NUL character) is a 400 "no such plan", not a database error."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(slug_field="name", queryset=selectors.plans(), **kwargs)
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not (isinstance(data, str) and _PLAN_NAME.fullmatch(data)):
+            self.fail("does_not_exist", slug_name=self.slug_field, value=str(data)[:60])
+        return super().to_internal_value(data)
+
+
+_PLAN_NAME = re.compile(r"[-a-zA-Z0-9_]{1,50}")
+
+
 class TenantCreateSerializer(serializers.Serializer):
     slug = serializers.SlugField(max_length=63)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
-    plan = serializers.SlugRelatedField(slug_field="name", queryset=selectors.plans())
+    plan = PlanNameField()
 
 
 class TenantUpdateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=200, required=False)
-    plan = serializers.SlugRelatedField(
-        slug_field="name", queryset=selectors.plans(), required=False,
-        help_text="Operators only.",
-    )
+    plan = PlanNameField(required=False, help_text="Operators only.")
     status = serializers.ChoiceField(choices=Tenant.Status.choices, required=False,
                                      help_text="Operators only.")
 
@@ -256,6 +269,14 @@ class TenantOverridesSerializer(serializers.Serializer):
         child=serializers.IntegerField(min_value=0, max_value=MAX_QUANTITY), required=False,
         help_text='Daily token limits of single models, e.g. {"gpt-4o": 1000000}.',
     )
+
+    def validate_model_tokens_per_day(self, value: dict[str, int]) -> dict[str, int]:
+        # Keys are model names: the same rule as a key's allowed_models (and PostgreSQL's jsonb
+        # cannot hold a NUL).
+        for name in value:
+            if not name.strip() or len(name) > 200 or "\x00" in name:
+                raise serializers.ValidationError(f"Not a model name: {name[:60]!r}.")
+        return value
 
 
 class LimitScopeStatusSerializer(serializers.Serializer):

@@ -366,3 +366,18 @@ def test_a_member_without_email_matches_the_schema(world: World) -> None:
     Membership.objects.create(user=nomail, tenant=world.acme, role="member")
     members = world.client(world.owner).get(_tenant_url(world, "members/")).json()["results"]
     assert {"id": "nomail", "username": "nomail", "email": "", "role": "member"} in members
+
+
+def test_nul_in_a_plan_name_or_model_name_is_a_400_not_a_500(world: World) -> None:
+    """Found by the schema fuzz test (seed 4): a plan name with a NUL reached PostgreSQL."""
+    operator = world.client(world.operator)
+    before = _counts()
+    for body, field in (({"plan": "stand\x00ard"}, "plan"),
+                        ({"model_tokens_per_day": {"gpt\x00": 5}}, "model_tokens_per_day")):
+        path = "limits" if field == "model_tokens_per_day" else ""
+        response = operator.patch(_tenant_url(world, path), body, format="json")
+        assert response.status_code == 400, response.content
+        assert field in response.json()
+    created = operator.post("/api/tenants/", {"slug": "nul", "plan": "x\x00"}, format="json")
+    assert created.status_code == 400 and "plan" in created.json()
+    assert _counts() == before
