@@ -22,7 +22,8 @@ from django.utils import timezone
 
 from tenants.api_key_format import digests_match
 from tenants.management_tokens import generate_token, masked_token, parse_token
-from tenants.models import SCOPE_ORDER, ManagementToken, Tenant
+from tenants.access import ADMIN_ROLES
+from tenants.models import SCOPE_ORDER, ManagementToken, Membership, Tenant
 from tenants.services._base import Entity, clean, record_change
 
 # A token nobody remembers to revoke should still stop working: 90 days unless chosen otherwise.
@@ -72,6 +73,20 @@ def _expiry(
     return chosen
 
 
+def _lock_issuer_rights(tenant: Tenant, user: Any) -> None:
+    """The issuing user may still change the tenant, and stays so until this transaction ends:
+    their membership row is locked, the row tenants.membership locks to remove or demote them,
+    so a removal either commits first (and this issue is refused) or waits and revokes the new
+    token with the others. Operators (staff) are not members."""
+    if user.is_staff and user.is_active:
+        return
+    role = (Membership.objects.select_for_update().filter(tenant=tenant, user=user)
+            .values_list("role", flat=True).first())
+    if role not in ADMIN_ROLES or not user.is_active:
+        raise ValidationError({"non_field_errors": [
+            "The issuing user may no longer change this tenant."]})
+
+
 def issue_management_token(
     tenant: Tenant | None, *, name: str, actor: str,
     scope: str = ManagementToken.Scope.FULL,
@@ -97,6 +112,8 @@ def issue_management_token(
     expiry = _expiry(expires_at, parent, now)
     plaintext, prefix, digest, last4 = generate_token()
     with transaction.atomic():
+        if tenant is not None and issued_by is not None:
+            _lock_issuer_rights(tenant, issued_by)
         token = ManagementToken(
             tenant=tenant, name=name.strip(), prefix=prefix, digest=digest, last4=last4,
             created_by=actor, expires_at=expiry, scope=scope, issued_by=issued_by,

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -381,3 +382,13 @@ def test_nul_in_a_plan_name_or_model_name_is_a_400_not_a_500(world: World) -> No
     created = operator.post("/api/tenants/", {"slug": "nul", "plan": "x\x00"}, format="json")
     assert created.status_code == 400 and "plan" in created.json()
     assert _counts() == before
+
+
+def test_a_removed_member_cannot_issue_through_a_stale_request(world: World) -> None:
+    """Issue and removal lock the same membership row: once the removal is in, a token issued on
+    the member's behalf (a request that passed its permission check earlier) is refused."""
+    Membership.objects.filter(user=world.member, tenant=world.acme).delete()
+    with pytest.raises(ValidationError, match="may no longer change this tenant"):
+        issue_management_token(world.acme, name="late", actor="user:member",
+                               issued_by=world.member)
+    assert not ManagementToken.objects.filter(name="late").exists()
