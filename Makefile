@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up down test test-browser ci bench bench-quota clean
+.PHONY: install up down test test-browser ci bench bench-abuse bench-quota clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ ci:
 # request and the gateway's peak RSS (docs/benchmarks.md).
 bench: $(STAMP)
 	$(PY) -m config.bench
+
+# Small calls of one tenant alone, beside a stream of 400 KB prompts, and beside a flood of
+# random API keys, on one gateway worker (docs/benchmarks.md, "Abuse").
+bench-abuse: $(STAMP)
+	$(PY) -m config.bench_abuse
 
 bench-quota: $(STAMP)
 	$(PY) -m config.embedded start

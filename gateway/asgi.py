@@ -7,6 +7,13 @@ authenticate API keys themselves, use no session, CSRF or messages, and do their
 their own threads), so their paths go straight to the views; everything else (admin, the
 console, the management API) goes through Django as usual.
 
+Every request body, on every path, is read under a deadline (REQUEST_BODY_TIMEOUT_SECONDS from
+the headers: a client trickling its body gets a 408 and the connection is closed) and a size
+limit checked before anything else runs: GATEWAY_MAX_BODY_BYTES on /v1 (read here, before auth),
+REQUEST_MAX_BODY_BYTES on every path Django serves, whose handler would otherwise spool any body
+to disk before a view could refuse it (413 by Content-Length without reading a byte, else as
+soon as a chunked body passes the limit).
+
 The disconnect handling follows Django's: the view runs in a task raced against
 `http.disconnect`, and when the client leaves first the task is cancelled. A streaming answer is
 then told so, and finishes reading the upstream for its usage in the background; likewise when
