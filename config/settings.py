@@ -337,9 +337,10 @@ if GATEWAY_HOLD_END_SECONDS > QUOTA_STALE_HOLD_SECONDS / 2:
         f"REDIS_SOCKET_TIMEOUT ({REDIS_SOCKET_TIMEOUT:g}) = {GATEWAY_HOLD_END_SECONDS:g} s must be "
         f"at most half of QUOTA_STALE_HOLD_SECONDS ({QUOTA_STALE_HOLD_SECONDS} s): the sweep would "
         "otherwise take holds of calls still running or still settling")
-# Django refuses larger bodies before the gateway sees them; keep one limit. (Under ASGI the
-# router refuses larger bodies on other paths first: REQUEST_MAX_BODY_BYTES.)
-DATA_UPLOAD_MAX_MEMORY_SIZE = max(GATEWAY_MAX_BODY_BYTES, REQUEST_MAX_BODY_BYTES)
+# Django's own limit on the bodies its views read (admin, console, management API; also under
+# WSGI). Under ASGI the router refuses larger ones before Django sees them; /v1 reads its body
+# itself, up to GATEWAY_MAX_BODY_BYTES (gateway/views.py).
+DATA_UPLOAD_MAX_MEMORY_SIZE = REQUEST_MAX_BODY_BYTES
 
 # Celery (config/celery.py): the broker is the Redis server (a standalone one: Celery cannot use
 # a Redis Cluster as its broker, so a cluster deployment sets CELERY_BROKER_URL to another).
