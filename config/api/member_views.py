@@ -16,6 +16,7 @@ from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from config.api.strict_types import StrictJSONTypes
 from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant, secret_response
 from tenants.invitation_links import invitation_link
 from tenants.membership import (
@@ -48,7 +49,7 @@ class MemberSerializer(serializers.ModelSerializer):
         read_only_fields = ["id", "username", "email"]
 
 
-class RoleSerializer(serializers.Serializer):
+class RoleSerializer(StrictJSONTypes):
     role = serializers.ChoiceField(choices=Membership.Role.choices)
 
 
@@ -66,7 +67,7 @@ class InvitationSerializer(serializers.ModelSerializer):
         return invitation_status(invitation)
 
 
-class InviteSerializer(serializers.Serializer):
+class InviteSerializer(StrictJSONTypes):
     email = serializers.EmailField()
     role = serializers.ChoiceField(choices=INVITABLE_ROLES, default=Membership.Role.ADMIN)
 

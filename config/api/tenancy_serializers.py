@@ -10,6 +10,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from config.api.strict_types import StrictJSONTypes
 from tenants import selectors
 from tenants.management_tokens import masked_token
 from tenants.models import ApiKey, AuditEvent, ManagementToken, Plan, Project, Tenant
@@ -88,14 +89,14 @@ class ProjectSerializer(serializers.ModelSerializer):
         return _usage(self, project.public_id)
 
 
-class ProjectCreateSerializer(serializers.Serializer):
+class ProjectCreateSerializer(StrictJSONTypes):
     slug = serializers.SlugField(max_length=63)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     tokens_per_day = _sub_limit()
     tokens_per_month = _sub_limit()
 
 
-class ProjectUpdateSerializer(serializers.Serializer):
+class ProjectUpdateSerializer(StrictJSONTypes):
     name = serializers.CharField(max_length=200, required=False)
     tokens_per_day = _sub_limit()
     tokens_per_month = _sub_limit()
@@ -151,7 +152,7 @@ class IssuedApiKeySerializer(ApiKeySerializer):
         return self.context["plaintext"]
 
 
-class _KeyLimitFields(serializers.Serializer):
+class _KeyLimitFields(StrictJSONTypes):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True)
     tokens_per_day = _sub_limit()
     tokens_per_month = _sub_limit()
@@ -182,7 +183,7 @@ class KeyUpdateSerializer(_KeyLimitFields):
     pass
 
 
-class KeyRotateSerializer(serializers.Serializer):
+class KeyRotateSerializer(StrictJSONTypes):
     grace_seconds = serializers.IntegerField(
         min_value=0, max_value=MAX_GRACE_SECONDS, default=0,
         help_text="How long the previous secret keeps working (0: it stops now; at most 7 days).",
@@ -192,7 +193,7 @@ class KeyRotateSerializer(serializers.Serializer):
 # -- plans, tenants and limits -------------------------------------------------------------------
 
 
-class PlanSerializer(serializers.ModelSerializer):
+class PlanSerializer(StrictJSONTypes, serializers.ModelSerializer):
     class Meta:
         model = Plan
         fields = [
@@ -226,13 +227,13 @@ class PlanNameField(serializers.SlugRelatedField):
 _PLAN_NAME = re.compile(r"[-a-zA-Z0-9_]{1,50}")
 
 
-class TenantCreateSerializer(serializers.Serializer):
+class TenantCreateSerializer(StrictJSONTypes):
     slug = serializers.SlugField(max_length=63)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     plan = PlanNameField()
 
 
-class TenantUpdateSerializer(serializers.Serializer):
+class TenantUpdateSerializer(StrictJSONTypes):
     name = serializers.CharField(max_length=200, required=False)
     plan = PlanNameField(required=False, help_text="Operators only.")
     status = serializers.ChoiceField(choices=Tenant.Status.choices, required=False,
@@ -257,7 +258,7 @@ class EffectiveLimitsSerializer(serializers.Serializer):
     over_quota_policy = serializers.CharField()
 
 
-class TenantOverridesSerializer(serializers.Serializer):
+class TenantOverridesSerializer(StrictJSONTypes):
     """Tenant overrides of the plan: null inherits the plan, -1 lifts the limit."""
 
     tokens_per_day = _nullable_limit(-1, "null: the plan's; -1: unlimited.")
@@ -361,7 +362,7 @@ class IssuedManagementTokenSerializer(ManagementTokenSerializer):
         return self.context["plaintext"]
 
 
-class ManagementTokenIssueSerializer(serializers.Serializer):
+class ManagementTokenIssueSerializer(StrictJSONTypes):
     name = serializers.CharField(max_length=200, help_text="What the token is for.")
     scope = serializers.ChoiceField(
         choices=ManagementToken.Scope.choices, default=ManagementToken.Scope.FULL,

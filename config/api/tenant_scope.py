@@ -16,6 +16,7 @@ from django.http import Http404, QueryDict
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter
 from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -29,6 +30,15 @@ TENANT_ID = OpenApiParameter("tenant_id", OpenApiTypes.STR, OpenApiParameter.PAT
                              description="The tenant's id (ten_...).")
 
 
+class UnknownFormatIgnored(DefaultContentNegotiation):
+    """DRF answers `?format=<anything it has no renderer for>` with a 404 that no operation of the
+    schema documents (nor should: the resource exists). An unknown format is ignored instead and
+    the Accept header decides, as without one."""
+
+    def filter_renderers(self, renderers: list[Any], format: str) -> list[Any]:
+        return [renderer for renderer in renderers if renderer.format == format] or renderers
+
+
 class ManagementAPIView(APIView):
     # The scope a management token needs, per HTTP method (config/api/scopes.py): reads `read`,
     # changes `full`, unless a view declares otherwise.
@@ -37,6 +47,7 @@ class ManagementAPIView(APIView):
     # The schema documents JSON bodies only (config/api/openapi.py); form encodings stay
     # accepted, through the same serializers, for the clients that already send them.
     schema = ManagementAutoSchema()
+    content_negotiation_class = UnknownFormatIgnored
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # authentication and permissions first

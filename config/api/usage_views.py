@@ -16,7 +16,11 @@ from config.api.billing_serializers import (
     UsageQuerySerializer,
     UsageResponseSerializer,
 )
-from config.api.tenant_scope import TenantScopedAPIView, check_date_params, get_in_tenant
+from config.api.tenant_scope import (
+    TenantScopedAPIView,
+    check_date_params,
+    get_in_tenant,
+)
 from quotas.engine import QuotaStoreUnavailable
 from quotas.status import quota_status, refused_today, utc_day_id
 from tenants import selectors

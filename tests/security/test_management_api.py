@@ -392,3 +392,32 @@ def test_a_removed_member_cannot_issue_through_a_stale_request(world: World) -> 
         issue_management_token(world.acme, name="late", actor="user:member",
                                issued_by=world.member)
     assert not ManagementToken.objects.filter(name="late").exists()
+
+
+def test_an_unknown_format_parameter_is_ignored_not_a_404(world: World) -> None:
+    """Found by the schema fuzz test (seed 5): DRF's `?format=` override answered an unknown
+    format with an undocumented 404."""
+    response = world.client(world.owner).get("/api/plans/?format=xyz")
+    assert response.status_code == 200 and response.json()["results"][0]["name"] == "standard"
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("projects/", {"slug": "typed", "name": 8785914689034124330}, "name"),
+    ("projects/", {"slug": "typed", "tokens_per_day": "5"}, "tokens_per_day"),
+    ("projects/", {"slug": "typed", "tokens_per_day": True}, "tokens_per_day"),
+    ("keys/", {"name": "k", "allowed_models": [1, 2]}, "allowed_models"),
+    ("tokens/", {"name": ["x"]}, "name"),
+    ("invitations/", {"email": "a@acme.test", "role": 1}, "role"),
+])
+def test_json_values_of_another_type_are_a_400(world: World, path: str, body: dict[str, Any],
+                                               field: str) -> None:
+    """Found by the schema fuzz test (seed 6): DRF took 8785914689034124330 as the name "87...";
+    the schema says string, so the server now says so too."""
+    if path == "keys/":
+        body = {**body, "project": world.web.public_id}
+    before = _counts()
+    response = world.client(world.owner).post(_tenant_url(world, path), body, format="json")
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert _counts() == before
+    assert not world.acme.projects.filter(slug="typed").exists()
