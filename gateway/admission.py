@@ -194,11 +194,13 @@ def refuse_before_reading(ctx: KeyContext) -> None:
 def refuse_impossible(ctx: KeyContext, scopes: tuple[ScopeLimit, ...]) -> None:
     """A counter whose limit is 0 refuses every call (DESIGN.md: limit 0 rejects everything),
     whatever its size: refuse before the tokenizer runs, as the reserve would. Not under the
-    fallback policy, whose other model may have counters that admit it."""
+    fallback policy, whose other model may have counters that admit it; under the queue policy
+    the refusal comes at once (waiting cannot help), with the counter's reason."""
     if ctx.limits.over_quota_policy == OverQuotaPolicy.FALLBACK:
         return
     for scope in scopes:
         if scope.limit == 0:
+            # This process's clock, not Redis': only the Retry-After (the window's end) uses it.
             now_ms = int(time.time() * 1000)
             window = Calendar().window(scope.window, now_ms)
             raise insufficient_quota(scope.scope, scope.window.value,
