@@ -3,8 +3,9 @@
 DRF coerces generously: a CharField takes 42 as "42", an IntegerField takes "42" and 42.0, a
 BooleanField takes "true", 1 and "on". The OpenAPI schema says `string`, `integer`, `boolean`, so
 a client (or a generated one) reading it and the server would disagree about what is valid. For
-a JSON body, StrictJSONTypes refuses a value of another JSON type with a 400 naming the field,
-before DRF's own validation. Form and query data (all text) are left to DRF's parsing.
+a JSON body, StrictJSONTypes refuses a value of another JSON type (or a string longer than the
+schema's maxLength before DRF trims its spaces) with a 400 naming the field, before DRF's own
+validation. Form and query data (all text) are left to DRF's parsing.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def _type_error(field: serializers.Field, value: Any) -> str | list[Any] | dict[
         # bool is an int in Python, but not a JSON number.
         if not isinstance(value, accepted) or (accepted == (int,) and isinstance(value, bool)):
             return f"Must be {what}."
+        # The schema's maxLength is of the value as sent; DRF measures it after trimming spaces.
+        max_length = getattr(field, "max_length", None)
+        if isinstance(field, serializers.CharField) and max_length and len(value) > max_length:
+            return f"At most {max_length} characters."
         if isinstance(field, serializers.ListField):
             items = {str(i): e for i, item in enumerate(value)
                      if (e := _type_error(field.child, item)) is not None}

@@ -54,7 +54,7 @@ def _sub_limit(help_text: str = "Tokens; null: no sub-limit of its own.") -> ser
 # DRF alone would also take "2026-01-31T12:00" (no offset) or "2026-1-31", which the schema
 # refuses, so a client reading the schema and the server would disagree.
 _RFC3339 = re.compile(
-    r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+    r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})", re.ASCII)
 
 
 class RFC3339DateTimeField(serializers.DateTimeField):

@@ -77,7 +77,7 @@ def check_path_and_query(kwargs: Mapping[str, Any], query: QueryDict) -> None:
             raise ValidationError({name: ["Give this parameter once."]})
 
 
-_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}", re.ASCII)
 
 
 def check_date_params(query: QueryDict, *names: str) -> None:

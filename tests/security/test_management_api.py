@@ -408,6 +408,8 @@ def test_an_unknown_format_parameter_is_ignored_not_a_404(world: World) -> None:
     ("keys/", {"name": "k", "allowed_models": [1, 2]}, "allowed_models"),
     ("tokens/", {"name": ["x"]}, "name"),
     ("invitations/", {"email": "a@acme.test", "role": 1}, "role"),
+    # 201 characters as sent, 200 once DRF trims the tab (seed 7).
+    ("projects/", {"slug": "typed", "name": "\t" + "n" * 200}, "name"),
 ])
 def test_json_values_of_another_type_are_a_400(world: World, path: str, body: dict[str, Any],
                                                field: str) -> None:
