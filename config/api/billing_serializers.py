@@ -11,6 +11,7 @@ from rest_framework import serializers
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 from billing.usage import GROUPINGS
 from billing.webhooks import masked_url
+from config.api.strict_types import StrictJSONTypes
 
 DEFAULT_USAGE_DAYS = 30
 MAX_USAGE_DAYS = 366
@@ -157,7 +158,7 @@ class WebhookEndpointSerializer(serializers.ModelSerializer):
         return data
 
 
-class WebhookEndpointCreateSerializer(serializers.Serializer):
+class WebhookEndpointCreateSerializer(StrictJSONTypes):
     url = serializers.URLField(max_length=2000)
     events = serializers.ListField(
         child=serializers.ChoiceField(choices=WebhookEvent.choices),
@@ -172,7 +173,7 @@ class WebhookEndpointCreatedSerializer(WebhookEndpointSerializer):
         fields = [*WebhookEndpointSerializer.Meta.fields, "secret"]
 
 
-class WebhookEndpointUpdateSerializer(serializers.Serializer):
+class WebhookEndpointUpdateSerializer(StrictJSONTypes):
     url = serializers.URLField(max_length=2000, required=False)
     events = serializers.ListField(child=serializers.ChoiceField(choices=WebhookEvent.choices),
                                    required=False)
