@@ -50,8 +50,9 @@ ci:
 bench: $(STAMP)
 	$(PY) -m config.bench
 
-# Small calls of one tenant alone, beside a stream of 400 KB prompts, and beside a flood of
-# random API keys, on one gateway worker (docs/benchmarks.md, "Abuse").
+# Small calls of one tenant on one gateway worker alone, beside a stream of 400 KB prompts, and
+# beside a flood of random API keys from one client address and from a new address per request
+# (docs/benchmarks.md, "Abuse").
 bench-abuse: $(STAMP)
 	$(PY) -m config.bench_abuse
 

@@ -30,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,15 +57,33 @@ class Result:
 OUTPUT_TOKENS = 16  # per bench call (max_tokens): the mock streams one chunk per token
 
 
-def _request_bytes(key: str, stream: bool, model: str = "gpt-4o-mini") -> bytes:
+def _request_bytes(key: str, stream: bool, model: str = "gpt-4o-mini",
+                   content: str = "hello there, how are you today?",
+                   forwarded_for: str | None = None) -> bytes:
+    """One keep-alive chat completion request; `forwarded_for` adds an X-Forwarded-For hop (the
+    gateway believes it only when the bench trusts loopback as a proxy)."""
     body = {"model": model, "max_tokens": OUTPUT_TOKENS,
-            "messages": [{"role": "user", "content": "hello there, how are you today?"}]}
+            "messages": [{"role": "user", "content": content}]}
     if stream:
         body["stream"] = True
     payload = json.dumps(body).encode()
+    forwarded = (b"X-Forwarded-For: " + forwarded_for.encode() + b"\r\n"
+                 if forwarded_for is not None else b"")
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-            + key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-            + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            + key.encode() + b"\r\n" + forwarded + b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+
+async def _read_response(reader: asyncio.StreamReader) -> bytes:
+    """Read one whole HTTP/1.1 response (chunked or sized) and return its head."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        await reader.readuntil(b"\r\n0\r\n\r\n")
+    else:
+        start = lower.index(b"content-length: ") + 16
+        await reader.readexactly(int(lower[start:lower.index(b"\r\n", start)]))
+    return head
 
 
 async def _client(port: int, request: bytes, deadline: float, latencies: list[float]) -> None:
@@ -73,15 +92,9 @@ async def _client(port: int, request: bytes, deadline: float, latencies: list[fl
         while time.monotonic() < deadline:
             started = time.perf_counter()
             writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
+            head = await _read_response(reader)
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"unexpected answer: {head[:200]!r}")
-            lower = head.lower()
-            if b"transfer-encoding: chunked" in lower:
-                await reader.readuntil(b"\r\n0\r\n\r\n")
-            else:
-                start = lower.index(b"content-length: ") + 16
-                await reader.readexactly(int(lower[start:lower.index(b"\r\n", start)]))
             latencies.append(time.perf_counter() - started)
     finally:
         writer.close()
@@ -203,35 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mock-port", type=int, default=18099)
     args = parser.parse_args(argv)
 
-    data_dir = Path(tempfile.mkdtemp(prefix="tgb-", dir="/tmp"))
-    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
-                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
-    os.environ.pop("DATABASE_URL", None)
-    os.environ.pop("REDIS_URL", None)
-    from config import embedded
-
-    embedded.start_all(data_dir, persistent=False)
-    children: list[subprocess.Popen[bytes]] = []
-    try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
-                       check=True)
-        import django
-
-        django.setup()
-        key = _setup_tenant(args.mock_port)
-
-        mock = subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port",
-                                 str(args.mock_port)], cwd=ROOT, env=env)
-        children.append(mock)
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port",
-             str(args.gateway_port), "--workers", str(args.gateway_workers), "--loop", "uvloop",
-             "--http", "httptools", "--log-level", "warning", "--no-access-log"],
-            cwd=ROOT, env=env)
-        children.append(gateway)
-        _wait_http(f"http://127.0.0.1:{args.mock_port}/v1/models", mock)
-        _wait_http(f"http://127.0.0.1:{args.gateway_port}/healthz", gateway)
+    with running_system("tgb-", args.gateway_port, args.mock_port,
+                        args.gateway_workers) as (gateway, key):
         # Warm up: every worker loads its caches, scripts and connections.
         load(args.gateway_port, key, False, 4, 1.0)
         load(args.mock_port, "sk-bench", False, 4, 1.0)
@@ -284,7 +270,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway worker peak RSS: {_peak_rss_mb(gateway.pid):.0f} MB")
         if args.soak > 0:
             soak(args.gateway_port, key, gateway.pid, args.soak)
-        return 0
+    return 0
+
+
+@contextmanager
+def running_system(data_prefix: str, gateway_port: int, mock_port: int, gateway_workers: int = 1,
+                   extra_env: dict[str, str] | None = None,
+                   ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Embedded Redis and PostgreSQL in a temporary directory, migrated, the bench tenant, the
+    mock upstream and the gateway (uvicorn, uvloop, httptools, `gateway_workers`), all stopped
+    and removed on exit. `extra_env` is added to this process's and the servers' environment.
+    Yields the gateway's process and the bench tenant's API key; Django is set up, so the
+    caller can create more with the services."""
+    data_dir = Path(tempfile.mkdtemp(prefix=data_prefix, dir="/tmp"))
+    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
+                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING",
+                       **(extra_env or {})})
+    os.environ.pop("DATABASE_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    from config import embedded
+
+    embedded.start_all(data_dir, persistent=False)
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        import django
+
+        django.setup()
+        key = _setup_tenant(mock_port)
+
+        mock = subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port",
+                                 str(mock_port)], cwd=ROOT, env=env)
+        children.append(mock)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port",
+             str(gateway_port), "--workers", str(gateway_workers), "--loop", "uvloop",
+             "--http", "httptools", "--log-level", "warning", "--no-access-log"],
+            cwd=ROOT, env=env)
+        children.append(gateway)
+        _wait_http(f"http://127.0.0.1:{mock_port}/v1/models", mock)
+        _wait_http(f"http://127.0.0.1:{gateway_port}/healthz", gateway)
+        yield gateway, key
     finally:
         for child in children:
             child.terminate()
