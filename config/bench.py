@@ -307,7 +307,8 @@ def running_system(data_prefix: str, gateway_port: int, mock_port: int, gateway_
         gateway = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port",
              str(gateway_port), "--workers", str(gateway_workers), "--loop", "uvloop",
-             "--http", "httptools", "--log-level", "warning", "--no-access-log"],
+             "--http", "httptools", "--log-level", "warning", "--no-access-log",
+             "--no-proxy-headers"],
             cwd=ROOT, env=env)
         children.append(gateway)
         _wait_http(f"http://127.0.0.1:{mock_port}/v1/models", mock)

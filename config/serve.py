@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         gateway = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", args.host,
              "--port", str(args.port), "--workers", str(args.workers), "--loop", "uvloop",
-             "--http", "httptools", "--no-access-log"], cwd=ROOT, env=env)
+             "--http", "httptools", "--no-access-log",
+             # Tollgate applies TOLLGATE_TRUSTED_PROXIES itself (gateway/client_address.py);
+             # uvicorn's own X-Forwarded-For rule (it trusts loopback) would be a second one.
+             "--no-proxy-headers"], cwd=ROOT, env=env)
         children.append(gateway)
         _wait_for(f"http://{args.host}:{args.port}/healthz", gateway, "the gateway")
         print(f"Tollgate is up: http://{args.host}:{args.port}/v1 (admin: /admin/). Ctrl-C stops.",

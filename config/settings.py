@@ -495,9 +495,17 @@ def _proxy_ssl_header() -> tuple[str, str] | None:
 
 
 SECURE_PROXY_SSL_HEADER = _proxy_ssl_header()
+if TOLLGATE_ENV == "production" and SECURE_PROXY_SSL_HEADER and not TRUSTED_PROXIES:
+    # Behind a proxy whose address is not trusted, every client has the proxy's address: the
+    # per-address limits (login throttles, the gateway's key lookups) would be one shared
+    # bucket, and five failed logins by anyone would lock everyone out.
+    raise ImproperlyConfigured("SECURE_PROXY_SSL_HEADER says Tollgate is behind a proxy: name "
+                               "it in TOLLGATE_TRUSTED_PROXIES (CIDRs) in production")
 # HSTS is sent on https responses only (Django's SecurityMiddleware); on by default in production.
 SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS",
                               default=31_536_000 if TOLLGATE_ENV == "production" else 0)
+if SECURE_HSTS_SECONDS < 0:
+    raise ImproperlyConfigured(f"SECURE_HSTS_SECONDS must be >= 0, got {SECURE_HSTS_SECONDS}")
 SECURE_HSTS_INCLUDE_SUBDOMAINS = _bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
 SECURE_HSTS_PRELOAD = _bool("SECURE_HSTS_PRELOAD", default=False)
 SECURE_SSL_REDIRECT = _bool("SECURE_SSL_REDIRECT", default=False)

@@ -15,12 +15,25 @@ import hashlib
 from collections.abc import Callable
 
 from django.conf import settings
+from django.contrib.auth.signals import user_logged_in
 from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 
-from gateway.client_address import request_client_address
+from gateway.client_address import rate_limit_key, request_client_address
 
 THROTTLED_MESSAGE = "Too many failed logins. Wait a few minutes before trying again."
+_LOGGED_IN = "_tollgate_logged_in"
+
+
+def _note_login(sender: object, request: HttpRequest | None, **kwargs: object) -> None:
+    # "Did this attempt log someone in" must come from the login itself: request.user is
+    # already authenticated for a signed-in user posting to the admin's login form, and taking
+    # that for a success would clear the guessed username's budget on every wrong password.
+    if request is not None:
+        setattr(request, _LOGGED_IN, True)
+
+
+user_logged_in.connect(_note_login, dispatch_uid="tollgate-login-throttle")
 
 
 def _keys(username: str, address: str) -> tuple[str, str]:
@@ -59,14 +72,15 @@ def login_succeeded(username: str, address: str) -> None:
 def throttled_login(request: HttpRequest, attempt: Callable[[], HttpResponse],
                     refuse: Callable[[], HttpResponse]) -> HttpResponse:
     """Runs a login view's POST (`attempt`) only if the attempt gets a slot, else `refuse()`
-    (a 429 page). `attempt` logs the user in on success (request.user is then authenticated)."""
+    (a 429 page). A success is an attempt during which Django logged a user in."""
     if request.method != "POST":
         return attempt()
     username = request.POST.get("username", "")
-    address = request_client_address(request)
+    # An IPv6 client is counted by its /64, which it may rotate through at will.
+    address = rate_limit_key(request_client_address(request))
     if not take_login_attempt(username, address):
         return refuse()
     response = attempt()
-    if request.user.is_authenticated:
+    if getattr(request, _LOGGED_IN, False):
         login_succeeded(username, address)
     return response

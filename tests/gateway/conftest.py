@@ -80,7 +80,8 @@ def start_gateway(tmp: Path, *, workers: int = 4, **env: str) -> GatewayServer:
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1",
          "--port", str(port), "--workers", str(workers), "--loop", "uvloop", "--http",
-         "httptools", "--log-level", "warning", "--no-access-log"],
+         "httptools", "--log-level", "warning", "--no-access-log",
+         "--no-proxy-headers"],
         cwd=ROOT, env=gateway_env(**env), stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     server = GatewayServer(port, process, log)

@@ -50,6 +50,9 @@ def _fresh_throttle() -> None:
         ({**PRODUCTION, "ALLOWED_HOSTS": "*"}, "must not contain 'testserver' or '*'"),
         ({**PRODUCTION, "SECURE_PROXY_SSL_HEADER": "X-Forwarded-Proto"},
          "SECURE_PROXY_SSL_HEADER must be 'HTTP_<HEADER>,<value>'"),
+        ({**PRODUCTION, "SECURE_PROXY_SSL_HEADER": "HTTP_X_FORWARDED_PROTO,https"},
+         "name it in TOLLGATE_TRUSTED_PROXIES"),
+        ({**PRODUCTION, "SECURE_HSTS_SECONDS": "-1"}, "SECURE_HSTS_SECONDS must be >= 0"),
     ],
 )
 def test_unsafe_settings_refuse_to_start(env: dict[str, str], message: str) -> None:
@@ -59,7 +62,8 @@ def test_unsafe_settings_refuse_to_start(env: dict[str, str], message: str) -> N
 
 
 def test_production_defaults_hsts_and_a_named_proxy_header() -> None:
-    result = load_settings(**PRODUCTION, SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO,https")
+    result = load_settings(**PRODUCTION, SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO,https",
+                           TOLLGATE_TRUSTED_PROXIES="10.0.0.0/8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == (
         "31536000 ('HTTP_X_FORWARDED_PROTO', 'https') ['tollgate.example']")
@@ -142,6 +146,30 @@ def test_admin_login_succeeds_within_the_budget(world: World) -> None:
                                                     "next": "/admin/"})
     assert ok.status_code == 302 and ok["Location"] == "/admin/"
     assert client.session.get("_auth_user_id") == str(world.operator.pk)
+
+
+@override_settings(LOGIN_FAILURE_LIMIT=3)
+def test_a_signed_in_user_gets_no_extra_guesses_at_the_admin_login(world: World) -> None:
+    # Django admin shows its login form to a signed-in user who is not staff, and a wrong
+    # password leaves them signed in: that must not count as a success that refills budgets.
+    _operator_can_use_admin(world)
+    client = Client()
+    client.force_login(world.member)
+    statuses = [client.post("/admin/login/", {"username": "operator", "password": "wrong"}
+                            ).status_code for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    assert client.session.get("_auth_user_id") == str(world.member.pk)
+
+
+@override_settings(LOGIN_FAILURE_LIMIT=2)
+def test_ipv6_clients_of_one_64_share_a_login_budget(world: World) -> None:
+    def attempt(peer: str) -> int:
+        return Client(REMOTE_ADDR=peer).post(
+            "/console/login/", {"username": f"user-{peer}", "password": "wrong"}).status_code
+
+    # Rotating through one /64 (a subscriber's own allocation) buys no fresh budget.
+    assert [attempt(f"2001:db8:1:2::{i}") for i in range(1, 4)] == [200, 200, 429]
+    assert attempt("2001:db8:1:3::1") == 200  # the next /64 is someone else
 
 
 class CountingBackend:
