@@ -298,6 +298,8 @@ GATEWAY_AUTH_NEGATIVE_MAX_KEYS = _positive_int("GATEWAY_AUTH_NEGATIVE_MAX_KEYS",
 # Database lookups of keys not cached, per client address per worker: a token bucket.
 GATEWAY_AUTH_LOOKUPS_PER_SECOND = env.float("GATEWAY_AUTH_LOOKUPS_PER_SECOND", default=5.0)
 GATEWAY_AUTH_LOOKUP_BURST = _positive_int("GATEWAY_AUTH_LOOKUP_BURST", 20)
+# Client addresses whose bucket each worker tracks (least recently seen forgotten first).
+GATEWAY_AUTH_LOOKUP_MAX_CLIENTS = _positive_int("GATEWAY_AUTH_LOOKUP_MAX_CLIENTS", 10_000)
 # How often each worker reads the auth cache's version from Redis (a lost invalidation message
 # empties the cache within two such checks).
 GATEWAY_AUTH_VERSION_CHECK_SECONDS = env.float("GATEWAY_AUTH_VERSION_CHECK_SECONDS", default=1.0)

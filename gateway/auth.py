@@ -26,7 +26,7 @@ from functools import cached_property
 from django.conf import settings
 
 from gateway.client_address import rate_limit_key
-from gateway.errors import GatewayError
+from gateway.errors import rate_limited
 from quotas import keys as quota_keys
 from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
 from quotas.keys import tenant_tag
@@ -136,19 +136,13 @@ _MISSING = object()
 Loader = Callable[[str], Awaitable["KeyContext | None"]]
 
 
-def lookups_refused(retry_after_s: int) -> GatewayError:
-    """429 in OpenAI's shape: this client address asked for too many keys not cached."""
-    return GatewayError(429, "Too many API key lookups from your address; retry shortly.",
-                        "requests", "rate_limit_exceeded", None, retry_after_s)
-
-
 class LookupThrottle:
     """A token bucket per client address for database lookups of keys not cached: `rate` per
     second, up to `burst` at once. At most `max_clients` addresses are tracked (the least
     recently seen forgotten first: a forgotten address starts again with a full bucket, which
     bounds memory, not the rate of any one address)."""
 
-    def __init__(self, rate: float, burst: int, max_clients: int = 10_000) -> None:
+    def __init__(self, rate: float, burst: int, max_clients: int) -> None:
         self.rate = rate
         self.burst = burst
         self.max_clients = max_clients
@@ -178,8 +172,8 @@ class AuthCache:
 
     def __init__(self, max_age_s: float, load: Loader, max_entries: int | None = None, *,
                  negative_ttl_s: float | None = None, max_negative: int | None = None,
-                 lookups_per_second: float | None = None, lookup_burst: int | None = None
-                 ) -> None:
+                 lookups_per_second: float | None = None, lookup_burst: int | None = None,
+                 lookup_max_clients: int | None = None) -> None:
         self.max_age_s = max_age_s
         self.max_entries = max_entries or settings.GATEWAY_AUTH_CACHE_MAX_KEYS
         self.negative_ttl_s = (settings.GATEWAY_AUTH_NEGATIVE_TTL_SECONDS
@@ -188,7 +182,8 @@ class AuthCache:
         self.throttle = LookupThrottle(
             settings.GATEWAY_AUTH_LOOKUPS_PER_SECOND if lookups_per_second is None
             else lookups_per_second,
-            lookup_burst or settings.GATEWAY_AUTH_LOOKUP_BURST)
+            lookup_burst or settings.GATEWAY_AUTH_LOOKUP_BURST,
+            lookup_max_clients or settings.GATEWAY_AUTH_LOOKUP_MAX_CLIENTS)
         # Until when (epoch seconds) the cache may be used: the pub/sub listener extends it
         # each time it confirms the version (gateway/listener.py); 0: bypassed.
         self.trusted_until = 0.0
@@ -224,6 +219,13 @@ class AuthCache:
 
     def _keep(self, prefix: str, now: float, context: KeyContext | None) -> None:
         if context is None:
+            # The key was valid here once and is not now (revoked, expired, suspended while no
+            # message reached this worker): its old entry must go, or _cached would find it
+            # past its age on every request and never consult the negative answer. It is not
+            # known any more either, so its lookups count against its address like any
+            # unknown key's (the exemption is for keys that work, not for ones that used to).
+            self._entries.pop(prefix, None)
+            self._known.pop(prefix, None)
             self._unknown[prefix] = now
             self._unknown.move_to_end(prefix)
             if len(self._unknown) > self.max_negative:
@@ -263,7 +265,8 @@ class AuthCache:
         """The context `plaintext` authenticates as, or None. `client`: the caller's address
         (gateway/client_address.py), or a function that tells it (called only on a lookup, so
         a cached key costs no address parsing); a lookup of a key never seen valid here counts
-        against it, and raises 429 (lookups_refused) beyond GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
+        against it, and raises 429 (rate_limited, no tenant's refusal) beyond
+        GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
         prefix = parse_key(plaintext)
         if prefix is None:
             return None
@@ -278,7 +281,8 @@ class AuthCache:
                 address = client() if callable(client) else client
                 wait = self.throttle.take(rate_limit_key(address), now)
                 if wait > 0:
-                    raise lookups_refused(max(1, math.ceil(wait)))
+                    raise rate_limited("Too many API key lookups from your address; retry "
+                                       "shortly.", max(1, math.ceil(wait)), refusal=None)
             context = await self._lookup(prefix, now)
         if context is None or not context.admits(plaintext, now):  # type: ignore[union-attr]
             return None

@@ -74,7 +74,11 @@ def insufficient_quota(scope: str, window: str, retry_after_s: int,
     )
 
 
-def rate_limited(message: str, retry_after_s: int, refusal: str = RATE_LIMIT) -> GatewayError:
+def rate_limited(message: str, retry_after_s: int,
+                 refusal: str | None = RATE_LIMIT) -> GatewayError:
+    """429 in OpenAI's shape (type "requests", code "rate_limit_exceeded"). `refusal`: the
+    reason counted against the tenant, or None when no tenant is known yet (the per-address
+    bound on API key lookups, gateway/auth.py)."""
     return GatewayError(429, message, "requests", "rate_limit_exceeded", None, retry_after_s,
                         refusal)
 

@@ -33,6 +33,7 @@ from quotas.runtime import get_engine
 from tenants import invalidation
 from tenants.api_key_format import generate_key
 from tenants.services import issue_key, revoke_key
+from tests.test_settings import load_settings
 from tests.world import World
 
 pytestmark = pytest.mark.django_db
@@ -272,6 +273,78 @@ def test_ipv6_clients_of_one_64_share_a_bucket(world: World, db_loader: Database
         db_loader.queries_of(lambda: cache.authenticate(random_key(), "2001:db8:1:2::3"))
     assert db_loader.queries_of(
         lambda: cache.authenticate(random_key(), "2001:db8:1:3::1")) == (None, 1)
+
+
+def test_a_key_revoked_unheard_costs_one_lookup_per_negative_ttl(
+    world: World, db_loader: Database, clock: Clock, django_capture_on_commit_callbacks: Any,
+) -> None:
+    """A key revoked while no message reaches this worker: once its entry is past the cache's
+    age, the lookup's "unusable" answer replaces it. Before, the stale entry stayed and was
+    checked first, so every request was a lookup of its own (and, the key being known, none
+    was throttled): now at most one lookup per negative TTL, and after that the key counts
+    against its address like any unknown key."""
+    key = issue_key(world.web, actor="test")
+    lookups: list[str] = []
+
+    async def counted(prefix: str) -> KeyContext | None:
+        lookups.append(prefix)
+        return await db_loader.load(prefix)
+
+    cache = AuthCache(60, counted, negative_ttl_s=5.0, lookups_per_second=0.001,
+                      lookup_burst=2)
+    cache.trusted_until = float("inf")
+    address = "198.51.100.40"
+
+    def calls(n: int) -> tuple[list[KeyContext | None], int]:
+        async def run() -> list[KeyContext | None]:
+            return [await cache.authenticate(key.plaintext, address) for _ in range(n)]
+
+        before = len(lookups)
+        answers = db_loader.queries_of(run)[0]
+        return answers, len(lookups) - before
+
+    answers, looked_up = calls(1)  # the first lookup takes one of the address's two tokens
+    assert answers[0] is not None and looked_up == 1
+    with django_capture_on_commit_callbacks(execute=False):  # the message never leaves
+        revoke_key(key.api_key, actor="test")
+    clock.now += 61  # past the cache's age (60 s here): the entry must be read again
+    assert calls(50) == ([None] * 50, 1)
+    clock.now += 4.9  # still within the negative TTL
+    assert calls(50) == ([None] * 50, 0)
+    clock.now += 0.2  # past it: looked up again, now against the address's bucket (1 left)
+    assert calls(1) == ([None], 1)
+    clock.now += 5.1
+    with pytest.raises(GatewayError) as refused:
+        calls(1)
+    assert (refused.value.status, refused.value.refusal) == (429, None)
+    assert len(lookups) == 3
+
+
+def test_the_lookup_bucket_store_is_bounded_by_its_setting(
+    world: World, db_loader: Database, settings: Any,
+) -> None:
+    """GATEWAY_AUTH_LOOKUP_MAX_CLIENTS addresses are tracked; the least recently seen is
+    forgotten and starts again with a full bucket."""
+    settings.GATEWAY_AUTH_LOOKUP_MAX_CLIENTS = 2
+    cache = trusted_cache(db_loader, lookups_per_second=0.001, lookup_burst=1)
+
+    def lookup(client: str) -> tuple[KeyContext | None, int]:
+        return db_loader.queries_of(lambda: cache.authenticate(random_key(), client))
+
+    assert lookup("198.51.100.1") == (None, 1)
+    with pytest.raises(GatewayError):
+        lookup("198.51.100.1")  # its one token is spent
+    assert lookup("198.51.100.2") == (None, 1)
+    assert lookup("198.51.100.3") == (None, 1)  # a third address: .1 is forgotten
+    assert lookup("198.51.100.1") == (None, 1)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_lookup_client_bound_that_is_not_positive_refuses_to_start(value: str) -> None:
+    result = load_settings(GATEWAY_AUTH_LOOKUP_MAX_CLIENTS=value)
+    assert result.returncode != 0
+    assert (f"GATEWAY_AUTH_LOOKUP_MAX_CLIENTS must be a positive integer, got {value}"
+            in result.stderr)
 
 
 # -- item 7 (a): a lookup in flight when the revocation arrives ------------------------------
