@@ -85,14 +85,28 @@ class _Retrier:
                     self._thread = None
                     return
                 batch = list(self._pending)
-            for message in batch:
-                try:
-                    _send(*message)
-                except Exception:  # noqa: BLE001 - still unreachable: next round
-                    break
-                with self._lock:
-                    self._pending.remove(message)
-                log.warning("published the %s %s invalidation after retrying", *message)
+            self._send_batch(batch)
+
+    def _send_batch(self, batch: list[tuple[str, int | None]]) -> None:
+        """One round, oldest first; stops at the first failure (the rest waits for the next
+        round). Nothing one attempt raises may end the thread: the messages would then wait
+        for the next add()."""
+        for message in batch:
+            try:
+                _send(*message)
+            except Exception:  # noqa: BLE001 - still unreachable, or a bug: next round
+                log.warning("retrying the %s %s invalidation failed; next try in %g s",
+                            *message, BACKGROUND_RETRY_S, exc_info=True)
+                return
+            self._sent(message)
+
+    def _sent(self, message: tuple[str, int | None]) -> None:
+        with self._lock:
+            # An overflow in add() may have rewritten the list meanwhile (this message replaced
+            # by the "plan" message that covers it): nothing left to remove then.
+            if message in self._pending:
+                self._pending.remove(message)
+        log.warning("published the %s %s invalidation after retrying", *message)
 
 
 retrier = _Retrier()

@@ -618,6 +618,62 @@ def test_a_publish_that_keeps_failing_is_sent_from_the_background_when_redis_is_
     with_listener(db_loader, scenario)
 
 
+def _retried(retrier: invalidation._Retrier) -> None:
+    """Wait for `retrier`'s background thread to end (it ends once nothing is pending)."""
+    thread = retrier._thread
+    assert thread is not None
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_the_retry_thread_survives_an_overflow_while_it_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the thread sends a message, failed publishes overflow the pending list, which
+    replaces the key messages with one "plan" message: the sent message is no longer in the
+    list. The thread carries on (it used to die of the ValueError) and sends what is left."""
+    monkeypatch.setattr(invalidation, "_MAX_PENDING", 3)
+    monkeypatch.setattr(invalidation, "BACKGROUND_RETRY_S", 0.05)
+    retrier = invalidation._Retrier()
+    sent: list[tuple[str, int | None]] = []
+
+    def transport(kind: str, ident: int | None) -> None:
+        if not sent:  # the first send: two more failures arrive meanwhile and overflow
+            retrier.add("api_key", 3)
+            retrier.add("api_key", 4)
+        sent.append((kind, ident))
+
+    monkeypatch.setattr(invalidation, "_transport", transport)
+    retrier._pending = [("api_key", 1)]
+    retrier.add("api_key", 2)  # starts the thread
+    _retried(retrier)
+    assert retrier.pending() == []
+    # The first round sends its snapshot; the second what the overflow left.
+    assert sent == [("api_key", 1), ("api_key", 2), ("plan", None), ("api_key", 4)]
+
+
+def test_a_retry_that_raises_is_logged_and_tried_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(invalidation, "BACKGROUND_RETRY_S", 0.05)
+    retrier = invalidation._Retrier()
+    attempts: list[tuple[str, int | None]] = []
+
+    def transport(kind: str, ident: int | None) -> None:
+        attempts.append((kind, ident))
+        if len(attempts) == 1:
+            raise TypeError("injected: a bug in the transport")
+
+    monkeypatch.setattr(invalidation, "_transport", transport)
+    with caplog.at_level("WARNING", logger="tenants.invalidation"):
+        retrier.add("api_key", 5)
+        _retried(retrier)
+    assert attempts == [("api_key", 5)] * 2 and retrier.pending() == []
+    failed = [r for r in caplog.records if r.getMessage().startswith("retrying the api_key 5")]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert failed[0].exc_info[0] is TypeError
+
+
 # -- item 6 (the pool's side): a deleted provider key leaves the pool at once ----------------
 
 def _upstream(ident: int) -> Upstream:
