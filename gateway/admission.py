@@ -1,7 +1,9 @@
-"""Admission: estimate a call's worst case, reserve it, and apply the plan's over-quota policy.
+"""Admission: check what memory can tell, estimate a call's worst case, reserve it, and apply
+the plan's over-quota policy.
 
 Exactly one reserve script call on the hot path; the policies (queue, soft, fallback) add calls
-only for requests that were refused.
+only for requests that were refused. A large body is parsed, checked and counted as one job on an
+estimation thread (`checked`), so it costs the event loop nothing and one hand-off.
 """
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import time
 from dataclasses import dataclass, replace
 
 from gateway.auth import KeyContext
-from gateway.bodies import Endpoint, ParsedBody
+from gateway.bodies import Endpoint, ParsedBody, parse_body
 from gateway.catalog import ModelInfo, hold_for, output_cap_for_hold, reservation_tokens
 from gateway.errors import (
     GatewayError,
     bad_request,
     insufficient_quota,
+    model_not_allowed,
     model_not_priced,
+    not_found,
     rate_limited,
 )
 from gateway.prices import Price
@@ -63,6 +67,16 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class Checked:
+    """A parsed call that passed every refusal memory can decide, with its estimate: what
+    admit() reserves."""
+
+    parsed: ParsedBody
+    scopes: tuple[ScopeLimit, ...]  # the quota counters of the asked model
+    estimate: Estimate
+
+
+@dataclass(frozen=True)
 class Admission:
     reservation: Reservation
     model: str  # the model forwarded upstream (differs from the asked one after a fallback)
@@ -91,14 +105,12 @@ def allows(runtime: GatewayRuntime, ctx: KeyContext, model: str) -> bool:
     return ctx.allows(model) or ctx.allows(runtime.catalog.canonical(model))
 
 
-async def unmetered(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
-                    request_id: str) -> Admission:
+def unmetered(call: Checked, request_id: str) -> Admission:
     """Admission without a hold, for the operator's fail-open mode while Redis is unreachable."""
-    est = await estimated(parsed, runtime.catalog.resolve(parsed.model), ctx,
-                          priced(runtime, parsed.model))
+    est = call.estimate
     reservation = Reservation(admitted=True, request_id=request_id, granted=0, counters=(),
                               refused=None, server_time_ms=0, hold=None)
-    return Admission(reservation, parsed.model, est, est.output_cap)
+    return Admission(reservation, call.parsed.model, est, est.output_cap)
 
 
 def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price) -> Estimate:
@@ -186,7 +198,8 @@ def _with_output_cap(est: Estimate, reservation: Reservation, parsed: ParsedBody
 
 
 def refuse_before_reading(ctx: KeyContext) -> None:
-    """Refusals decidable from the key alone, checked before the body is parsed or counted."""
+    """Refusals decidable from the key alone: the /v1 views check them before reading the
+    body, so nothing after (parsing, counting, admit) checks them again."""
     if ctx.request_rate_blocked():
         raise rate_limited("Your plan allows no requests at the moment.", 60)
 
@@ -214,16 +227,49 @@ async def estimated(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price:
     return estimate(parsed, info, ctx, price)
 
 
-async def admit(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
-                request_id: str) -> Admission:
-    """Reserve, or apply the plan's policy to a quota refusal; raises GatewayError (429)."""
-    refuse_before_reading(ctx)
+def refuse_unserved(runtime: GatewayRuntime, ctx: KeyContext, model: str) -> None:
+    """The key may not call the model (403), or no upstream this tenant may use serves it."""
+    if not allows(runtime, ctx, model):
+        raise model_not_allowed(model)
+    if not runtime.pool.serves(model, ctx.tenant_id):
+        raise not_found(f"The model '{model}' does not exist or no upstream serves it.")
+
+
+def check(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody) -> Checked:
+    """The call's price, its counters and a refusal when one of them is 0, then its estimate:
+    everything admit() needs before the reserve. Reads only immutable snapshots (the catalog,
+    the key's context) and the context's memo of counters, so it may run on a thread."""
     catalog = runtime.catalog
     price = priced(runtime, parsed.model)
     # Per-model limits count a dated snapshot under its catalog model (one model name).
     scopes = ctx.scopes(catalog.canonical(parsed.model))
     refuse_impossible(ctx, scopes)
-    est = await estimated(parsed, catalog.resolve(parsed.model), ctx, price)
+    return Checked(parsed, scopes, estimate(parsed, catalog.resolve(parsed.model), ctx, price))
+
+
+def parse_and_check(runtime: GatewayRuntime, ctx: KeyContext, endpoint: Endpoint,
+                    raw: bytes) -> Checked:
+    """Parse the body, refuse what memory can tell (cheapest first), count the prompt."""
+    parsed = parse_body(endpoint, raw)
+    refuse_unserved(runtime, ctx, parsed.model)
+    return check(runtime, ctx, parsed)
+
+
+async def checked(runtime: GatewayRuntime, ctx: KeyContext, endpoint: Endpoint,
+                  raw: bytes) -> Checked:
+    """parse_and_check(): inline for a small body (the hand-off would cost more than the work),
+    as one job on an estimation thread for a large one: json.loads and counting megabytes would
+    hold the event loop, and every other call on this worker, for tens of milliseconds."""
+    if is_large(len(raw)):
+        return await off_loop(parse_and_check, runtime, ctx, endpoint, raw)
+    return parse_and_check(runtime, ctx, endpoint, raw)
+
+
+async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
+                request_id: str) -> Admission:
+    """Reserve, or apply the plan's policy to a quota refusal; raises GatewayError (429)."""
+    catalog = runtime.catalog
+    parsed, scopes, est = call.parsed, call.scopes, call.estimate
     request = _request(ctx, parsed, request_id, parsed.model, est, scopes)
     # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
     # back: nothing is admitted on an empty counter).

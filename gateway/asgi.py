@@ -34,7 +34,7 @@ from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, body_not_received, body_too_large
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,12 @@ class BodyRefused(Exception):
         self.reason = reason
         self.limit = limit
 
+    def error(self) -> GatewayError:
+        """The refusal in OpenAI's shape (/v1's answer); its message is what every path says."""
+        if self.reason == "timeout":
+            return body_not_received(settings.REQUEST_BODY_TIMEOUT_SECONDS)
+        return body_too_large(self.limit)
+
 
 def _body_deadline() -> float:
     """When the body must be complete (loop clock): REQUEST_BODY_TIMEOUT_SECONDS from now."""
@@ -175,14 +181,7 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline: float
 def _v1_refusal(refused: BodyRefused) -> HttpResponseBase:
     """A refused /v1 body in OpenAI's shape; the connection is closed after it (the rest of the
     body is not worth reading)."""
-    if refused.reason == "timeout":
-        error = GatewayError(408, "The request body was not received in time "
-                             f"({settings.REQUEST_BODY_TIMEOUT_SECONDS:g} s).",
-                             "invalid_request_error", "request_timeout")
-    else:
-        error = bad_request(f"The request body is larger than {refused.limit} bytes.", None,
-                            "request_too_large")
-    response = error.response()
+    response = refused.error().response()
     response["x-request-id"] = f"req_{secrets.token_hex(12)}"
     response["Connection"] = "close"
     return response
@@ -239,12 +238,9 @@ async def _bounded_django(django_app: ASGIHandler, scope: Scope, receive: Receiv
 async def _send_refusal(scope: Scope, send: Send, refused: BodyRefused) -> None:
     """413 or 408 in the caller's format: the management API's `{"detail": ...}`, else plain
     text; then the connection is closed."""
-    if refused.reason == "timeout":
-        status = 408
-        message = (f"The request body was not received within "
-                   f"{settings.REQUEST_BODY_TIMEOUT_SECONDS:g} s.")
-    else:
-        status, message = 413, f"The request body is larger than {refused.limit} bytes."
+    # The words of /v1's refusal (_v1_refusal), with this format's status: 413, not /v1's 400.
+    status = 408 if refused.reason == "timeout" else 413
+    message = refused.error().message
     if scope.get("path", "").startswith("/api/"):
         body, kind = json.dumps({"detail": message}).encode(), b"application/json"
     else:

@@ -40,6 +40,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return GatewayError(400, message, "invalid_request_error", code, param)
 
 
+def body_too_large(limit: int) -> GatewayError:
+    """A request body over its limit. /v1 answers it as is (400, OpenAI's shape); the paths
+    Django serves answer its message with a 413 (gateway/asgi.py)."""
+    return bad_request(f"The request body is larger than {limit} bytes.", None,
+                       "request_too_large")
+
+
+def body_not_received(seconds: float) -> GatewayError:
+    """A request body not complete by its read deadline (a client trickling it), 408; the
+    paths Django serve answer its message in their own format (gateway/asgi.py)."""
+    return GatewayError(408, f"The request body was not received within {seconds:g} s.",
+                        "invalid_request_error", "request_timeout")
+
+
 def invalid_api_key(message: str = "Incorrect API key provided.") -> GatewayError:
     return GatewayError(401, message, "invalid_request_error", "invalid_api_key")
 

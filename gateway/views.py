@@ -17,16 +17,14 @@ from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from gateway.admission import admit, allows, refuse_before_reading, unmetered
+from gateway.admission import Checked, admit, checked, refuse_before_reading, unmetered
 from gateway.auth import KeyContext
-from gateway.bodies import Endpoint, ParsedBody, parse_body
+from gateway.bodies import Endpoint
 from gateway.client_address import request_client_address
 from gateway.errors import (
     GatewayError,
-    bad_request,
+    body_too_large,
     invalid_api_key,
-    model_not_allowed,
-    not_found,
     quota_store_unavailable,
 )
 from gateway.forward import Call, forward
@@ -34,7 +32,6 @@ from gateway.headers import rate_headers
 from gateway.refusals import count_refusal
 from gateway.runtime import GatewayRuntime
 from gateway.startup import get_runtime, store_problems
-from gateway.tokens import is_large, off_loop
 from quotas import durability
 from quotas.engine import QuotaError, QuotaStoreUnavailable
 
@@ -53,15 +50,13 @@ def _read_body(request: HttpRequest) -> bytes:
     length = request.headers.get("Content-Length")
     limit = settings.GATEWAY_MAX_BODY_BYTES
     if length and length.isdigit() and int(length) > limit:
-        raise bad_request(f"The request body is larger than {limit} bytes.", None,
-                          "request_too_large")
+        raise body_too_large(limit)
     # read(), not .body: .body applies DATA_UPLOAD_MAX_MEMORY_SIZE, the smaller limit of the
     # paths Django serves (REQUEST_MAX_BODY_BYTES); a chunked body has no Content-Length to
     # check beforehand, so one byte past the limit is read to tell.
     body = request.read(limit + 1)
     if len(body) > limit:
-        raise bad_request(f"The request body is larger than {limit} bytes.", None,
-                          "request_too_large")
+        raise body_too_large(limit)
     return body
 
 
@@ -143,18 +138,12 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     # Cheap refusals first: the key's own (above all before a large body is parsed or counted).
     refuse_before_reading(ctx)
     raw = _read_body(request)
-    # A large body is parsed on an estimation thread: json.loads of megabytes would hold the
-    # event loop (and so every other call on this worker) for tens of milliseconds.
-    parsed = await off_loop(parse_body, endpoint, raw) if is_large(len(raw)) else \
-        parse_body(endpoint, raw)
-    if not allows(runtime, ctx, parsed.model):
-        raise model_not_allowed(parsed.model)
-    if not runtime.pool.serves(parsed.model, ctx.tenant_id):
-        raise not_found(f"The model '{parsed.model}' does not exist or no upstream serves it.")
+    # Parsed, refused if memory can tell, and counted: one job on a thread for a large body.
+    call = await checked(runtime, ctx, endpoint, raw)
     # From the reservation on, the hold must end exactly once even if the client leaves and
     # this request is cancelled (even mid-reserve, when the script may already have run):
     # reserve and forward run in a task of their own, which settles or releases by itself.
-    task = asyncio.ensure_future(_admit_and_forward(runtime, ctx, parsed, request_id, started))
+    task = asyncio.ensure_future(_admit_and_forward(runtime, ctx, call, request_id, started))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -163,17 +152,17 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
         raise
 
 
-async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_call: Checked,
                              request_id: str, started: float) -> HttpResponse | StreamingHttpResponse:
     try:
-        admission = await admit(runtime, ctx, parsed, request_id)
+        admission = await admit(runtime, ctx, checked_call, request_id)
     except QuotaStoreUnavailable:
         if not settings.GATEWAY_FAIL_OPEN:
             raise
         log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
                   "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
-        admission = await unmetered(runtime, ctx, parsed, request_id)
-    call = Call(runtime, ctx, parsed, admission, request_id, started,
+        admission = unmetered(checked_call, request_id)
+    call = Call(runtime, ctx, checked_call.parsed, admission, request_id, started,
                 rate_headers(ctx, admission.reservation))
     try:
         return await forward(call)

@@ -33,7 +33,7 @@ from billing.models import ReconciliationRun, UsageRecord
 from billing.prices import FREE
 from billing.prices import PriceBook as LedgerPriceBook
 from billing.reconciliation import reconcile
-from gateway.admission import admit, priced
+from gateway.admission import admit, check, priced
 from gateway.bodies import Endpoint, parse_body
 from gateway.catalog import Catalog, ModelInfo, load_catalog
 from gateway.errors import GatewayError
@@ -273,7 +273,8 @@ def _admit(catalog: Catalog, model: str, **key_options: Any) -> tuple[RecordingE
     runtime = SimpleNamespace(catalog=catalog, engine=engine, reserve=engine.reserve)
     parsed = parse_body(Endpoint.CHAT, json.dumps({"model": model, "messages": HI,
                                                    "max_tokens": 10}).encode())
-    admission = asyncio.run(admit(runtime, ctx, parsed, "req_1"))  # type: ignore[arg-type]
+    checked = check(runtime, ctx, parsed)  # type: ignore[arg-type]
+    admission = asyncio.run(admit(runtime, ctx, checked, "req_1"))  # type: ignore[arg-type]
     return engine, admission
 
 

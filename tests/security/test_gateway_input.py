@@ -12,23 +12,29 @@ nothing here changes what the other end-to-end tests' tenants are routed to.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from django.core.exceptions import ValidationError
+from django.http import HttpResponse
+from django.test import RequestFactory
 
+from gateway.bodies import Endpoint
 from gateway.mock_upstream import MockUpstream, start_subprocess
 from gateway.mock_upstream.app import LEAKY_ORGANIZATION, LEAKY_URL
-from quotas.engine import QuotaEngine
+from quotas.engine import QuotaEngine, Reservation
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tests.gateway.conftest import GatewayServer, client_for, committed, start_gateway
@@ -199,14 +205,16 @@ def test_a_trickling_body_is_cut_at_the_deadline_and_the_connection_closed(
     status, headers, body = _split(response)
     assert status == 408
     assert headers["connection"] == "close"
+    said = f"The request body was not received within {BODY_TIMEOUT_S:g} s."  # on every path
     if path.startswith("/v1/"):
         error = json.loads(body)["error"]
-        assert (error["type"], error["code"]) == ("invalid_request_error", "request_timeout")
+        assert (error["type"], error["code"], error["message"]) == (
+            "invalid_request_error", "request_timeout", said)
     elif path.startswith("/api/"):
-        assert json.loads(body) == {"detail": f"The request body was not received within "
-                                              f"{BODY_TIMEOUT_S:g} s."}
+        assert json.loads(body) == {"detail": said}
     else:
         assert headers["content-type"].startswith("text/plain")
+        assert body.decode() == said
 
 
 @pytest.mark.parametrize("path", ["/console/login/", "/api/tenants/", "/admin/login/"])
@@ -249,7 +257,9 @@ def test_an_oversized_v1_body_is_refused_before_it_is_sent(gateway: GatewayServe
             "Content-Type": "application/json", "Content-Length": str(MAX_V1_BODY + 1)}))
         status, headers, body = _split(_read_until_closed(sock))
     assert (status, headers["connection"]) == (400, "close")
-    assert json.loads(body)["error"]["code"] == "request_too_large"
+    error = json.loads(body)["error"]
+    assert (error["code"], error["message"]) == (
+        "request_too_large", f"The request body is larger than {MAX_V1_BODY} bytes.")
 
 
 def test_a_body_within_the_limits_still_works(gateway: GatewayServer) -> None:
@@ -464,6 +474,83 @@ def _read_until_closed_or_answer(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
+class CountingPool(ThreadPoolExecutor):
+    """The estimation pool, counting the jobs handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(1, thread_name_prefix="test-estimate")
+        self.jobs = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+class AdmittingEngine:
+    """The runtime's reserve: admits everything without a hold, recording each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    async def reserve(self, request: Any) -> Reservation:
+        self.requests.append(request)
+        return Reservation(admitted=True, request_id=request.request_id, granted=request.amount,
+                           counters=(), refused=None, server_time_ms=0, hold=None)
+
+
+@pytest.mark.parametrize(("prompt_chars", "jobs"), [(20, 0), (200_000, 1)])
+def test_a_large_body_is_parsed_checked_and_counted_in_one_thread_job(
+        db: None, monkeypatch: pytest.MonkeyPatch, settings: Any, prompt_chars: int,
+        jobs: int) -> None:
+    """Through the /v1 view up to the forward: a body past GATEWAY_ESTIMATE_THREAD_BYTES is one
+    job on the estimation pool (it was two: the parse, then the count), a small one none; both
+    are reserved once with the same estimate as counting inline gives."""
+    from gateway import tokens, views
+    from gateway.admission import estimate
+    from gateway.bodies import parse_body
+    from gateway.auth import load_key_context
+    from gateway.catalog import Catalog
+    from gateway.prices import Price, PriceBook
+    from gateway.providers import ProviderPool, Upstream
+    from tenants.api_key_format import parse_key
+    from tenants.services import create_project, create_tenant, issue_key
+
+    settings.GATEWAY_ESTIMATE_THREAD_BYTES = 64 * 1024
+    pool = CountingPool()
+    monkeypatch.setattr(tokens, "_pool", pool)
+    forwarded: list[Any] = []
+
+    async def forward(call: Any) -> HttpResponse:
+        forwarded.append(call)
+        return HttpResponse("forwarded")
+
+    monkeypatch.setattr(views, "forward", forward)
+    tenant = create_tenant(f"sec-{uuid.uuid4().hex[:10]}", plan_name="free", actor="test")
+    issued = issue_key(create_project(tenant, "app", actor="test"), actor="test")
+    ctx = load_key_context(parse_key(issued.plaintext))
+    assert ctx is not None
+    engine = AdmittingEngine()
+    runtime = SimpleNamespace(
+        catalog=Catalog.of([], PriceBook.of(list_prices={"sec-one": Price(1, 2)})),
+        pool=ProviderPool([Upstream(id=1, public_id="pk_1", base_url="http://upstream.test/v1",
+                                    secret="sk-test", rpm_capacity=None, tpm_capacity=None)]),
+        reserve=engine.reserve)
+    raw = json.dumps({"model": "sec-one", "max_tokens": 5, "messages": [
+        {"role": "user", "content": _words(prompt_chars)}]}).encode()
+    request = RequestFactory().post("/v1/chat/completions", data=raw,
+                                    content_type="application/json")
+    try:
+        response = asyncio.run(views._admitted(Endpoint.CHAT, runtime, ctx, request, "req_1",
+                                               time.monotonic()))
+    finally:
+        pool.shutdown()
+    assert (response.status_code, response.content) == (200, b"forwarded")
+    assert pool.jobs == jobs
+    [reserved] = engine.requests
+    inline = estimate(parse_body(Endpoint.CHAT, raw), runtime.catalog.resolve("sec-one"), ctx,
+                      Price(1, 2))
+    assert (reserved.amount, reserved.input_tokens) == (inline.amount, inline.prompt_tokens)
+    assert [call.admission.estimate for call in forwarded] == [inline]
 
 
 def test_the_large_text_count_of_the_heuristic_is_the_inline_count() -> None:
