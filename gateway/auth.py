@@ -192,9 +192,10 @@ class AuthCache:
         self._load = load
         self._entries: OrderedDict[str, tuple[float, KeyContext]] = OrderedDict()
         self._unknown: OrderedDict[str, float] = OrderedDict()  # prefix -> when looked up
-        # Prefixes that authenticated here once, kept through invalidations (same bound, LRU):
-        # their lookups are never throttled, so emptying the cache (a plan change, a lost
-        # message) cannot turn into 429s for real clients sharing an address.
+        # Prefixes that authenticated here, kept through invalidations (same bound, LRU) until
+        # a lookup finds them unusable: their lookups are never throttled, so emptying the
+        # cache (a plan change, a lost message) cannot turn into 429s for real clients sharing
+        # an address.
         self._known: OrderedDict[str, None] = OrderedDict()
         self._loading: dict[str, asyncio.Task[KeyContext | None]] = {}
 
@@ -264,9 +265,9 @@ class AuthCache:
                            client: str | Callable[[], str] | None = None) -> KeyContext | None:
         """The context `plaintext` authenticates as, or None. `client`: the caller's address
         (gateway/client_address.py), or a function that tells it (called only on a lookup, so
-        a cached key costs no address parsing); a lookup of a key never seen valid here counts
-        against it, and raises 429 (rate_limited, no tenant's refusal) beyond
-        GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
+        a cached key costs no address parsing); a lookup of a key not known valid here (never
+        seen valid, or found unusable since) counts against it, and raises 429 (rate_limited,
+        no tenant's refusal) beyond GATEWAY_AUTH_LOOKUPS_PER_SECOND."""
         prefix = parse_key(plaintext)
         if prefix is None:
             return None
