@@ -157,6 +157,10 @@ class WebhookDelivery(models.Model):
     payload = models.JSONField()
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveIntegerField(default=0)
+    # A person asked for it (a test event or a redelivery): while it is pending it counts
+    # against the tenant's TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX (billing.webhooks).
+    manual = models.BooleanField(default=False, help_text="Requested by a person (test event "
+                                 "or redelivery).")
     last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     next_attempt_at = models.DateTimeField(null=True, blank=True,

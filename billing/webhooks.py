@@ -53,6 +53,7 @@ from django.utils import timezone
 
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 from gateway.crypto import SecretDecryptionError, encrypt_secret
+from tenants.access import Principal
 from tenants.ids import random_base62
 from tenants.models import Tenant
 from tenants.services import record_audit_event
@@ -73,6 +74,25 @@ _USER_AGENT = "Tollgate-Webhooks/1"
 
 class WebhookUrlRefused(ValueError):
     """The URL is malformed or its host resolves to an address webhooks may not reach (SSRF)."""
+
+
+class ManualDeliveryRefused(Exception):
+    """A person's test event or redelivery that would queue more than its bounds allow (the
+    `webhooks` queue is shared by every tenant). Nothing was created or changed."""
+
+
+class ManualDeliveryPending(ManualDeliveryRefused):
+    """The endpoint's test event, or this delivery, is already pending (API: 409)."""
+
+
+class TooManyManualDeliveries(ManualDeliveryRefused):
+    """The tenant has TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX manual deliveries pending (API: 429);
+    `retry_after` is a whole number of seconds after which one has likely finished."""
+
+    def __init__(self, limit: int, retry_after: int) -> None:
+        super().__init__(f"this tenant already has {limit} test events or redeliveries pending "
+                         "(TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX); try again when one has finished")
+        self.retry_after = retry_after
 
 
 class WebhookDeadlineExceeded(Exception):
@@ -102,6 +122,11 @@ def total_timeout_s() -> float:
 
 def _max_attempts() -> int:
     return int(getattr(settings, "TOLLGATE_WEBHOOK_MAX_ATTEMPTS", 6))
+
+
+def manual_pending_max() -> int:
+    """How many test events and redeliveries one tenant may have pending at once."""
+    return int(getattr(settings, "TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX", 5))
 
 
 def backoff_s(attempt: int) -> float:
@@ -517,6 +542,13 @@ def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
         return None, f"{type(exc).__name__}: {exc}"[:500]
 
 
+def _one_attempt_only(delivery: WebhookDelivery) -> bool:
+    """A person's test event is not retried: they watch the log and ask again, and a new one
+    may be asked for only once this one has finished (request_test_event), which must not
+    take the hour of a full retry schedule."""
+    return delivery.manual and delivery.event_type == WebhookEvent.TEST
+
+
 def deliver(delivery_id: int) -> WebhookDelivery | None:
     """One attempt of a delivery if it is pending and due; idempotent. Returns the delivery as
     left (None when it does not exist). Safe when several workers call it at once."""
@@ -542,7 +574,7 @@ def deliver(delivery_id: int) -> WebhookDelivery | None:
     else:
         error = error or f"HTTP {code}"
         update = {"last_status_code": code, "last_error": error}
-        if attempt >= _max_attempts():
+        if attempt >= _max_attempts() or _one_attempt_only(delivery):
             update.update(status=WebhookDelivery.Status.FAILED, next_attempt_at=None)
             log.warning("webhook delivery %s to %s failed for good after %d attempts: %s",
                         delivery.pk, delivery.endpoint.public_id, attempt, error)
@@ -583,14 +615,14 @@ def redeliver(delivery: WebhookDelivery) -> WebhookDelivery:
     return deliver(delivery.pk) or delivery
 
 
-def create_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
+def create_test_event(endpoint: WebhookEndpoint, *, manual: bool = False) -> WebhookDelivery:
     """A pending `test` delivery to the endpoint, due now (whether or not it subscribes to
-    `test`); a worker sends it."""
+    `test`); a worker sends it. A person's (manual) one is not retried."""
     payload = event_payload(WebhookEvent.TEST, endpoint.tenant, scope="tenant", window="",
                             limit=0, used=0, pending=0, remaining=0, threshold=0)
     return WebhookDelivery.objects.create(
         endpoint=endpoint, event_type=WebhookEvent.TEST, payload=payload,
-        next_attempt_at=timezone.now())
+        next_attempt_at=timezone.now(), manual=manual)
 
 
 def send_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
@@ -599,24 +631,90 @@ def send_test_event(endpoint: WebhookEndpoint) -> WebhookDelivery:
     return deliver(delivery.pk) or delivery
 
 
+# -- a person's test events and redeliveries: bounded ---------------------------------------------
+# Each queued attempt may take a whole total deadline on a worker of the shared `webhooks` queue,
+# so what one tenant may queue by hand is bounded: one unfinished test event per endpoint, no
+# redelivery of a delivery still pending, and TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX pending manual
+# deliveries per tenant. The checks run under a lock on the tenant's row, so two concurrent
+# requests cannot both pass them.
+
+
+def _lock_tenant(tenant: Tenant) -> None:
+    # NO KEY UPDATE: serialises these checks without blocking inserts that reference the tenant.
+    Tenant.objects.select_for_update(no_key=True).filter(pk=tenant.pk).values_list("pk").get()
+
+
+def _manual_pending(tenant: Tenant) -> Any:
+    return WebhookDelivery.objects.filter(endpoint__tenant=tenant, manual=True,
+                                          status=WebhookDelivery.Status.PENDING)
+
+
+def _check_tenant_cap(tenant: Tenant) -> None:
+    limit = manual_pending_max()
+    pending = _manual_pending(tenant)
+    if pending.count() < limit:
+        return
+    soonest = pending.order_by("next_attempt_at").values_list("next_attempt_at", flat=True)[0]
+    wait = (soonest - timezone.now()).total_seconds() if soonest is not None else 0.0
+    raise TooManyManualDeliveries(limit, max(1, int(max(wait, 0.0) + total_timeout_s()) + 1))
+
+
 def request_test_event(endpoint: WebhookEndpoint, *, actor: str) -> WebhookDelivery:
     """A person's "send test event": audited, and a pending delivery for a worker to send. The
-    caller queues it (billing.tasks.queue_test_event): no web request waits on a receiver."""
-    record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.test_sent",
-                       target=endpoint.public_id)
-    return create_test_event(endpoint)
+    caller queues it (billing.tasks.queue_test_event): no web request waits on a receiver.
+    ManualDeliveryPending while the endpoint's last test event is pending,
+    TooManyManualDeliveries past the tenant's cap; either way nothing is written."""
+    with transaction.atomic():
+        _lock_tenant(endpoint.tenant)
+        if _manual_pending(endpoint.tenant).filter(endpoint=endpoint,
+                                                   event_type=WebhookEvent.TEST).exists():
+            raise ManualDeliveryPending("a test event to this endpoint is already pending: its "
+                                        "result shows in the delivery log")
+        _check_tenant_cap(endpoint.tenant)
+        record_audit_event(tenant=endpoint.tenant, actor=actor, action="webhook.test_sent",
+                           target=endpoint.public_id)
+        return create_test_event(endpoint, manual=True)
 
 
 def request_redelivery(delivery: WebhookDelivery, *, actor: str) -> WebhookDelivery:
     """A person's "redeliver": audited, and the delivery due now for a worker to send (the
-    caller queues it: billing.tasks.queue_redelivery)."""
-    record_audit_event(tenant=delivery.endpoint.tenant, actor=actor, action="webhook.redelivered",
-                       target=delivery.public_id, data={"endpoint": delivery.endpoint.public_id,
-                                                        "event_type": delivery.event_type})
-    return schedule_redelivery(delivery)
+    caller queues it: billing.tasks.queue_redelivery). ManualDeliveryPending while the delivery
+    is pending (queued or waiting for a retry), TooManyManualDeliveries past the tenant's cap;
+    either way nothing is written."""
+    tenant = delivery.endpoint.tenant
+    with transaction.atomic():
+        _lock_tenant(tenant)
+        if WebhookDelivery.objects.filter(pk=delivery.pk,
+                                          status=WebhookDelivery.Status.PENDING).exists():
+            raise ManualDeliveryPending(f"delivery {delivery.public_id} is already pending: its "
+                                        "next attempt is queued or scheduled")
+        _check_tenant_cap(tenant)
+        record_audit_event(tenant=tenant, actor=actor, action="webhook.redelivered",
+                           target=delivery.public_id,
+                           data={"endpoint": delivery.endpoint.public_id,
+                                 "event_type": delivery.event_type})
+        WebhookDelivery.objects.filter(pk=delivery.pk).update(manual=True)
+        return schedule_redelivery(delivery)
 
 
 # -- what members see ---------------------------------------------------------------------------
+
+
+def sees_full_urls(principal: Principal, tenant: Tenant) -> bool:
+    """Whether this viewer sees the tenant's endpoint URLs (and the host names in its delivery
+    log) whole: those who may change the endpoints (owners, admins, operators, tenant tokens).
+    Members see them masked (masked_url, masked_error): a URL can carry a receiver's token."""
+    return principal.can_manage(tenant)
+
+
+def _masked_host(host: str) -> str:
+    """The last two labels of a host name; nothing of an address literal."""
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        labels = host.split(".")
+        return ".".join(labels[-2:]) if len(labels) > 2 else host
 
 
 def masked_url(url: str) -> str:
@@ -629,10 +727,31 @@ def masked_url(url: str) -> str:
         host = parts.hostname or ""
     except ValueError:
         return "…"
-    try:
-        ipaddress.ip_address(host)
-        shown = ""
-    except ValueError:
-        labels = host.split(".")
-        shown = ".".join(labels[-2:]) if len(labels) > 2 else host
+    shown = _masked_host(host)
     return f"{parts.scheme}://…{shown}/…" if shown else f"{parts.scheme}://…/…"
+
+
+def shown_url(url: str, full: bool) -> str:
+    """The URL as this viewer sees it (full: sees_full_urls)."""
+    return url if full else masked_url(url)
+
+
+def masked_error(error: str, url: str) -> str:
+    """A delivery's last error as a member sees it: the endpoint's host name (a refusal names
+    it) cut as masked_url cuts it, e.g. 'x.y.example.com' -> '…example.com'."""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return error
+    if not host:
+        return error
+    shown = _masked_host(host)
+    if shown == host:  # a two-label name: masked_url shows it whole too
+        return error
+    return error.replace(host, f"…{shown}" if shown else "…")
+
+
+def shown_error(delivery: WebhookDelivery, full: bool) -> str:
+    """The delivery's last error as this viewer sees it (full: sees_full_urls)."""
+    return delivery.last_error if full else masked_error(delivery.last_error,
+                                                         delivery.endpoint.url)

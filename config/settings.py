@@ -385,6 +385,9 @@ CELERY_BEAT_SCHEDULE = {
 TOLLGATE_WEBHOOK_ALLOW_PRIVATE = _bool("TOLLGATE_WEBHOOK_ALLOW_PRIVATE", default=False)
 TOLLGATE_WEBHOOK_TIMEOUT_SECONDS = env.float("TOLLGATE_WEBHOOK_TIMEOUT_SECONDS", default=5.0)
 TOLLGATE_WEBHOOK_MAX_ATTEMPTS = _positive_int("TOLLGATE_WEBHOOK_MAX_ATTEMPTS", 6)
+# Test events and redeliveries one tenant may have pending at once (each attempt may take a
+# whole total deadline on the shared `webhooks` queue); beyond it the API answers 429.
+TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX = _positive_int("TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX", 5)
 TOLLGATE_WEBHOOK_BACKOFF_SECONDS = tuple(
     int(v) for v in env.list("TOLLGATE_WEBHOOK_BACKOFF_SECONDS", default=["10", "30", "120", "600", "3600"]))
 if TOLLGATE_WEBHOOK_TIMEOUT_SECONDS <= 0 or not TOLLGATE_WEBHOOK_BACKOFF_SECONDS or min(
@@ -536,6 +539,7 @@ REST_FRAMEWORK = {
     ],
     # limit 1..200, offset bounded; a malformed or out-of-range value is a 400.
     "DEFAULT_PAGINATION_CLASS": "config.api.pagination.BoundedLimitOffsetPagination",
+    # The API's default page size (config/api/pagination.py reads it from here).
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": [

@@ -10,7 +10,7 @@ from rest_framework import serializers
 
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 from billing.usage import GROUPINGS
-from billing.webhooks import masked_url
+from billing.webhooks import masked_url, shown_error
 from config.api.strict_types import StrictJSONTypes
 
 DEFAULT_USAGE_DAYS = 30
@@ -181,6 +181,9 @@ class WebhookEndpointUpdateSerializer(StrictJSONTypes):
 
 
 class WebhookDeliverySerializer(serializers.ModelSerializer):
+    """A delivery. Without context {"show_url": True} (members) `last_error` names the
+    endpoint's host masked, as url_masked does."""
+
     id = serializers.CharField(source="public_id", read_only=True)
     # Plain strings in the schema: the event names are the `events` enum of the endpoint, and a
     # second enum of the same values would collide in the generated OpenAPI names.
@@ -197,3 +200,8 @@ class WebhookDeliverySerializer(serializers.ModelSerializer):
 
     def get_event_id(self, delivery: WebhookDelivery) -> str:
         return str((delivery.payload or {}).get("id", ""))
+
+    def to_representation(self, instance: WebhookDelivery) -> dict[str, Any]:
+        data = super().to_representation(instance)
+        data["last_error"] = shown_error(instance, self.context.get("show_url", False))
+        return data

@@ -14,7 +14,6 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 
-DEFAULT_LIMIT: Final = 50
 MAX_LIMIT: Final = 200
 # Far beyond any real listing; keeps the number inside PostgreSQL's bigint OFFSET.
 MAX_OFFSET: Final = 1_000_000_000
@@ -34,7 +33,7 @@ def _bounded_int(request: Request, name: str, default: int, low: int, high: int)
 
 
 class BoundedLimitOffsetPagination(LimitOffsetPagination):
-    default_limit = DEFAULT_LIMIT
+    # default_limit is DRF's: REST_FRAMEWORK["PAGE_SIZE"] in config/settings.py.
     max_limit = MAX_LIMIT
 
     def get_limit(self, request: Request) -> int:
@@ -46,7 +45,8 @@ class BoundedLimitOffsetPagination(LimitOffsetPagination):
     def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
         return [
             {"name": self.limit_query_param, "required": False, "in": "query",
-             "description": f"Results per page (default {DEFAULT_LIMIT}, at most {MAX_LIMIT}).",
+             "description": (f"Results per page (default {self.default_limit}, "
+                             f"at most {MAX_LIMIT})."),
              "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT}},
             {"name": self.offset_query_param, "required": False, "in": "query",
              "description": "How many results to skip.",

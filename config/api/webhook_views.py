@@ -6,22 +6,25 @@ carry a receiver's token); every change, a test send and a redelivery are for ow
 no-store`): no other response carries it. Endpoints and deliveries are addressed by public id
 (whk_..., dlv_...) through the tenant, so another tenant's are a 404. A test send and a
 redelivery are queued for a worker and answered at once (202, the delivery pending): the
-delivery log shows the result.
+delivery log shows the result. Both are bounded (billing.webhooks): 409 while the endpoint's test
+event or the delivery is pending, 429 with Retry-After past the tenant's cap. Members see the
+endpoint's host masked in the delivery log too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import status as http
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import APIException, ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing import selectors, tasks, webhooks
-from billing.models import WebhookEndpoint
+from billing.models import WebhookDelivery, WebhookEndpoint
 from config.api.billing_serializers import (
     WebhookDeliverySerializer,
     WebhookEndpointCreatedSerializer,
@@ -30,7 +33,7 @@ from config.api.billing_serializers import (
     WebhookEndpointUpdateSerializer,
 )
 from config.api.pagination import BoundedLimitOffsetPagination
-from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant
+from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant, secret_response
 from config.celery import app as _celery_app  # noqa: F401 - the web process publishes with it
 from tenants.models import Tenant
 
@@ -39,11 +42,51 @@ def _refused(field: str, exc: Exception) -> ValidationError:
     return ValidationError({field: [str(exc)]})
 
 
+class ManualDeliveryConflict(APIException):
+    status_code = http.HTTP_409_CONFLICT
+    default_code = "pending"
+
+
+class TooManyManual(APIException):
+    """429; DRF's exception handler turns `wait` into the Retry-After header."""
+
+    status_code = http.HTTP_429_TOO_MANY_REQUESTS
+    default_code = "throttled"
+
+    def __init__(self, exc: webhooks.TooManyManualDeliveries) -> None:
+        super().__init__(str(exc))
+        self.wait = exc.retry_after
+
+
+def _queue_manual(queue: Callable[[], WebhookDelivery]) -> Response:
+    """202 and the queued delivery; 409 when it (or the endpoint's test event) is already
+    pending, 429 with Retry-After past the tenant's cap (nothing queued either way)."""
+    try:
+        delivery = queue()
+    except webhooks.ManualDeliveryPending as exc:
+        raise ManualDeliveryConflict(str(exc)) from None
+    except webhooks.TooManyManualDeliveries as exc:
+        raise TooManyManual(exc) from None
+    # Only those who may manage the endpoint get here: they see its host whole.
+    return Response(WebhookDeliverySerializer(delivery, context={"show_url": True}).data,
+                    status=http.HTTP_202_ACCEPTED)
+
+
+_MANUAL_RESPONSES = {
+    202: WebhookDeliverySerializer,
+    409: OpenApiResponse(description="Already pending: the endpoint's test event, or this "
+                         "delivery, has not finished yet; nothing was queued."),
+    429: OpenApiResponse(description="The tenant has TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX test "
+                         "events and redeliveries pending; nothing was queued. Retry-After "
+                         "says when to try again."),
+}
+
+
 class _EndpointView(TenantScopedAPIView):
     def url_context(self, tenant: Tenant) -> dict[str, bool]:
         """Serializer context: whether the caller sees endpoint URLs in full (those who may
         change the endpoint: owners, admins, operators, tenant tokens; not members)."""
-        return {"show_url": self.principal.can_manage(tenant)}
+        return {"show_url": webhooks.sees_full_urls(self.principal, tenant)}
 
     def endpoints(self, tenant: Tenant) -> QuerySet[WebhookEndpoint]:
         return selectors.webhook_endpoints(tenant)
@@ -84,10 +127,7 @@ class WebhookListView(_EndpointView):
         except ValueError as exc:
             raise _refused("events", exc) from None
         body = WebhookEndpointSerializer(endpoint, context={"show_url": True}).data
-        response = Response({**body, "secret": secret}, status=http.HTTP_201_CREATED)
-        # It carries the signing secret: no browser or proxy may keep a copy.
-        response["Cache-Control"] = "no-store"
-        return response
+        return secret_response({**body, "secret": secret}, status=http.HTTP_201_CREATED)
 
 
 class WebhookDetailView(_EndpointView):
@@ -124,10 +164,10 @@ class WebhookTestView(_EndpointView):
     """POST /api/tenants/<tenant_id>/webhooks/<id>/test: queue a `test` event for a worker; the
     answer (202) is the delivery, pending. Its result shows in the delivery log."""
 
-    @extend_schema(request=None, responses={202: WebhookDeliverySerializer})
+    @extend_schema(request=None, responses=_MANUAL_RESPONSES)
     def post(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
-        delivery = tasks.queue_test_event(self.endpoint(manage=True), actor=self.actor)
-        return Response(WebhookDeliverySerializer(delivery).data, status=http.HTTP_202_ACCEPTED)
+        endpoint = self.endpoint(manage=True)
+        return _queue_manual(lambda: tasks.queue_test_event(endpoint, actor=self.actor))
 
 
 class DeliveryListView(_EndpointView):
@@ -137,21 +177,22 @@ class DeliveryListView(_EndpointView):
 
     @extend_schema(responses=WebhookDeliverySerializer(many=True))
     def get(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
-        rows: Any = selectors.webhook_deliveries(self.endpoint())
+        endpoint = self.endpoint()
+        rows: Any = selectors.webhook_deliveries(endpoint)
         paginator = self.pagination_class()
         page = paginator.paginate_queryset(rows, request, view=self)
-        return paginator.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)
+        return paginator.get_paginated_response(WebhookDeliverySerializer(
+            page, many=True, context=self.url_context(endpoint.tenant)).data)
 
 
 class RedeliverView(_EndpointView):
     """POST /api/tenants/<tenant_id>/webhooks/<id>/deliveries/<delivery_id>/redeliver: one new
     attempt (same event id), queued for a worker; the answer (202) is the delivery, pending."""
 
-    @extend_schema(request=None, responses={202: WebhookDeliverySerializer})
+    @extend_schema(request=None, responses=_MANUAL_RESPONSES)
     def post(self, request: Request, tenant_id: str, webhook_id: str,
              delivery_id: str) -> Response:
         endpoint = self.endpoint(manage=True)
         delivery = get_in_tenant(selectors.webhook_deliveries(endpoint), "delivery",
                                  public_id=delivery_id)
-        delivery = tasks.queue_redelivery(delivery, actor=self.actor)
-        return Response(WebhookDeliverySerializer(delivery).data, status=http.HTTP_202_ACCEPTED)
+        return _queue_manual(lambda: tasks.queue_redelivery(delivery, actor=self.actor))

@@ -4,7 +4,9 @@ redelivery and deleting it.
 
 Every page resolves its tenant through config.console.frame.tenant_page (outsiders get 404);
 pages that change something are for owners and admins (members get 403), and members see each
-endpoint's URL masked (it can carry a receiver's token). A test event and a redelivery are
+endpoint's URL masked (it can carry a receiver's token), and its host masked in the delivery log.
+Test events and redeliveries are bounded (billing.webhooks): a refusal is a message, nothing
+queued. A test event and a redelivery are
 queued for a worker: the page answers at once and the delivery log shows the result. The logic
 is in billing/webhooks.py (services), billing/tasks.py (queueing) and billing/selectors.py
 (reads); these views read forms and render.
@@ -41,10 +43,14 @@ def _shown(endpoints: list[WebhookEndpoint], request: HttpRequest,
            tenant: Tenant) -> list[WebhookEndpoint]:
     """The endpoints with `shown_url`: the URL for owners and admins, masked for members (it
     can carry the receiver's token). One permission check for the page."""
-    full = principal_for(request).can_manage(tenant)
+    full = _sees_full_urls(request, tenant)
     for endpoint in endpoints:
-        endpoint.shown_url = endpoint.url if full else webhooks.masked_url(endpoint.url)
+        endpoint.shown_url = webhooks.shown_url(endpoint.url, full)
     return endpoints
+
+
+def _sees_full_urls(request: HttpRequest, tenant: Tenant) -> bool:
+    return webhooks.sees_full_urls(principal_for(request), tenant)
 
 
 def _webhooks_page(request: HttpRequest, tenant: Tenant, form: WebhookCreateForm | None = None,
@@ -100,6 +106,9 @@ def webhook_detail(request: HttpRequest, tenant: Tenant, webhook_id: str) -> Htt
         status = 400
     deliveries = Paginator(selectors.webhook_deliveries(endpoint), DELIVERIES_PER_PAGE)
     page = deliveries.get_page(request.GET.get("page"))
+    full = _sees_full_urls(request, tenant)
+    for delivery in page.object_list:
+        delivery.shown_error = webhooks.shown_error(delivery, full)
     waiting = any(d.status == d.Status.PENDING for d in page.object_list)
     return render_page(request, tenant, "console/webhook_detail.html", {
         "endpoint": endpoint, "form": form, "page": page, "waiting": waiting,
@@ -121,9 +130,13 @@ def webhook_toggle(request: HttpRequest, tenant: Tenant, webhook_id: str) -> Htt
 @tenant_page(manage=True)
 def webhook_test(request: HttpRequest, tenant: Tenant, webhook_id: str) -> HttpResponse:
     endpoint = _endpoint(tenant, webhook_id)
-    delivery = tasks.queue_test_event(endpoint, actor=actor(request))
-    messages.success(request, f"Test event queued as delivery {delivery.public_id}: its result "
-                     "shows in the delivery log below once the endpoint has answered.")
+    try:
+        delivery = tasks.queue_test_event(endpoint, actor=actor(request))
+    except webhooks.ManualDeliveryRefused as exc:
+        messages.error(request, f"Nothing queued: {exc}.")
+    else:
+        messages.success(request, f"Test event queued as delivery {delivery.public_id}: its "
+                         "result shows in the delivery log below once the endpoint has answered.")
     return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
 
 
@@ -135,9 +148,13 @@ def webhook_redeliver(request: HttpRequest, tenant: Tenant, webhook_id: str,
     delivery = selectors.webhook_deliveries(endpoint).filter(public_id=delivery_id).first()
     if delivery is None:
         raise Http404("No such delivery.")
-    delivery = tasks.queue_redelivery(delivery, actor=actor(request))
-    messages.success(request, f"Redelivery of {delivery.public_id} queued: its result shows in "
-                     "the delivery log below once the endpoint has answered.")
+    try:
+        delivery = tasks.queue_redelivery(delivery, actor=actor(request))
+    except webhooks.ManualDeliveryRefused as exc:
+        messages.error(request, f"Nothing queued: {exc}.")
+    else:
+        messages.success(request, f"Redelivery of {delivery.public_id} queued: its result shows "
+                         "in the delivery log below once the endpoint has answered.")
     return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
 
 

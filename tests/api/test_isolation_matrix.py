@@ -103,8 +103,9 @@ def _side(world: World, tenant: Tenant, project: Project, key: ApiKey, member: s
           slug: str) -> Side:
     hook, _ = create_endpoint(tenant, f"{HOOK_BASE}/{slug}-hook", ["quota.threshold"],
                               actor="test")
+    # Delivered, so redeliverable (a pending one is refused: 409).
     delivery = WebhookDelivery.objects.create(endpoint=hook, event_type="test",
-                                              payload={"type": "test"})
+                                              payload={"type": "test"}, status="delivered")
     token = issue_management_token(tenant, name=f"{slug}-ci-token", actor="test")
     invitation = invite_member(tenant, f"invitee@{slug}-corp.test", role="member", actor="test",
                                accept_url=lambda secret: f"/console/invite/{secret}/").invitation

@@ -122,6 +122,45 @@ def test_a_refusal_at_delivery_time_shows_the_tenant_no_address(
         assert "10.20.30.40" not in shown and "is not a public address" in shown
 
 
+def test_members_see_the_host_in_the_delivery_log_masked_owners_whole(
+        dns: Callable[[str | None], None], world: World) -> None:
+    """The refusal names the endpoint's host; members, who see the URL masked everywhere else,
+    see the host masked the same way in the delivery log (API and console)."""
+    endpoint, _ = create_endpoint(world.acme, f"https://{HOST}/hook", ["test"], actor="test")
+    dns("10.20.30.40")
+    delivery = webhooks.deliver(webhooks.create_test_event(endpoint).pk)
+    assert delivery.last_error == f"refused: {REFUSAL}"
+    masked = REFUSAL.replace(HOST, "…example.test")
+    api = f"/api/tenants/{world.acme.public_id}/webhooks/{endpoint.public_id}/deliveries/"
+    page = reverse("console-webhook-detail", args=[world.acme.public_id, endpoint.public_id])
+    member, owner = world.client(world.member), world.client(world.owner)
+    [seen] = member.get(api).json()["results"]
+    assert seen["last_error"] == f"refused: {masked}"
+    assert HOST not in member.get(api).content.decode()
+    [whole] = owner.get(api).json()["results"]
+    assert whole["last_error"] == f"refused: {REFUSAL}"
+
+    def row(html: str) -> str:
+        rest = html[html.index(f'data-delivery="{delivery.public_id}"'):]
+        return rest[:rest.index("</tr>")]
+
+    member_page = member.get(page).content.decode()
+    assert HOST not in member_page
+    assert "host &#x27;…example.test&#x27; is not a public address" in row(member_page)
+    assert f"host &#x27;{HOST}&#x27; is not a public address" in row(
+        owner.get(page).content.decode())
+
+
+@pytest.mark.parametrize("url, error, shown", [
+    ("https://a.b.example.com/x", "host 'a.b.example.com' refused", "host '…example.com' refused"),
+    ("https://example.com/x", "host 'example.com' refused", "host 'example.com' refused"),
+    ("https://93.184.216.34/x", "connect to 93.184.216.34 failed", "connect to … failed"),
+])
+def test_masked_error_cuts_the_host_as_masked_url_does(url: str, error: str,
+                                                       shown: str) -> None:
+    assert webhooks.masked_error(error, url) == shown
+
+
 # -- item 13: no-store on secrets, URLs hidden from members -------------------------------------
 
 SECRET_URL = "https://hooks.example.test/services/T000/B000/XXXXSECRETTOKEN"

@@ -159,9 +159,10 @@ def test_api_test_event_is_queued_and_its_result_shows_later(
     body = response.json()
     assert body["status"] == "pending" and body["attempts"] == 0 and body["last_error"] == ""
     assert tarpit.connections == 0 and not tarpit.aborted
-    # The worker of the webhooks queue finds it there and runs it (within its deadline).
+    # The worker of the webhooks queue finds it there and runs it (within its deadline). A
+    # person's test event has one attempt: failed, not retried.
     delivery = WebhookDelivery.objects.get(public_id=body["id"])
-    assert with_watchdog(tarpit, lambda: run_queued_deliveries({delivery.pk})) == ["pending"]
+    assert with_watchdog(tarpit, lambda: run_queued_deliveries({delivery.pk})) == ["failed"]
     assert tarpit.connections == 1 and not tarpit.aborted
     [row] = owner.get(f"{base}deliveries/").json()["results"]
     assert (row["id"], row["attempts"], row["last_error"]) == (body["id"], 1, DEADLINE_ERROR)
@@ -184,7 +185,7 @@ def test_console_test_event_is_queued_and_its_result_shows_on_the_detail_page(
     row = page[page.index(f'data-delivery="{delivery.public_id}"'):]
     assert "Pending" in row[:row.index("</tr>")] and "queued" in row[:row.index("</tr>")]
 
-    assert with_watchdog(tarpit, lambda: run_queued_deliveries({delivery.pk})) == ["pending"]
+    assert with_watchdog(tarpit, lambda: run_queued_deliveries({delivery.pk})) == ["failed"]
     assert not tarpit.aborted
     page = client.get(detail).content.decode()
     row = page[page.index(f'data-delivery="{delivery.public_id}"'):]
@@ -194,28 +195,27 @@ def test_console_test_event_is_queued_and_its_result_shows_on_the_detail_page(
 def test_api_and_console_redelivery_are_queued_too(
         world: World, tarpit: Tarpit, django_capture_on_commit_callbacks: Any) -> None:
     endpoint, _ = create_endpoint(world.acme, tarpit.url, ["test"], actor="test")
-    delivery = due_delivery(endpoint)
-    WebhookDelivery.objects.filter(pk=delivery.pk).update(status="failed", attempts=6,
-                                                          next_attempt_at=None)
-    api = (f"/api/tenants/{world.acme.public_id}/webhooks/{endpoint.public_id}/deliveries/"
-           f"{delivery.public_id}/redeliver")
-    console = reverse("console-webhook-redeliver",
-                      args=[world.acme.public_id, endpoint.public_id, delivery.public_id])
     client = world.client(world.owner)
-    for url, status in ((api, 202), (console, 302)):
+    base = f"/api/tenants/{world.acme.public_id}/webhooks/{endpoint.public_id}/deliveries/"
+    for sent, (kind, status) in enumerate((("api", 202), ("console", 302))):
+        delivery = due_delivery(endpoint)
+        WebhookDelivery.objects.filter(pk=delivery.pk).update(status="failed", attempts=6,
+                                                              next_attempt_at=None)
+        url = (f"{base}{delivery.public_id}/redeliver" if kind == "api" else reverse(
+            "console-webhook-redeliver",
+            args=[world.acme.public_id, endpoint.public_id, delivery.public_id]))
         with django_capture_on_commit_callbacks(execute=True) as queued:
             response = with_watchdog(tarpit, lambda: client.post(url))  # noqa: B023
         assert response.status_code == status and len(queued) == 1
         delivery.refresh_from_db()
         assert (delivery.status, delivery.attempts) == ("pending", 6)
-        assert tarpit.connections == 0 and not tarpit.aborted
-    # Two queued tasks, one attempt: the first sends (the last allowed attempt, so the delivery
-    # is failed again), the second finds nothing due.
-    assert with_watchdog(tarpit, lambda: run_queued_deliveries({delivery.pk})) == ["failed",
-                                                                                    "failed"]
-    assert tarpit.connections == 1 and not tarpit.aborted
-    delivery.refresh_from_db()
-    assert delivery.attempts == 7 and delivery.last_error == DEADLINE_ERROR
+        assert tarpit.connections == sent and not tarpit.aborted
+        # The queued task sends the one attempt (the last allowed: failed again).
+        assert with_watchdog(tarpit, lambda: run_queued_deliveries({delivery.pk})) == [  # noqa: B023
+            "failed"]
+        delivery.refresh_from_db()
+        assert delivery.attempts == 7 and delivery.last_error == DEADLINE_ERROR
+    assert tarpit.connections == 2 and not tarpit.aborted
 
 
 # -- Celery: queues and time limits on the real app --------------------------------------------
