@@ -5,7 +5,9 @@ of a delivery still pending (the same), and at most TOLLGATE_WEBHOOK_MANUAL_PEND
 manual deliveries per tenant (429 with Retry-After). A refusal writes nothing and queues
 nothing. The checks hold under concurrency: two requests racing cannot both queue (a lock on the
 tenant's row; the race tests hold the first request inside its transaction until the second is
-seen waiting for that lock in pg_stat_activity, or has finished without waiting).
+seen waiting for that lock in pg_stat_activity, or has finished without waiting). The race
+tests commit their data (each thread has its own connection), so they are `e2e` (run last) and
+remove their tenant afterwards.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from billing import webhooks
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint
 from tenants.models import AuditEvent, Tenant
+from tests.gateway.conftest import committed
 from tests.support.celery_queue import run_queued_deliveries
 from tests.world import World
 
@@ -178,13 +181,15 @@ def test_automatic_deliveries_do_not_count_against_the_cap(world: World) -> None
 
 def _waiting_for_a_lock(pid: int) -> bool:
     with connection.cursor() as cursor:
+        # Activity is read once per transaction unless the snapshot is dropped.
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
         row = cursor.fetchone()
     return row is not None and row[0] == "Lock"
 
 
 def _race(first: Callable[[], Any], second: Callable[[], Any],
-          monkeypatch: pytest.MonkeyPatch) -> list[str]:
+          monkeypatch: pytest.MonkeyPatch, django_db_blocker: Any) -> list[str]:
     """Run `first` on one thread and hold it after its checks, inside its transaction (at the
     audit record), until `second` (on another thread) waits for a lock or has finished; then
     let it go. Each call's outcome: "queued" or the refusal's class name."""
@@ -218,40 +223,59 @@ def _race(first: Callable[[], Any], second: Callable[[], Any],
 
     threads = [threading.Thread(target=run, args=(n, c), name=n)
                for n, c in (("first", first), ("second", second))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    with django_db_blocker.unblock():
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
     return [outcomes.get("first", "?"), outcomes.get("second", "?")]
 
 
 @pytest.fixture
-def racing_tenant(transactional_db: None) -> Iterator[Tenant]:
-    from tenants.models import Plan
+def racing_tenant(django_db_blocker: Any) -> Iterator[Tenant]:
+    """A tenant committed for real (the racing threads have their own connections), removed
+    again afterwards with everything it owns."""
     from tenants.services import create_tenant
 
-    # A transactional test starts from empty tables: no seeded plans.
-    Plan.objects.create(name="racing", display_name="Racing", tokens_per_day=1000,
-                        requests_per_second=10)
-    yield create_tenant("racer", plan_name="racing", actor="test")
+    tenant = committed(django_db_blocker, lambda: create_tenant(
+        f"racer-{time.monotonic_ns()}", plan_name="free", actor="test"))
+    yield tenant
+
+    def remove() -> None:
+        AuditEvent.objects.filter(tenant=tenant).delete()
+        tenant.delete()
+
+    committed(django_db_blocker, remove)
 
 
+def _committed_endpoints(django_db_blocker: Any, tenant: Tenant, n: int) -> list[Any]:
+    return committed(django_db_blocker, lambda: [
+        create_endpoint(tenant, URL, ["test"], actor="test")[0] for _ in range(n)])
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db
 def test_two_concurrent_test_events_to_one_endpoint_queue_one(
-        racing_tenant: Tenant, monkeypatch: pytest.MonkeyPatch) -> None:
-    endpoint = create_endpoint(racing_tenant, URL, ["test"], actor="test")[0]
+        racing_tenant: Tenant, monkeypatch: pytest.MonkeyPatch, django_db_blocker: Any) -> None:
+    [endpoint] = _committed_endpoints(django_db_blocker, racing_tenant, 1)
 
     def send() -> None:
         webhooks.request_test_event(endpoint, actor="test")
 
-    assert _race(send, send, monkeypatch) == ["queued", "ManualDeliveryPending"]
-    assert WebhookDelivery.objects.filter(endpoint=endpoint).count() == 1
+    assert _race(send, send, monkeypatch, django_db_blocker) == ["queued",
+                                                                 "ManualDeliveryPending"]
+    assert committed(django_db_blocker,
+                     WebhookDelivery.objects.filter(endpoint=endpoint).count) == 1
 
 
+@pytest.mark.e2e
+@pytest.mark.django_db
 def test_two_concurrent_requests_at_the_cap_queue_one(
-        racing_tenant: Tenant, monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+        racing_tenant: Tenant, monkeypatch: pytest.MonkeyPatch, settings: Any,
+        django_db_blocker: Any) -> None:
     settings.TOLLGATE_WEBHOOK_MANUAL_PENDING_MAX = 1
-    one, two = (create_endpoint(racing_tenant, URL, ["test"], actor="test")[0] for _ in range(2))
-    failed = _failed(two)
+    one, two = _committed_endpoints(django_db_blocker, racing_tenant, 2)
+    failed = committed(django_db_blocker, lambda: _failed(two))
 
     def test_event() -> None:
         webhooks.request_test_event(one, actor="test")
@@ -259,5 +283,7 @@ def test_two_concurrent_requests_at_the_cap_queue_one(
     def redelivery() -> None:
         webhooks.request_redelivery(failed, actor="test")
 
-    assert _race(test_event, redelivery, monkeypatch) == ["queued", "TooManyManualDeliveries"]
-    assert WebhookDelivery.objects.filter(manual=True, status="pending").count() == 1
+    assert _race(test_event, redelivery, monkeypatch, django_db_blocker) == [
+        "queued", "TooManyManualDeliveries"]
+    assert committed(django_db_blocker, WebhookDelivery.objects.filter(
+        endpoint__tenant=racing_tenant, manual=True, status="pending").count) == 1
