@@ -109,6 +109,10 @@ class ScopeLimit:
     # refused-today reason code (quotas.limits.REFUSAL_REASONS) of a refusal by this counter.
     label: str = field(default="", compare=False)
     reason: str = field(default="", compare=False)
+    # Whether a caller under the queue policy may wait for this counter to have room. False for
+    # counters waiting cannot help in reasonable time (the burn-rate breaker's pace counters):
+    # their refusals answer at once, with their own reason, and never join a queue.
+    queueable: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         keys.validate_scope(self.scope)
