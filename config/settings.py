@@ -317,6 +317,26 @@ GATEWAY_DB_THREADS = _positive_int("GATEWAY_DB_THREADS", 2)
 # A gateway worker freezes its startup heap out of the cyclic GC and collects the young
 # generation after this many allocations (Python's default is 700); 0 leaves the GC as is.
 GATEWAY_GC_GEN0_THRESHOLD = env.int("GATEWAY_GC_GEN0_THRESHOLD", default=20_000)
+# Circuit breakers on upstream provider keys (gateway/circuit.py): a key's breaker (connect
+# errors, resets, timeouts) or a (key, model) breaker (5xx answers) opens when, within a window of
+# TOLLGATE_BREAKER_WINDOW_SECONDS, at least _MIN_CALLS calls saw at least _ERROR_PERCENT % errors;
+# the key is then skipped for _COOLDOWN_SECONDS, after which _PROBES probe calls must succeed to
+# close it (one failure re-opens it). Successes reach Redis in batches every _FLUSH_SECONDS.
+TOLLGATE_BREAKER_WINDOW_SECONDS = env.float("TOLLGATE_BREAKER_WINDOW_SECONDS", default=30.0)
+TOLLGATE_BREAKER_MIN_CALLS = _positive_int("TOLLGATE_BREAKER_MIN_CALLS", 10)
+TOLLGATE_BREAKER_ERROR_PERCENT = _positive_int("TOLLGATE_BREAKER_ERROR_PERCENT", 50)
+if TOLLGATE_BREAKER_ERROR_PERCENT > 100:
+    raise ImproperlyConfigured(
+        f"TOLLGATE_BREAKER_ERROR_PERCENT must be 1-100, got {TOLLGATE_BREAKER_ERROR_PERCENT}")
+TOLLGATE_BREAKER_COOLDOWN_SECONDS = env.float("TOLLGATE_BREAKER_COOLDOWN_SECONDS", default=30.0)
+TOLLGATE_BREAKER_PROBES = _positive_int("TOLLGATE_BREAKER_PROBES", 3)
+TOLLGATE_BREAKER_FLUSH_SECONDS = env.float("TOLLGATE_BREAKER_FLUSH_SECONDS", default=1.0)
+for _name in ("TOLLGATE_BREAKER_WINDOW_SECONDS", "TOLLGATE_BREAKER_COOLDOWN_SECONDS",
+              "TOLLGATE_BREAKER_FLUSH_SECONDS"):
+    # Whole milliseconds in Redis: below 1 ms a window or cool-down would be 0.
+    if not 0.001 <= globals()[_name] <= 86_400:
+        raise ImproperlyConfigured(f"{_name} must be between 0.001 and 86400 seconds, got "
+                                   f"{globals()[_name]:g}")
 for _name in ("GATEWAY_UPSTREAM_CONNECT_TIMEOUT", "GATEWAY_UPSTREAM_READ_TIMEOUT",
               "GATEWAY_CALL_DEADLINE_SECONDS", "GATEWAY_CHECKPOINT_SECONDS",
               "GATEWAY_STREAM_DRAIN_SECONDS", "GATEWAY_AUTH_CACHE_SECONDS",

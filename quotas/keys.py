@@ -15,11 +15,15 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:epoch:rebuilding     string: the lock of the process rebuilding the tenant
     tg:{t<tenant>}:pending-high         string: since when its pending holds are high (alerts)
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
+    tg:{p<provider key>}:brk            its circuit breaker for transport failures (hash)
+    tg:{p<provider key>}:brk:m:<model>  its circuit breaker for one model's 5xx answers (hash)
+    tg:{p<provider key>}:brk:models     set of the models with a breaker hash (admin, /metrics)
     tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
     tg:reconcile:lock:<date>            string: the lock of one day's reconciliation run
     tg:auth:version                     string: count of invalidations published (gateway caches)
     tg:invalidate                       pub/sub channel: cached tenancy data changed
     tg:provider-cooldown                pub/sub channel: an upstream key cools down after a 429
+    tg:provider-breaker                 pub/sub channel: an upstream key's breaker changed state
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
 Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
@@ -137,6 +141,22 @@ def provider_capacity_key(provider_key_id: int) -> str:
     return f"tg:{{p{int(provider_key_id)}}}:cap"
 
 
+def provider_breaker_key(provider_key_id: int) -> str:
+    """The circuit breaker of an upstream provider key as a whole (transport failures), in the
+    key's own slot beside its capacity buckets (gateway/circuit.py, lua/breaker_*.lua)."""
+    return f"tg:{{p{int(provider_key_id)}}}:brk"
+
+
+def provider_model_breaker_key(provider_key_id: int, model: str) -> str:
+    """The circuit breaker of one model on an upstream provider key (5xx answers)."""
+    return provider_breaker_key(provider_key_id) + ":m:" + validate_scope(f"model:{model}")[6:]
+
+
+def provider_breaker_models_key(provider_key_id: int) -> str:
+    """The set of models that have a breaker hash on this provider key (admin, /metrics)."""
+    return provider_breaker_key(provider_key_id) + ":models"
+
+
 # -- not a tenant's: no hash tag --------------------------------------------------------------------
 
 
@@ -165,3 +185,6 @@ def auth_version_key() -> str:
 INVALIDATION_CHANNEL = "tg:invalidate"
 # An upstream provider key answered 429: every gateway skips it until the time in the message.
 PROVIDER_COOLDOWN_CHANNEL = "tg:provider-cooldown"
+# An upstream provider key's circuit breaker opened, half-opened or closed (gateway/circuit.py):
+# every gateway skips an open one at once.
+PROVIDER_BREAKER_CHANNEL = "tg:provider-breaker"

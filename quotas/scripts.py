@@ -32,5 +32,8 @@ RECHARGE = _read("recharge")
 PROVIDER_TAKE = _read("provider_take")
 PROGRESS = _read("progress")
 REBUILD = _read("rebuild")
+BREAKER_RECORD = _read("breaker_record")
+BREAKER_PROBE = _read("breaker_probe")
 
-ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD)
+ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD,
+       BREAKER_RECORD, BREAKER_PROBE)
