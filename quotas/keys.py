@@ -14,7 +14,18 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:epoch                string: present while the tenant's data is (see epoch_key)
     tg:{t<tenant>}:epoch:rebuilding     string: the lock of the process rebuilding the tenant
     tg:{t<tenant>}:pending-high         string: since when its pending holds are high (alerts)
+    tg:{t<tenant>}:waiters              zset of queue-policy waiters, score = expiry ms (its
+                                        deadline, or a head's lease): an entry past it is dead
+    tg:{t<tenant>}:waiters:in           hash waiter id -> the queue it waits in
+    tg:{t<tenant>}:waiters:seq          string: arrival counter (order within a priority)
+    tg:{t<tenant>}:wq:<resource>        zset of one resource's waiters, score = order (priority,
+                                        then arrival); resource = q:<scope>[:usd]:<window kind>,
+                                        rate:<scope>:<period>ms or conc:<scope>
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
+    tg:{p<provider key>}:waiters        zset of callers waiting for its capacity, score = expiry
+    tg:{p<provider key>}:waiters:seq    string: their arrival counter
+    tg:{p<provider key>}:wq             zset of those callers, score = order (plan priority,
+                                        then arrival)
     tg:{p<provider key>}:brk            its circuit breaker for transport failures (hash)
     tg:{p<provider key>}:brk:m:<model>  its circuit breaker for one model's 5xx answers (hash)
     tg:{p<provider key>}:brk:models     set of the models with a breaker hash (admin, /metrics)
@@ -23,6 +34,8 @@ slot and one script call can touch every scope of a request. Layout:
     tg:auth:version                     string: count of invalidations published (gateway caches)
     tg:invalidate                       pub/sub channel: cached tenancy data changed
     tg:provider-cooldown                pub/sub channel: an upstream key cools down after a 429
+    tg:queue-wake                       pub/sub channel: capacity freed where callers wait, or
+                                        a waiter became the head of its queue
     tg:provider-breaker                 pub/sub channel: an upstream key's breaker changed state
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
@@ -136,6 +149,43 @@ def refused_key(tenant: str, day_window_id: str) -> str:
     return f"{_tag(tenant)}:refused:{day_window_id}"
 
 
+def queue_waiters_key(tenant: str) -> str:
+    """The tenant's queue-policy waiters (every queue of the tenant), score = the entry's expiry
+    on the Redis clock: whoever finds an entry past it drops it (a waiter whose process died).
+    Its existence is what settle / release / sweep check before publishing a wake."""
+    return f"{_tag(tenant)}:waiters"
+
+
+def queue_member_key(tenant: str) -> str:
+    """Which queue each of the tenant's waiters is in (waiter id -> queue key)."""
+    return queue_waiters_key(tenant) + ":in"
+
+
+def queue_seq_key(tenant: str) -> str:
+    """The tenant's arrival counter: the order of waiters of one priority (no clocks)."""
+    return queue_waiters_key(tenant) + ":seq"
+
+
+def queue_key(tenant: str, resource: str) -> str:
+    """The queue of one refusing resource of the tenant (see the resource names above): a queue
+    per resource, so a project at its own limit holds up none of its tenant's other projects."""
+    return f"{_tag(tenant)}:wq:{resource}"
+
+
+def counter_resource(scope: str, window_kind: str, money: bool = False) -> str:
+    """A counter's queue resource: its scope and window kind, not the window itself, so waiters
+    keep their places when a new window (a new counter key) begins."""
+    return f"q:{scope}:usd:{window_kind}" if money else f"q:{scope}:{window_kind}"
+
+
+def rate_resource(scope: str, period_ms: int) -> str:
+    return f"rate:{scope}:{period_ms}ms"
+
+
+def gauge_resource(scope: str) -> str:
+    return f"conc:{scope}"
+
+
 def provider_capacity_key(provider_key_id: int) -> str:
     """Capacity buckets of an upstream provider key: shared by tenants, so a tag of its own."""
     return f"tg:{{p{int(provider_key_id)}}}:cap"
@@ -155,6 +205,21 @@ def provider_model_breaker_key(provider_key_id: int, model: str) -> str:
 def provider_breaker_models_key(provider_key_id: int) -> str:
     """The set of models that have a breaker hash on this provider key (admin, /metrics)."""
     return provider_breaker_key(provider_key_id) + ":models"
+
+
+def provider_waiters_key(provider_key_id: int) -> str:
+    """Callers waiting for an upstream key's RPM / TPM capacity (every tenant's), score = the
+    entry's expiry; in the key's own slot, beside its buckets."""
+    return f"tg:{{p{int(provider_key_id)}}}:waiters"
+
+
+def provider_seq_key(provider_key_id: int) -> str:
+    return provider_waiters_key(provider_key_id) + ":seq"
+
+
+def provider_queue_key(provider_key_id: int) -> str:
+    """The upstream key's queue, score = order (the caller's plan priority, then arrival)."""
+    return f"tg:{{p{int(provider_key_id)}}}:wq"
 
 
 # -- not a tenant's: no hash tag --------------------------------------------------------------------
@@ -185,6 +250,9 @@ def auth_version_key() -> str:
 INVALIDATION_CHANNEL = "tg:invalidate"
 # An upstream provider key answered 429: every gateway skips it until the time in the message.
 PROVIDER_COOLDOWN_CHANNEL = "tg:provider-cooldown"
+# Queue wakes (quotas/waiting.py): {"w": a waiters key} when capacity was freed where callers
+# wait, {"w": ..., "ids": [...]} when these waiters became the heads of their queues.
+QUEUE_WAKE_CHANNEL = "tg:queue-wake"
 # An upstream provider key's circuit breaker opened, half-opened or closed (gateway/circuit.py):
 # every gateway skips an open one at once.
 PROVIDER_BREAKER_CHANNEL = "tg:provider-breaker"
