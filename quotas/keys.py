@@ -14,6 +14,8 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:epoch                string: present while the tenant's data is (see epoch_key)
     tg:{t<tenant>}:epoch:rebuilding     string: the lock of the process rebuilding the tenant
     tg:{t<tenant>}:pending-high         string: since when its pending holds are high (alerts)
+    tg:{t<tenant>}:pace:trips           hash {scope: JSON} the latest burn-rate breaker trip of
+                                        each scope (lua/pace_trip.lua, quotas/pace.py)
     tg:{t<tenant>}:waiters              zset of queue-policy waiters, score = expiry ms (its
                                         deadline, or a head's lease): an entry past it is dead
     tg:{t<tenant>}:waiters:in           hash waiter id -> the queue it waits in
@@ -39,7 +41,8 @@ slot and one script call can touch every scope of a request. Layout:
     tg:provider-breaker                 pub/sub channel: an upstream key's breaker changed state
 
 Scopes: `tenant`, `project:<id>`, `key:<id>`, `model:<name>`.
-Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute).
+Windows: `d2026-11-30` (day), `m2026-11` (month), `n2026-11-30T10:05` (minute),
+`p600s2026-11-30T10:10:00` (a pace period of 600 s, UTC start; quotas/windows.py).
 Which counters a request touches, with their limits, is defined in quotas/limits.py.
 """
 from __future__ import annotations
@@ -142,6 +145,11 @@ def pending_high_key(tenant: str) -> str:
     """When this tenant's pending was first seen above the alert level (unix seconds), with
     `:alerted` appended once operators were told (billing/alerts.py)."""
     return f"{_tag(tenant)}:pending-high"
+
+
+def pace_trips_key(tenant: str) -> str:
+    """The tenant's burn-rate breaker trips, one field per scope (quotas/pace.py)."""
+    return f"{_tag(tenant)}:pace:trips"
 
 
 def refused_key(tenant: str, day_window_id: str) -> str:

@@ -34,6 +34,10 @@ PROGRESS = _read("progress")
 REBUILD = _read("rebuild")
 BREAKER_RECORD = _read("breaker_record")
 BREAKER_PROBE = _read("breaker_probe")
+# The burn-rate breaker (quotas/pace.py), off the hot path: only after a pace refusal, and a
+# person's resume.
+PACE_TRIP = _read("pace_trip")
+PACE_RESUME = _read("pace_resume")
 
 ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD,
-       BREAKER_RECORD, BREAKER_PROBE)
+       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME)

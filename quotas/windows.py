@@ -18,6 +18,60 @@ class WindowKind(StrEnum):
     DAY = "day"
     MONTH = "month"
     MINUTE = "minute"
+    # Pace periods of the burn-rate breaker (quotas/pace.py): fixed windows of that many
+    # seconds, aligned to the epoch (each divides an hour, so they start on the clock's
+    # marks). One kind per period a plan may choose (tenants.models.PACE_PERIODS).
+    PACE_1S = "p1s"
+    PACE_2S = "p2s"
+    PACE_5S = "p5s"
+    PACE_10S = "p10s"
+    PACE_30S = "p30s"
+    PACE_1M = "p60s"
+    PACE_5M = "p300s"
+    PACE_10M = "p600s"
+    PACE_15M = "p900s"
+    PACE_20M = "p1200s"
+    PACE_30M = "p1800s"
+    PACE_1H = "p3600s"
+
+    @property
+    def pace_seconds(self) -> int | None:
+        """The period of a pace kind in seconds; None for the quota windows."""
+        return _PACE_SECONDS.get(self)
+
+
+_PACE_SECONDS: dict[WindowKind, int] = {
+    kind: int(kind.value[1:-1]) for kind in WindowKind if kind.value.startswith("p")
+}
+_PACE_KINDS: dict[int, WindowKind] = {seconds: kind for kind, seconds in _PACE_SECONDS.items()}
+
+
+def pace_kind(seconds: int) -> WindowKind:
+    """The window kind of a pace period (ValueError for a period no kind has)."""
+    try:
+        return _PACE_KINDS[seconds]
+    except KeyError:
+        raise ValueError(f"no pace period of {seconds} s; the periods are "
+                         f"{sorted(_PACE_KINDS)}") from None
+
+
+def pace_windows(kind: WindowKind, start_ms: int, until_ms: int) -> list[Window]:
+    """The consecutive windows of a pace kind from the one containing `start_ms` up to the one
+    containing `until_ms - 1` (the periods a breaker closes, quotas/pace.py)."""
+    seconds = kind.pace_seconds
+    if seconds is None:
+        raise ValueError(f"{kind} is not a pace period")
+    out = [_pace_window(kind, seconds * 1000, start_ms)]
+    while out[-1].end_ms < until_ms:
+        out.append(_pace_window(kind, seconds * 1000, out[-1].end_ms))
+    return out
+
+
+def _pace_window(kind: WindowKind, period_ms: int, now_ms: int) -> Window:
+    start = now_ms - now_ms % period_ms
+    moment = datetime.fromtimestamp(start // 1000, UTC)
+    return Window(kind=kind, id=f"{kind.value}{moment:%Y-%m-%dT%H:%M:%S}", start_ms=start,
+                  end_ms=start + period_ms)
 
 
 @dataclass(frozen=True)
@@ -51,6 +105,10 @@ class Calendar:
         return window
 
     def _compute(self, kind: WindowKind, now_ms: int) -> Window:
+        pace = kind.pace_seconds
+        if pace is not None:
+            # Shorter than any time-zone offset's granularity: the same instants everywhere.
+            return _pace_window(kind, pace * 1000, now_ms)
         offset = timedelta(seconds=self.utc_offset_s)
         local = datetime.fromtimestamp(now_ms // 1000, UTC) + offset
         if kind is WindowKind.DAY:
