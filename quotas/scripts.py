@@ -39,5 +39,8 @@ BREAKER_PROBE = _read("breaker_probe")
 PACE_TRIP = _read("pace_trip")
 PACE_RESUME = _read("pace_resume")
 
+# The waiting queue (quotas/waiting.py): a waiter that gives up (timeout, client gone) leaves.
+QUEUE_LEAVE = _read("queue_leave")
+
 ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD,
-       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME)
+       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME, QUEUE_LEAVE)
