@@ -9,7 +9,13 @@ from typing import Any
 
 from django.http import HttpResponse
 
-from quotas.limits import MODEL_NOT_ALLOWED, MODEL_NOT_PRICED, QUOTA_TENANT, RATE_LIMIT
+from quotas.limits import (
+    MODEL_NOT_ALLOWED,
+    MODEL_NOT_PRICED,
+    QUOTA_TENANT,
+    RATE_LIMIT,
+    UPSTREAM_UNAVAILABLE,
+)
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,16 @@ def quota_store_unsafe() -> GatewayError:
 
 def upstream_error(status: int, message: str) -> GatewayError:
     return GatewayError(status, message, "server_error", "upstream_error")
+
+
+def upstream_unavailable(retry_after_s: int) -> GatewayError:
+    """Every upstream provider key for the model is resting with its circuit breaker open
+    (gateway/circuit.py), some perhaps cooling down after a 429: nothing was forwarded. 503 with
+    Retry-After (seconds until the first breaker half-opens), which the OpenAI SDKs retry."""
+    return GatewayError(503, "Every upstream provider for this model is failing and resting; the "
+                        "request was not forwarded. Please retry after the Retry-After delay.",
+                        "server_error", "upstream_unavailable", None, retry_after_s,
+                        UPSTREAM_UNAVAILABLE)
 
 
 # What an upstream's client error may pass on to the tenant: `type`, `code` and `param` when each

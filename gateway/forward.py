@@ -32,7 +32,13 @@ from django.http import HttpResponse, StreamingHttpResponse
 from gateway.admission import Admission, reserve_meta
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
-from gateway.errors import GatewayError, upstream_client_error, upstream_error
+from gateway.circuit import NO_PROBE, circuit_for
+from gateway.errors import (
+    GatewayError,
+    upstream_client_error,
+    upstream_error,
+    upstream_unavailable,
+)
 from gateway.listener import publish_cooldown
 from gateway.providers import Upstream
 from gateway.runtime import GatewayRuntime
@@ -537,11 +543,22 @@ async def _answer(call: Call) -> httpx.Response:
     and raises the matching GatewayError (a client error in Tollgate's words)."""
     runtime = call.runtime
     payload = call.payload()
-    candidates = runtime.pool.candidates(call.admission.model, call.ctx.tenant_id, time.time())
+    model = call.admission.model
+    now = time.time()
+    candidates = runtime.pool.candidates(model, call.ctx.tenant_id, now)
+    circuit = circuit_for(runtime)
     last_429: httpx.Response | None = None
     refused_key = False  # an upstream refused a provider key (401 / 403)
     capacity_wait_ms: int | None = None
     for upstream in candidates:
+        ticket = NO_PROBE
+        # None (a dict lookup) unless a breaker of this key is past its cool-down.
+        due = runtime.pool.breakers_due(upstream.id, model, now)
+        if due:
+            probe = await circuit.admit(upstream, model, due)
+            if probe is None:
+                continue  # other calls hold its probe slots
+            ticket = probe
         if upstream.rpm_capacity or upstream.tpm_capacity:
             taken = await runtime.engine.take_capacity(
                 upstream.id, upstream.rpm_capacity, upstream.tpm_capacity,
@@ -558,14 +575,23 @@ async def _answer(call: Call) -> httpx.Response:
             response = await runtime.transport.handle_async_request(request)
         except _CONNECT_ERRORS:
             log.warning("provider key %s unreachable; trying the next", upstream.public_id)
+            await circuit.report(upstream, model, ticket, transport_failed=True)
             continue
         except httpx.TimeoutException:
+            await circuit.report(upstream, model, ticket, transport_failed=True)
             await call.release(504, "upstream_timeout")
             raise upstream_error(504, "The upstream provider did not answer in time.") from None
         except httpx.HTTPError as exc:
+            await circuit.report(upstream, model, ticket, transport_failed=True)
             await call.release(502, "upstream_error")
             raise upstream_error(502, f"The upstream provider failed: {exc}") from None
 
+        status = response.status_code
+        if status < 400 and not ticket:
+            circuit.ok(upstream, model)  # no round trip: flushed in batches
+        elif status < 400 or status >= 500 or ticket:
+            # A failure, or a probe's result (a 4xx probe answered: the upstream is up).
+            await circuit.report(upstream, model, ticket, server_failed=status >= 500)
         if response.status_code == 429:
             await response.aclose()
             last_429 = response
@@ -595,6 +621,13 @@ async def _answer(call: Call) -> httpx.Response:
         raise upstream_error(502, "The upstream refused the gateway's provider key; the operators "
                              "have been alerted.")
     cooling = _cooldown_left(runtime, call)
+    resting = runtime.pool.breaker_wait(model, call.ctx.tenant_id, time.time())
+    if resting is not None and last_429 is None:
+        # Keys skipped with an open breaker: 503 until the first one half-opens (or, when
+        # sooner, a cooling key is back).
+        await call.release(503, "upstream_unavailable")
+        wait = resting if cooling is None else min(resting, cooling)
+        raise upstream_unavailable(max(1, math.ceil(wait)))
     if capacity_wait_ms is not None and cooling is None and last_429 is None:
         cooling = max(1, math.ceil(capacity_wait_ms / 1000))
     if last_429 is not None or cooling is not None:

@@ -10,10 +10,12 @@ from typing import Any
 
 from django.conf import settings
 
+from gateway.circuit import apply_breaker_message
 from gateway.runtime import GatewayRuntime
 from quotas.client import make_async_redis
 from quotas.keys import (
     INVALIDATION_CHANNEL,
+    PROVIDER_BREAKER_CHANNEL,
     PROVIDER_COOLDOWN_CHANNEL,
     auth_version_key,
 )
@@ -66,6 +68,9 @@ async def _apply(runtime: GatewayRuntime, channel: str, data: str,
     message = json.loads(data)
     if channel == PROVIDER_COOLDOWN_CHANNEL:
         runtime.pool.cool_down(int(message["id"]), float(message["until"]))
+        return
+    if channel == PROVIDER_BREAKER_CHANNEL:
+        apply_breaker_message(runtime.pool, message)
         return
     kind, ident = message.get("kind"), message.get("id")
     if kind == "api_key":
@@ -120,7 +125,8 @@ async def listen(runtime: GatewayRuntime) -> None:
         client = make_async_redis()
         pubsub = client.pubsub()
         try:
-            await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL)
+            await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL,
+                                   PROVIDER_BREAKER_CHANNEL)
             # Read after subscribing: a message published in between is not lost, merely old.
             watch = VersionWatch(await asyncio.wait_for(_read_version(client), read_timeout))
             runtime.auth.clear()

@@ -1,8 +1,11 @@
 """Upstream provider keys: the services that change them, and the in-process pool the hot path
 picks upstreams from.
 
-The pool holds decrypted secrets in memory only. Cooldowns are per process; another component
-broadcasts them between processes by calling ProviderPool.cool_down.
+The pool holds decrypted secrets in memory only. It skips two kinds of resting keys, both held
+per process and broadcast between processes by other components: cooldowns (a 429 or a refused
+key, gateway/listener.py calls ProviderPool.cool_down) and open circuit breakers (a key's, or one
+model's on a key: gateway/circuit.py calls open_breaker / close_breaker, whose shared state lives
+in Redis).
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from gateway.crypto import (
 )
 from gateway.models import ProviderKey
 from gateway.prices import Price
+from quotas.breakers import KEY_LEVEL
 from tenants.invalidation import publish
 from tenants.models import Tenant
 from tenants.services.audit import record_audit_event
 
 logger = logging.getLogger(__name__)
+
+# The model name of a provider key's own breaker (transport failures), as in quotas.breakers.
+KEY_BREAKER = KEY_LEVEL
 
 # Below this length the last four characters would give away too much of the secret.
 MIN_LENGTH_TO_SHOW_LAST4 = 12
@@ -213,6 +220,10 @@ class ProviderPool:
         self._upstreams: tuple[Upstream, ...] = tuple(upstreams)
         self._by_id = {upstream.id: upstream for upstream in self._upstreams}
         self._cooldown_until: dict[int, float] = {}
+        # Open circuit breakers known to this process: (key id, model or KEY_BREAKER) -> when
+        # the cool-down ends (time.time()). Past it the key is offered again, and the forwarder
+        # takes a probe slot in Redis before using it (gateway/circuit.py).
+        self._breaker_until: dict[tuple[int, str], float] = {}
         self._turns: dict[tuple[int, ...], itertools.count[int]] = {}
         self._lock = threading.Lock()
 
@@ -220,11 +231,18 @@ class ProviderPool:
         return len(self._upstreams)
 
     def without(self, provider_key_id: int) -> ProviderPool:
-        """A pool of the same keys but this one, with the same cooldowns."""
+        """A pool of the same keys but this one, with the same cooldowns and breakers."""
         pool = ProviderPool(u for u in self._upstreams if u.id != provider_key_id)
-        for upstream_id, until in self.cooldowns().items():
-            pool.cool_down(upstream_id, until)
+        pool.adopt_resting(self)
         return pool
+
+    def adopt_resting(self, other: ProviderPool) -> None:
+        """Take over another pool's cooldowns and open breakers (a reloaded pool keeps
+        skipping the keys the old one skipped)."""
+        for upstream_id, until in other.cooldowns().items():
+            self.cool_down(upstream_id, until)
+        for (upstream_id, model), until in other.breakers().items():
+            self.open_breaker(upstream_id, model, until)
 
     def get(self, provider_key_id: int) -> Upstream | None:
         return self._by_id.get(provider_key_id)
@@ -243,6 +261,59 @@ class ProviderPool:
         """A copy of the cooldown deadlines, e.g. to carry them into a reloaded pool."""
         with self._lock:
             return dict(self._cooldown_until)
+
+    # -- circuit breakers (gateway/circuit.py) ---------------------------------------------------
+
+    def open_breaker(self, provider_key_id: int, model: str, until: float) -> None:
+        """Skip this key (for `model`, or for every model: KEY_BREAKER) until `until`. A later
+        deadline wins, as for cooldowns."""
+        with self._lock:
+            current = self._breaker_until.get((provider_key_id, model), 0.0)
+            self._breaker_until[(provider_key_id, model)] = max(current, until)
+
+    def hold_breaker(self, provider_key_id: int, model: str, until: float) -> None:
+        """Skip a half-open key until `until` (its probe slots are taken; the probes' end is
+        published). Unlike open_breaker it may shorten the wait."""
+        with self._lock:
+            if (provider_key_id, model) in self._breaker_until:
+                self._breaker_until[(provider_key_id, model)] = until
+
+    def close_breaker(self, provider_key_id: int, model: str) -> None:
+        with self._lock:
+            self._breaker_until.pop((provider_key_id, model), None)
+
+    def breakers(self) -> dict[tuple[int, str], float]:
+        """A copy of the breakers known open (or half-open): (key id, model) -> until."""
+        with self._lock:
+            return dict(self._breaker_until)
+
+    def breakers_due(self, provider_key_id: int, model: str, now: float) -> list[str] | None:
+        """None when no breaker of this key applies to `model` (the usual case, a dict lookup or
+        two); else the breakers past their cool-down, for which a probe slot must be taken
+        before a call: [] means one is still open (candidates() leaves such keys out)."""
+        if not self._breaker_until:
+            return None
+        found: list[str] | None = None
+        for name in (KEY_BREAKER, model):
+            until = self._breaker_until.get((provider_key_id, name))
+            if until is None:
+                continue
+            if until > now:
+                return []
+            found = [*(found or []), name]
+        return found
+
+    def _breaker_open(self, provider_key_id: int, model: str, now: float) -> bool:
+        return self.breakers_due(provider_key_id, model, now) == []
+
+    def breaker_wait(self, model: str, tenant_id: int | None, now: float) -> float | None:
+        """Seconds until the first breaker blocking a key usable for this call ends its
+        cool-down; None when no such key has an open breaker."""
+        waits = [until - now for (key_id, name), until in self.breakers().items()
+                 if name in (KEY_BREAKER, model)
+                 and (upstream := self._by_id.get(key_id)) is not None
+                 and upstream.serves(model) and upstream.usable_by(tenant_id)]
+        return min(waits) if waits else None
 
     def serves(self, model: str, tenant_id: int | None) -> bool:
         """Whether any key usable by this tenant serves the model, cooling down or not.
@@ -265,14 +336,18 @@ class ProviderPool:
 
         Keys dedicated to the tenant come before shared ones, then higher priority first; keys
         of equal rank take turns at the front (round robin, per process). Keys dedicated to
-        another tenant and keys in cooldown are left out. Each call takes a turn: call it once
-        per upstream attempt sequence, and use serves() for existence checks.
+        another tenant, keys in cooldown and keys with an open breaker (the key's or the
+        model's, still cooling down) are left out. Each call takes a turn: call it once per
+        upstream attempt sequence, and use serves() for existence checks.
         """
+        breakers = bool(self._breaker_until)
         ranked: dict[tuple[bool, int], list[Upstream]] = {}
         for upstream in self._upstreams:
             if not upstream.serves(model) or not upstream.usable_by(tenant_id):
                 continue
             if self.in_cooldown(upstream.id, now):
+                continue
+            if breakers and self._breaker_open(upstream.id, model, now):
                 continue
             dedicated = upstream.tenant_id is not None
             ranked.setdefault((dedicated, upstream.priority), []).append(upstream)

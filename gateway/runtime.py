@@ -152,7 +152,6 @@ class GatewayRuntime:
 
     async def reload_pool(self) -> None:
         fresh = await self.db.run(load_pool)
-        # Cooldowns learnt so far still hold for the same keys.
-        for upstream_id, until in self.pool.cooldowns().items():
-            fresh.cool_down(upstream_id, until)
+        # Cooldowns and open breakers learnt so far still hold for the same keys.
+        fresh.adopt_resting(self.pool)
         self.pool = fresh

@@ -52,6 +52,8 @@ RATE_LIMIT = "rate_limit"
 CONCURRENCY = "concurrency"
 MODEL_NOT_ALLOWED = "model_not_allowed"
 MODEL_NOT_PRICED = "model_not_priced"
+# Every upstream key for the model was resting: circuit breakers open (gateway/circuit.py).
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 
 _QUOTA_REASON = {TENANT: QUOTA_TENANT, PROJECT: QUOTA_PROJECT, KEY: QUOTA_KEY, MODEL: QUOTA_MODEL}
 
@@ -69,6 +71,7 @@ REFUSAL_REASONS: dict[str, str] = {
     CONCURRENCY: "Too many requests in flight",
     MODEL_NOT_ALLOWED: "Model not allowed for the API key",
     MODEL_NOT_PRICED: "Model has no price on this gateway",
+    UPSTREAM_UNAVAILABLE: "Every upstream for the model was failing (circuit breakers open)",
 }
 
 
