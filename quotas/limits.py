@@ -18,6 +18,12 @@ Scopes without a limit are still counted where a dashboard needs the figure (ten
 project, key and model per day); monthly project and key counters exist only when limited, the
 tenant's minute counter only under a tokens-per-minute limit and its spend counter (micro-dollars)
 only under a spend budget.
+
+Pace counters (the burn-rate breaker, quotas/pace.py) exist only under a pace rule: per pace
+period, a share of the tenant's, project's or key's daily token limit (for a scope that has one),
+and a spend in micro-dollars (the tenant's from its plan or override, a project's or key's own).
+They are reserved with the others and refuse with `spend_rate_exceeded`; they are not shown as
+standing counters and not rebuilt from the ledger (a period is minutes long).
 """
 from __future__ import annotations
 
@@ -27,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from quotas import keys
 from quotas.engine import UNLIMITED, ScopeLimit, Unit
-from quotas.windows import WindowKind
+from quotas.pace import PaceLimit
+from quotas.windows import WindowKind, pace_kind
 
 if TYPE_CHECKING:  # annotations only: the reason codes import without the models
     from tenants.models import ApiKey, Project, Tenant
@@ -52,6 +59,8 @@ RATE_LIMIT = "rate_limit"
 CONCURRENCY = "concurrency"
 MODEL_NOT_ALLOWED = "model_not_allowed"
 MODEL_NOT_PRICED = "model_not_priced"
+# A pace counter is full: the scope spends far above its pace (the burn-rate breaker).
+SPEND_RATE_EXCEEDED = "spend_rate_exceeded"
 # Every upstream key for the model was resting: circuit breakers open (gateway/circuit.py).
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 
@@ -71,6 +80,7 @@ REFUSAL_REASONS: dict[str, str] = {
     CONCURRENCY: "Too many requests in flight",
     MODEL_NOT_ALLOWED: "Model not allowed for the API key",
     MODEL_NOT_PRICED: "Model has no price on this gateway",
+    SPEND_RATE_EXCEEDED: "Spending far above its pace (burn-rate breaker tripped)",
     UPSTREAM_UNAVAILABLE: "Every upstream for the model was failing (circuit breakers open)",
 }
 
@@ -162,6 +172,62 @@ def spend_counter(tenant: Tenant, limits: EffectiveLimits) -> Counter | None:
                     limits.monthly_spend_budget_micros, Unit.MICROS, reason=SPEND_BUDGET)
 
 
+def _pace(kind: str, ref: str, label: str, scope: str, limits: EffectiveLimits, limit: int,
+          unit: Unit, rule: str) -> Counter:
+    window = pace_kind(limits.pace_period_seconds)
+    return Counter(kind, ref, PaceLimit(scope, window, limit, unit, label=label,
+                                        reason=SPEND_RATE_EXCEEDED,
+                                        cooldown_s=limits.pace_cooldown_seconds,
+                                        owner=f"{kind}:{ref}", rule=rule))
+
+
+def _share_counter(kind: str, ref: str, label: str, scope: str, limits: EffectiveLimits,
+                   share: int, day_limit: int | None) -> Counter | None:
+    """A share of the scope's daily token limit per period (none without a daily limit: there
+    is nothing to take a share of; a daily limit of 0 refuses everything already)."""
+    if share == UNLIMITED or day_limit is None or day_limit <= 0:
+        return None
+    limit = max(1, day_limit * share // 100)
+    rule = (f"{share}% of {day_limit:,} tokens a day = {limit:,} tokens per "
+            f"{limits.pace_period_seconds} s")
+    return _pace(kind, ref, label, scope, limits, limit, Unit.TOKENS, rule)
+
+
+def _spend_counter(kind: str, ref: str, label: str, scope: str, limits: EffectiveLimits,
+                   micros: int | None) -> Counter | None:
+    if micros is None or micros == UNLIMITED:
+        return None
+    rule = f"{micros:,} micro-dollars per {limits.pace_period_seconds} s"
+    return _pace(kind, ref, label, scope, limits, micros, Unit.MICROS, rule)
+
+
+def pace_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
+                  api_key: ApiKey) -> tuple[Counter, ...]:
+    """The pace counters of a call with this key: the tenant's, the project's and the key's
+    share of their daily limits, and the tenant's, project's and key's spend pace, where set.
+    The share of a project or key is its own, else the tenant's (tenants.selectors.pace_share)."""
+    key_label = api_key.name or api_key.public_id
+    project_share = limits.pace_share_percent if project.pace_share_percent is None \
+        else project.pace_share_percent
+    key_share = limits.pace_share_percent if api_key.pace_share_percent is None \
+        else api_key.pace_share_percent
+    found = (
+        _share_counter(TENANT, tenant.public_id, tenant.name, keys.tenant_scope(), limits,
+                       limits.pace_share_percent, limits.tokens_per_day),
+        _share_counter(PROJECT, project.public_id, project.slug, keys.project_scope(project.pk),
+                       limits, project_share, project.tokens_per_day),
+        _share_counter(KEY, api_key.public_id, key_label, keys.api_key_scope(api_key.pk),
+                       limits, key_share, api_key.tokens_per_day),
+        _spend_counter(TENANT, tenant.public_id, tenant.name, keys.tenant_scope(), limits,
+                       limits.pace_spend_micros),
+        _spend_counter(PROJECT, project.public_id, project.slug, keys.project_scope(project.pk),
+                       limits, project.pace_spend_micros),
+        _spend_counter(KEY, api_key.public_id, key_label, keys.api_key_scope(api_key.pk),
+                       limits, api_key.pace_spend_micros),
+    )
+    return tuple(c for c in found if c is not None)
+
+
 # -- the lists ------------------------------------------------------------------------------------
 
 
@@ -186,7 +252,8 @@ def request_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
     """The counters a call of `model` with this key is checked against and charged to, in the
     order reserve checks them (the first full one is the refusal reported): tenant day and
     month, project day, key day, model day, then the project's and key's months where limited,
-    the tenant's minute under a tokens-per-minute limit and its spend under a spend budget.
+    the tenant's minute under a tokens-per-minute limit and its spend under a spend budget, then
+    the pace counters (`pace_counters`: last, so a full quota is reported as such).
     ValueError when `model` cannot be a scope."""
     project_day, *project_month = project_counters(project)
     key_day, *key_month = key_counters(api_key)
@@ -200,6 +267,7 @@ def request_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
         *project_month,
         *key_month,
         *(c for c in extra if c is not None),
+        *pace_counters(tenant, limits, project, api_key),
     )
 
 

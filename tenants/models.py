@@ -4,6 +4,15 @@ Limits convention. Every limit is a BigIntegerField. In a Plan, UNLIMITED (-1) m
 no limit and 0 means nothing is allowed. In a Tenant override, NULL means "inherit the plan" and
 -1 means unlimited. Project and key sub-limits are NULL for "no sub-limit" and never negative:
 a sub-limit can only narrow the tenant's limit, so "unlimited" would be the same as NULL.
+
+Pace (the burn-rate breaker, quotas/pace.py). A plan may cap how fast a scope spends: at most
+`pace_share_percent` % of the scope's daily token limit, and/or `pace_spend_micros` micro-dollars,
+within one period of `pace_period_seconds`; a scope that goes over is closed for
+`pace_cooldown_seconds` (rounded up to whole periods). In a Plan, NULL share or spend means no
+such rule. A Tenant overrides each (NULL inherits, -1 switches the plan's rule off). A project's
+or key's `pace_share_percent` overrides the tenant's share for that scope's own daily limit (NULL
+inherits; 100 lets it spend a whole day in one period, i.e. no pace rule), and its
+`pace_spend_micros` is a spend pace of its own (NULL: none).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from tenants.api_key_format import DIGEST_LENGTH, LAST4_LENGTH, PREFIX_LENGTH, masked
@@ -34,6 +43,36 @@ UNLIMITED = -1
 
 _AT_LEAST_UNLIMITED = [MinValueValidator(UNLIMITED)]
 _NON_NEGATIVE = [MinValueValidator(0)]
+
+
+# The pace periods offered (seconds): each divides an hour, so periods align to the clock.
+PACE_PERIOD_CHOICES: list[tuple[int, str]] = [
+    (1, "1 second"), (2, "2 seconds"), (5, "5 seconds"), (10, "10 seconds"), (30, "30 seconds"),
+    (60, "1 minute"), (300, "5 minutes"), (600, "10 minutes"), (900, "15 minutes"),
+    (1200, "20 minutes"), (1800, "30 minutes"), (3600, "1 hour"),
+]
+PACE_PERIODS: tuple[int, ...] = tuple(seconds for seconds, _ in PACE_PERIOD_CHOICES)
+PACE_COOLDOWN_MAX_SECONDS = 86400
+_SHARE = [MinValueValidator(1), MaxValueValidator(100)]
+_POSITIVE = [MinValueValidator(1)]
+_COOLDOWN = [MinValueValidator(1), MaxValueValidator(PACE_COOLDOWN_MAX_SECONDS)]
+
+
+def _share_or_off(value: int | None) -> None:
+    # A tenant's share override: NULL inherits, -1 switches the plan's rule off, else 1..100.
+    if value is not None and value != UNLIMITED and not 1 <= value <= 100:
+        raise ValidationError("Enter a percentage from 1 to 100, or -1 to switch pace off.")
+
+
+def _spend_or_off(value: int | None) -> None:
+    if value is not None and value != UNLIMITED and value < 1:
+        raise ValidationError("Enter at least 1 micro-dollar, or -1 to switch pace off.")
+
+
+def _pace_period(value: int | None) -> None:
+    if value is not None and value not in PACE_PERIODS:
+        raise ValidationError(
+            f"Choose a period of {', '.join(map(str, PACE_PERIODS))} seconds.")
 
 
 def _default_alert_thresholds() -> list[int]:
@@ -92,6 +131,23 @@ class Plan(models.Model):
         help_text="Model names this plan may use; empty means every model.",
     )
     shrink_hold_to_headroom = models.BooleanField(default=True)
+    pace_share_percent = models.SmallIntegerField(
+        null=True, blank=True, validators=_SHARE,
+        help_text="Burn-rate breaker: at most this percent of a scope's daily token limit within "
+        "one pace period (tenant, and each project and key with a daily limit). Empty: none.",
+    )
+    pace_spend_micros = models.BigIntegerField(
+        null=True, blank=True, validators=_POSITIVE,
+        help_text="Burn-rate breaker: at most this many micro-dollars per pace period for the "
+        "tenant. Empty: none.",
+    )
+    pace_period_seconds = models.PositiveIntegerField(
+        default=600, choices=PACE_PERIOD_CHOICES, help_text="The pace period.")
+    pace_cooldown_seconds = models.PositiveIntegerField(
+        default=1800, validators=_COOLDOWN,
+        help_text="How long a scope that went over its pace stays closed (rounded up to whole "
+        "periods); then it admits a period's share again.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -104,6 +160,11 @@ class Plan(models.Model):
             models.CheckConstraint(
                 condition=models.Q(safety_factor__gte=Decimal("1")), name="plan_safety_factor_min"
             ),
+            models.CheckConstraint(
+                condition=models.Q(pace_share_percent__gte=1, pace_share_percent__lte=100),
+                name="plan_pace_share_range",
+            ),
+            *_min_value_constraints("plan", ("pace_spend_micros", "pace_cooldown_seconds"), 1),
         ]
 
     def __str__(self) -> str:
@@ -149,6 +210,22 @@ class Tenant(models.Model):
         validators=[validate_alert_thresholds],
         help_text="Alert when this many percent of a quota or budget remain.",
     )
+    pace_share_percent = models.SmallIntegerField(
+        null=True, blank=True, validators=[_share_or_off],
+        help_text="Overrides the plan's pace share (1-100 percent); -1: no pace share.",
+    )
+    pace_spend_micros = models.BigIntegerField(
+        null=True, blank=True, validators=[_spend_or_off],
+        help_text="Overrides the plan's spend pace (micro-dollars per period); -1: none.",
+    )
+    pace_period_seconds = models.PositiveIntegerField(
+        null=True, blank=True, validators=[_pace_period],
+        help_text=f"Overrides the plan's pace period ({', '.join(map(str, PACE_PERIODS))} s).",
+    )
+    pace_cooldown_seconds = models.PositiveIntegerField(
+        null=True, blank=True, validators=_COOLDOWN,
+        help_text="Overrides the plan's pace cool-down (seconds).",
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -161,6 +238,13 @@ class Tenant(models.Model):
             *_min_value_constraints(
                 "tenant", ("monthly_token_budget", "monthly_spend_budget_micros"), 0
             ),
+            models.CheckConstraint(
+                condition=models.Q(pace_share_percent=UNLIMITED)
+                | models.Q(pace_share_percent__gte=1, pace_share_percent__lte=100),
+                name="tenant_pace_share_range",
+            ),
+            *_min_value_constraints("tenant", ("pace_spend_micros",), UNLIMITED),
+            *_min_value_constraints("tenant", ("pace_cooldown_seconds",), 1),
         ]
 
     def __str__(self) -> str:
@@ -176,6 +260,15 @@ class Project(models.Model):
     name = models.CharField(max_length=200)
     tokens_per_day = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
     tokens_per_month = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    pace_share_percent = models.SmallIntegerField(
+        null=True, blank=True, validators=_SHARE,
+        help_text="Pace share of the project's daily limit (percent per pace period); empty: "
+        "the tenant's.",
+    )
+    pace_spend_micros = models.BigIntegerField(
+        null=True, blank=True, validators=_POSITIVE,
+        help_text="The project's spend pace (micro-dollars per pace period); empty: none.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -185,6 +278,11 @@ class Project(models.Model):
                 fields=["tenant", "slug"], name="project_unique_slug_per_tenant"
             ),
             *_min_value_constraints("project", ("tokens_per_day", "tokens_per_month"), 0),
+            models.CheckConstraint(
+                condition=models.Q(pace_share_percent__gte=1, pace_share_percent__lte=100),
+                name="project_pace_share_range",
+            ),
+            *_min_value_constraints("project", ("pace_spend_micros",), 1),
         ]
 
     def __str__(self) -> str:
@@ -203,6 +301,15 @@ class ApiKey(models.Model):
     tokens_per_month = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
     requests_per_minute = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
     max_concurrency = models.BigIntegerField(null=True, blank=True, validators=_NON_NEGATIVE)
+    pace_share_percent = models.SmallIntegerField(
+        null=True, blank=True, validators=_SHARE,
+        help_text="Pace share of the key's daily limit (percent per pace period); empty: the "
+        "tenant's.",
+    )
+    pace_spend_micros = models.BigIntegerField(
+        null=True, blank=True, validators=_POSITIVE,
+        help_text="The key's spend pace (micro-dollars per pace period); empty: none.",
+    )
     allowed_models = models.JSONField(
         default=list,
         blank=True,
@@ -218,11 +325,18 @@ class ApiKey(models.Model):
     class Meta:
         verbose_name = "API key"
         ordering = ["-created_at"]
-        constraints = _min_value_constraints(
-            "apikey",
-            ("tokens_per_day", "tokens_per_month", "requests_per_minute", "max_concurrency"),
-            0,
-        )
+        constraints = [
+            *_min_value_constraints(
+                "apikey",
+                ("tokens_per_day", "tokens_per_month", "requests_per_minute", "max_concurrency"),
+                0,
+            ),
+            models.CheckConstraint(
+                condition=models.Q(pace_share_percent__gte=1, pace_share_percent__lte=100),
+                name="apikey_pace_share_range",
+            ),
+            *_min_value_constraints("apikey", ("pace_spend_micros",), 1),
+        ]
 
     def __str__(self) -> str:
         return self.public_id

@@ -51,10 +51,24 @@ class EffectiveLimits:
     shrink_hold_to_headroom: bool
     allowed_models: tuple[str, ...]  # empty: every model
     model_tokens_per_day: dict[str, int] = field(default_factory=dict)  # unlisted: unlimited
+    # The burn-rate breaker (quotas/pace.py): UNLIMITED share or spend means no such rule.
+    pace_share_percent: int = UNLIMITED  # of each scope's daily token limit, per period
+    pace_spend_micros: int = UNLIMITED  # the tenant's micro-dollars per period
+    pace_period_seconds: int = 600
+    pace_cooldown_seconds: int = 1800
+
+    @property
+    def paced(self) -> bool:
+        return self.pace_share_percent != UNLIMITED or self.pace_spend_micros != UNLIMITED
 
 
 def _override(value: int | None, plan_value: int) -> int:
     return plan_value if value is None else value
+
+
+def _plan_rule(value: int | None) -> int:
+    # A plan's pace rule: NULL is no rule.
+    return UNLIMITED if value is None else value
 
 
 def effective_limits(tenant: Tenant) -> EffectiveLimits:
@@ -75,6 +89,11 @@ def effective_limits(tenant: Tenant) -> EffectiveLimits:
         shrink_hold_to_headroom=plan.shrink_hold_to_headroom,
         allowed_models=tuple(plan.allowed_models),
         model_tokens_per_day=dict(tenant.model_tokens_per_day),
+        pace_share_percent=_override(tenant.pace_share_percent,
+                                     _plan_rule(plan.pace_share_percent)),
+        pace_spend_micros=_override(tenant.pace_spend_micros, _plan_rule(plan.pace_spend_micros)),
+        pace_period_seconds=_override(tenant.pace_period_seconds, plan.pace_period_seconds),
+        pace_cooldown_seconds=_override(tenant.pace_cooldown_seconds, plan.pace_cooldown_seconds),
     )
 
 

@@ -77,6 +77,7 @@ def test_every_reason_the_gateway_reports_is_on_the_status_page(acme: Tenant,
         model_not_allowed("gpt-4o").refusal,
         model_not_priced("gpt-4o-2099-01-01").refusal,
         definitions.CONCURRENCY, definitions.QUEUE_TIMEOUT,  # gateway/admission.py
+        definitions.SPEND_RATE_EXCEEDED,  # a pace counter (acme has no pace rule): runtime.py
     }
     # Every reason the gateway can count is listed (with a label), and every listed one can be.
     assert reported == set(REFUSAL_REASONS)
