@@ -14,6 +14,7 @@ from quotas.limits import (
     MODEL_NOT_PRICED,
     QUOTA_TENANT,
     RATE_LIMIT,
+    SPEND_RATE_EXCEEDED,
     UPSTREAM_UNAVAILABLE,
 )
 
@@ -101,6 +102,18 @@ def rate_limited(message: str, retry_after_s: int,
     bound on API key lookups, gateway/auth.py)."""
     return GatewayError(429, message, "requests", "rate_limit_exceeded", None, retry_after_s,
                         refusal)
+
+
+def spend_rate_exceeded(owner: str, retry_after_s: int) -> GatewayError:
+    """A scope spending far above its pace: its burn-rate breaker is tripped (quotas/pace.py)
+    until Retry-After. 429 with type "requests" (slow down, unlike insufficient_quota), code
+    spend_rate_exceeded; the SDKs retry a 429 briefly, then raise RateLimitError."""
+    return GatewayError(
+        429,
+        f"Spending paused: {owner} spent far above its pace (its burn-rate breaker tripped). "
+        "Calls resume after the cool-down, or when an administrator resumes it in the console.",
+        "requests", "spend_rate_exceeded", None, retry_after_s, SPEND_RATE_EXCEEDED,
+    )
 
 
 def quota_store_unavailable() -> GatewayError:

@@ -20,9 +20,17 @@ from django.utils.module_loading import import_string
 
 from gateway.auth import AuthCache
 from gateway.catalog import Catalog, load_catalog
-from gateway.errors import quota_store_rebuilding
+from gateway.errors import GatewayError, quota_store_rebuilding, spend_rate_exceeded
 from gateway.providers import ProviderPool, load_pool
-from quotas.engine import AsyncQuotaEngine, QuotaEpochLost, Reservation, ReserveRequest
+from quotas.engine import (
+    AsyncQuotaEngine,
+    QuotaEpochLost,
+    QuotaStoreUnavailable,
+    Reservation,
+    ReserveRequest,
+)
+from quotas.limits import SPEND_RATE_EXCEEDED
+from quotas.pace import AsyncPaceBreaker, paced_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +85,7 @@ class GatewayRuntime:
     # Rebuilds of lost quota counters running in this worker, by tenant: the tenant's other
     # calls in this worker wait for it instead of each trying (see rebuild_quota).
     rebuilding: dict[str, asyncio.Future[RebuildOutcome]] = field(default_factory=dict)
+    _pace: AsyncPaceBreaker | None = None  # made on the first pace refusal
 
     def spawn(self, coro_factory: Callable[[], object]) -> None:
         """Run a coroutine detached from the request (see detach)."""
@@ -92,6 +101,45 @@ class GatewayRuntime:
         return task
 
     async def reserve(self, request: ReserveRequest) -> Reservation:
+        """engine.reserve (see _reserve); a refusal by a pace counter trips the scope's burn-rate
+        breaker and raises 429 spend_rate_exceeded at once, whatever the plan's over-quota
+        policy: waiting, a soft ceiling or a cheaper model cannot help a scope that is closed."""
+        reservation = await self._reserve(request)
+        refused = reservation.refused
+        if refused is not None and refused.reason == SPEND_RATE_EXCEEDED and not request.dry_run:
+            raise await self._pace_tripped(request, reservation)
+        return reservation
+
+    async def _pace_tripped(self, request: ReserveRequest, reservation: Reservation,
+                            ) -> GatewayError:
+        """Trip the refused scope's breaker (lua/pace_trip.lua: one more script call, on this
+        refusal path only; idempotent while the trip lasts) and the 429 to answer, with
+        Retry-After until the cool-down ends."""
+        refused = reservation.refused
+        assert refused is not None
+        paced = paced_of(request.limits, refused.scope)
+        now_ms = reservation.server_time_ms
+        retry_after_ms = refused.window.end_ms - now_ms
+        kind = refused.scope.split(":", 1)[0]
+        owner = f"{kind} {paced[0].label!r}" if paced and paced[0].label else refused.scope
+        if paced:
+            if self._pace is None:
+                self._pace = AsyncPaceBreaker(self.engine.client)
+            try:
+                trip = await self._pace.trip(request.tenant, paced, now_ms)
+            except QuotaStoreUnavailable:
+                # The refusal stands (the counter is full); the trip is recorded by the next.
+                log.warning("could not trip the pace breaker of %s (tenant %s)", refused.scope,
+                            request.tenant, exc_info=True)
+            else:
+                retry_after_ms = trip.until_ms - now_ms
+                if trip.first:
+                    log.warning("pace breaker tripped: tenant %s, %s %s (%s) until %d",
+                                request.tenant, paced[0].owner, owner, paced[0].rule,
+                                trip.until_ms)
+        return spend_rate_exceeded(owner, max(1, -(-retry_after_ms // 1000)))
+
+    async def _reserve(self, request: ReserveRequest) -> Reservation:
         """engine.reserve, and when Redis has lost the tenant's data (its epoch marker is gone):
         rebuild the counters from the ledger, then reserve again. Nothing is admitted on an
         empty counter: a call that cannot have its counters back in time (another process
