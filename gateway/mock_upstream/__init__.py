@@ -19,7 +19,9 @@ POST /v1/embeddings         `input` likewise; `dimensions` floats (default 8) pe
 GET  /v1/models, /v1/models/{id}   a fixed list; any model name is accepted in requests
 GET  /v1/organization/usage/completions and .../embeddings   the bill (below)
 GET  /mock/usage            totals per api_key_id and model (all days), for tests
-POST /mock/reset            clears the recorded usage
+POST /mock/reset            clears the recorded usage, the per-key faults and request counts
+POST /mock/faults           faults for one bearer key (below: per provider key fault injection)
+GET  /mock/faults           the per-key faults set, and inference requests per api_key_id
 
 Auth: /v1/* needs `Authorization: Bearer <anything non-empty>`, else 401 in OpenAI's error
 shape. Malformed JSON, a missing `model`, `messages`, `prompt` or `input`, or a bad fault value
@@ -73,10 +75,29 @@ wins over the header). The model echoed in responses and billed is the part befo
                                                              organisation, a deployment and a
                                                              URL in its message, param "model"
 
+  X-Mock-Reset: 1             gpt-4o@reset                    drop the connection after reading
+                                                             the request, no answer (a reset)
+
 Options combine (`gpt-4o@first_byte_ms=50@chunk_ms=5@cut=3`). Headers apply to every /v1
 inference endpoint and /v1/models; an unknown X-Mock-* header or suffix option is a 400 so typos
 do not pass silently. A cut stream makes uvicorn log "ASGI callable returned without completing
 response": that is the intended abnormal end.
+
+Per provider key fault injection
+--------------------------------
+A gateway sends its provider key as the bearer key, so faults can be set per key, for tests where
+one provider key fails while another serves, then heals:
+
+  POST /mock/faults  {"key": "sk-key-a", "faults": {"status": 503}}
+  POST /mock/faults  {"key": "sk-key-a", "model": "gpt-4o", "faults": {"reset": true}}
+  POST /mock/faults  {"key": "sk-key-a", "faults": {}}          heals it (for every model)
+
+`faults` takes the model-suffix options above (`status`, `retry_after`, `first_byte_ms`,
+`chunk_ms`, `cut`, `hang`, `reset`, `output_tokens`, `leaky`), validated when set (a bad one is a
+400). `model` defaults to "*" (every model); a model's faults add to (and win over) the key's
+all-model ones, and both win over headers and suffixes. GET /mock/faults answers
+{"faults": [{"api_key_id", "model", "faults"}], "requests": {api_key_id: inference requests
+received, faulted or not}}. Like the bill, this state is per worker process.
 
 The bill
 --------

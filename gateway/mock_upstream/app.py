@@ -183,6 +183,7 @@ class Faults:
     hang: bool = False
     output_tokens: int | None = None
     leaky: bool = False  # an injected 4xx's message names an organisation, deployment and URL
+    reset: bool = False  # drop the connection after reading the request, before any answer
 
 
 _HEADER_FAULTS: dict[bytes, str] = {
@@ -194,6 +195,7 @@ _HEADER_FAULTS: dict[bytes, str] = {
     b"x-mock-hang": "hang",
     b"x-mock-output-tokens": "output_tokens",
     b"x-mock-leaky": "leaky",
+    b"x-mock-reset": "reset",
 }
 _MODEL_FAULTS: dict[str, str] = {
     "first_byte_ms": "first_byte_ms",
@@ -205,6 +207,7 @@ _MODEL_FAULTS: dict[str, str] = {
     "hang": "hang",
     "output_tokens": "output_tokens",
     "leaky": "leaky",
+    "reset": "reset",
 }
 
 
@@ -229,7 +232,7 @@ def _set_fault(faults: Faults, field: str, raw: str, source: str) -> None:
             if cut < 0:
                 raise ValueError
             faults.cut_after = cut
-        elif field in ("hang", "leaky"):
+        elif field in ("hang", "leaky", "reset"):
             setattr(faults, field, raw.lower() not in ("0", "false", "no", "off"))
         elif field == "output_tokens":
             tokens = int(raw)
@@ -240,25 +243,80 @@ def _set_fault(faults: Faults, field: str, raw: str, source: str) -> None:
         raise BadRequest(f"Invalid mock fault value {raw!r} for {source}.", param="model") from None
 
 
-def parse_faults(headers: RequestHeaders, model: str | None) -> tuple[str | None, Faults]:
-    """Faults from X-Mock-* headers, then from `model@opt=value` suffixes (which win)."""
+class KeyFaults:
+    """Faults set through POST /mock/faults for one bearer key (all models, or one), and the
+    inference requests each key sent (GET /mock/faults), so tests can make one provider key fail
+    while another serves, then heal it. Kept by api_key_id, never the key itself."""
+
+    ANY_MODEL = "*"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.faults: dict[tuple[str, str], dict[str, str]] = {}
+        self.requests: dict[str, int] = {}
+
+    def set(self, key_id: str, model: str, fields: dict[str, str]) -> None:
+        with self._lock:
+            if fields:
+                self.faults[(key_id, model)] = fields
+            else:
+                self.faults.pop((key_id, model), None)
+
+    def count(self, key_id: str) -> None:
+        with self._lock:
+            self.requests[key_id] = self.requests.get(key_id, 0) + 1
+
+    def applying(self, key_id: str, model: str) -> list[dict[str, str]]:
+        """The faults for this key: all-model ones first, then the model's (which win)."""
+        if not self.faults:
+            return []
+        with self._lock:
+            found = [self.faults.get((key_id, self.ANY_MODEL)), self.faults.get((key_id, model))]
+        return [fields for fields in found if fields]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.faults.clear()
+            self.requests.clear()
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            return {"faults": [{"api_key_id": key_id, "model": model, "faults": fields}
+                               for (key_id, model), fields in sorted(self.faults.items())],
+                    "requests": dict(self.requests)}
+
+
+key_faults = KeyFaults()
+
+
+def parse_faults(headers: RequestHeaders, model: str | None,
+                 key: str | None = None) -> tuple[str | None, Faults]:
+    """Faults from X-Mock-* headers, then from `model@opt=value` suffixes, then those set for the
+    bearer `key` through POST /mock/faults (each later source wins). Counts the key's request."""
     faults = Faults()
     for name, value in headers.mock.items():
         field = _HEADER_FAULTS.get(name)
         if field is None:
             raise BadRequest(f"Unknown mock header {name.decode('latin-1')!r}.")
         _set_fault(faults, field, value.decode("latin-1").strip(), name.decode("latin-1"))
-    if model is None or "@" not in model:
-        return model, faults
-    base, *options = model.split("@")
-    for option in options:
-        key, sep, raw = option.partition("=")
-        field = _MODEL_FAULTS.get(key)
-        if field is None or (not sep and field not in ("hang", "leaky")):
-            raise BadRequest(f"Unknown mock model option {option!r} in {model!r}.", param="model")
-        _set_fault(faults, field, raw if sep else "1", f"model option {key!r}")
-    if not base:
-        raise BadRequest("The model name before '@' is empty.", param="model")
+    base = model
+    if model is not None and "@" in model:
+        base, *options = model.split("@")
+        for option in options:
+            name, sep, raw = option.partition("=")
+            field = _MODEL_FAULTS.get(name)
+            if field is None or (not sep and field not in ("hang", "leaky", "reset")):
+                raise BadRequest(f"Unknown mock model option {option!r} in {model!r}.",
+                                 param="model")
+            _set_fault(faults, field, raw if sep else "1", f"model option {name!r}")
+        if not base:
+            raise BadRequest("The model name before '@' is empty.", param="model")
+    if key is not None:
+        key_id = api_key_id(key)
+        key_faults.count(key_id)
+        for fields in key_faults.applying(key_id, base or KeyFaults.ANY_MODEL):
+            for field, raw in fields.items():
+                _set_fault(faults, field, raw, f"fault {field!r} of {key_id}")
     return base, faults
 
 
@@ -532,6 +590,9 @@ async def _apply_faults(faults: Faults, receive: Receive, send: Send) -> bool:
     """Delay, hang or fail as asked; True when the response has been dealt with."""
     if faults.first_byte_ms:
         await asyncio.sleep(faults.first_byte_ms / 1000.0)
+    if faults.reset:
+        _drop_connection(send)
+        return True
     if faults.hang:
         # Waiting on receive() ends as soon as the client gives up, so hung requests do not pile up.
         try:
@@ -557,6 +618,16 @@ async def _apply_faults(faults: Faults, receive: Receive, send: Send) -> bool:
         await send_json(send, status, _error_body(status, message, param, error_type, code), extra)
         return True
     return False
+
+
+def _drop_connection(send: Send) -> None:
+    """Abort the TCP connection with no answer at all: a reset as the client sees it. ASGI has
+    no message for that; uvicorn's `send` is a method of its request cycle, which holds the
+    asyncio transport (both its httptools and h11 protocols)."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        raise RuntimeError("the reset fault needs uvicorn (no transport to abort)")
+    transport.abort()
 
 
 async def _send_body(send: Send, body: bytes, faults: Faults) -> None:
@@ -645,7 +716,7 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send, headers: 
     payload = await _read_json(receive)
     if payload is None:
         return
-    model, faults = parse_faults(headers, _required_model(payload))
+    model, faults = parse_faults(headers, _required_model(payload), key)
     assert model is not None
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -724,7 +795,7 @@ async def completions(scope: Scope, receive: Receive, send: Send, headers: Reque
     payload = await _read_json(receive)
     if payload is None:
         return
-    model, faults = parse_faults(headers, _required_model(payload))
+    model, faults = parse_faults(headers, _required_model(payload), key)
     assert model is not None
     prompt_counts = _prompt_items(payload.get("prompt"), "prompt")
     prompt_tokens = sum(prompt_counts)
@@ -777,7 +848,7 @@ async def embeddings(scope: Scope, receive: Receive, send: Send, headers: Reques
     payload = await _read_json(receive)
     if payload is None:
         return
-    model, faults = parse_faults(headers, _required_model(payload))
+    model, faults = parse_faults(headers, _required_model(payload), key)
     assert model is not None
     raw_input = payload.get("input")
     counts = _prompt_items(raw_input, "input")
@@ -938,7 +1009,37 @@ async def mock_usage(scope: Scope, receive: Receive, send: Send, headers: Reques
 async def mock_reset(scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
     await _read_body(receive)
     ledger.reset()
+    key_faults.reset()
     await send_json(send, 200, b'{"ok":true}')
+
+
+async def mock_faults_get(scope: Scope, receive: Receive, send: Send,
+                          headers: RequestHeaders) -> None:
+    await send_json(send, 200, _dumps(key_faults.report()).encode())
+
+
+async def mock_faults_set(scope: Scope, receive: Receive, send: Send,
+                          headers: RequestHeaders) -> None:
+    """{"key": "<bearer key>", "model": "<model>" (default "*": every model), "faults": {...}}:
+    the faults that key's requests get from now on; empty `faults` heals it."""
+    payload = await _read_json(receive)
+    if payload is None:
+        return
+    key, model, fields = payload.get("key"), payload.get("model", KeyFaults.ANY_MODEL), \
+        payload.get("faults")
+    if not isinstance(key, str) or not key.strip() or not isinstance(model, str) or not model \
+            or not isinstance(fields, dict):
+        raise BadRequest("Expected {\"key\": str, \"model\": str (optional), \"faults\": {}}.")
+    raw = {}
+    for name, value in fields.items():
+        field = _MODEL_FAULTS.get(name)
+        if field is None:
+            raise BadRequest(f"Unknown fault {name!r}.", param="faults")
+        raw[field] = str(value).lower() if isinstance(value, bool) else str(value)
+        _set_fault(Faults(), field, raw[field], f"fault {name!r}")  # validated now, not per call
+    key_faults.set(api_key_id(key.strip()), model, raw)
+    await send_json(send, 200, _dumps({"ok": True, "api_key_id": api_key_id(key.strip()),
+                                       "model": model, "faults": raw}).encode())
 
 
 ROUTES: dict[str, dict[str, Handler]] = {
@@ -950,6 +1051,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/organization/usage/embeddings": {"GET": _usage_endpoint("embeddings")},
     "/mock/usage": {"GET": mock_usage},
     "/mock/reset": {"POST": mock_reset},
+    "/mock/faults": {"GET": mock_faults_get, "POST": mock_faults_set},
 }
 
 
