@@ -26,6 +26,8 @@ ARGV
   ARGV[3]  event           opaque string (the caller's JSON: why it was released, latency, ...)
   ARGV[4]  fallback        JSON object, read only when the record is gone: {"units": [...],
                            "amount": tokens held, "created": ms, "meta": reserve's meta}
+  ARGV[5]  wake channel    optional: then the LAST key is the tenant's waiters key, and when it
+                           exists the freed capacity is announced (see lua/settle.lua)
 
 Return table
   { outcome, released, held }
@@ -40,8 +42,14 @@ created, ended, meta, event; "corrected" adds swept and swept_money; a lost reco
 The stream is never trimmed here. Expired counters are skipped, never recreated.
 ]]
 
-if #KEYS < 4 or #ARGV ~= 4 then
-  return redis.error_reply('release: expected KEYS = hold, index, stream, counters..., [gauge] and 4 ARGV')
+if #KEYS < 4 or (#ARGV ~= 4 and #ARGV ~= 5) or (#ARGV == 5 and #KEYS < 5) then
+  return redis.error_reply('release: expected KEYS = hold, index, stream, counters..., [gauge], [waiters] and 4 ARGV (5 with the waiters key)')
+end
+local nkeys = #ARGV == 5 and #KEYS - 1 or #KEYS
+local function wake()
+  if #ARGV == 5 and redis.call('EXISTS', KEYS[#KEYS]) == 1 then
+    redis.call('PUBLISH', ARGV[5], cjson.encode({ w = KEYS[#KEYS] }))
+  end
 end
 local tombstone_ttl = tonumber(ARGV[2])
 if not tombstone_ttl or tombstone_ttl < 1 then
@@ -57,7 +65,10 @@ local state = hold[1]
 
 if state == false then
   local known = cjson.decode(ARGV[4])
-  if #KEYS > #known.units + 3 then redis.call('ZREM', KEYS[#KEYS], ARGV[1]) end
+  if nkeys > #known.units + 3 then
+    redis.call('ZREM', KEYS[nkeys], ARGV[1])
+    wake()
+  end
   redis.call('HSET', KEYS[1], 'state', 'released', 'orphan', 1)
   redis.call('EXPIRE', KEYS[1], tombstone_ttl)
   redis.call('XADD', KEYS[3], '*',
@@ -73,7 +84,7 @@ end
 local keys = cjson.decode(hold[3])
 local gauge = hold[4] or ''
 local expected = #keys + 3 + (gauge ~= '' and 1 or 0)
-if #KEYS ~= expected or (gauge ~= '' and KEYS[expected] ~= gauge) then
+if nkeys ~= expected or (gauge ~= '' and KEYS[expected] ~= gauge) then
   return { 'keys_mismatch', 0, 0 }
 end
 for i = 1, #keys do
@@ -98,6 +109,7 @@ if state == 'swept' then
     'request_id', ARGV[1], 'outcome', 'corrected', 'held', amount, 'actual', 0, 'money', 0,
     'swept', swept, 'swept_money', swept_money,
     'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[3])
+  if swept > 0 then wake() end
   return { 'corrected', swept, amount }
 end
 
@@ -117,4 +129,5 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('XADD', KEYS[3], '*',
   'request_id', ARGV[1], 'outcome', 'released', 'held', amount, 'actual', 0, 'money', 0,
   'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[3])
+wake()
 return { 'released', amount, amount }

@@ -15,7 +15,14 @@ KEYS (all of one tenant, sharing its hash tag `{t<id>}`, so this runs on one clu
   KEYS[3..N+2]       counters      tg:{t<id>}:q:<scope>:<window>  hash {limit used pending credit over}
   KEYS[N+3..N+R+2]   rate buckets  tg:{t<id>}:rate:<scope>:<period> hash {tokens ts}
   KEYS[N+R+3]        gauge         tg:{t<id>}:conc:<scope>        zset; present iff cap >= 0
-  KEYS[last]         epoch         tg:{t<id>}:epoch               string; present iff check_epoch
+  KEYS[N+R+G+3]      epoch         tg:{t<id>}:epoch               string; present iff check_epoch
+  then, under the queue policy only (see "Queue" below; E = the keys above):
+  KEYS[E+1]          waiters       tg:{t<id>}:waiters             zset waiter id -> expiry ms
+  KEYS[E+2]          membership    tg:{t<id>}:waiters:in          hash waiter id -> its queue key
+  KEYS[E+3]          arrivals      tg:{t<id>}:waiters:seq         string counter
+  KEYS[E+4..E+N+3]   counter queues  tg:{t<id>}:wq:q:<scope>[:usd]:<kind>, one per counter
+  KEYS[..+R]         bucket queues   tg:{t<id>}:wq:rate:<scope>:<period>ms, one per bucket
+  KEYS[..+1]         gauge queue     tg:{t<id>}:wq:conc:<scope>; present iff cap >= 0
 
 ARGV
   ARGV[1]  request_id     the index member; the caller guarantees it matches KEYS[1]
@@ -42,6 +49,14 @@ ARGV
                                     (inclusive), window_end ms (exclusive), expire_at unix s,
                                     unit (0: tokens, held `granted`; 1: micro-dollars, held `money`)
   then for bucket j, two values:    capacity (requests), period_ms (refills capacity per period)
+  then, under the queue policy only (their presence is the flag: 6 + N more values):
+    order        the waiter's place, "" before it has one (then -priority * 2^32 + arrival)
+    priority     the plan's queue priority, |priority| < 2^20 (higher is served first)
+    deadline_ms  Redis clock: the caller gives up then; its entry is dead after it
+    lease_ms     a queue's head must come back within this, or it is dead
+    max_waiters  the tenant's bound; a new waiter beyond it is refused (code -7)
+    channel      the pub/sub channel of wakes
+    queueable_1..queueable_N   1: a refusal by counter i may wait; 0: refused at once
 
 Clock
   The Redis server's TIME is the only clock. The caller computes windows from its estimate of
@@ -57,6 +72,11 @@ Return table (integers only)
   epoch missing:     { -5, 0, now_ms }                  counters must be rebuilt first
   refused, rate:     { -3, j, now_ms, retry_after_ms }  j = first empty bucket
   refused, gauge:    { -4, open, now_ms }               open = requests in flight for the key
+  queued:            { -6, head, now_ms, retry_after_ms, order, kind, index, waiters }
+                     (queue policy only) the caller waits in the queue of resource `kind`
+                     (1 counter, 2 bucket, 3 gauge) number `index`; head = 1 when no live waiter
+                     is ahead of it there; retry_after_ms > 0 when a bucket refills then
+  queue full:        { -7, waiters, now_ms }            (queue policy) nothing written
   rem_i = limit + credit - used - pending after this call (-1: unlimited counter);
   bucket_j = whole requests left in bucket j after this call.
   In a dry run, figures are as if the hold had been made; nothing is written.
@@ -70,6 +90,18 @@ Hold record (hash KEYS[1])
   It expires with the latest counter (never before the counters it will decrement); each hold is
   its own key, so no expiry can drop other requests' holds at once.
 
+Queue (only when the queue values are passed: other calls run none of this)
+  Every refusing resource (a counter with a limit, a bucket, the gauge) has a queue in the
+  tenant's slot, ordered by priority, then arrival. Before any check, the caller is compared with
+  the queues of every resource it touches: if a live waiter is ahead of it in any of them, it is
+  queued behind (new arrivals never overtake). Otherwise the checks run as always; a refusal by a
+  queueable resource queues the caller there (keeping its order when it moves between queues), a
+  refusal by a counter marked not queueable answers at once (and takes it out of its queue), an
+  admission takes it out of its queue. A waiter leaving the head of a queue that still has
+  waiters wakes the next head (PUBLISH {"w": waiters key, "ids": [head]}) and gives it a lease:
+  a head must call again within lease_ms, else it is taken for dead. Entries past their expiry
+  (the deadline, or the head's lease) are dropped by whoever finds them ahead of itself.
+
 TTLs: counters expire at their expire_at, set once at creation and never refreshed (a new window
 is a new key). A bucket's TTL is refreshed to one period on each write: an expired bucket is a
 full bucket, which is exactly its state after a period without requests. The gauge expires
@@ -79,11 +111,14 @@ stale_ms after its last admission. The index has no TTL; Redis deletes it when e
 local n, r = tonumber(ARGV[5]), tonumber(ARGV[6])
 local cap = tonumber(ARGV[7])
 local check_epoch = ARGV[14] == '1'
+local base_argv = n and r and 14 + 5 * n + 2 * r
+local base_keys = n and r and cap and 2 + n + r + (cap >= 0 and 1 or 0) + (check_epoch and 1 or 0)
 if not n or n < 1 or not r or r < 0 or not cap or cap < -1
-  or #ARGV ~= 14 + 5 * n + 2 * r
-  or #KEYS ~= 2 + n + r + (cap >= 0 and 1 or 0) + (check_epoch and 1 or 0) then
-  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge], [epoch]; ARGV = 14 + 5N + 2R values')
+  or (#ARGV ~= base_argv and #ARGV ~= base_argv + 6 + n)
+  or #KEYS ~= base_keys + (#ARGV == base_argv and 0 or 3 + n + r + (cap >= 0 and 1 or 0)) then
+  return redis.error_reply('reserve: expected KEYS = hold, index, N counters, R buckets, [gauge], [epoch], [queue keys]; ARGV = 14 + 5N + 2R values [+ 6 + N queue values]')
 end
+local queued_mode = #ARGV ~= base_argv
 
 local request_id = ARGV[1]
 local amount = tonumber(ARGV[2])
@@ -114,12 +149,138 @@ end
 
 -- A missing epoch means this slot lost its data (restart without persistence, failover,
 -- flush): every counter would read 0, an overdraft nobody notices. Refuse until rebuilt.
-if check_epoch and redis.call('EXISTS', KEYS[#KEYS]) == 0 then
+if check_epoch and redis.call('EXISTS', KEYS[base_keys]) == 0 then
   return { -5, 0, now_ms }
 end
 
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return { -2, 0, now_ms }
+end
+
+-- The queue (queue policy only) ---------------------------------------------------------------
+local Q = nil
+if queued_mode then
+  local qa = base_argv
+  local order = ARGV[qa + 1] ~= '' and tonumber(ARGV[qa + 1]) or nil
+  local priority = tonumber(ARGV[qa + 2])
+  Q = { waiters = KEYS[base_keys + 1], member = KEYS[base_keys + 2], seq = KEYS[base_keys + 3],
+        order = order, priority = priority, deadline = tonumber(ARGV[qa + 3]),
+        lease = tonumber(ARGV[qa + 4]), max = tonumber(ARGV[qa + 5]), channel = ARGV[qa + 6],
+        queueable = {}, wake = {} }
+  if not priority or math.abs(priority) >= 1048576 or not Q.deadline or not Q.lease
+    or Q.lease < 1 or not Q.max or Q.max < 1 or dry_run or (ARGV[qa + 1] ~= '' and not order) then
+    return redis.error_reply('reserve: queue values: |priority| < 2^20, deadline, lease >= 1, max_waiters >= 1, order "" or a number, and no dry run')
+  end
+  for i = 1, n do Q.queueable[i] = ARGV[qa + 6 + i] == '1' end
+  -- the queue key of each resource: counter i, bucket j, the gauge
+  Q.counter_q = function(i) return KEYS[base_keys + 3 + i] end
+  Q.bucket_q = function(j) return KEYS[base_keys + 3 + n + j] end
+  Q.gauge_q = KEYS[base_keys + 4 + n + r]
+end
+
+local function drop(id, qk)
+  redis.call('ZREM', qk, id)
+  redis.call('ZREM', Q.waiters, id)
+  redis.call('HDEL', Q.member, id)
+end
+
+-- The first live waiter of queue qk ahead of `before` (any, when before is nil), dropping dead
+-- entries met on the way; a new head found behind them is given its lease and woken.
+local function live_ahead(qk, before)
+  local dropped = false
+  for _ = 1, 64 do
+    local first = redis.call('ZRANGE', qk, 0, 0, 'WITHSCORES')
+    if #first == 0 or (before ~= nil and tonumber(first[2]) >= before) then
+      if dropped and #first > 0 then
+        local exp = tonumber(redis.call('ZSCORE', Q.waiters, first[1]))
+        if exp then redis.call('ZADD', Q.waiters, math.min(exp, now_ms + Q.lease), first[1]) end
+        Q.wake[#Q.wake + 1] = first[1]
+      end
+      return nil
+    end
+    local id = first[1]
+    local exp = tonumber(redis.call('ZSCORE', Q.waiters, id))
+    if exp ~= nil and exp >= now_ms then
+      if dropped then
+        redis.call('ZADD', Q.waiters, math.min(exp, now_ms + Q.lease), id)
+        Q.wake[#Q.wake + 1] = id
+      end
+      return id
+    end
+    drop(id, qk)  -- past its deadline or its lease: the waiter is gone
+    dropped = true
+  end
+  return '?'  -- more dead entries than one call should drop: stay behind them this time
+end
+
+-- Take this caller out of its queue (admitted, refused for good); wake the next head.
+local function leave()
+  local cur = redis.call('HGET', Q.member, request_id)
+  if not cur then
+    redis.call('ZREM', Q.waiters, request_id)
+    return
+  end
+  local first = redis.call('ZRANGE', cur, 0, 0)
+  drop(request_id, cur)
+  if first[1] == request_id then live_ahead(cur, nil) end
+  if redis.call('EXISTS', Q.waiters) == 0 then redis.call('DEL', Q.seq) end
+end
+
+local function publish_wakes()
+  if Q and #Q.wake > 0 then
+    redis.call('PUBLISH', Q.channel, cjson.encode({ w = Q.waiters, ids = Q.wake }))
+  end
+end
+
+-- Queue the caller in qk (resource kind, index), keeping its order; the reply says whether it
+-- is the head there.
+local function wait_in(qk, kind, index, retry_after)
+  local registered = redis.call('ZSCORE', Q.waiters, request_id) ~= false
+  if not registered and Q.order == nil and redis.call('ZCARD', Q.waiters) >= Q.max then
+    -- Entries past their expiry (waiters of dead processes in queues nobody visits) do not
+    -- count; their queue entries are dropped when met (an entry without expiry is dead).
+    redis.call('ZREMRANGEBYSCORE', Q.waiters, '-inf', now_ms - 1)
+    local count = redis.call('ZCARD', Q.waiters)
+    if count >= Q.max then
+      publish_wakes()
+      return { -7, count, now_ms }
+    end
+  end
+  if Q.order == nil then
+    Q.order = -Q.priority * 4294967296 + redis.call('INCR', Q.seq)
+  end
+  local cur = redis.call('HGET', Q.member, request_id)
+  if cur and cur ~= qk then
+    local first = redis.call('ZRANGE', cur, 0, 0)
+    redis.call('ZREM', cur, request_id)
+    if first[1] == request_id then live_ahead(cur, nil) end
+  end
+  redis.call('ZADD', qk, Q.order, request_id)
+  redis.call('HSET', Q.member, request_id, qk)
+  local head = live_ahead(qk, Q.order) == nil
+  local exp = head and math.min(Q.deadline, now_ms + Q.lease) or Q.deadline
+  redis.call('ZADD', Q.waiters, exp, request_id)
+  publish_wakes()
+  return { -6, head and 1 or 0, now_ms, retry_after or 0, Q.order, kind, index,
+           redis.call('ZCARD', Q.waiters) }
+end
+
+-- The gate: behind any live waiter ahead in the queue of a resource this call touches.
+if Q then
+  local mine = Q.order
+  if mine == nil then
+    -- A newcomer comes after every waiter of its priority (its arrival number is not taken yet).
+    mine = -Q.priority * 4294967296 + 4294967295
+  end
+  if cap >= 0 and live_ahead(Q.gauge_q, mine) ~= nil then return wait_in(Q.gauge_q, 3, 1) end
+  for j = 1, r do
+    if live_ahead(Q.bucket_q(j), mine) ~= nil then return wait_in(Q.bucket_q(j), 2, j) end
+  end
+  for i = 1, n do
+    if limits[i] >= 0 and Q.queueable[i] and live_ahead(Q.counter_q(i), mine) ~= nil then
+      return wait_in(Q.counter_q(i), 1, i)
+    end
+  end
 end
 
 -- 1. concurrency
@@ -129,6 +290,7 @@ if cap >= 0 then
   redis.call('ZREMRANGEBYSCORE', gauge, '-inf', now_ms - stale_ms)
   local open = redis.call('ZCARD', gauge)
   if open >= cap then
+    if Q then return wait_in(Q.gauge_q, 3, 1) end
     return { -4, open, now_ms }
   end
 end
@@ -144,6 +306,7 @@ for j = 1, r do
   tokens = math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / period)
   if tokens < 1 then
     local retry_after = math.ceil((1 - tokens) * period / capacity)
+    if Q then return wait_in(Q.bucket_q(j), 2, j, retry_after) end
     return { -3, j, now_ms, retry_after }
   end
   bucket_left[j], bucket_cap[j], bucket_period[j] = tokens - 1, capacity, period
@@ -195,8 +358,17 @@ end
 for j = 1, r do
   out[#out + 1] = math.floor(refused == 0 and bucket_left[j] or bucket_left[j] + 1)
 end
+if refused ~= 0 and Q then
+  if Q.queueable[refused] then return wait_in(Q.counter_q(refused), 1, refused) end
+  leave()  -- waiting cannot help (e.g. a pace counter): refused at once, out of the queue
+  publish_wakes()
+end
 if refused ~= 0 or dry_run then
   return out
+end
+if Q then
+  leave()  -- admitted: out of its queue, and the next head is told to try at once
+  publish_wakes()
 end
 
 -- all checks passed: write

@@ -33,6 +33,10 @@ ARGV
   ARGV[6]  fallback        JSON object, what the caller knows of the hold, read only when the
                            record is gone: {"units": [0 tokens | 1 micro-dollars, per counter
                            key], "amount": tokens held, "created": ms, "meta": reserve's meta}
+  ARGV[7]  wake channel    optional: then the LAST key is the tenant's waiters key
+                           (tg:{t<id>}:waiters), and when it exists (callers wait in the queue)
+                           the freed capacity is announced: PUBLISH channel {"w": waiters key}.
+                           One EXISTS when nobody waits; the gateway always passes it.
 
 Return table
   { outcome, held, charged }
@@ -51,8 +55,15 @@ Counters that have already expired (a settle long after the window) are skipped 
 recreated without a TTL. Tokens used above the hold are added to the counter's `over` field.
 ]]
 
-if #KEYS < 4 or #ARGV ~= 6 then
-  return redis.error_reply('settle: expected KEYS = hold, index, stream, counters..., [gauge] and 6 ARGV')
+if #KEYS < 4 or (#ARGV ~= 6 and #ARGV ~= 7) or (#ARGV == 7 and #KEYS < 5) then
+  return redis.error_reply('settle: expected KEYS = hold, index, stream, counters..., [gauge], [waiters] and 6 ARGV (7 with the waiters key)')
+end
+-- Without the optional waiters key, nkeys = #KEYS: the layout callers used before the queue.
+local nkeys = #ARGV == 7 and #KEYS - 1 or #KEYS
+local function wake()
+  if #ARGV == 7 and redis.call('EXISTS', KEYS[#KEYS]) == 1 then
+    redis.call('PUBLISH', ARGV[7], cjson.encode({ w = KEYS[#KEYS] }))
+  end
 end
 local actual = tonumber(ARGV[2])
 local tombstone_ttl = tonumber(ARGV[3])
@@ -79,13 +90,14 @@ if state == false then
       redis.call('HINCRBY', key, 'used', units[i] == 1 and actual_money or actual)
     end
   end
-  if #KEYS > #units + 3 then redis.call('ZREM', KEYS[#KEYS], ARGV[1]) end
+  if nkeys > #units + 3 then redis.call('ZREM', KEYS[nkeys], ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'settled', 'actual', actual, 'orphan', 1)
   redis.call('EXPIRE', KEYS[1], tombstone_ttl)
   redis.call('XADD', KEYS[3], '*',
     'request_id', ARGV[1], 'outcome', 'settled', 'held', known.amount, 'actual', actual,
     'money', actual_money, 'created', known.created, 'ended', now_ms, 'meta', known.meta,
     'event', ARGV[4], 'orphan', 1)
+  wake()
   return { 'settled', 0, actual }
 end
 if state ~= 'open' and state ~= 'swept' then
@@ -95,7 +107,7 @@ end
 local keys = cjson.decode(hold[3])
 local gauge = hold[4] or ''
 local expected = #keys + 3 + (gauge ~= '' and 1 or 0)
-if #KEYS ~= expected or (gauge ~= '' and KEYS[expected] ~= gauge) then
+if nkeys ~= expected or (gauge ~= '' and KEYS[expected] ~= gauge) then
   return { 'keys_mismatch', 0, 0 }
 end
 for i = 1, #keys do
@@ -123,6 +135,7 @@ if state == 'swept' then
     'request_id', ARGV[1], 'outcome', 'corrected', 'held', amount, 'actual', actual,
     'money', actual_money, 'swept', swept, 'swept_money', swept_money,
     'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[4])
+  if actual < swept then wake() end
   return { 'corrected', amount, actual - swept }
 end
 
@@ -149,4 +162,5 @@ redis.call('XADD', KEYS[3], '*',
   'request_id', ARGV[1], 'outcome', 'settled', 'held', amount, 'actual', actual,
   'money', actual_money,
   'created', hold[5], 'ended', now_ms, 'meta', hold[6] or '', 'event', ARGV[4])
+wake()
 return { 'settled', amount, actual }

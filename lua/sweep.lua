@@ -30,6 +30,8 @@ ARGV
   ARGV[2]            H              number of holds in this batch (bounded by the caller)
   ARGV[3]            tombstone_ttl  seconds to keep a swept hold record (a late settle needs it)
   ARGV[4..H+3]       request ids, in the order of KEYS[3..H+2]
+  ARGV[H+4]          wake channel, optional: then the LAST key is the tenant's waiters key, and
+                     when a hold was swept and it exists, PUBLISH channel {"w": waiters key}
 
 Return table
   { swept, dropped, fresh, now_ms, id_1, amount_1, charged_1, basis_1, id_2, ... }
@@ -49,7 +51,8 @@ end
 local stale_ms = tonumber(ARGV[1])
 local h = tonumber(ARGV[2])
 local tombstone_ttl = tonumber(ARGV[3])
-if not stale_ms or stale_ms < 0 or not h or h < 0 or #ARGV ~= 3 + h or #KEYS < 2 + h
+if not stale_ms or stale_ms < 0 or not h or h < 0 or (#ARGV ~= 3 + h and #ARGV ~= 4 + h)
+  or #KEYS < 2 + h + (#ARGV == 4 + h and 1 or 0)
   or not tombstone_ttl or tombstone_ttl < 1 then
   return redis.error_reply('sweep: bad arguments (stale_ms >= 0, H ids and H hold keys, tombstone_ttl >= 1)')
 end
@@ -128,6 +131,10 @@ for i = 1, h do
       ended[#ended + 1] = phase
     end
   end
+end
+
+if swept > 0 and #ARGV == 4 + h and redis.call('EXISTS', KEYS[#KEYS]) == 1 then
+  redis.call('PUBLISH', ARGV[4 + h], cjson.encode({ w = KEYS[#KEYS] }))
 end
 
 local out = { swept, dropped, fresh, now_ms }

@@ -146,6 +146,33 @@ class ConcurrencyLimit:
 
 
 @dataclass(frozen=True)
+class QueueTicket:
+    """What a call under the queue policy brings to reserve (lua/reserve.lua, "Queue"): the gate
+    (behind any live waiter ahead of it) and, on a refusal that waiting can help, its place in the
+    refusing resource's queue."""
+
+    priority: int  # the plan's queue priority, higher first; |priority| < 2^20
+    deadline_ms: int  # on the Redis clock: the caller gives up then, its entry is dead after it
+    lease_ms: int  # a head must call again within this, or it is taken for dead
+    max_waiters: int  # the tenant's bound on waiters
+    order: int | None = None  # its place, from the first queued reply; None before it has one
+
+    def __post_init__(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) \
+                or abs(self.priority) >= QUEUE_PRIORITY_BOUND:
+            raise ValueError(f"queue priority must be an integer below 2^20 in magnitude, "
+                             f"got {self.priority!r}")
+        _require_int("deadline_ms", self.deadline_ms, 0)
+        _require_int("lease_ms", self.lease_ms, 1)
+        _require_int("max_waiters", self.max_waiters, 1)
+
+
+# Priorities beyond this are clamped by callers (an order is -priority * 2^32 + arrival, exact in
+# a Lua double below 2^53).
+QUEUE_PRIORITY_BOUND = 2**20
+
+
+@dataclass(frozen=True)
 class ReserveRequest:
     tenant: str
     request_id: str
@@ -168,9 +195,13 @@ class ReserveRequest:
     # Refuse (QuotaEpochLost) when the tenant's epoch marker is missing. The gateway turns it on;
     # off by default for tools and tests that use a bare Redis.
     check_epoch: bool = False
+    # The queue policy: gate and queue in the same script call (None: reserve as always).
+    queue: QueueTicket | None = None
 
     def __post_init__(self) -> None:
         keys.validate_request_id(self.request_id)
+        if self.queue is not None and self.dry_run:
+            raise ValueError("a dry run cannot wait in the queue")
         if not self.limits:
             raise ValueError("a reservation needs at least one scope")
         _require_int("amount", self.amount, 1)
@@ -221,6 +252,16 @@ class Outcome(StrEnum):
     QUOTA = "quota"  # a token quota had no room: OpenAI's `insufficient_quota`
     RATE = "rate"  # a request-rate bucket was empty: `rate_limit_exceeded`
     CONCURRENCY = "concurrency"  # too many requests in flight: `rate_limit_exceeded`
+    QUEUED = "queued"  # (queue policy) waiting in the queue of `queue_key`
+    QUEUE_FULL = "queue_full"  # (queue policy) the tenant has its bound of waiters already
+
+
+class QueueResource(StrEnum):
+    """Which kind of resource a queued call waits for (lua/reserve.lua's `kind`)."""
+
+    COUNTER = "counter"
+    BUCKET = "bucket"
+    GAUGE = "gauge"
 
 
 @dataclass(frozen=True)
@@ -237,6 +278,16 @@ class Reservation:
     refused_rate: RateLimit | None = None
     retry_after_ms: int = 0  # for RATE: when the bucket has a request again
     in_flight: int = 0  # for CONCURRENCY: requests of the scope in flight
+    # QUEUED: the queue the call waits in, its place, whether it is the head and what for (the
+    # refusing counter is in `refused`, the bucket in `refused_rate`; RATE's retry_after_ms).
+    queue_key: str = ""
+    queue_order: int | None = None
+    queue_head: bool = False
+    queue_resource: QueueResource | None = None
+    waiters: int = 0  # QUEUED / QUEUE_FULL: the tenant's waiters then
+    # Milliseconds this call waited in the queue before it was admitted (queue policy; 0 when
+    # it did not wait). Set by quotas/waiting.py, not by the script.
+    queue_wait_ms: int = 0
 
     @property
     def remaining(self) -> int:
@@ -479,6 +530,9 @@ class _Calls:
             call_keys.append(keys.gauge_key(req.tenant, req.concurrency.scope))
         if req.check_epoch:
             call_keys.append(keys.epoch_key(req.tenant))
+        if req.queue is not None:
+            call_keys += _queue_keys(req)
+            args += _queue_args(req)
         return _ReserveCall(req, tuple(counters), call_keys, args)
 
     def reserve_reply(self, call: _ReserveCall, reply: Sequence[Any]) -> Reservation | None:
@@ -492,6 +546,12 @@ class _Calls:
             return _DUPLICATE
         if code == -5:
             raise QuotaEpochLost(req.tenant)
+        if code == -6:
+            return _queued(call, reply)
+        if code == -7:
+            return Reservation(admitted=False, request_id=req.request_id, granted=0, counters=(),
+                               refused=None, server_time_ms=now_ms, hold=None,
+                               outcome=Outcome.QUEUE_FULL, waiters=detail)
         if code in (-3, -4):
             rate = code == -3
             return Reservation(
@@ -537,6 +597,8 @@ class _Calls:
         ]
         if hold.gauge_key:
             call_keys.append(hold.gauge_key)
+        # Last: the waiters key, so the script announces freed capacity when callers wait.
+        call_keys.append(keys.queue_waiters_key(hold.tenant))
         return call_keys
 
     def settle_args(self, hold: Hold, actual: int, event: str, actual_money: int) -> list[Any]:
@@ -545,10 +607,11 @@ class _Calls:
         if not isinstance(actual_money, int) or actual_money < 0:
             raise ValueError(f"actual_money must be an integer >= 0, got {actual_money!r}")
         return [hold.request_id, actual, self.settings.tombstone_s, event, actual_money,
-                _fallback(hold)]
+                _fallback(hold), keys.QUEUE_WAKE_CHANNEL]
 
     def release_args(self, hold: Hold, event: str) -> list[Any]:
-        return [hold.request_id, self.settings.tombstone_s, event, _fallback(hold)]
+        return [hold.request_id, self.settings.tombstone_s, event, _fallback(hold),
+                keys.QUEUE_WAKE_CHANNEL]
 
     def hold_from_record(self, tenant: str, request_id: str, record: Sequence[Any]) -> Hold | None:
         state, amount, counter_keys, gauge, money, units, meta, created = record
@@ -590,9 +653,17 @@ class _Calls:
                 touched[_str(gauge)] = None
         hold_keys = [keys.hold_key(tenant, rid) for rid in ids]
         call_keys = [keys.hold_index_key(tenant), keys.usage_stream_key(tenant), *hold_keys,
-                     *touched]
-        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s, *ids]
+                     *touched, keys.queue_waiters_key(tenant)]
+        args: list[Any] = [stale_s * 1000, len(ids), self.settings.tombstone_s, *ids,
+                           keys.QUEUE_WAKE_CHANNEL]
         return call_keys, args
+
+    def leave_call(self, tenant: str, request_id: str, queue_key: str,
+                   lease_ms: int) -> tuple[list[str], list[Any]]:
+        keys.validate_request_id(request_id)
+        _require_int("lease_ms", lease_ms, 1)
+        return ([keys.queue_waiters_key(tenant), queue_key, keys.queue_member_key(tenant),
+                 keys.queue_seq_key(tenant)], [request_id, lease_ms, keys.QUEUE_WAKE_CHANNEL])
 
     def sweep_reply(self, tenant: str, reply: Sequence[Any]) -> SweepResult:
         swept_n, dropped, fresh, now_ms = (int(x) for x in reply[:4])
@@ -628,6 +699,65 @@ class _Calls:
                         unit: Unit = Unit.TOKENS) -> str:
         window = self.calendar(utc_offset_s).window(kind, self.clock.now_ms())
         return _counter_key(tenant, ScopeLimit(scope, kind, UNLIMITED, unit), window)
+
+
+def _counter_queue_key(tenant: str, limit: ScopeLimit) -> str:
+    resource = keys.counter_resource(limit.scope, limit.window.value, limit.unit is Unit.MICROS)
+    return keys.queue_key(tenant, resource)
+
+
+def _queue_keys(req: ReserveRequest) -> list[str]:
+    """lua/reserve.lua's queue keys: the tenant's waiters, membership and arrivals, then the
+    queue of every resource of the call in KEYS order (counters, buckets, the gauge)."""
+    tenant = req.tenant
+    out = [keys.queue_waiters_key(tenant), keys.queue_member_key(tenant), keys.queue_seq_key(tenant)]
+    out += [_counter_queue_key(tenant, limit) for limit in req.limits]
+    out += [keys.queue_key(tenant, keys.rate_resource(rate.scope, rate.period_ms))
+            for rate in req.rates]
+    if req.concurrency is not None:
+        out.append(keys.queue_key(tenant, keys.gauge_resource(req.concurrency.scope)))
+    return out
+
+
+def _queue_args(req: ReserveRequest) -> list[Any]:
+    ticket = req.queue
+    assert ticket is not None
+    return [
+        "" if ticket.order is None else ticket.order,
+        ticket.priority,
+        ticket.deadline_ms,
+        ticket.lease_ms,
+        ticket.max_waiters,
+        keys.QUEUE_WAKE_CHANNEL,
+        *(1 if limit.queueable else 0 for limit in req.limits),
+    ]
+
+
+_QUEUE_KINDS = {1: QueueResource.COUNTER, 2: QueueResource.BUCKET, 3: QueueResource.GAUGE}
+
+
+def _queued(call: _ReserveCall, reply: Sequence[Any]) -> Reservation:
+    """A QUEUED reservation: { -6, head, now_ms, retry_after_ms, order, kind, index, waiters }."""
+    req = call.request
+    head, now_ms, retry_after, order, kind, index, waiters = (int(x) for x in reply[1:8])
+    resource = _QUEUE_KINDS[kind]
+    refused = refused_rate = None
+    if resource is QueueResource.COUNTER:
+        limit, window, key = call.counters[index - 1]
+        refused = CounterState(scope=limit.scope, window=window, key=key, limit=limit.limit,
+                               remaining=0, unit=limit.unit, label=limit.label,
+                               reason=limit.reason)
+    elif resource is QueueResource.BUCKET:
+        refused_rate = req.rates[index - 1]
+    queue_keys = _queue_keys(req)[3:]
+    position = {QueueResource.COUNTER: index - 1,
+                QueueResource.BUCKET: len(req.limits) + index - 1,
+                QueueResource.GAUGE: len(req.limits) + len(req.rates)}[resource]
+    return Reservation(
+        admitted=False, request_id=req.request_id, granted=0, counters=(), refused=refused,
+        server_time_ms=now_ms, hold=None, outcome=Outcome.QUEUED, refused_rate=refused_rate,
+        retry_after_ms=retry_after, queue_key=queue_keys[position], queue_order=order,
+        queue_head=head == 1, queue_resource=resource, waiters=waiters)
 
 
 def _refused(call: _ReserveCall, states: tuple[CounterState, ...], index: int) -> CounterState:
@@ -808,6 +938,12 @@ class QuotaEngine:
         reply = self._run("provider_take", [keys.provider_capacity_key(provider_key_id)], args)
         return _capacity_result(reply)
 
+    def leave_queue(self, tenant: str, request_id: str, queue_key: str, lease_ms: int) -> bool:
+        """Take a waiter out of its queue (timed out, client gone); True if it was there."""
+        call_keys, args = self._calls.leave_call(tenant, request_id, queue_key, lease_ms)
+        removed, _ = self._run("queue_leave", call_keys, args)
+        return int(removed) == 1
+
     def counter(
         self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0,
         unit: Unit = Unit.TOKENS,
@@ -911,6 +1047,13 @@ class AsyncQuotaEngine:
         reply = await self._run("provider_take", [keys.provider_capacity_key(provider_key_id)],
                                 args)
         return _capacity_result(reply)
+
+    async def leave_queue(self, tenant: str, request_id: str, queue_key: str,
+                          lease_ms: int) -> bool:
+        """See QuotaEngine.leave_queue."""
+        call_keys, args = self._calls.leave_call(tenant, request_id, queue_key, lease_ms)
+        removed, _ = await self._run("queue_leave", call_keys, args)
+        return int(removed) == 1
 
     async def counter(
         self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0

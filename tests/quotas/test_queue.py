@@ -1,0 +1,474 @@
+"""The waiting queue through the engine (lua/reserve.lua "Queue", lua/queue_leave.lua and
+quotas/waiting.py), on the standalone server and the 3-node cluster: order, the gate, per-resource
+queues, wakes, the bound, a client leaving, a dead head, and what waiting costs Redis."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from quotas import keys
+from quotas.engine import (
+    AsyncQuotaEngine,
+    ConcurrencyLimit,
+    Outcome,
+    QueueTicket,
+    RateLimit,
+    Reservation,
+    ReserveRequest,
+    ScopeLimit,
+)
+from quotas.waiting import QueueTimedOut, QueueTiming, WaitRoom, listen, wait_in_queue
+from quotas.windows import WindowKind
+from tests.quotas.conftest import new_tenant
+
+DAY = WindowKind.DAY
+KINDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
+TIMING = QueueTiming(timeout_s=30.0, head_retry_ms=1000, lease_ms=3000)
+
+
+@dataclass
+class Queue:
+    """An async engine, this "process's" wait room fed by the wake channel, and one tenant."""
+
+    engine: AsyncQuotaEngine
+    client: Any
+    room: WaitRoom
+    tenant: str = field(default_factory=new_tenant)
+    timing: QueueTiming = TIMING
+
+    def ticket(self, *, priority: int = 0, max_waiters: int = 500,
+               timeout_s: float | None = None) -> QueueTicket:
+        timeout = self.timing.timeout_s if timeout_s is None else timeout_s
+        return QueueTicket(priority, self.engine.clock.now_ms() + int(timeout * 1000) + 1000,
+                           self.timing.lease_ms, max_waiters)
+
+    def request(self, rid: str, amount: int, limits: tuple[ScopeLimit, ...], *,
+                queue: QueueTicket | None = None, **extra: Any) -> ReserveRequest:
+        return ReserveRequest(self.tenant, rid, amount, limits, queue=queue, **extra)
+
+    async def arrive(self, request: ReserveRequest) -> asyncio.Task[Reservation] | Reservation:
+        """Reserve under the queue policy: the reservation when not queued, else the task of
+        the waiter (it waits in this room)."""
+        first = await self.engine.reserve(request)
+        if first.outcome is not Outcome.QUEUED:
+            return first
+        return asyncio.ensure_future(wait_in_queue(
+            self.engine, self.engine.reserve, request, first, self.room, self.timing))
+
+    async def waiting_ids(self) -> set[str]:
+        return set(await self.client.zrange(keys.queue_waiters_key(self.tenant), 0, -1))
+
+
+def async_client(request: pytest.FixtureRequest, kind: str) -> Any:
+    if kind == "cluster":
+        return redis.asyncio.RedisCluster.from_url(
+            request.getfixturevalue("redis_cluster_url"), decode_responses=True)
+    # As the gateway's client (quotas/client.py): a burst waits for a free connection.
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        request.getfixturevalue("redis_url"), max_connections=50, timeout=5,
+        decode_responses=True)
+    return redis.asyncio.Redis(connection_pool=pool)
+
+
+def subscriber(request: pytest.FixtureRequest, kind: str) -> redis.asyncio.Redis:
+    # PUBLISH reaches every node of a cluster: one node's connection hears them all.
+    url = request.getfixturevalue("redis_cluster_url" if kind == "cluster" else "redis_url")
+    return redis.asyncio.Redis.from_url(url, decode_responses=True)
+
+
+@asynccontextmanager
+async def queue_on(request: pytest.FixtureRequest, kind: str,
+                   timing: QueueTiming = TIMING) -> AsyncIterator[Queue]:
+    client = async_client(request, kind)
+    if kind == "cluster":
+        await client.initialize()
+    sub = subscriber(request, kind)
+    room = WaitRoom()
+    ready = asyncio.Event()
+    listener = asyncio.ensure_future(listen(sub, room, ready))
+    await asyncio.wait_for(ready.wait(), 5)
+    try:
+        yield Queue(AsyncQuotaEngine(client), client, room, timing=timing)
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await sub.aclose()
+        await client.aclose()
+
+
+def run(request: pytest.FixtureRequest, kind: str,
+        scenario: Callable[[Queue], Awaitable[None]], timing: QueueTiming = TIMING) -> None:
+    async def main() -> None:
+        async with queue_on(request, kind, timing) as q:
+            await scenario(q)
+    asyncio.run(main())
+
+
+async def next_done(tasks: dict[int, asyncio.Task[Reservation]], timeout: float = 10) -> int:
+    done, _ = await asyncio.wait(tasks.values(), timeout=timeout,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    assert done, "nobody was admitted"
+    (index,) = [i for i, t in tasks.items() if t in done]  # exactly one at a time
+    return index
+
+
+# -- order ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_200_waiters_are_admitted_in_arrival_order(request: pytest.FixtureRequest,
+                                                   kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        assert isinstance(holder, Reservation) and holder.admitted
+        tasks: dict[int, asyncio.Task[Reservation]] = {}
+        for i in range(200):
+            task = await q.arrive(q.request(f"w{i}", 10, limits, queue=q.ticket()))
+            assert isinstance(task, asyncio.Task), f"waiter {i} was not queued"
+            tasks[i] = task
+        assert len(await q.waiting_ids()) == 200
+        admitted: list[int] = []
+        current = holder
+        for _ in range(200):
+            await q.engine.release(current.hold)  # capacity freed, one hold at a time
+            index = await next_done(tasks)
+            current = tasks.pop(index).result()
+            assert current.admitted and current.granted == 10 and current.queue_wait_ms >= 0
+            # Never more held than the limit.
+            assert (await q.engine.counter(q.tenant, "tenant")).pending == 10
+            admitted.append(index)
+        assert admitted == list(range(200))
+        await q.engine.release(current.hold)
+        counter = await q.engine.counter(q.tenant, "tenant")
+        assert (counter.used, counter.pending) == (0, 0)
+        assert await q.waiting_ids() == set() and len(q.room) == 0
+        assert not await q.client.exists(keys.queue_seq_key(q.tenant))
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_newcomer_never_overtakes_a_waiter(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 20),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 15, limits, queue=q.ticket()))
+        waiter = await q.arrive(q.request("big", 10, limits, queue=q.ticket()))
+        assert isinstance(waiter, asyncio.Task)
+        # 5 tokens are free, enough for a small call: it still queues behind the waiter.
+        small = await q.engine.reserve(q.request("small", 5, limits, queue=q.ticket()))
+        assert small.outcome is Outcome.QUEUED and not small.queue_head
+        # A call of a tenant without the queue policy is not gated (and is admitted).
+        plain = await q.engine.reserve(q.request("plain", 5, limits))
+        assert plain.admitted
+        await q.engine.release(plain.hold)
+        await q.engine.release(holder.hold)
+        big = await asyncio.wait_for(waiter, 10)
+        assert big.admitted
+        await q.engine.leave_queue(q.tenant, "small", small.queue_key, TIMING.lease_ms)
+        await q.engine.release(big.hold)
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_higher_priority_goes_first(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        low = await q.arrive(q.request("low", 10, limits, queue=q.ticket(priority=10)))
+        high = await q.arrive(q.request("high", 10, limits, queue=q.ticket(priority=20)))
+        assert isinstance(low, asyncio.Task) and isinstance(high, asyncio.Task)
+        await q.engine.release(holder.hold)
+        tasks = {0: low, 1: high}
+        assert await next_done(tasks) == 1
+        await q.engine.release(tasks.pop(1).result().hold)
+        assert await next_done(tasks) == 0
+        await q.engine.release(low.result().hold)
+
+    run(request, kind, scenario)
+
+
+# -- per resource, and what is queued ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_project_at_its_limit_does_not_block_another_project(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    def limits(project: str, project_limit: int) -> tuple[ScopeLimit, ...]:
+        return (ScopeLimit("tenant", DAY, 1000), ScopeLimit(f"project:{project}", DAY, project_limit))
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("a-holder", 10, limits("a", 10), queue=q.ticket()))
+        waiter = await q.arrive(q.request("a-waiter", 10, limits("a", 10), queue=q.ticket()))
+        assert isinstance(waiter, asyncio.Task)
+        other = await q.arrive(q.request("b-call", 10, limits("b", 1000), queue=q.ticket()))
+        assert isinstance(other, Reservation) and other.admitted
+        await q.engine.release(other.hold)
+        await q.engine.release(holder.hold)
+        assert (await asyncio.wait_for(waiter, 10)).admitted
+        await q.engine.release(waiter.result().hold)
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_counter_not_queueable_refuses_at_once(request: pytest.FixtureRequest,
+                                                 kind: str) -> None:
+    pace = ScopeLimit("project:p", WindowKind.MINUTE, 10, queueable=False,
+                      reason="spend_rate_exceeded")
+    limits = (ScopeLimit("tenant", DAY, 1000), pace)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        refused = await q.engine.reserve(q.request("next", 10, limits, queue=q.ticket()))
+        assert refused.outcome is Outcome.QUOTA
+        assert refused.refused.reason == "spend_rate_exceeded"
+        assert await q.waiting_ids() == set()
+        await q.engine.release(holder.hold)
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_concurrency_and_rate_refusals_wait_too(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 1000),)
+    gauge = ConcurrencyLimit("key:k", 1)
+    rate = RateLimit("key:r", 1, 600)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("c-holder", 1, limits, concurrency=gauge,
+                                          queue=q.ticket()))
+        waiter = await q.arrive(q.request("c-waiter", 1, limits, concurrency=gauge,
+                                          queue=q.ticket()))
+        assert isinstance(waiter, asyncio.Task)
+        await q.engine.settle(holder.hold, 1)  # the slot is freed: the settle wakes the waiter
+        assert (await asyncio.wait_for(waiter, 5)).admitted
+        await q.engine.settle(waiter.result().hold, 1)
+
+        first = await q.arrive(q.request("r1", 1, limits, rates=(rate,), queue=q.ticket()))
+        second = await q.arrive(q.request("r2", 1, limits, rates=(rate,), queue=q.ticket()))
+        assert isinstance(first, Reservation) and first.admitted
+        assert isinstance(second, asyncio.Task)
+        # Nobody frees a bucket: the head comes back when its bucket has a request again.
+        assert (await asyncio.wait_for(second, 5)).admitted
+        await q.engine.settle(first.hold, 1)
+        await q.engine.settle(second.result().hold, 1)
+
+    run(request, kind, scenario)
+
+
+# -- bounds, leaving, dead waiters ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_queue_is_bounded_per_tenant(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket(max_waiters=3)))
+        tasks = [await q.arrive(q.request(f"w{i}", 10, limits, queue=q.ticket(max_waiters=3)))
+                 for i in range(3)]
+        assert all(isinstance(t, asyncio.Task) for t in tasks)
+        full = await q.engine.reserve(q.request("w3", 10, limits, queue=q.ticket(max_waiters=3)))
+        assert full.outcome is Outcome.QUEUE_FULL and full.waiters == 3
+        assert await q.waiting_ids() == {"w0", "w1", "w2"}
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await q.engine.release(holder.hold)
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_waiter_whose_client_left_is_removed(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        gone = await q.arrive(q.request("gone", 10, limits, queue=q.ticket()))
+        stays = await q.arrive(q.request("stays", 10, limits, queue=q.ticket()))
+        assert isinstance(gone, asyncio.Task) and isinstance(stays, asyncio.Task)
+        await asyncio.sleep(0.05)
+        assert q.room.client_left(gone)  # what gateway/views.py does on http.disconnect
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        for _ in range(100):
+            if await q.waiting_ids() == {"stays"}:
+                break
+            await asyncio.sleep(0.02)
+        assert await q.waiting_ids() == {"stays"}
+        await q.engine.release(holder.hold)
+        assert (await asyncio.wait_for(stays, 5)).admitted
+        await q.engine.release(stays.result().hold)
+        assert (await q.engine.counter(q.tenant, "tenant")).pending == 0
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dead_head_is_dropped(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+    timing = QueueTiming(timeout_s=20.0, head_retry_ms=200, lease_ms=600)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        # A waiter of a process that is then SIGKILLed: queued, and never heard of again.
+        dead = await q.engine.reserve(q.request("dead", 10, limits, queue=q.ticket()))
+        assert dead.outcome is Outcome.QUEUED and dead.queue_head
+        live = await q.arrive(q.request("live", 10, limits, queue=q.ticket()))
+        assert isinstance(live, asyncio.Task)
+        await q.engine.release(holder.hold)
+        # The dead head's lease passes; the live waiter drops it and is admitted.
+        admitted = await asyncio.wait_for(live, 5)
+        assert admitted.admitted
+        assert await q.waiting_ids() == set()
+        assert await q.client.zcard(dead.queue_key) == 0
+        await q.engine.release(admitted.hold)
+
+    run(request, kind, scenario, timing)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_waiter_times_out_and_leaves(request: pytest.FixtureRequest, kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+    timing = QueueTiming(timeout_s=0.5, head_retry_ms=200, lease_ms=600)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        waiter = await q.arrive(q.request("waiter", 10, limits, queue=q.ticket()))
+        assert isinstance(waiter, asyncio.Task)
+        with pytest.raises(QueueTimedOut) as info:
+            await asyncio.wait_for(waiter, 5)
+        assert info.value.last.refused.scope == "tenant" and info.value.waited_ms >= 500
+        assert await q.waiting_ids() == set()
+        await q.engine.release(holder.hold)
+
+    run(request, kind, scenario, timing)
+
+
+# -- wakes and cost ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_settle_publishes_a_wake_only_when_someone_waits(request: pytest.FixtureRequest,
+                                                         kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        sub = subscriber(request, kind)
+        pubsub = sub.pubsub()
+        await pubsub.subscribe(keys.QUEUE_WAKE_CHANNEL)
+        await pubsub.get_message(timeout=1)  # the subscribe confirmation
+
+        async def messages() -> list[dict[str, Any]]:
+            out = []
+            while (m := await pubsub.get_message(ignore_subscribe_messages=True,
+                                                 timeout=0.3)) is not None:
+                out.append(json.loads(m["data"]))
+            return out
+
+        first = await q.engine.reserve(q.request("a", 5, limits))
+        await q.engine.settle(first.hold, 5)
+        assert await messages() == []  # nobody waits: no wake
+        holder = await q.engine.reserve(q.request("b", 5, limits))
+        queued = await q.engine.reserve(q.request("c", 5, limits, queue=q.ticket()))
+        assert queued.outcome is Outcome.QUEUED
+        await q.engine.release(holder.hold)
+        assert await messages() == [{"w": keys.queue_waiters_key(q.tenant)}]
+        await q.engine.leave_queue(q.tenant, "c", queued.queue_key, TIMING.lease_ms)
+        await pubsub.aclose()
+        await sub.aclose()
+
+    run(request, kind, scenario)
+
+
+def test_waiting_costs_redis_a_bounded_number_of_commands(request: pytest.FixtureRequest) -> None:
+    """200 waiters, nothing freed for 3 seconds: only this process's front waiter of the queue
+    calls reserve (once per head_retry_ms); the others cost nothing."""
+    limits = (ScopeLimit("tenant", DAY, 10),)
+    seconds, waiters = 3.0, 200
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        tasks = [await q.arrive(q.request(f"w{i}", 10, limits, queue=q.ticket()))
+                 for i in range(waiters)]
+        before = await q.client.info("commandstats")
+        await asyncio.sleep(seconds)
+        after = await q.client.info("commandstats")
+        calls = {name: after[name]["calls"] - before.get(name, {"calls": 0})["calls"]
+                 for name in after}
+        calls["cmdstat_info"] -= 1  # the second INFO
+        round_trips = sum(n for name, n in calls.items()
+                          if name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_info"))
+        per_waiter_s = round_trips / waiters / seconds
+        total_per_waiter_s = sum(calls.values()) / waiters / seconds
+        print(f"\nqueue: {waiters} waiters for {seconds:g} s: {round_trips} script calls, "
+              f"{per_waiter_s:.4f} per waiter per second ({total_per_waiter_s:.4f} commands "
+              "with those the scripts ran)")
+        # One front, one reserve per second: about 3 calls; bounded generously, exactly.
+        assert round_trips <= 2 * seconds + 2
+        assert per_waiter_s <= 0.01
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await q.engine.release(holder.hold)
+
+    run(request, "standalone", scenario)
+
+
+# -- a race -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_race_of_queued_calls_keeps_the_money_exact(request: pytest.FixtureRequest,
+                                                      kind: str) -> None:
+    limit, amount, calls = 50, 10, 60
+    limits = (ScopeLimit("tenant", DAY, limit),)
+    timing = QueueTiming(timeout_s=4.0, head_retry_ms=200, lease_ms=1000)
+
+    async def one(q: Queue, i: int, rng: random.Random) -> tuple[str, int]:
+        req = q.request(f"r{i}", amount, limits, queue=q.ticket(max_waiters=25,
+                                                                timeout_s=timing.timeout_s))
+        try:
+            first = await q.arrive(req)
+            result = first if isinstance(first, Reservation) else await first
+        except QueueTimedOut:
+            return "queue_timeout", 0
+        if result.outcome is Outcome.QUEUE_FULL:
+            return "queue_full", 0
+        assert result.admitted, result
+        counter = await q.engine.counter(q.tenant, "tenant")
+        assert counter.used + counter.pending <= limit  # never more granted than the limit
+        await asyncio.sleep(rng.uniform(0, 0.05))
+        actual = rng.randint(0, amount)
+        await q.engine.settle(result.hold, actual)
+        return "admitted", actual
+
+    async def scenario(q: Queue) -> None:
+        rng = random.Random(12)
+        outcomes = await asyncio.gather(*(one(q, i, rng) for i in range(calls)))
+        kinds = [o for o, _ in outcomes]
+        assert set(kinds) <= {"admitted", "queue_timeout", "queue_full"}
+        used = sum(a for o, a in outcomes if o == "admitted")
+        counter = await q.engine.counter(q.tenant, "tenant")
+        assert counter.pending == 0 and counter.used == used <= limit
+        # One usage event per admitted call, none for the others.
+        assert await q.client.xlen(keys.usage_stream_key(q.tenant)) == kinds.count("admitted")
+        assert await q.waiting_ids() == set()
+        print(f"\nrace: {dict((k, kinds.count(k)) for k in set(kinds))}")
+
+    run(request, kind, scenario, timing)
