@@ -14,14 +14,22 @@ Exactly once per threshold per window: an alert fires when its AlertState row is
 (INSERT ... ON CONFLICT DO NOTHING on the unique (tenant, scope, window, threshold)); only the
 detector whose insert returned the row creates the webhook deliveries (in the same transaction)
 and mails the tenant's owners. Any number of detectors may race.
+
+The same detectors announce the burn-rate breaker's trips (quotas/pace.py): they read the
+tenants' trip records from Redis and fire `breaker.tripped` (webhook and owners' email) once per
+trip, by inserting its PaceTrip row the same way (`check_pace_trips`). The gateway, which trips
+the breaker, cannot import billing; the drain runs within seconds of the tripping calls' settles,
+the beat within a minute.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
@@ -31,7 +39,7 @@ from django.db.models import Q
 
 from billing import webhooks
 from billing.ledger import usage_backlog
-from billing.models import AlertState, WebhookEvent
+from billing.models import AlertState, PaceTrip, WebhookEvent
 from quotas import keys
 from quotas.keys import tenant_tag
 from quotas.limits import (
@@ -42,6 +50,7 @@ from quotas.limits import (
     project_counters,
     tenant_counter,
 )
+from quotas.pace import Trip, parse_trip
 from quotas.runtime import get_engine
 from quotas.windows import Calendar, Window, WindowKind
 from tenants.models import Membership, Project, Tenant
@@ -287,8 +296,119 @@ def _refusal_exhausted(readings: list[_Reading], refused: dict[str, int]) -> lis
     return out
 
 
+# -- the burn-rate breaker's trips ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TripAlert:
+    """A trip this call announced (inserted its PaceTrip)."""
+
+    tenant_id: int
+    tenant: str  # slug
+    trip: Trip
+    delivery_ids: tuple[int, ...] = ()
+    emailed: tuple[str, ...] = ()
+
+    @property
+    def event_type(self) -> str:
+        return WebhookEvent.BREAKER_TRIPPED
+
+    @property
+    def who(self) -> str:
+        """The payload's scope: "tenant", "project:<slug>" or "key:<name>"."""
+        kind = self.trip.kind
+        return "tenant" if kind == "tenant" else f"{kind}:{self.trip.label}"
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds")
+
+
+def _insert_trip(tenant_id: int, trip: Trip) -> bool:
+    """True when this call inserted the trip's row (so it, and only it, announces it)."""
+    q = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {q(PaceTrip._meta.db_table)} ({q('tenant_id')}, {q('scope')}, "
+            f"{q('tripped_ms')}, {q('until_ms')}, {q('owner')}, {q('label')}, {q('rules')}, "
+            f"{q('fired_at')}) VALUES (%s, %s, %s, %s, %s, %s, %s, now()) "
+            f"ON CONFLICT ({q('tenant_id')}, {q('scope')}, {q('tripped_ms')}) DO NOTHING "
+            "RETURNING id",
+            [tenant_id, trip.scope, trip.tripped_ms, trip.until_ms, trip.owner[:100],
+             trip.label[:200], json.dumps(list(trip.rules))])
+        return cursor.fetchone() is not None
+
+
+def _trip_email(alert: TripAlert, recipients: list[str]) -> tuple[str, ...]:
+    if not recipients:
+        return ()
+    trip = alert.trip
+    subject = f"[Tollgate] {alert.tenant}: {alert.who} paused, spending far above its pace"
+    body = (f"The burn-rate breaker of {alert.who} (tenant {alert.tenant}) tripped at "
+            f"{_iso(trip.tripped_ms)}: it spent more than its pace allows "
+            f"({'; '.join(trip.rules)}).\n\n"
+            f"Its calls are refused (429 spend_rate_exceeded) until {_iso(trip.until_ms)}; then "
+            "it admits one period's share again, and trips again if the spending goes on.\n"
+            "If the spending is expected, an owner or admin can resume it early on the console's "
+            "Limits page.\n")
+    try:
+        EmailMessage(subject, body, to=recipients).send()
+    except Exception:  # noqa: BLE001 - a mail server outage must not undo an announced trip
+        log.exception("could not mail the trip of %s to the owners of %s", alert.who,
+                      alert.tenant)
+        return ()
+    return tuple(recipients)
+
+
+def _announce(tenant: Tenant, trip: Trip) -> TripAlert | None:
+    alert = TripAlert(tenant.pk, tenant.slug, trip)
+    with transaction.atomic():
+        if not _insert_trip(tenant.pk, trip):
+            return None
+        payload = webhooks.event_payload(
+            WebhookEvent.BREAKER_TRIPPED, tenant, scope=alert.who, owner=trip.owner,
+            rules=list(trip.rules), tripped_at=_iso(trip.tripped_ms), until=_iso(trip.until_ms))
+        deliveries = webhooks.create_deliveries(tenant, WebhookEvent.BREAKER_TRIPPED, payload)
+    log.warning("pace breaker tripped: %s %s (%s) until %s", tenant.slug, alert.who,
+                "; ".join(trip.rules), _iso(trip.until_ms))
+    emailed = _trip_email(alert, _owner_emails(tenant))
+    return dataclasses.replace(alert, delivery_ids=tuple(d.pk for d in deliveries),
+                               emailed=emailed)
+
+
+def check_pace_trips(tenants: Sequence[Tenant], client: Any) -> list[TripAlert]:
+    """Announce every trip of these tenants not announced yet (one pipelined read of their
+    trip records, one query for the announced ones); returns the ones this call announced."""
+    if not tenants:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for tenant in tenants:
+        pipe.hgetall(keys.pace_trips_key(tenant_tag(tenant.pk)))
+    found = [(tenant, parse_trip(_text(scope), raw))
+             for tenant, records in zip(tenants, pipe.execute(), strict=True)
+             for scope, raw in records.items()]
+    if not found:
+        return []
+    done = set(PaceTrip.objects.filter(tenant__in=[t for t, _ in found]).filter(
+        tripped_ms__in={trip.tripped_ms for _, trip in found},
+    ).values_list("tenant_id", "scope", "tripped_ms"))
+    fired = []
+    for tenant, trip in found:
+        if (tenant.pk, trip.scope, trip.tripped_ms) in done:
+            continue
+        alert = _announce(tenant, trip)
+        if alert is not None:
+            fired.append(alert)
+    return fired
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
-                     windows: Mapping[int, Collection[Window]] | None = None) -> list[Alert]:
+                     windows: Mapping[int, Collection[Window]] | None = None,
+                     ) -> list[Alert | TripAlert]:
     """Fire every alert due for these tenants; returns the ones this call fired (deliveries
     created, not yet dispatched: see billing.tasks.dispatch_deliveries).
 
@@ -299,17 +419,19 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
 
     Beside the thresholds, `quota.exhausted` fires when nothing is left, and also as soon as the
     gateway refuses calls for tenant or project quota (the refused-requests counts of the
-    day), since a call is refused while a few tokens remain, fewer than it needs.
+    day), since a call is refused while a few tokens remain, fewer than it needs. And the
+    burn-rate breaker's trips of these tenants are announced (`check_pace_trips`).
     """
     engine = engine or get_engine()
     ids = list(dict.fromkeys(int(i) for i in tenant_ids))
     if windows is not None:
         ids = [i for i in ids if windows.get(i)]
     calendar = Calendar(0)  # the gateway's windows are UTC (quotas.limits passes no offset)
-    fired: list[Alert] = []
+    fired: list[Alert | TripAlert] = []
     for chunk in _chunks(ids):
-        watched = _watched(Tenant.objects.select_related("plan").filter(pk__in=chunk)
-                           .order_by("pk"))
+        tenants = list(Tenant.objects.select_related("plan").filter(pk__in=chunk).order_by("pk"))
+        fired += check_pace_trips(tenants, engine.client)
+        watched = _watched(tenants)
         if not watched:
             continue
         now_ms = engine.clock.now_ms()

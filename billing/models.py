@@ -110,6 +110,7 @@ class WebhookEvent(models.TextChoices):
     THRESHOLD = "quota.threshold", "A quota crossed one of the tenant's alert thresholds"
     EXHAUSTED = "quota.exhausted", "A quota has nothing left"
     TEST = "test", "A test event sent on request"
+    BREAKER_TRIPPED = "breaker.tripped", "A scope spent far above its pace and was paused"
 
 
 class WebhookEndpoint(models.Model):
@@ -198,6 +199,31 @@ class AlertState(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id} {self.scope} {self.window} {self.threshold}%"
+
+
+class PaceTrip(models.Model):
+    """A burn-rate breaker trip (quotas/pace.py) that has been announced. Its unique constraint
+    makes the `breaker.tripped` webhook and the owners' email go out once per trip, whatever the
+    number of detectors racing (billing/alerts.py); the rows are the trips' history."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE,
+                               related_name="pace_trips")
+    scope = models.CharField(max_length=64, help_text='"tenant", "project:<id>" or "key:<id>".')
+    tripped_ms = models.BigIntegerField(help_text="When it tripped (Redis clock, ms).")
+    until_ms = models.BigIntegerField(help_text="When its cool-down ends (Redis clock, ms).")
+    owner = models.CharField(max_length=100, blank=True, help_text='e.g. "project:prj_...".')
+    label = models.CharField(max_length=200, blank=True)
+    rules = models.JSONField(default=list, blank=True)
+    fired_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "scope", "tripped_ms"],
+                                    name="pace_trip_once"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.scope} tripped at {self.tripped_ms}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ EVENT_HELP = {
                                   "(set on the Limits page)",
     WebhookEvent.EXHAUSTED.value: "a quota has nothing left",
     WebhookEvent.TEST.value: "test events (the Send test event button always sends one)",
+    WebhookEvent.BREAKER_TRIPPED.value: "a tenant, project or key spent far above its pace and "
+                                        "was paused (burn-rate breaker)",
 }
 
 

@@ -31,6 +31,8 @@ KEY_EDIT_FIELDS: tuple[str, ...] = (
     "requests_per_minute",
     "max_concurrency",
     "allowed_models",
+    "pace_share_percent",
+    "pace_spend_micros",
 )
 
 
@@ -97,6 +99,8 @@ def issue_key(
     max_concurrency: int | None = None,
     allowed_models: list[str] | None = None,
     expires_at: datetime | None = None,
+    pace_share_percent: int | None = None,
+    pace_spend_micros: int | None = None,
     within_limits: bool = False,
 ) -> IssuedKey:
     """With within_limits=True (the console and the API), sub-limits beyond the project's or the
@@ -118,6 +122,8 @@ def issue_key(
             max_concurrency=max_concurrency,
             allowed_models=list(allowed_models or []),
             expires_at=expires_at,
+            pace_share_percent=pace_share_percent,
+            pace_spend_micros=pace_spend_micros,
             created_by=actor,
         )
         clean(api_key)
@@ -135,6 +141,8 @@ def issue_key(
                 "max_concurrency": max_concurrency,
                 "allowed_models": api_key.allowed_models,
                 "expires_at": expires_at.isoformat() if expires_at else None,
+                **({"pace_share_percent": pace_share_percent} if pace_share_percent else {}),
+                **({"pace_spend_micros": pace_spend_micros} if pace_spend_micros else {}),
             },
         )
     return IssuedKey(api_key=api_key, plaintext=plaintext)

@@ -31,6 +31,10 @@ PLAN_FIELDS: tuple[str, ...] = (
     "safety_factor",
     "allowed_models",
     "shrink_hold_to_headroom",
+    "pace_share_percent",
+    "pace_spend_micros",
+    "pace_period_seconds",
+    "pace_cooldown_seconds",
 )
 
 PLAN: Entity[Plan] = Entity(

@@ -17,7 +17,9 @@ from tenants.services._base import (
 )
 from tenants.services.limits import check_project_limits
 
-PROJECT_EDIT_FIELDS: tuple[str, ...] = ("name", "tokens_per_day", "tokens_per_month")
+PROJECT_EDIT_FIELDS: tuple[str, ...] = (
+    "name", "tokens_per_day", "tokens_per_month", "pace_share_percent", "pace_spend_micros",
+)
 
 
 def _lock_project(project: Project) -> Project:
@@ -50,6 +52,8 @@ def create_project(
     name: str = "",
     tokens_per_day: int | None = None,
     tokens_per_month: int | None = None,
+    pace_share_percent: int | None = None,
+    pace_spend_micros: int | None = None,
     within_limits: bool = False,
 ) -> Project:
     """With within_limits=True (the console and the API), sub-limits above the tenant's effective
@@ -63,6 +67,8 @@ def create_project(
             name=name or slug,
             tokens_per_day=tokens_per_day,
             tokens_per_month=tokens_per_month,
+            pace_share_percent=pace_share_percent,
+            pace_spend_micros=pace_spend_micros,
         )
         clean(project)
         insert_with_slug(
@@ -78,6 +84,8 @@ def create_project(
                 "name": project.name,
                 "tokens_per_day": tokens_per_day,
                 "tokens_per_month": tokens_per_month,
+                **({"pace_share_percent": pace_share_percent} if pace_share_percent else {}),
+                **({"pace_spend_micros": pace_spend_micros} if pace_spend_micros else {}),
             },
         )
     return project

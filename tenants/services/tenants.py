@@ -29,6 +29,12 @@ TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
     "monthly_spend_budget_micros",
     "model_tokens_per_day",
     "alert_thresholds",
+    # The burn-rate breaker (quotas/pace.py): None inherits the plan's, -1 switches share or
+    # spend off.
+    "pace_share_percent",
+    "pace_spend_micros",
+    "pace_period_seconds",
+    "pace_cooldown_seconds",
 )
 
 
