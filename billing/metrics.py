@@ -13,6 +13,13 @@
     tollgate_webhook_deliveries_total{status}   counter: webhook deliveries by status
     tollgate_reconciliation_difference_rate     gauge: the latest reconciliation run's largest
                                                 row difference rate (0 when none ran)
+    tollgate_provider_breaker_state{provider_key,model}
+                                                gauge: a circuit breaker's state (0 closed,
+                                                1 half-open, 2 open); model "*" is the key's own
+                                                breaker (transport failures), else one model's
+    tollgate_provider_breaker_transitions_total{provider_key,model,to}
+                                                counter: transitions to opened / half_opened /
+                                                closed, counted by the breaker scripts in Redis
 
 The counters are counts of PostgreSQL rows, so they only ever grow (rows are never deleted in
 normal operation) and survive restarts; Prometheus' rate() works on them as usual. A corrected
@@ -24,6 +31,11 @@ comes from the ledger (UsageRecord.over_hold_tokens, filled by the drain), not f
 `over` field: the counters expire two days after their window and every scope of a call (tenant,
 project, key, model) adds the same excess to its own, so they can give neither a durable total
 nor a count of calls. A partial index keeps the query cheap however long the ledger is.
+
+The breaker families list the provider keys from PostgreSQL and read each key's breakers from
+Redis (gateway/circuit.py, quotas/breakers.py); their transition counts live in the breakers'
+Redis hashes, so they start again from 0 if Redis loses its data (Prometheus' rate() treats that
+as a counter reset). A breaker never used is not listed.
 
 The backlog gauges come from Redis only, so they are there while PostgreSQL is down (the very
 time the backlog grows); the families read from PostgreSQL are left out then, and logged.
@@ -40,7 +52,9 @@ from django.db.models import Count, Sum
 
 from billing.ledger import usage_backlog
 from billing.models import UsageRecord, WebhookDelivery
+from gateway.models import ProviderKey
 from quotas import keys
+from quotas.breakers import KEY_LEVEL, BreakerStore
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
@@ -123,6 +137,28 @@ def reconciliation_difference_rate() -> float:
     return float(latest or 0)
 
 
+_BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+_BREAKER_TRANSITIONS = ("opened", "half_opened", "closed")
+
+
+def breaker_samples(client: Any) -> tuple[list[tuple[dict[str, object], int]],
+                                           list[tuple[dict[str, object], int]]]:
+    """(state samples, transition samples) of every provider key's breakers that exist."""
+    store = BreakerStore(client)
+    states: list[tuple[dict[str, object], int]] = []
+    transitions: list[tuple[dict[str, object], int]] = []
+    for pk, public_id in ProviderKey.objects.order_by("pk").values_list("pk", "public_id"):
+        for breaker in store.snapshots(pk):
+            if breaker.model == KEY_LEVEL and not (breaker.calls or breaker.opened):
+                continue  # the key's own breaker was never used: no hash
+            labels = {"provider_key": public_id, "model": breaker.model or "*"}
+            states.append((labels, _BREAKER_STATE_VALUE.get(breaker.state, 0)))
+            counts = (breaker.opened, breaker.half_opened, breaker.closed)
+            transitions += [({**labels, "to": to}, n)
+                            for to, n in zip(_BREAKER_TRANSITIONS, counts, strict=True)]
+    return states, transitions
+
+
 def _database_families(client: Any) -> list[str]:
     lines: list[str] = []
     lines += _family("tollgate_open_holds", "gauge",
@@ -148,6 +184,13 @@ def _database_families(client: Any) -> list[str]:
     lines += _family("tollgate_reconciliation_difference_rate", "gauge",
                      "Largest difference rate of the latest reconciliation run (0..1).",
                      [({}, reconciliation_difference_rate())])
+    states, transitions = breaker_samples(client)
+    lines += _family("tollgate_provider_breaker_state", "gauge",
+                     "Circuit breaker of an upstream provider key (model *: the key's own): "
+                     "0 closed, 1 half-open, 2 open.", states)
+    lines += _family("tollgate_provider_breaker_transitions_total", "counter",
+                     "Circuit breaker transitions of an upstream provider key, by the state "
+                     "entered.", transitions)
     return lines
 
 

@@ -5,6 +5,11 @@ never renders the stored one; the list and the change page show only the last fo
 Prices are append-mostly: a price that has been used to cost requests should not change, so a
 new price is a new row and an existing one can only be closed (its `valid_to` set).
 
+The provider key list and page show each key's circuit breakers (gateway/circuit.py), read from
+Redis: the key's own (transport failures) and one per model it served (5xx answers), with the
+state, the errors and calls of the current window, when an open one may half-open, and the
+transitions so far. Redis unreachable: the column says so, the page still works.
+
 Every save and delete goes through the services of gateway/prices.py and gateway/providers.py,
 as the management commands' do: validated, audited, and published so that every gateway process
 reloads its catalog or provider pool.
@@ -12,12 +17,15 @@ reloads its catalog or provider pool.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django import forms
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
 
 from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
 from gateway.prices import (
@@ -29,6 +37,7 @@ from gateway.prices import (
     save_price,
 )
 from gateway.providers import (
+    KEY_BREAKER,
     apply_provider_secret,
     create_provider_key,
     delete_provider_key,
@@ -36,6 +45,9 @@ from gateway.providers import (
     set_provider_secret,
     update_provider_key,
 )
+from quotas.breakers import BreakerSnapshot, BreakerStore
+from quotas.engine import QuotaError
+from quotas.runtime import get_engine
 
 
 def _actor(request: HttpRequest) -> str:
@@ -113,6 +125,57 @@ class ModelAliasAdmin(admin.ModelAdmin):
             delete_alias(alias, actor=_actor(request))
 
 
+_STATE_WORDS = {"closed": "closed", "open": "OPEN", "half_open": "half-open"}
+
+
+def _breakers(obj: ProviderKey) -> list[BreakerSnapshot] | None:
+    """The key's breakers as Redis holds them; None when Redis cannot be read."""
+    try:
+        return BreakerStore(get_engine().client).snapshots(obj.pk)
+    except QuotaError:
+        return None
+
+
+def _breaker_name(breaker: BreakerSnapshot) -> str:
+    return "key (transport)" if breaker.model == KEY_BREAKER else f"model {breaker.model}"
+
+
+def _open_until(breaker: BreakerSnapshot) -> str:
+    if breaker.state != "open":
+        return "-"
+    return datetime.fromtimestamp(breaker.until_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def breaker_summary(obj: ProviderKey) -> str:
+    """One line for the list: "closed", or each breaker that is not closed."""
+    if not obj.pk:
+        return "-"
+    breakers = _breakers(obj)
+    if breakers is None:
+        return "unknown (Redis unreachable)"
+    resting = [f"{_STATE_WORDS.get(b.state, b.state)}: {_breaker_name(b)}"
+               + (f" until {_open_until(b)}" if b.state == "open" else "")
+               for b in breakers if b.state != "closed"]
+    return "; ".join(resting) if resting else "closed"
+
+
+def breaker_table(obj: ProviderKey) -> SafeString | str:
+    """Every breaker of the key, for its page."""
+    if not obj.pk:
+        return "-"
+    breakers = _breakers(obj)
+    if breakers is None:
+        return "unknown (Redis unreachable)"
+    rows = format_html_join(
+        "", "<tr><td>{}</td><td>{}</td><td>{} / {}</td><td>{}</td><td>{} / {} / {}</td></tr>",
+        ((_breaker_name(b), _STATE_WORDS.get(b.state, b.state), b.errors, b.calls,
+          _open_until(b), b.opened, b.half_opened, b.closed) for b in breakers))
+    return format_html(
+        "<table><thead><tr><th>Breaker</th><th>State</th><th>Errors / calls (window)</th>"
+        "<th>Open until</th><th>Opened / half-opened / closed</th></tr></thead>"
+        "<tbody>{}</tbody></table>", rows)
+
+
 def _default_price(obj: ProviderKey) -> Price | None:
     pin, pout = obj.default_input_price_micros_per_mtok, obj.default_output_price_micros_per_mtok
     return None if pin is None or pout is None else Price(pin, pout)
@@ -172,12 +235,13 @@ class ProviderKeyAdmin(admin.ModelAdmin):
         "tpm_capacity",
         "tenant",
         "enabled",
+        "breaker",
     )
     list_filter = ("enabled",)
     list_select_related = ("tenant",)
     search_fields = ("name", "public_id", "base_url", "tenant__slug")
     autocomplete_fields = ("tenant",)
-    readonly_fields = ("public_id", "masked_secret", "created_at", "updated_at")
+    readonly_fields = ("public_id", "masked_secret", "breakers", "created_at", "updated_at")
     fields = (
         "public_id",
         "name",
@@ -192,9 +256,18 @@ class ProviderKeyAdmin(admin.ModelAdmin):
         "default_output_price_micros_per_mtok",
         "enabled",
         "tenant",
+        "breakers",
         "created_at",
         "updated_at",
     )
+
+    @admin.display(description="Circuit breaker")
+    def breaker(self, obj: ProviderKey) -> str:
+        return breaker_summary(obj)
+
+    @admin.display(description="Circuit breakers")
+    def breakers(self, obj: ProviderKey) -> SafeString | str:
+        return breaker_table(obj)
 
     @admin.display(description="Secret")
     def masked_secret(self, obj: ProviderKey) -> str:
