@@ -317,6 +317,19 @@ GATEWAY_DB_THREADS = _positive_int("GATEWAY_DB_THREADS", 2)
 # A gateway worker freezes its startup heap out of the cyclic GC and collects the young
 # generation after this many allocations (Python's default is 700); 0 leaves the GC as is.
 GATEWAY_GC_GEN0_THRESHOLD = env.int("GATEWAY_GC_GEN0_THRESHOLD", default=20_000)
+# The waiting queue of the queue over-quota policy (quotas/waiting.py, lua/reserve.lua): at most
+# TOLLGATE_QUEUE_MAX_WAITERS callers of one tenant wait at once (the next gets 429 queue_full);
+# the head of a queue (and each process's front waiter of it) calls reserve again every
+# TOLLGATE_QUEUE_HEAD_RETRY_MS besides the wakes; a head that has not come back within
+# TOLLGATE_QUEUE_HEAD_LEASE_MS is taken for dead (its process was killed) and dropped.
+TOLLGATE_QUEUE_MAX_WAITERS = _positive_int("TOLLGATE_QUEUE_MAX_WAITERS", 100)
+TOLLGATE_QUEUE_HEAD_RETRY_MS = _positive_int("TOLLGATE_QUEUE_HEAD_RETRY_MS", 1000)
+TOLLGATE_QUEUE_HEAD_LEASE_MS = _positive_int("TOLLGATE_QUEUE_HEAD_LEASE_MS", 3000)
+if TOLLGATE_QUEUE_HEAD_LEASE_MS < 2 * TOLLGATE_QUEUE_HEAD_RETRY_MS:
+    raise ImproperlyConfigured(
+        "TOLLGATE_QUEUE_HEAD_LEASE_MS must be at least twice TOLLGATE_QUEUE_HEAD_RETRY_MS (a live "
+        f"head must not be taken for dead), got {TOLLGATE_QUEUE_HEAD_LEASE_MS} and "
+        f"{TOLLGATE_QUEUE_HEAD_RETRY_MS}")
 # Circuit breakers on upstream provider keys (gateway/circuit.py): a key's breaker (connect
 # errors, resets, timeouts) or a (key, model) breaker (5xx answers) opens when, within a window of
 # TOLLGATE_BREAKER_WINDOW_SECONDS, at least _MIN_CALLS calls saw at least _ERROR_PERCENT % errors;

@@ -12,6 +12,8 @@ from django.http import HttpResponse
 from quotas.limits import (
     MODEL_NOT_ALLOWED,
     MODEL_NOT_PRICED,
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
     QUOTA_TENANT,
     RATE_LIMIT,
     SPEND_RATE_EXCEEDED,
@@ -114,6 +116,25 @@ def spend_rate_exceeded(owner: str, retry_after_s: int) -> GatewayError:
         "Calls resume after the cool-down, or when an administrator resumes it in the console.",
         "requests", "spend_rate_exceeded", None, retry_after_s, SPEND_RATE_EXCEEDED,
     )
+
+
+def queue_full(waiters: int, retry_after_s: int = 1) -> GatewayError:
+    """The queue policy's bound: the tenant already has TOLLGATE_QUEUE_MAX_WAITERS callers
+    waiting, so this one is refused at once rather than queued. 429, type "requests" (slow
+    down), code queue_full, with Retry-After."""
+    return GatewayError(
+        429, f"Too many requests are already waiting in your queue ({waiters}); the request was "
+        "not queued. Please retry after the Retry-After delay.",
+        "requests", "queue_full", None, retry_after_s, QUEUE_FULL)
+
+
+def queue_timeout(what: str, waited_s: float, retry_after_s: int) -> GatewayError:
+    """A call under the queue policy waited its plan's queue_timeout_seconds for `what` (the
+    resource that refused it) and gave up. 429, type "requests", code queue_timeout, with the
+    Retry-After of that resource."""
+    return GatewayError(
+        429, f"The request waited {waited_s:.1f} s in the queue for {what} and timed out; it "
+        "was not forwarded.", "requests", "queue_timeout", None, retry_after_s, QUEUE_TIMEOUT)
 
 
 def quota_store_unavailable() -> GatewayError:

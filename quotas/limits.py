@@ -55,6 +55,7 @@ TOKENS_PER_MINUTE = "tokens_per_minute"
 SPEND_BUDGET = "spend_budget"
 # Refusals that are not a full counter.
 QUEUE_TIMEOUT = "queue_timeout"
+QUEUE_FULL = "queue_full"  # the tenant already had its bound of waiters (queue policy)
 RATE_LIMIT = "rate_limit"
 CONCURRENCY = "concurrency"
 MODEL_NOT_ALLOWED = "model_not_allowed"
@@ -76,6 +77,7 @@ REFUSAL_REASONS: dict[str, str] = {
     TOKENS_PER_MINUTE: "Tokens-per-minute limit reached",
     SPEND_BUDGET: "Monthly spend budget used up",
     QUEUE_TIMEOUT: "Waited in the over-quota queue and timed out",
+    QUEUE_FULL: "The over-quota queue was full",
     RATE_LIMIT: "Request rate limit reached",
     CONCURRENCY: "Too many requests in flight",
     MODEL_NOT_ALLOWED: "Model not allowed for the API key",

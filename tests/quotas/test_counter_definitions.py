@@ -15,7 +15,14 @@ from django.core.management import call_command
 from billing import alerts, rebuild
 from gateway.admission import refusal_error
 from gateway.auth import load_key_context
-from gateway.errors import insufficient_quota, model_not_allowed, model_not_priced, rate_limited
+from gateway.errors import (
+    insufficient_quota,
+    model_not_allowed,
+    model_not_priced,
+    queue_full,
+    queue_timeout,
+    rate_limited,
+)
 from quotas import limits as definitions
 from quotas.engine import UNLIMITED, ReserveRequest, Unit
 from quotas.keys import tenant_tag
@@ -76,7 +83,8 @@ def test_every_reason_the_gateway_reports_is_on_the_status_page(acme: Tenant,
         rate_limited("slow down", 1).refusal,
         model_not_allowed("gpt-4o").refusal,
         model_not_priced("gpt-4o-2099-01-01").refusal,
-        definitions.CONCURRENCY, definitions.QUEUE_TIMEOUT,  # gateway/admission.py
+        definitions.CONCURRENCY,  # gateway/admission.py
+        queue_full(100).refusal, queue_timeout("the tenant's day", 1.0, 1).refusal,
         definitions.SPEND_RATE_EXCEEDED,  # a pace counter (acme has no pace rule): runtime.py
     }
     # Every reason the gateway can count is listed (with a label), and every listed one can be.
