@@ -16,6 +16,7 @@ from quotas.client import make_async_redis
 from quotas.keys import (
     INVALIDATION_CHANNEL,
     PROVIDER_BREAKER_CHANNEL,
+    QUEUE_WAKE_CHANNEL,
     PROVIDER_COOLDOWN_CHANNEL,
     auth_version_key,
 )
@@ -65,6 +66,9 @@ async def _read_version(client: Any) -> int:
 
 async def _apply(runtime: GatewayRuntime, channel: str, data: str,
                  watch: VersionWatch | None = None) -> None:
+    if channel == QUEUE_WAKE_CHANNEL:
+        runtime.waiting.dispatch(data)  # wakes this worker's waiters: no I/O
+        return
     message = json.loads(data)
     if channel == PROVIDER_COOLDOWN_CHANNEL:
         runtime.pool.cool_down(int(message["id"]), float(message["until"]))
@@ -126,12 +130,14 @@ async def listen(runtime: GatewayRuntime) -> None:
         pubsub = client.pubsub()
         try:
             await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL,
-                                   PROVIDER_BREAKER_CHANNEL)
+                                   PROVIDER_BREAKER_CHANNEL, QUEUE_WAKE_CHANNEL)
             # Read after subscribing: a message published in between is not lost, merely old.
             watch = VersionWatch(await asyncio.wait_for(_read_version(client), read_timeout))
             runtime.auth.clear()
             runtime.auth.trust_for(2 * interval)
             if resubscribing:
+                # Queue wakes sent meanwhile were lost: each queue's front waiter looks again.
+                runtime.waiting.wake_fronts()
                 await _reload_after_gap(runtime)
             resubscribing = True
             loop = asyncio.get_running_loop()

@@ -31,6 +31,7 @@ from quotas.engine import (
 )
 from quotas.limits import SPEND_RATE_EXCEEDED
 from quotas.pace import AsyncPaceBreaker, paced_of
+from quotas.waiting import WaitRoom
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,6 +87,8 @@ class GatewayRuntime:
     # calls in this worker wait for it instead of each trying (see rebuild_quota).
     rebuilding: dict[str, asyncio.Future[RebuildOutcome]] = field(default_factory=dict)
     _pace: AsyncPaceBreaker | None = None  # made on the first pace refusal
+    # Calls waiting in the queue policy's queue, woken by the listener (quotas/waiting.py).
+    waiting: WaitRoom = field(default_factory=WaitRoom)
 
     def spawn(self, coro_factory: Callable[[], object]) -> None:
         """Run a coroutine detached from the request (see detach)."""

@@ -147,6 +147,9 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
+        # Still waiting in the queue policy's queue: stop waiting (the waiter leaves the queue,
+        # quotas/waiting.py); admitted already: the task goes on and ends its hold by itself.
+        runtime.waiting.client_left(task)
         task.add_done_callback(_start_drain_if_streaming)
         runtime.detach(task)
         raise
