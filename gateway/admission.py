@@ -2,15 +2,17 @@
 the plan's over-quota policy.
 
 Exactly one reserve script call on the hot path; the policies (queue, soft, fallback) add calls
-only for requests that were refused. A large body is parsed, checked and counted as one job on an
+only for requests that were refused. Under the queue policy the reserve itself gates and queues
+(lua/reserve.lua "Queue", no extra call); a queued call waits in quotas/waiting.py. A large body is parsed, checked and counted as one job on an
 estimation thread (`checked`), so it costs the event loop nothing and one hand-off.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, replace
+
+from django.conf import settings
 
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody, parse_body
@@ -22,6 +24,8 @@ from gateway.errors import (
     model_not_allowed,
     model_not_priced,
     not_found,
+    queue_full,
+    queue_timeout,
     rate_limited,
 )
 from gateway.prices import Price
@@ -34,13 +38,17 @@ from gateway.tokens import (
     off_loop,
 )
 from quotas.engine import (
+    QUEUE_PRIORITY_BOUND,
     UNLIMITED,
     Outcome,
+    QueueResource,
+    QueueTicket,
     Reservation,
     ReserveRequest,
     ScopeLimit,
 )
-from quotas.limits import CONCURRENCY, QUEUE_TIMEOUT
+from quotas.limits import CONCURRENCY
+from quotas.waiting import QueueTimedOut, QueueTiming, wait_in_queue
 from quotas.windows import Calendar
 from tenants.models import OverQuotaPolicy
 
@@ -265,36 +273,81 @@ async def checked(runtime: GatewayRuntime, ctx: KeyContext, endpoint: Endpoint,
     return parse_and_check(runtime, ctx, endpoint, raw)
 
 
+# A waiter's entry outlives its own deadline by this much before others may take it for dead:
+# clocks and a last reserve in flight must not drop a waiter that is about to give up anyway.
+_QUEUE_GRACE_MS = 1000
+
+
+def queue_ticket(runtime: GatewayRuntime, ctx: KeyContext) -> QueueTicket | None:
+    """What a call under the queue policy brings to reserve (None for other policies, and for a
+    queue timeout of 0: nothing to wait for)."""
+    limits = ctx.limits
+    if limits.over_quota_policy != OverQuotaPolicy.QUEUE or limits.queue_timeout_seconds <= 0:
+        return None
+    bound = QUEUE_PRIORITY_BOUND - 1
+    priority = max(-bound, min(bound, limits.queue_priority))
+    deadline_ms = (runtime.engine.clock.now_ms() + limits.queue_timeout_seconds * 1000
+                   + _QUEUE_GRACE_MS)
+    return QueueTicket(priority, deadline_ms, settings.TOLLGATE_QUEUE_HEAD_LEASE_MS,
+                       settings.TOLLGATE_QUEUE_MAX_WAITERS)
+
+
+def queue_timed_out(timed_out: QueueTimedOut) -> GatewayError:
+    """429 queue_timeout, naming what the call waited for, with that resource's Retry-After."""
+    last = timed_out.last
+    waited_s = timed_out.waited_ms / 1000
+    if last.queue_resource is QueueResource.COUNTER and last.refused is not None:
+        refused = last.refused
+        what = f"the {refused.scope} {refused.window.kind.value} quota"
+        retry = _seconds_until(refused.window.end_ms - last.server_time_ms)
+    elif last.queue_resource is QueueResource.BUCKET and last.refused_rate is not None:
+        what = f"the request rate of {last.refused_rate.scope}"
+        retry = _seconds_until(last.retry_after_ms)
+    else:
+        what = "a free slot of the concurrency limit"
+        retry = 1
+    return queue_timeout(what, waited_s, retry)
+
+
+async def _wait_in_queue(runtime: GatewayRuntime, ctx: KeyContext, request: ReserveRequest,
+                         first: Reservation) -> Reservation:
+    """Wait for a QUEUED call's turn (quotas/waiting.py); 429 queue_timeout when it does not
+    come within the plan's queue timeout."""
+    timing = QueueTiming(float(ctx.limits.queue_timeout_seconds),
+                         settings.TOLLGATE_QUEUE_HEAD_RETRY_MS,
+                         settings.TOLLGATE_QUEUE_HEAD_LEASE_MS)
+    try:
+        return await wait_in_queue(runtime.engine, runtime.reserve, request, first,
+                                   runtime.waiting, timing)
+    except QueueTimedOut as timed_out:
+        raise queue_timed_out(timed_out) from None
+
+
 async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
                 request_id: str) -> Admission:
-    """Reserve, or apply the plan's policy to a quota refusal; raises GatewayError (429)."""
+    """Reserve, or apply the plan's policy to a refusal; raises GatewayError (429)."""
     catalog = runtime.catalog
     parsed, scopes, est = call.parsed, call.scopes, call.estimate
     request = _request(ctx, parsed, request_id, parsed.model, est, scopes)
+    ticket = queue_ticket(runtime, ctx)
+    if ticket is not None:
+        request = replace(request, queue=ticket)
     # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
     # back: nothing is admitted on an empty counter).
     reservation = await runtime.reserve(request)
+    if reservation.outcome is Outcome.QUEUE_FULL:
+        raise queue_full(reservation.waiters)
+    if reservation.outcome is Outcome.QUEUED:
+        reservation = await _wait_in_queue(runtime, ctx, request, reservation)
     if reservation.admitted:
         return Admission(reservation, parsed.model, est, _with_output_cap(est, reservation, parsed, ctx))
     if reservation.outcome is not Outcome.QUOTA:
         raise refusal_error(reservation)
 
+    # Under the queue policy a quota refusal here is one waiting cannot help (a counter not
+    # queueable): it is answered at once, below.
     policy = ctx.limits.over_quota_policy
-    if policy == OverQuotaPolicy.QUEUE:
-        deadline = time.monotonic() + ctx.limits.queue_timeout_seconds
-        # Higher plans poll more often, so they get the capacity that frees up first.
-        pause = 0.05 / (1 + max(0, ctx.limits.queue_priority) / 10)
-        while time.monotonic() + pause < deadline:
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, 1.0)
-            again = await runtime.reserve(request)
-            if again.admitted:
-                return Admission(again, parsed.model, est,
-                                 _with_output_cap(est, again, parsed, ctx))
-            if again.outcome is not Outcome.QUOTA:
-                raise refusal_error(again)
-        raise replace(refusal_error(reservation), refusal=QUEUE_TIMEOUT)
-    elif policy == OverQuotaPolicy.SOFT:
+    if policy == OverQuotaPolicy.SOFT:
         percent = ctx.limits.soft_limit_percent
         ceiling = tuple(
             s if s.limit == UNLIMITED else replace(s, limit=s.limit * percent // 100)

@@ -1,6 +1,7 @@
 """Rate and quota headers on every /v1 response, in OpenAI's names where they exist.
 
-`x-ratelimit-*-requests` describe the first request-rate bucket of the call (the tenant's
+`x-tollgate-queue-wait-ms` is on every admitted call of a tenant under the queue policy: how long
+it waited in the queue (0 when it did not). `x-ratelimit-*-requests` describe the first request-rate bucket of the call (the tenant's
 requests per second, else the key's per minute); `x-ratelimit-*-tokens` describe the tightest
 limited token counter after this call's hold. Resets use OpenAI's duration format ("1s", "6m0s",
 "13h2m5s").
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 from gateway.auth import KeyContext
 from quotas.engine import UNLIMITED, Reservation, Unit
+from tenants.models import OverQuotaPolicy
+
+QUEUE_WAIT_HEADER = "x-tollgate-queue-wait-ms"
 
 
 def duration(ms: int) -> str:
@@ -27,6 +31,8 @@ def duration(ms: int) -> str:
 
 def rate_headers(ctx: KeyContext, reservation: Reservation) -> dict[str, str]:
     headers: dict[str, str] = {}
+    if ctx.limits.over_quota_policy == OverQuotaPolicy.QUEUE:
+        headers[QUEUE_WAIT_HEADER] = str(reservation.queue_wait_ms)
     rates = ctx.rates
     if rates and reservation.rate_remaining:
         rate, left = rates[0], reservation.rate_remaining[0]

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.catalog import fallback_model_info, hold_for, load_catalog, reservation_tokens
 from gateway.tokens import estimate_chat_prompt
+from quotas import keys
 from quotas.engine import QuotaEngine
 from tenants.models import Plan
 from tenants.services import revoke_key, rotate_key
@@ -74,6 +75,7 @@ def test_queue_policy_waits_for_a_hold_to_end(gateway: GatewayServer, make_tenan
     thread.join()
     assert raw.parse().usage.completion_tokens == 10
     assert finished["first"] <= finished["second"], "the queued call ran after the first ended"
+    assert int(raw.headers["x-tollgate-queue-wait-ms"]) > 0  # it waited, and says how long
     counter = engine.counter(t.tag, "tenant")
     assert counter.pending == 0 and counter.used == 2 * (raw.parse().usage.total_tokens)
 
@@ -89,9 +91,13 @@ def test_queue_policy_gives_up_after_its_timeout(gateway: GatewayServer, make_te
     assert wait_until(lambda: len(engine.open_hold_ids(t.tag)) == 1)
     with pytest.raises(openai.RateLimitError) as info:
         chat(gateway, t.plaintext, "gpt-4o")
-    assert info.value.code == "insufficient_quota"
+    # Its own code since the queue is a real one (issue 12): it waited, then gave up; the
+    # Retry-After is the full counter's (the end of the day window).
+    assert info.value.code == "queue_timeout"
+    assert int(info.value.response.headers["Retry-After"]) >= 1
     thread.join()
     assert engine.counter(t.tag, "tenant").pending == 0
+    assert engine.client.zcard(keys.queue_waiters_key(t.tag)) == 0
 
 
 def test_soft_policy_admits_up_to_the_ceiling_and_flags_it(

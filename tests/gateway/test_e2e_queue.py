@@ -1,0 +1,224 @@
+"""The queue policy's waiting queue through running gateways and the openai SDK: arrival order
+across worker processes, the wait header, the bound (queue_full), a client that leaves, and a
+race that keeps the money exact (granted <= limit, nothing pending, one ledger row per call, the
+ledger equal to what the mock upstream produced)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from billing.ledger import drain_tenant
+from billing.models import UsageRecord
+from gateway.mock_upstream import MockUpstream
+from quotas import keys
+from quotas.engine import QuotaEngine
+from quotas.status import utc_day_id
+from tenants.models import Plan
+from tests.gateway.conftest import (
+    GatewayServer,
+    MakeTenant,
+    async_client_for,
+    client_for,
+    committed,
+    start_gateway,
+    wait_until,
+)
+from tests.support.gateway_calls import billed, unique_model
+
+pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
+
+MESSAGES = [{"role": "user", "content": "queue test"}]
+WAIT_HEADER = "x-tollgate-queue-wait-ms"
+
+
+def queue_plan(django_db_blocker: Any, timeout_s: int, priority: int = 10) -> str:
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    committed(django_db_blocker, lambda: Plan.objects.create(
+        name=name, display_name=name, tokens_per_day=5_000_000, requests_per_second=-1,
+        over_quota_policy="queue", queue_timeout_seconds=timeout_s, queue_priority=priority,
+        shrink_hold_to_headroom=False))
+    return name
+
+
+@pytest.fixture(scope="module")
+def bounded_gateway(provider_key: str, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[GatewayServer]:
+    """Two workers with a small queue bound, so the bound is reached by a few calls."""
+    server = start_gateway(tmp_path_factory.mktemp("bounded"), workers=2,
+                           TOLLGATE_QUEUE_MAX_WAITERS="4")
+    yield server
+    server.stop()
+
+
+def ledger_rows(django_db_blocker: Any, engine: QuotaEngine, tenant_id: int) -> list[UsageRecord]:
+    def drain() -> list[UsageRecord]:
+        while drain_tenant(engine.client, tenant_id):
+            pass
+        return list(UsageRecord.objects.filter(tenant_id=tenant_id))
+    return committed(django_db_blocker, drain)
+
+
+def waiting(engine: QuotaEngine, tag: str) -> int:
+    return engine.client.zcard(keys.queue_waiters_key(tag))
+
+
+def test_waiters_are_admitted_in_arrival_order_across_workers(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any, mock_upstream: MockUpstream,
+) -> None:
+    """The smaller end-to-end version of the engine's 200 waiters: a key allowed one call in
+    flight, 30 callers queued one after the other on 4 workers, each admitted when the call
+    before it ends: in arrival order exactly."""
+    waiters = 30
+    t = make_tenant(plan=queue_plan(django_db_blocker, 60), key_options={"max_concurrency": 1})
+    base = unique_model("queue-order")
+    client = client_for(gateway, t.plaintext, timeout=90)
+    finished: list[int] = []
+    headers: dict[int, str | None] = {}
+    lock = threading.Lock()
+
+    def call(index: int, model: str) -> None:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=MESSAGES, max_tokens=5)
+        raw.parse()
+        with lock:
+            finished.append(index)
+            headers[index] = raw.headers.get(WAIT_HEADER)
+
+    threads = [threading.Thread(target=call, args=(-1, f"{base}@first_byte_ms=4000"))]
+    threads[0].start()
+    assert wait_until(lambda: len(engine.open_hold_ids(t.tag)) == 1)
+    for i in range(waiters):
+        threads.append(threading.Thread(target=call, args=(i, f"{base}@first_byte_ms=30")))
+        threads[-1].start()
+        assert wait_until(lambda n=i + 1: waiting(engine, t.tag) == n, 10), f"waiter {i}"
+    for thread in threads:
+        thread.join(60)
+    assert finished == [-1, *range(waiters)]
+    assert headers[-1] == "0"  # admitted at once: it did not wait
+    assert all(int(headers[i]) > 0 for i in range(waiters))
+    assert waiting(engine, t.tag) == 0
+    counter = engine.counter(t.tag, "tenant")
+    bill = billed(mock_upstream, base)
+    assert counter.pending == 0 and counter.used == bill["total_tokens"]
+    rows = ledger_rows(django_db_blocker, engine, t.tenant_id)
+    assert len(rows) == len({r.request_id for r in rows}) == waiters + 1 == bill["requests"]
+    assert sum(r.input_tokens + r.output_tokens for r in rows) == bill["total_tokens"]
+
+
+def test_queue_full_and_a_client_that_leaves(
+    bounded_gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any,
+) -> None:
+    t = make_tenant(plan=queue_plan(django_db_blocker, 30), key_options={"max_concurrency": 1})
+    base = unique_model("queue-full")
+    holder = threading.Thread(target=lambda: client_for(bounded_gateway, t.plaintext).chat
+                              .completions.create(model=f"{base}@first_byte_ms=3000",
+                                                  messages=MESSAGES, max_tokens=5))
+    holder.start()
+    assert wait_until(lambda: len(engine.open_hold_ids(t.tag)) == 1)
+
+    # A client that gives up after 0.5 s: its waiter leaves the queue.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{bounded_gateway.base_url}/chat/completions", timeout=0.5,
+                   headers={"Authorization": f"Bearer {t.plaintext}"},
+                   json={"model": f"{base}@first_byte_ms=1", "messages": MESSAGES,
+                         "max_tokens": 5})
+    assert wait_until(lambda: waiting(engine, t.tag) == 0, 5)
+
+    # Four waiters fill the bound; the fifth is refused at once with queue_full.
+    results: list[Any] = []
+
+    def queued() -> None:
+        raw = client_for(bounded_gateway, t.plaintext, timeout=60).chat.completions \
+            .with_raw_response.create(model=f"{base}@first_byte_ms=1", messages=MESSAGES,
+                                      max_tokens=5)
+        results.append(raw)
+
+    threads = [threading.Thread(target=queued) for _ in range(4)]
+    for i, thread in enumerate(threads):
+        thread.start()
+        assert wait_until(lambda n=i + 1: waiting(engine, t.tag) == n, 10)
+    with pytest.raises(openai.RateLimitError) as info:
+        client_for(bounded_gateway, t.plaintext).chat.completions.create(
+            model=f"{base}@first_byte_ms=1", messages=MESSAGES, max_tokens=5)
+    assert info.value.code == "queue_full"
+    assert info.value.response.headers["Retry-After"] == "1"
+    holder.join(30)
+    for thread in threads:
+        thread.join(30)
+    assert len(results) == 4 and all(int(r.headers[WAIT_HEADER]) > 0 for r in results)
+    refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
+    assert refused.get("queue_full") == "1"
+    assert engine.counter(t.tag, "tenant").pending == 0 and waiting(engine, t.tag) == 0
+
+
+def test_queue_timeout_is_its_own_refusal(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any,
+) -> None:
+    t = make_tenant(plan=queue_plan(django_db_blocker, 1), key_options={"max_concurrency": 1})
+    base = unique_model("queue-timeout")
+    holder = threading.Thread(target=lambda: client_for(gateway, t.plaintext).chat.completions
+                              .create(model=f"{base}@first_byte_ms=3000", messages=MESSAGES,
+                                      max_tokens=5))
+    holder.start()
+    assert wait_until(lambda: len(engine.open_hold_ids(t.tag)) == 1)
+    with pytest.raises(openai.RateLimitError) as info:
+        client_for(gateway, t.plaintext).chat.completions.create(
+            model=f"{base}@first_byte_ms=1", messages=MESSAGES, max_tokens=5)
+    assert info.value.code == "queue_timeout"
+    assert info.value.body["type"] == "requests"
+    assert info.value.response.headers["Retry-After"] == "1"
+    holder.join(30)
+    assert waiting(engine, t.tag) == 0
+    refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
+    assert refused.get("queue_timeout") == "1"
+    assert engine.counter(t.tag, "tenant").pending == 0
+
+
+def test_a_race_of_queued_calls_keeps_the_money_exact(
+    bounded_gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any, mock_upstream: MockUpstream,
+) -> None:
+    calls = 40
+    base = unique_model("queue-race")
+    model = f"{base}@first_byte_ms=200"
+    # Room for a handful of calls in the day: the rest wait, time out or find the queue full.
+    t = make_tenant(plan=queue_plan(django_db_blocker, 2), tokens_per_day=150)
+
+    async def one(client: openai.AsyncOpenAI) -> tuple[str, Any]:
+        try:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=model, messages=MESSAGES, max_tokens=5)
+        except openai.RateLimitError as error:
+            return str(error.code), None
+        return "admitted", raw
+
+    async def race() -> list[tuple[str, Any]]:
+        client = async_client_for(bounded_gateway, t.plaintext, timeout=30)
+        return await asyncio.gather(*(one(client) for _ in range(calls)))
+
+    outcomes = asyncio.run(race())
+    kinds = [k for k, _ in outcomes]
+    assert set(kinds) <= {"admitted", "queue_timeout", "queue_full"}
+    admitted = [raw for k, raw in outcomes if k == "admitted"]
+    assert admitted and all(WAIT_HEADER in raw.headers for raw in admitted)
+    counter = engine.counter(t.tag, "tenant")
+    bill = billed(mock_upstream, base)
+    assert counter.pending == 0 and counter.used == bill["total_tokens"] <= 150
+    assert bill["requests"] == len(admitted)
+    rows = ledger_rows(django_db_blocker, engine, t.tenant_id)
+    assert len(rows) == len({r.request_id for r in rows}) == len(admitted)
+    assert sum(r.input_tokens + r.output_tokens for r in rows) == bill["total_tokens"]
+    assert waiting(engine, t.tag) == 0
+    refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
+    assert sum(int(v) for v in refused.values()) == calls - len(admitted)
+    print(f"\nqueue race through the gateway: {dict((k, kinds.count(k)) for k in set(kinds))}")
