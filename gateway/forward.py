@@ -41,6 +41,7 @@ from gateway.errors import (
 )
 from gateway.listener import publish_cooldown
 from gateway.providers import Upstream
+from gateway.refusals import count_refusal
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
 from quotas.engine import (
@@ -51,6 +52,7 @@ from quotas.engine import (
     ReleaseResult,
     SettleResult,
 )
+from quotas.limits import UPSTREAM_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -627,7 +629,12 @@ async def _answer(call: Call) -> httpx.Response:
         # sooner, a cooling key is back).
         await call.release(503, "upstream_unavailable")
         wait = resting if cooling is None else min(resting, cooling)
-        raise upstream_unavailable(max(1, math.ceil(wait)))
+        refusal = upstream_unavailable(max(1, math.ceil(wait)))
+        # Counted here: a GatewayError from the forward becomes its response in views.py,
+        # which counts only the refusals raised before it.
+        await count_refusal(runtime.engine.client, call.ctx.tenant_tag, UPSTREAM_UNAVAILABLE,
+                            runtime.engine.clock.now_ms() / 1000)
+        raise refusal
     if capacity_wait_ms is not None and cooling is None and last_429 is None:
         cooling = max(1, math.ceil(capacity_wait_ms / 1000))
     if last_429 is not None or cooling is not None:
