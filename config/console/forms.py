@@ -23,6 +23,19 @@ def _sub_limit(label: str) -> forms.IntegerField:
     return forms.IntegerField(label=label, required=False, min_value=0, help_text=_SUB_LIMIT_HELP)
 
 
+def _pace_share() -> forms.IntegerField:
+    return forms.IntegerField(
+        label="Pace share (%)", required=False, min_value=1, max_value=100,
+        help_text="Burn-rate breaker: at most this percent of its daily limit per pace period. "
+        "Empty: the tenant's; 100: no pace of its own.")
+
+
+def _pace_spend() -> forms.IntegerField:
+    return forms.IntegerField(
+        label="Spend pace (micro-dollars per period)", required=False, min_value=1,
+        help_text="Empty: no spend pace of its own.")
+
+
 def add_service_errors(form: forms.Form, error: ValidationError) -> None:
     """Put a service's ValidationError on the form: per field where the form has the field."""
     if hasattr(error, "error_dict"):
@@ -44,6 +57,8 @@ class ProjectForm(forms.Form):
 class ProjectLimitsForm(forms.Form):
     tokens_per_day = _sub_limit("Tokens per day")
     tokens_per_month = _sub_limit("Tokens per month")
+    pace_share_percent = _pace_share()
+    pace_spend_micros = _pace_spend()
 
 
 class KeySubLimitsForm(forms.Form):
@@ -51,6 +66,8 @@ class KeySubLimitsForm(forms.Form):
 
     tokens_per_day = _sub_limit("Tokens per day")
     tokens_per_month = _sub_limit("Tokens per month")
+    pace_share_percent = _pace_share()
+    pace_spend_micros = _pace_spend()
 
 
 class IssueKeyForm(forms.Form):

@@ -1,9 +1,12 @@
 """The console's limits page: the tenant's plan and effective limits, the live counters of the
 tenant, its projects, keys and models, the projects' and keys' own sub-limits and the tenant's
-alert thresholds (each a form of its own on the page)."""
+alert thresholds (each a form of its own on the page), and the burn-rate breaker: the tenant's
+pace rule and the scopes whose breaker is tripped, each with a Resume button (quotas/pace.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from django.contrib import messages
@@ -27,8 +30,37 @@ from config.console.frame import (
     tenant_page,
     tenant_project,
 )
+from quotas.engine import QuotaStoreUnavailable
+from quotas.pace import Trip, resume_trip, tenant_trips
 from tenants import selectors, services
 from tenants.models import Tenant
+
+
+@dataclass(frozen=True)
+class _TripRow:
+    """A trip as the page shows it."""
+
+    trip: Trip
+    kind: str  # tenant / project / key
+    name: str
+    tripped_at: datetime
+    until: datetime
+    active: bool
+
+
+def _moment(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def _trip_rows(tenant: Tenant) -> list[_TripRow] | None:
+    """The tenant's trips, active first (None when the quota store is down)."""
+    try:
+        trips, now_ms = tenant_trips(tenant)
+    except QuotaStoreUnavailable:
+        return None
+    rows = [_TripRow(t, t.kind, t.label or t.scope, _moment(t.tripped_ms), _moment(t.until_ms),
+                     t.active(now_ms)) for t in trips]
+    return sorted(rows, key=lambda r: not r.active)
 
 
 
@@ -52,6 +84,8 @@ def _limits_page(
             "form": bound.get(prefix) or ProjectLimitsForm(prefix=prefix, initial={
                 "tokens_per_day": project.tokens_per_day,
                 "tokens_per_month": project.tokens_per_month,
+                "pace_share_percent": project.pace_share_percent,
+                "pace_spend_micros": project.pace_spend_micros,
             }),
         })
     keys = []
@@ -64,6 +98,8 @@ def _limits_page(
             "form": bound.get(prefix) or KeySubLimitsForm(prefix=prefix, initial={
                 "tokens_per_day": api_key.tokens_per_day,
                 "tokens_per_month": api_key.tokens_per_month,
+                "pace_share_percent": api_key.pace_share_percent,
+                "pace_spend_micros": api_key.pace_spend_micros,
             }),
         })
     context = {
@@ -76,6 +112,7 @@ def _limits_page(
         "models": [s for s in (live.of("model", "day") if live is not None else [])],
         "projects": projects,
         "keys": keys,
+        "trips": _trip_rows(tenant),
         "alerts_form": bound.get("alerts") or AlertThresholdsForm(
             prefix="alerts",
             initial={"alert_thresholds": ", ".join(map(str, tenant.alert_thresholds))},
@@ -92,6 +129,8 @@ def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         return _limits_page(request, tenant)
     require_manage(request, tenant)
     target = request.POST.get("form", "")
+    if target == "resume":
+        return _resume(request, tenant)
     if target == "alerts":
         alerts = AlertThresholdsForm(request.POST, prefix="alerts")
         if alerts.is_valid():
@@ -131,3 +170,19 @@ def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         return _limits_page(request, tenant, bound={target: key_form}, status=400)
     return _limits_page(request, tenant, status=400)
 
+
+
+def _resume(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    """Lift a tripped scope's burn-rate breaker early (audited pace.resumed)."""
+    scope = request.POST.get("scope", "")
+    try:
+        trip = resume_trip(tenant, scope, actor=actor(request))
+    except QuotaStoreUnavailable:
+        messages.error(request, "The quota store cannot be reached; nothing was resumed.")
+        return redirect("console-limits", tenant.public_id)
+    if trip is None:
+        messages.info(request, "That breaker is no longer tripped.")
+    else:
+        messages.success(request, f"Resumed {trip.kind} {trip.label or trip.scope}: it may "
+                         "spend a whole period's share again from now.")
+    return redirect("console-limits", tenant.public_id)
