@@ -334,7 +334,9 @@ if TOLLGATE_QUEUE_HEAD_LEASE_MS < 2 * TOLLGATE_QUEUE_HEAD_RETRY_MS:
 # errors, resets, timeouts) or a (key, model) breaker (5xx answers) opens when, within a window of
 # TOLLGATE_BREAKER_WINDOW_SECONDS, at least _MIN_CALLS calls saw at least _ERROR_PERCENT % errors;
 # the key is then skipped for _COOLDOWN_SECONDS, after which _PROBES probe calls must succeed to
-# close it (one failure re-opens it). Successes reach Redis in batches every _FLUSH_SECONDS.
+# close it (one failure re-opens it). Successes reach Redis in batches every _FLUSH_SECONDS per
+# worker (one script call per key and model; a failure carries its worker's unflushed ones): a
+# shorter interval makes the error rate fresher and costs more round trips.
 TOLLGATE_BREAKER_WINDOW_SECONDS = env.float("TOLLGATE_BREAKER_WINDOW_SECONDS", default=30.0)
 TOLLGATE_BREAKER_MIN_CALLS = _positive_int("TOLLGATE_BREAKER_MIN_CALLS", 10)
 TOLLGATE_BREAKER_ERROR_PERCENT = _positive_int("TOLLGATE_BREAKER_ERROR_PERCENT", 50)
@@ -343,7 +345,7 @@ if TOLLGATE_BREAKER_ERROR_PERCENT > 100:
         f"TOLLGATE_BREAKER_ERROR_PERCENT must be 1-100, got {TOLLGATE_BREAKER_ERROR_PERCENT}")
 TOLLGATE_BREAKER_COOLDOWN_SECONDS = env.float("TOLLGATE_BREAKER_COOLDOWN_SECONDS", default=30.0)
 TOLLGATE_BREAKER_PROBES = _positive_int("TOLLGATE_BREAKER_PROBES", 3)
-TOLLGATE_BREAKER_FLUSH_SECONDS = env.float("TOLLGATE_BREAKER_FLUSH_SECONDS", default=1.0)
+TOLLGATE_BREAKER_FLUSH_SECONDS = env.float("TOLLGATE_BREAKER_FLUSH_SECONDS", default=5.0)
 for _name in ("TOLLGATE_BREAKER_WINDOW_SECONDS", "TOLLGATE_BREAKER_COOLDOWN_SECONDS",
               "TOLLGATE_BREAKER_FLUSH_SECONDS"):
     # Whole milliseconds in Redis: below 1 ms a window or cool-down would be 0.
