@@ -256,6 +256,8 @@ class ProjectAdmin(admin.ModelAdmin):
             name=obj.name,
             tokens_per_day=obj.tokens_per_day,
             tokens_per_month=obj.tokens_per_month,
+            pace_share_percent=obj.pace_share_percent,
+            pace_spend_micros=obj.pace_spend_micros,
             within_limits=True,
         )
         obj.pk, obj.public_id, obj.created_at = created.pk, created.public_id, created.created_at
@@ -321,6 +323,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "requests_per_minute",
         "max_concurrency",
         "allowed_models",
+        "pace_share_percent",
+        "pace_spend_micros",
         "expires_at",
         "revoked_at",
         "last_used_at",
