@@ -29,22 +29,25 @@ import httpx
 from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
 
-from gateway.admission import Admission, reserve_meta
+from gateway.admission import Admission, queue_ticket, reserve_meta
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
 from gateway.circuit import NO_PROBE, circuit_for
 from gateway.errors import (
     GatewayError,
+    queue_timeout,
     upstream_client_error,
     upstream_error,
     upstream_unavailable,
 )
 from gateway.listener import publish_cooldown
+from gateway.headers import QUEUE_WAIT_HEADER
 from gateway.providers import Upstream
 from gateway.refusals import count_refusal
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
 from quotas.engine import (
+    CapacityWait,
     Hold,
     Phase,
     QuotaError,
@@ -52,7 +55,8 @@ from quotas.engine import (
     ReleaseResult,
     SettleResult,
 )
-from quotas.limits import UPSTREAM_UNAVAILABLE
+from quotas.limits import QUEUE_TIMEOUT, UPSTREAM_UNAVAILABLE
+from quotas.waiting import QueueTimedOut, QueueTiming, wait_for_capacity
 
 log = logging.getLogger(__name__)
 
@@ -540,18 +544,20 @@ async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
     return await _complete(call, answer)
 
 
-async def _answer(call: Call) -> httpx.Response:
+async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
     """The first upstream answer worth relaying (a 200); every other outcome releases the hold
-    and raises the matching GatewayError (a client error in Tollgate's words)."""
+    and raises the matching GatewayError (a client error in Tollgate's words). `taken`: the one
+    upstream to try, whose capacity the call already took (after waiting in its queue)."""
     runtime = call.runtime
     payload = call.payload()
     model = call.admission.model
     now = time.time()
-    candidates = runtime.pool.candidates(model, call.ctx.tenant_id, now)
+    candidates = [taken] if taken else runtime.pool.candidates(model, call.ctx.tenant_id, now)
     circuit = circuit_for(runtime)
     last_429: httpx.Response | None = None
     refused_key = False  # an upstream refused a provider key (401 / 403)
     capacity_wait_ms: int | None = None
+    short: list[tuple[int, Upstream]] = []  # keys without capacity now: (retry ms, key)
     for upstream in candidates:
         ticket = NO_PROBE
         # None (a dict lookup) unless a breaker of this key is past its cool-down.
@@ -561,12 +567,14 @@ async def _answer(call: Call) -> httpx.Response:
             if probe is None:
                 continue  # other calls hold its probe slots
             ticket = probe
-        if upstream.rpm_capacity or upstream.tpm_capacity:
-            taken = await runtime.engine.take_capacity(
+        if (upstream.rpm_capacity or upstream.tpm_capacity) and upstream is not taken:
+            # Behind the key's waiters (CapacityWait(): the gate only), in the same call.
+            got = await runtime.engine.take_capacity(
                 upstream.id, upstream.rpm_capacity, upstream.tpm_capacity,
-                call.admission.reservation.granted)
-            if not taken.taken:
-                capacity_wait_ms = min(taken.retry_after_ms, capacity_wait_ms or 10**9)
+                call.admission.reservation.granted, CapacityWait())
+            if not got.taken:
+                capacity_wait_ms = min(got.retry_after_ms, capacity_wait_ms or 10**9)
+                short.append((got.retry_after_ms, upstream))
                 continue
         call.upstream = upstream
         request = call.request_for(upstream, payload)
@@ -618,6 +626,10 @@ async def _answer(call: Call) -> httpx.Response:
             raise _upstream_failure(response, body)
         return response
 
+    if short and last_429 is None and not refused_key and taken is None:
+        waited_for = await _wait_for_capacity(call, short)
+        if waited_for is not None:
+            return await _answer(call, waited_for)
     if refused_key and last_429 is None:
         await call.release(502, "upstream_refused_key")
         raise upstream_error(502, "The upstream refused the gateway's provider key; the operators "
@@ -644,6 +656,46 @@ async def _answer(call: Call) -> httpx.Response:
                            "retry shortly.", "requests", "rate_limit_exceeded", None, retry_after)
     await call.release(502, "no_upstream")
     raise upstream_error(502, "No upstream provider for this model could be reached.")
+
+
+async def _wait_for_capacity(call: Call, short: list[tuple[int, Upstream]]) -> Upstream | None:
+    """Every key tried lacked RPM / TPM capacity: a call whose plan queues waits in the queue
+    of the key with capacity soonest (lua/provider_take.lua, "Queue": plan priority, then
+    arrival, across tenants) for what is left of its queue timeout. The key, once its capacity
+    is taken; None when the plan does not queue (the caller answers 429 as before); 429
+    queue_timeout (hold released, refusal counted) when the time runs out."""
+    runtime, ctx = call.runtime, call.ctx
+    ticket = queue_ticket(runtime, ctx)
+    already_ms = call.admission.reservation.queue_wait_ms
+    left_s = ctx.limits.queue_timeout_seconds - already_ms / 1000
+    if ticket is None or left_s <= 0:
+        return None
+    retry_ms, upstream = min(short, key=lambda item: item[0])
+    lease = settings.TOLLGATE_QUEUE_HEAD_LEASE_MS
+    wait = CapacityWait(call.request_id, ticket.priority,
+                        runtime.engine.clock.now_ms() + int(left_s * 1000) + 1000, lease)
+    timing = QueueTiming(left_s, settings.TOLLGATE_QUEUE_HEAD_RETRY_MS, lease)
+    try:
+        result, waited_ms = await wait_for_capacity(
+            runtime.engine, runtime.waiting, upstream.id, upstream.rpm_capacity,
+            upstream.tpm_capacity, call.admission.reservation.granted, wait, timing)
+    except asyncio.CancelledError:
+        # Its client left while it waited (views.py cancels a waiting call): end the hold,
+        # detached, since nobody else will.
+        runtime.detach(call.release(499, "client_gone"))
+        raise
+    except QueueTimedOut as timed_out:
+        await call.release(429, "queue_timeout")
+        refusal = queue_timeout("capacity of the upstream provider", timed_out.waited_ms / 1000,
+                                max(1, math.ceil(retry_ms / 1000)))
+        # Counted here: views.py counts only the refusals raised before the forward.
+        await count_refusal(runtime.engine.client, ctx.tenant_tag, QUEUE_TIMEOUT,
+                            runtime.engine.clock.now_ms() / 1000)
+        raise refusal from None
+    if not result.taken:
+        return None
+    call.headers[QUEUE_WAIT_HEADER] = str(already_ms + waited_ms)
+    return upstream
 
 
 def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:

@@ -185,8 +185,9 @@ local function drop(id, qk)
 end
 
 -- The first live waiter of queue qk ahead of `before` (any, when before is nil), dropping dead
--- entries met on the way; a new head found behind them is given its lease and woken.
-local function live_ahead(qk, before)
+-- entries met on the way; a new head found behind them (or any head, with `promote`: the head
+-- before it just left) is given its lease and woken.
+local function live_ahead(qk, before, promote)
   local dropped = false
   for _ = 1, 64 do
     local first = redis.call('ZRANGE', qk, 0, 0, 'WITHSCORES')
@@ -201,7 +202,7 @@ local function live_ahead(qk, before)
     local id = first[1]
     local exp = tonumber(redis.call('ZSCORE', Q.waiters, id))
     if exp ~= nil and exp >= now_ms then
-      if dropped then
+      if dropped or promote then
         redis.call('ZADD', Q.waiters, math.min(exp, now_ms + Q.lease), id)
         Q.wake[#Q.wake + 1] = id
       end
@@ -222,7 +223,7 @@ local function leave()
   end
   local first = redis.call('ZRANGE', cur, 0, 0)
   drop(request_id, cur)
-  if first[1] == request_id then live_ahead(cur, nil) end
+  if first[1] == request_id then live_ahead(cur, nil, true) end
   if redis.call('EXISTS', Q.waiters) == 0 then redis.call('DEL', Q.seq) end
 end
 
@@ -253,7 +254,7 @@ local function wait_in(qk, kind, index, retry_after)
   if cur and cur ~= qk then
     local first = redis.call('ZRANGE', cur, 0, 0)
     redis.call('ZREM', cur, request_id)
-    if first[1] == request_id then live_ahead(cur, nil) end
+    if first[1] == request_id then live_ahead(cur, nil, true) end
   end
   redis.call('ZADD', qk, Q.order, request_id)
   redis.call('HSET', Q.member, request_id, qk)

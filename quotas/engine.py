@@ -358,9 +358,37 @@ class RechargeResult:
 @dataclass(frozen=True)
 class CapacityResult:
     taken: bool
-    retry_after_ms: int = 0  # when refused
+    retry_after_ms: int = 0  # when refused or queued
     requests_left: int = UNLIMITED
     tokens_left: int = UNLIMITED
+    # Refused because callers wait for this key's capacity (it is theirs first).
+    behind_waiters: bool = False
+    # Queued (CapacityWait with a waiter id): waiting in the key's queue, its place and head.
+    queued: bool = False
+    queue_key: str = ""
+    queue_order: int = 0
+    queue_head: bool = False
+
+
+@dataclass(frozen=True)
+class CapacityWait:
+    """A caller's part in an upstream key's queue (lua/provider_take.lua, "Queue"). With an
+    empty waiter id it only passes the gate: it takes nothing while callers wait ahead of it."""
+
+    waiter_id: str = ""  # the request id of a caller that waits (its plan queues), else ""
+    priority: int = 0  # its plan's queue priority, higher first; |priority| < 2^20
+    deadline_ms: int = 0  # Redis clock: it gives up then
+    lease_ms: int = 1  # a head must come back within this
+    order: int | None = None  # its place, from its first queued reply
+
+    def __post_init__(self) -> None:
+        if self.waiter_id:
+            keys.validate_request_id(self.waiter_id)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) \
+                or abs(self.priority) >= QUEUE_PRIORITY_BOUND:
+            raise ValueError(f"queue priority must be an integer below 2^20 in magnitude, "
+                             f"got {self.priority!r}")
+        _require_int("lease_ms", self.lease_ms, 1)
 
 
 def _capacity_args(rpm: int | None, tpm: int | None, tokens: int) -> list[int]:
@@ -372,10 +400,40 @@ def _capacity_args(rpm: int | None, tpm: int | None, tokens: int) -> list[int]:
     return [rpm or UNLIMITED, tpm or UNLIMITED, tokens]
 
 
-def _capacity_result(reply: Sequence[Any]) -> CapacityResult:
-    if int(reply[0]) == 1:
+def _capacity_call(provider_key_id: int, rpm: int | None, tpm: int | None, tokens: int,
+                   wait: CapacityWait | None) -> tuple[list[str], list[Any]]:
+    call_keys: list[str] = [keys.provider_capacity_key(provider_key_id)]
+    args: list[Any] = _capacity_args(rpm, tpm, tokens)
+    if wait is not None:
+        call_keys += [keys.provider_waiters_key(provider_key_id),
+                      keys.provider_queue_key(provider_key_id),
+                      keys.provider_seq_key(provider_key_id)]
+        args += [wait.waiter_id, "" if wait.order is None else wait.order, wait.priority,
+                 wait.deadline_ms, wait.lease_ms, keys.QUEUE_WAKE_CHANNEL]
+    return call_keys, args
+
+
+def _capacity_result(reply: Sequence[Any], provider_key_id: int = 0) -> CapacityResult:
+    code = int(reply[0])
+    if code == 1:
         return CapacityResult(True, 0, int(reply[1]), int(reply[2]))
-    return CapacityResult(False, int(reply[1]))
+    if code == -6:
+        return CapacityResult(False, int(reply[2]), queued=True,
+                              queue_key=keys.provider_queue_key(provider_key_id),
+                              queue_order=int(reply[3]), queue_head=int(reply[1]) == 1)
+    return CapacityResult(False, int(reply[1]), behind_waiters=int(reply[2]) == 3)
+
+
+def _capacity_leave_call(provider_key_id: int, waiter_id: str,
+                         lease_ms: int) -> tuple[list[str], list[Any]]:
+    keys.validate_request_id(waiter_id)
+    _require_int("lease_ms", lease_ms, 1)
+    waiters = keys.provider_waiters_key(provider_key_id)
+    # The provider queue has no membership hash (one queue per key): a key of its slot that
+    # never exists stands in for it.
+    return ([waiters, keys.provider_queue_key(provider_key_id), waiters + ":in",
+             keys.provider_seq_key(provider_key_id)],
+            [waiter_id, lease_ms, keys.QUEUE_WAKE_CHANNEL])
 
 
 @dataclass(frozen=True)
@@ -932,11 +990,16 @@ class QuotaEngine:
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
     def take_capacity(self, provider_key_id: int, rpm: int | None, tpm: int | None,
-                      tokens: int) -> CapacityResult:
-        """Take one request and `tokens` from an upstream key's RPM / TPM buckets."""
-        args = _capacity_args(rpm, tpm, tokens)
-        reply = self._run("provider_take", [keys.provider_capacity_key(provider_key_id)], args)
-        return _capacity_result(reply)
+                      tokens: int, wait: CapacityWait | None = None) -> CapacityResult:
+        """Take one request and `tokens` from an upstream key's RPM / TPM buckets; with `wait`,
+        behind the key's waiters (and, with a waiter id, queued among them when refused)."""
+        call_keys, args = _capacity_call(provider_key_id, rpm, tpm, tokens, wait)
+        return _capacity_result(self._run("provider_take", call_keys, args), provider_key_id)
+
+    def leave_capacity_queue(self, provider_key_id: int, waiter_id: str, lease_ms: int) -> bool:
+        call_keys, args = _capacity_leave_call(provider_key_id, waiter_id, lease_ms)
+        removed, _ = self._run("queue_leave", call_keys, args)
+        return int(removed) == 1
 
     def leave_queue(self, tenant: str, request_id: str, queue_key: str, lease_ms: int) -> bool:
         """Take a waiter out of its queue (timed out, client gone); True if it was there."""
@@ -1041,12 +1104,18 @@ class AsyncQuotaEngine:
             await self.client.xadd(keys.usage_stream_key(tenant), fields)
 
     async def take_capacity(self, provider_key_id: int, rpm: int | None, tpm: int | None,
-                            tokens: int) -> CapacityResult:
-        """Take one request and `tokens` from an upstream key's RPM / TPM buckets."""
-        args = _capacity_args(rpm, tpm, tokens)
-        reply = await self._run("provider_take", [keys.provider_capacity_key(provider_key_id)],
-                                args)
-        return _capacity_result(reply)
+                            tokens: int, wait: CapacityWait | None = None) -> CapacityResult:
+        """See QuotaEngine.take_capacity."""
+        call_keys, args = _capacity_call(provider_key_id, rpm, tpm, tokens, wait)
+        return _capacity_result(await self._run("provider_take", call_keys, args),
+                                provider_key_id)
+
+    async def leave_capacity_queue(self, provider_key_id: int, waiter_id: str,
+                                   lease_ms: int) -> bool:
+        """Take a waiter out of an upstream key's queue (timed out, client gone)."""
+        call_keys, args = _capacity_leave_call(provider_key_id, waiter_id, lease_ms)
+        removed, _ = await self._run("queue_leave", call_keys, args)
+        return int(removed) == 1
 
     async def leave_queue(self, tenant: str, request_id: str, queue_key: str,
                           lease_ms: int) -> bool:

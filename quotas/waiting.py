@@ -27,7 +27,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quotas import keys
-from quotas.engine import AsyncQuotaEngine, Outcome, Reservation, ReserveRequest
+from quotas.engine import (
+    AsyncQuotaEngine,
+    CapacityResult,
+    CapacityWait,
+    Outcome,
+    Reservation,
+    ReserveRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +150,9 @@ class WaitRoom:
 class QueueTimedOut(Exception):
     """The waiter's queue timeout passed before it was admitted; it has left the queue."""
 
-    def __init__(self, last: Reservation, waited_ms: int) -> None:
+    def __init__(self, last: Any, waited_ms: int) -> None:
         super().__init__(f"waited {waited_ms} ms in the queue")
-        self.last = last  # the last QUEUED reply: what it waited for
+        self.last = last  # the last queued reply (a Reservation, a CapacityResult): what for
         self.waited_ms = waited_ms
 
 
@@ -156,83 +163,157 @@ class QueueTiming:
     lease_ms: int  # a head must call again within this (lua/reserve.lua)
 
 
-async def _end_quietly(engine: AsyncQuotaEngine, reservation: Reservation, request: ReserveRequest,
-                       lease_ms: int) -> None:
-    """Clean up after a waiter whose reserve was in flight when its client left: release a hold
-    it was given (nobody will use it), or leave the queue it was put in."""
-    try:
-        if reservation.hold is not None:
-            await engine.release(reservation.hold, json.dumps({"reason": "client_gone"}))
-        elif reservation.outcome is Outcome.QUEUED:
-            await engine.leave_queue(request.tenant, request.request_id, reservation.queue_key,
-                                     lease_ms)
-    except Exception:  # noqa: BLE001 - the sweep (hold) or the entry's deadline (queue) bound it
-        log.warning("could not clean up after waiter %s", request.request_id, exc_info=True)
+@dataclass(frozen=True)
+class Turn:
+    """What one attempt (a reserve, a capacity take) told a waiter."""
+
+    queued: bool  # still waiting; False: admitted, or refused for good (`value` says which)
+    value: Any  # the attempt's result
+    queue_key: str = ""
+    order: int = 0
+    head: bool = False
+    retry_after_ms: int = 0  # > 0: time-based capacity (a refilling bucket) comes back then
 
 
-async def wait_in_queue(engine: AsyncQuotaEngine,
-                        reserve: Callable[[ReserveRequest], Awaitable[Reservation]],
-                        request: ReserveRequest, first: Reservation, room: WaitRoom,
-                        timing: QueueTiming) -> Reservation:
-    """Wait in the queue `first` (a QUEUED reply to `request`) put the call in, until reserve
-    admits it or refuses it for good (returned, with queue_wait_ms), or the timeout passes
-    (QueueTimedOut, after leaving the queue). Cancelled (the client left): leaves the queue, and
-    a reserve in flight is followed to its end (its hold released if it admitted)."""
-    assert request.queue is not None and first.outcome is Outcome.QUEUED
+async def wait_turns(room: WaitRoom, request_id: str, waiters_key: str, first: Turn,
+                     attempt: Callable[[], Awaitable[Turn]],
+                     leave: Callable[[str], Awaitable[Any]],
+                     late: Callable[[Turn], Awaitable[Any]],
+                     timing: QueueTiming) -> tuple[Turn, int]:
+    """Wait from the queued `first` turn until an attempt ends the wait: (that turn, the ms
+    waited). Attempts run when woken, or on the timer while this waiter is the head of its queue
+    or this process's front waiter of it. QueueTimedOut after `timing.timeout_s` (having left
+    the queue: `leave(queue_key)`). Cancelled: leaves the queue, detached; an attempt in flight
+    is followed to its end and handed to `late` (release what it got, or leave)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline = started + timing.timeout_s
     retry_s = timing.head_retry_ms / 1000
-    request = replace(request, queue=replace(request.queue, order=first.queue_order))
-    waiter = room.enter(request.request_id, keys.queue_waiters_key(request.tenant))
-    waiter.told(first)
+    waiter = room.enter(request_id, waiters_key)
     current = first
-    ended = False  # the script took it out of the queue (admitted, or refused for good)
+    waiter.queue_key, waiter.order, waiter.head = first.queue_key, first.order, first.head
+    ended = False  # nothing of it left in the queue to remove (or someone else removes it)
     try:
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
             pause = retry_s
-            if current.queue_head and current.retry_after_ms > 0:
+            if current.head and current.retry_after_ms > 0:
                 pause = min(pause, current.retry_after_ms / 1000)
             woken = await waiter.wait(min(pause, remaining))
             if loop.time() >= deadline:
                 break
             if not woken and not (waiter.head or room.is_front(waiter)):
                 continue  # not its turn to look: no Redis command
-            in_flight = asyncio.ensure_future(reserve(request))
+            in_flight = asyncio.ensure_future(attempt())
             try:
-                again = await asyncio.shield(in_flight)
+                turn = await asyncio.shield(in_flight)
             except asyncio.CancelledError:
-                ended = True  # the follow-up below owns the clean-up now
-                in_flight.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
-                                            or room.detach(_end_quietly(engine, t.result(),
-                                                                        request, timing.lease_ms)))
+                ended = True  # the follow-up owns the clean-up now
+                in_flight.add_done_callback(
+                    lambda t: t.cancelled() or t.exception() is not None
+                    or room.detach(late(t.result())))
                 raise
-            if again.outcome is Outcome.QUEUED:
-                current = again
-                waiter.told(again)
+            if turn.queued:
+                current = turn
+                waiter.queue_key, waiter.order, waiter.head = turn.queue_key, turn.order, turn.head
                 continue
             ended = True
-            return replace(again, queue_wait_ms=int((loop.time() - started) * 1000))
+            return turn, int((loop.time() - started) * 1000)
         waited = int((loop.time() - started) * 1000)
         ended = True
-        await asyncio.shield(room.detach(
-            _leave_quietly(engine, request, waiter.queue_key, timing.lease_ms)))
-        raise QueueTimedOut(current, waited)
+        await asyncio.shield(room.detach(_quietly(leave(waiter.queue_key), request_id)))
+        raise QueueTimedOut(current.value, waited)
     finally:
         room.leave(waiter)
         if not ended:
-            # Cancelled while waiting (the client left), or reserve failed: leave the queue,
+            # Cancelled while waiting (the client left), or an attempt failed: leave the queue,
             # detached so that the removal completes whatever happens to this task.
-            room.detach(_leave_quietly(engine, request, waiter.queue_key, timing.lease_ms))
+            room.detach(_quietly(leave(waiter.queue_key), request_id))
 
 
-async def _leave_quietly(engine: AsyncQuotaEngine, request: ReserveRequest, queue_key: str,
-                         lease_ms: int) -> None:
-    with contextlib.suppress(Exception):
-        await engine.leave_queue(request.tenant, request.request_id, queue_key, lease_ms)
+async def _quietly(work: Awaitable[Any], request_id: str) -> None:
+    try:
+        await work
+    except Exception:  # noqa: BLE001 - the entry's expiry bounds what a failed clean-up leaves
+        log.warning("could not clean up after waiter %s", request_id, exc_info=True)
+
+
+def _reserve_turn(reservation: Reservation) -> Turn:
+    if reservation.outcome is not Outcome.QUEUED:
+        return Turn(False, reservation)
+    return Turn(True, reservation, reservation.queue_key, reservation.queue_order or 0,
+                reservation.queue_head, reservation.retry_after_ms)
+
+
+async def wait_in_queue(engine: AsyncQuotaEngine,
+                        reserve: Callable[[ReserveRequest], Awaitable[Reservation]],
+                        request: ReserveRequest, first: Reservation, room: WaitRoom,
+                        timing: QueueTiming) -> Reservation:
+    """Wait in the tenant queue `first` (a QUEUED reply to `request`) put the call in, until
+    reserve admits it or refuses it for good (returned, with queue_wait_ms), or the timeout
+    passes (QueueTimedOut, after leaving the queue). Cancelled (the client left): leaves the
+    queue, and a reserve in flight is followed to its end (its hold released if it admitted)."""
+    assert request.queue is not None and first.outcome is Outcome.QUEUED
+    request = replace(request, queue=replace(request.queue, order=first.queue_order))
+
+    async def attempt() -> Turn:
+        return _reserve_turn(await reserve(request))
+
+    async def leave(queue_key: str) -> None:
+        await engine.leave_queue(request.tenant, request.request_id, queue_key, timing.lease_ms)
+
+    async def late(turn: Turn) -> None:
+        reservation: Reservation = turn.value
+        if reservation.hold is not None:  # admitted after its client left: nobody uses it
+            await engine.release(reservation.hold, json.dumps({"reason": "client_gone"}))
+        elif turn.queued:
+            await leave(turn.queue_key)
+
+    turn, waited_ms = await wait_turns(
+        room, request.request_id, keys.queue_waiters_key(request.tenant), _reserve_turn(first),
+        attempt, leave, lambda t: _quietly(late(t), request.request_id), timing)
+    return replace(turn.value, queue_wait_ms=waited_ms)
+
+
+def _capacity_turn(result: CapacityResult) -> Turn:
+    if not result.queued:
+        return Turn(False, result)
+    return Turn(True, result, result.queue_key, result.queue_order, result.queue_head,
+                result.retry_after_ms)
+
+
+async def wait_for_capacity(engine: AsyncQuotaEngine, room: WaitRoom, provider_key_id: int,
+                            rpm: int | None, tpm: int | None, tokens: int, wait: CapacityWait,
+                            timing: QueueTiming) -> tuple[CapacityResult, int]:
+    """Queue for an upstream key's RPM / TPM capacity (lua/provider_take.lua, "Queue") and wait
+    for it: (the result that ended the wait, ms waited). Taken at once: waited 0. Ordered by
+    plan priority, then arrival, across tenants; the head comes back after the buckets'
+    retry_after_ms or when the head before it took capacity. QueueTimedOut after the timeout
+    (having left the queue)."""
+    first = await engine.take_capacity(provider_key_id, rpm, tpm, tokens, wait)
+    if not first.queued:
+        return first, 0
+    wait = CapacityWait(wait.waiter_id, wait.priority, wait.deadline_ms, wait.lease_ms,
+                        first.queue_order)
+
+    async def attempt() -> Turn:
+        return _capacity_turn(await engine.take_capacity(provider_key_id, rpm, tpm, tokens, wait))
+
+    async def leave(_queue_key: str) -> None:
+        await engine.leave_capacity_queue(provider_key_id, wait.waiter_id, timing.lease_ms)
+
+    async def late(turn: Turn) -> None:
+        # Capacity taken after its client left is spent (buckets give nothing back); a waiter
+        # still queued leaves.
+        if turn.queued:
+            await leave(turn.queue_key)
+
+    turn, waited_ms = await wait_turns(
+        room, wait.waiter_id, keys.provider_waiters_key(provider_key_id), _capacity_turn(first),
+        attempt, leave, lambda t: _quietly(late(t), wait.waiter_id), timing)
+    return turn.value, waited_ms
 
 
 async def listen(client: Any, room: WaitRoom, ready: asyncio.Event | None = None) -> None:
