@@ -266,8 +266,9 @@ local function wait_in(qk, kind, index, retry_after)
            redis.call('ZCARD', Q.waiters) }
 end
 
--- The gate: behind any live waiter ahead in the queue of a resource this call touches.
-if Q then
+-- The gate: behind any live waiter ahead in the queue of a resource this call touches. While
+-- nobody of the tenant waits (the usual case) one EXISTS stands for every queue.
+if Q and redis.call('EXISTS', Q.waiters) == 1 then
   local mine = Q.order
   if mine == nil then
     -- A newcomer comes after every waiter of its priority (its arrival number is not taken yet).

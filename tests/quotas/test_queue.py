@@ -4,6 +4,7 @@ queues, wakes, the bound, a client leaving, a dead head, and what waiting costs 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -382,14 +383,22 @@ def test_settle_publishes_a_wake_only_when_someone_waits(request: pytest.Fixture
             return out
 
         first = await q.engine.reserve(q.request("a", 5, limits))
-        await q.engine.settle(first.hold, 5)
+        await q.engine.settle(first.hold, 0)
         assert await messages() == []  # nobody waits: no wake
-        holder = await q.engine.reserve(q.request("b", 5, limits))
+        holder = await q.engine.reserve(q.request("b", 10, limits))
         queued = await q.engine.reserve(q.request("c", 5, limits, queue=q.ticket()))
-        assert queued.outcome is Outcome.QUEUED
+        behind = await q.engine.reserve(q.request("d", 5, limits, queue=q.ticket()))
+        assert queued.outcome is behind.outcome is Outcome.QUEUED
+        assert queued.queue_head and not behind.queue_head
         await q.engine.release(holder.hold)
-        assert await messages() == [{"w": keys.queue_waiters_key(q.tenant)}]
-        await q.engine.leave_queue(q.tenant, "c", queued.queue_key, TIMING.lease_ms)
+        waiters = keys.queue_waiters_key(q.tenant)
+        assert await messages() == [{"w": waiters}]  # capacity freed where callers wait
+        ticket = dataclasses.replace(q.ticket(), order=queued.queue_order)
+        admitted = await q.engine.reserve(q.request("c", 5, limits, queue=ticket))
+        assert admitted.admitted
+        assert await messages() == [{"w": waiters, "ids": ["d"]}]  # the next head, at once
+        await q.engine.leave_queue(q.tenant, "d", behind.queue_key, TIMING.lease_ms)
+        await q.engine.release(admitted.hold)
         await pubsub.aclose()
         await sub.aclose()
 
