@@ -18,6 +18,12 @@ scripts loaded, each EVALSHA is one round trip), database transactions per reque
 non-streamed and streamed calls (done well within GATEWAY_CHECKPOINT_SECONDS: reserve and settle
 only), and streams that last `--long-seconds` (`long`: the mock's chunk delay spread over the
 stream), so their holds get a progress checkpoint every GATEWAY_CHECKPOINT_SECONDS.
+
+Then the queue (`queue` mode): a tenant of the standard plan (over-quota policy "queue") whose key
+allows one call in flight; one long call holds it while `--queue-waiters` calls wait in the queue.
+Printed: Redis round trips (EVALSHA) and commands per waiter per second while they wait, and the
+latency of a queued admission after a wake (the gap between consecutive calls ending, each
+admitted by the previous one's settle, minus an unqueued call's median latency), p50/p90/p99.
 """
 from __future__ import annotations
 
@@ -202,9 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--gateway-workers", type=int, default=1)
-    parser.add_argument("--modes", nargs="+", choices=["plain", "stream", "long"],
-                        default=["plain", "stream", "long"],
-                        help="which scenarios to run (long: streams with checkpoints)")
+    parser.add_argument("--modes", nargs="+", choices=["plain", "stream", "long", "queue"],
+                        default=["plain", "stream", "long", "queue"],
+                        help="which scenarios to run (long: streams with checkpoints; queue: "
+                             "what waiting in the queue policy's queue costs)")
+    parser.add_argument("--queue-waiters", type=int, default=64,
+                        help="calls waiting in the queue in the queue scenario (at most "
+                             "TOLLGATE_QUEUE_MAX_WAITERS)")
+    parser.add_argument("--queue-idle-seconds", type=float, default=3.0,
+                        help="how long the waiters wait while Redis commands are counted")
     parser.add_argument("--long-seconds", type=float, default=2.5,
                         help="how long each stream of the long scenario lasts")
     parser.add_argument("--long-clients", type=int, default=64,
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'scenario':<22} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
               f"{'p99 ms':>8}")
         work: dict[str, Work] = {}
-        for kind in [mode for mode in args.modes if mode != "long"]:
+        for kind in [mode for mode in args.modes if mode in ("plain", "stream")]:
             stream = kind == "stream"
             spent = work.setdefault(f"{kind} (short)", Work())
             for level in args.concurrency:
@@ -268,9 +280,83 @@ def main(argv: list[str] | None = None) -> int:
                   f"{spent.evalsha / n:>8.2f} {spent.db_xacts / n:>8.4f} {per_request_ms:>7.3f} "
                   f"{1000 / per_request_ms if per_request_ms else 0:>12.0f}")
         print(f"gateway worker peak RSS: {_peak_rss_mb(gateway.pid):.0f} MB")
+        if "queue" in args.modes:
+            queue_bench(args.gateway_port, args.queue_waiters, args.queue_idle_seconds)
         if args.soak > 0:
             soak(args.gateway_port, key, gateway.pid, args.soak)
     return 0
+
+
+async def _one_call(port: int, request: bytes) -> tuple[float, float]:
+    """One call on its own connection: (when it was sent, when its answer was read), by
+    time.perf_counter()."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        sent = time.perf_counter()
+        writer.write(request)
+        head = await _read_response(reader)
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"unexpected answer: {head[:200]!r}")
+        return sent, time.perf_counter()
+    finally:
+        writer.close()
+
+
+async def _queue_run(port: int, key: str, waiters: int, idle_s: float
+                     ) -> tuple[dict[str, Any], dict[str, Any], list[float], list[float]]:
+    """The holder, the waiters, the counters around the idle wait; then each admission gap
+    and the latencies of unqueued calls."""
+    hold_ms = int((idle_s + 2.5) * 1000)
+    holder = asyncio.ensure_future(_one_call(port, _request_bytes(
+        key, False, f"gpt-4o-mini@first_byte_ms={hold_ms}")))
+    await asyncio.sleep(0.5)
+    request = _request_bytes(key, False)
+    calls = [asyncio.ensure_future(_one_call(port, request)) for _ in range(waiters)]
+    await asyncio.sleep(1.0)  # every waiter has queued
+    # (a thread: Django refuses database work inside an event loop)
+    before = await asyncio.to_thread(_server_counters)
+    await asyncio.sleep(idle_s)
+    after = await asyncio.to_thread(_server_counters)
+    ends = sorted([(await holder)[1]] + [end for _, end in await asyncio.gather(*calls)])
+    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    alone = []
+    for _ in range(30):
+        sent, ended = await _one_call(port, request)
+        alone.append(ended - sent)
+    return before, after, gaps, alone
+
+
+def queue_bench(port: int, waiters: int, idle_s: float) -> None:
+    import uvloop
+
+    key = _setup_queue_tenant()
+    before, after, gaps, alone = uvloop.run(_queue_run(port, key, waiters, idle_s))
+    evalsha = after["evalsha"] - before["evalsha"]
+    commands = after["redis_calls"] - before["redis_calls"]
+    per = waiters * idle_s
+    print()
+    print(f"queue: {waiters} waiters for {idle_s:g} s: {evalsha} EVALSHA = "
+          f"{evalsha / per:.4f} per waiter per second; {commands} Redis commands with those the "
+          f"scripts ran and the workers' own checks = {commands / per:.4f} per waiter per second")
+    base = Result(len(alone), 1.0, alone).pct(50)
+    admitted = Result(len(gaps), 1.0, gaps)
+    print(f"{'queued admission after a wake':<30} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
+    print(f"{'  gap between admissions':<30} {admitted.pct(50):>8.2f} {admitted.pct(90):>8.2f} "
+          f"{admitted.pct(99):>8.2f}")
+    print(f"{'  unqueued call (p50)':<30} {base:>8.2f}")
+    print(f"{'  added by the queue':<30} {admitted.pct(50) - base:>8.2f} "
+          f"{admitted.pct(90) - base:>8.2f} {admitted.pct(99) - base:>8.2f}")
+
+
+def _setup_queue_tenant() -> str:
+    """A tenant of the standard plan (the queue policy) whose key allows one call in flight."""
+    from tenants.services import create_project, create_tenant, issue_key
+
+    # The standard plan waits up to 10 s: the holder lasts --queue-idle-seconds + 2.5 s.
+    tenant = create_tenant("bench-queue", plan_name="standard", actor="bench",
+                           requests_per_second=1_000_000)
+    project = create_project(tenant, "queue", actor="bench")
+    return issue_key(project, actor="bench", max_concurrency=1).plaintext
 
 
 @contextmanager
