@@ -222,3 +222,78 @@ def test_a_race_of_queued_calls_keeps_the_money_exact(
     refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
     assert sum(int(v) for v in refused.values()) == calls - len(admitted)
     print(f"\nqueue race through the gateway: {dict((k, kinds.count(k)) for k in set(kinds))}")
+
+
+def test_two_plans_waiting_for_one_provider_key_the_higher_first(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any, mock_upstream: MockUpstream, tmp_path: Any,
+) -> None:
+    """Shared capacity: one provider key allows 30 requests a minute (one each 2 s) and is the
+    only key serving the model; tenants of a standard-like plan (priority 10) and an
+    enterprise-like one (20) wait for it, arriving in turn: every enterprise call is served
+    before every standard one, each plan in arrival order."""
+    from gateway.models import ProviderKey
+    from gateway.prices import Price
+    from gateway.providers import create_provider_key, delete_provider_key, update_provider_key
+    from tests.gateway.conftest import MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE
+
+    rpm = 30
+    model = unique_model("queue-cap")
+    cap = committed(django_db_blocker, lambda: create_provider_key(
+        f"cap-{uuid.uuid4().hex[:6]}", base_url=mock_upstream.base_url,
+        secret="sk-capacity-upstream-key", models=[model], rpm_capacity=rpm,
+        default_price=Price(MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE)))
+
+    def shared_enabled(enabled: bool) -> None:
+        def work() -> None:
+            shared = ProviderKey.objects.get(name="mock")
+            shared.enabled = enabled
+            update_provider_key(shared, ["enabled"], actor="test")
+        committed(django_db_blocker, work)
+
+    low = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=10))
+    high = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=20))
+    # The session's shared key serves every model: out of the way while this test runs, so
+    # the capped key is the only one (the dedicated gateway starts without it).
+    shared_enabled(False)
+    server = start_gateway(tmp_path, workers=2)
+    try:
+        while engine.take_capacity(cap.pk, rpm, None, 1).taken:
+            pass  # the bucket is empty: the next request comes in 2 s
+        finished: list[str] = []
+        lock = threading.Lock()
+
+        def call(name: str, key: str) -> None:
+            client_for(server, key, timeout=60).chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=5)
+            with lock:
+                finished.append(name)
+
+        arrivals = [("std-0", low), ("ent-0", high), ("std-1", low), ("ent-1", high)]
+        threads = []
+        for n, (name, tenant) in enumerate(arrivals, start=1):
+            threads.append(threading.Thread(target=call, args=(name, tenant.plaintext)))
+            threads[-1].start()
+            assert wait_until(
+                lambda n=n: engine.client.zcard(keys.provider_queue_key(cap.pk)) == n, 10)
+        for thread in threads:
+            thread.join(60)
+        assert finished == ["ent-0", "ent-1", "std-0", "std-1"]
+        assert engine.client.zcard(keys.provider_waiters_key(cap.pk)) == 0
+        for tenant in (low, high):
+            assert engine.counter(tenant.tag, "tenant").pending == 0
+    finally:
+        server.stop()
+        shared_enabled(True)
+        committed(django_db_blocker, lambda: delete_provider_key(
+            ProviderKey.objects.get(pk=cap.pk), actor="test"))
+
+        def serves_again() -> bool:
+            try:
+                client_for(gateway, low.plaintext).chat.completions.create(
+                    model="gpt-4o-mini", messages=MESSAGES, max_tokens=1)
+            except openai.OpenAIError:
+                return False
+            return True
+        # The session gateway has the shared key back before the next test.
+        assert wait_until(serves_again, 10)
