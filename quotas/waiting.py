@@ -8,10 +8,11 @@ ordered by priority, then arrival. This module holds what one process needs to w
   `listen` for tools and tests) feeds `WaitRoom.dispatch`: a message naming waiters wakes those
   (they became heads); a message naming only a tenant's waiters key (capacity was freed there)
   wakes this process's front waiter of each of that tenant's queues.
-- `wait_in_queue`: the loop of one waiter. It calls reserve again only when woken, or on a
-  timer while it is the head of its queue or this process's front waiter of it (the safety net
-  for a lost wake, a dead head and time-based capacity: a refilling bucket, a new window).
-  Other waiters cost Redis nothing while they wait: a local look at the timer, no command.
+- `wait_turns`: the loop of one waiter (`wait_in_queue` for a tenant's queues,
+  `wait_for_capacity` for a provider key's). It tries again only when woken, or on a timer while
+  it is the head of its queue or this process's front waiter of it (the safety net for a lost
+  wake, a dead head and time-based capacity: a refilling bucket, a new window). Other waiters
+  cost Redis nothing while they wait: a local look at the timer, no command.
 
 Redis commands while waiting are therefore bounded by wakes (one per freed capacity, per
 process front) plus one reserve per `head_retry_ms` per queue per process, however many wait.
@@ -50,10 +51,9 @@ class Waiter:
     head: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def told(self, reservation: Reservation) -> None:
-        self.queue_key = reservation.queue_key
-        self.order = reservation.queue_order if reservation.queue_order is not None else 0
-        self.head = reservation.queue_head
+    def told(self, turn: Turn) -> None:
+        """Where the last attempt put it."""
+        self.queue_key, self.order, self.head = turn.queue_key, turn.order, turn.head
 
     async def wait(self, seconds: float) -> bool:
         """Sleep until woken or `seconds` passed; True if woken (the wake is consumed)."""
@@ -191,7 +191,7 @@ async def wait_turns(room: WaitRoom, request_id: str, waiters_key: str, first: T
     retry_s = timing.head_retry_ms / 1000
     waiter = room.enter(request_id, waiters_key)
     current = first
-    waiter.queue_key, waiter.order, waiter.head = first.queue_key, first.order, first.head
+    waiter.told(first)
     ended = False  # nothing of it left in the queue to remove (or someone else removes it)
     try:
         while True:
@@ -217,7 +217,7 @@ async def wait_turns(room: WaitRoom, request_id: str, waiters_key: str, first: T
                 raise
             if turn.queued:
                 current = turn
-                waiter.queue_key, waiter.order, waiter.head = turn.queue_key, turn.order, turn.head
+                waiter.told(turn)
                 continue
             ended = True
             return turn, int((loop.time() - started) * 1000)
