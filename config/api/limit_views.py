@@ -12,6 +12,7 @@ still carries the static part.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -26,6 +27,8 @@ from rest_framework.response import Response
 
 from config.api.service_errors import service_error
 from config.api.tenancy_serializers import (
+    PaceResumeSerializer,
+    PaceTripSerializer,
     PlanSerializer,
     PlanUpdateSerializer,
     TenantLimitsSerializer,
@@ -38,6 +41,7 @@ from config.api.tenant_scope import (
     get_in_tenant,
 )
 from quotas.engine import UNLIMITED, QuotaStoreUnavailable
+from quotas.pace import Trip, resume_trip, tenant_trips
 from quotas.status import quota_status
 from tenants import selectors, services
 from tenants.exceptions import SlugTaken
@@ -146,6 +150,10 @@ def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
             "model_tokens_per_day": limits.model_tokens_per_day,
             "allowed_models": list(limits.allowed_models),
             "over_quota_policy": limits.over_quota_policy,
+            "pace_share_percent": _or_none(limits.pace_share_percent),
+            "pace_spend_micros": _or_none(limits.pace_spend_micros),
+            "pace_period_seconds": limits.pace_period_seconds,
+            "pace_cooldown_seconds": limits.pace_cooldown_seconds,
         },
         "overrides": {name: getattr(tenant, name) for name in OPERATOR_OVERRIDES},
         "alert_thresholds": tenant.alert_thresholds,
@@ -188,3 +196,57 @@ class TenantLimitsView(TenantScopedAPIView):
         except DjangoValidationError as exc:
             raise service_error(exc) from None
         return self._respond(tenant, changed=True)
+
+
+def _moment(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def _trip_document(trip: Trip, now_ms: int) -> dict[str, Any]:
+    moment = _moment
+    return {"scope": trip.scope, "kind": trip.kind, "id": trip.owner.partition(":")[2],
+            "label": trip.label, "rules": list(trip.rules),
+            "tripped_at": moment(trip.tripped_ms), "until": moment(trip.until_ms),
+            "active": trip.active(now_ms), "resumed_by": trip.resumed_by}
+
+
+_PACE_UNAVAILABLE = "The quota store (Redis) cannot be reached: trips cannot be read or resumed."
+
+
+@extend_schema(parameters=[TENANT_ID])
+class PaceTripsView(TenantScopedAPIView):
+    """GET: the tenant's burn-rate breaker trips (the latest of each scope, newest first)."""
+
+    @extend_schema(responses={200: PaceTripSerializer(many=True),
+                              503: OpenApiResponse(description=_PACE_UNAVAILABLE)})
+    def get(self, request: Request, tenant_id: str) -> Response:
+        try:
+            trips, now_ms = tenant_trips(self.tenant())
+        except QuotaStoreUnavailable:
+            return Response({"detail": _PACE_UNAVAILABLE}, status=503)
+        return Response(PaceTripSerializer(
+            [_trip_document(t, now_ms) for t in trips], many=True).data)
+
+
+@extend_schema(parameters=[TENANT_ID])
+class PaceResumeView(TenantScopedAPIView):
+    """POST {"scope": ...}: lift a tripped scope's breaker early (tenant admins; audited
+    pace.resumed). 409 when the scope is not tripped (any more)."""
+
+    @extend_schema(request=PaceResumeSerializer,
+                   responses={200: PaceTripSerializer,
+                              409: OpenApiResponse(description="Not tripped."),
+                              503: OpenApiResponse(description=_PACE_UNAVAILABLE)})
+    def post(self, request: Request, tenant_id: str) -> Response:
+        tenant = self.tenant(manage=True)
+        body = PaceResumeSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            trip = resume_trip(tenant, body.validated_data["scope"], actor=self.actor)
+            trips, now_ms = tenant_trips(tenant)
+        except QuotaStoreUnavailable:
+            return Response({"detail": _PACE_UNAVAILABLE}, status=503)
+        if trip is None:
+            return Response({"detail": "That scope's breaker is not tripped."}, status=409)
+        lifted = next((t for t in trips if t.scope == trip.scope), trip)
+        return Response(PaceTripSerializer(_trip_document(lifted, now_ms)).data)

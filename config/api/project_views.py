@@ -85,7 +85,9 @@ class ProjectListView(TenantScopedAPIView, GenericAPIView):
             project = services.create_project(
                 tenant, data["slug"], actor=self.actor, name=data["name"],
                 tokens_per_day=data.get("tokens_per_day"),
-                tokens_per_month=data.get("tokens_per_month"), within_limits=True,
+                tokens_per_month=data.get("tokens_per_month"),
+                pace_share_percent=data.get("pace_share_percent"),
+                pace_spend_micros=data.get("pace_spend_micros"), within_limits=True,
             )
         except SlugTaken:
             raise ValidationError(

@@ -13,7 +13,16 @@ from rest_framework import serializers
 from config.api.strict_types import StrictJSONTypes
 from tenants import selectors
 from tenants.management_tokens import masked_token
-from tenants.models import ApiKey, AuditEvent, ManagementToken, Plan, Project, Tenant
+from tenants.models import (
+    PACE_COOLDOWN_MAX_SECONDS,
+    PACE_PERIODS,
+    ApiKey,
+    AuditEvent,
+    ManagementToken,
+    Plan,
+    Project,
+    Tenant,
+)
 
 
 class TenantSerializer(serializers.ModelSerializer):
@@ -65,6 +74,18 @@ class RFC3339DateTimeField(serializers.DateTimeField):
         return super().to_internal_value(value)
 
 
+def _pace_share(help_text: str = "Burn-rate breaker: percent of its daily limit per pace "
+                "period; null: the tenant's (100: none of its own).") -> serializers.IntegerField:
+    return serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100,
+                                    help_text=help_text)
+
+
+def _pace_spend() -> serializers.IntegerField:
+    return serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=MAX_QUANTITY,
+        help_text="Burn-rate breaker: micro-dollars per pace period; null: none of its own.")
+
+
 class UsageSerializer(serializers.Serializer):
     today = serializers.IntegerField(help_text="Tokens used today (UTC), from the ledger.")
     month = serializers.IntegerField(help_text="Tokens used this month (UTC), from the ledger.")
@@ -81,7 +102,8 @@ class ProjectSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Project
-        fields = ["id", "slug", "name", "tokens_per_day", "tokens_per_month", "usage", "created_at"]
+        fields = ["id", "slug", "name", "tokens_per_day", "tokens_per_month",
+                  "pace_share_percent", "pace_spend_micros", "usage", "created_at"]
         read_only_fields = fields
 
     @extend_schema_field(UsageSerializer)
@@ -94,12 +116,16 @@ class ProjectCreateSerializer(StrictJSONTypes):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     tokens_per_day = _sub_limit()
     tokens_per_month = _sub_limit()
+    pace_share_percent = _pace_share()
+    pace_spend_micros = _pace_spend()
 
 
 class ProjectUpdateSerializer(StrictJSONTypes):
     name = serializers.CharField(max_length=200, required=False)
     tokens_per_day = _sub_limit()
     tokens_per_month = _sub_limit()
+    pace_share_percent = _pace_share()
+    pace_spend_micros = _pace_spend()
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # The slug names the project in scripts and the CLI; silently ignoring it would hide a typo.
@@ -119,7 +145,8 @@ class ApiKeySerializer(serializers.ModelSerializer):
         model = ApiKey
         fields = [
             "id", "project", "name", "masked", "status", "tokens_per_day", "tokens_per_month",
-            "requests_per_minute", "max_concurrency", "allowed_models", "expires_at",
+            "requests_per_minute", "max_concurrency", "allowed_models", "pace_share_percent",
+            "pace_spend_micros", "expires_at",
             "revoked_at", "last_used_at", "created_at", "created_by", "usage",
         ]
         read_only_fields = fields
@@ -158,6 +185,8 @@ class _KeyLimitFields(StrictJSONTypes):
     tokens_per_month = _sub_limit()
     requests_per_minute = _sub_limit("Requests per minute; null: no sub-limit.")
     max_concurrency = _sub_limit("Requests in flight at once; null: no sub-limit.")
+    pace_share_percent = _pace_share()
+    pace_spend_micros = _pace_spend()
     allowed_models = serializers.ListField(
         child=serializers.CharField(max_length=200), required=False, allow_empty=True,
         help_text="Narrows the plan's models; empty: every model the plan allows.",
@@ -193,14 +222,28 @@ class KeyRotateSerializer(StrictJSONTypes):
 # -- plans, tenants and limits -------------------------------------------------------------------
 
 
+def _pace_period(value: int | None) -> int | None:
+    if value is not None and value not in PACE_PERIODS:
+        raise serializers.ValidationError(
+            f"Choose one of {', '.join(map(str, PACE_PERIODS))} seconds.")
+    return value
+
+
 class PlanSerializer(StrictJSONTypes, serializers.ModelSerializer):
+    # An integer in JSON (the model's choices would make it a string enum in the schema).
+    pace_period_seconds = serializers.IntegerField(
+        required=False, min_value=1, max_value=max(PACE_PERIODS), validators=[_pace_period],
+        help_text=f"Burn-rate breaker period in seconds, one of "
+        f"{', '.join(map(str, PACE_PERIODS))}.")
+
     class Meta:
         model = Plan
         fields = [
             "name", "display_name", "tokens_per_day", "tokens_per_minute", "requests_per_second",
             "over_quota_policy", "queue_timeout_seconds", "queue_priority", "soft_limit_percent",
             "fallback_model", "safety_factor", "allowed_models", "shrink_hold_to_headroom",
-            "created_at", "updated_at",
+            "pace_share_percent", "pace_spend_micros", "pace_period_seconds",
+            "pace_cooldown_seconds", "created_at", "updated_at",
         ]
         read_only_fields = ["created_at", "updated_at"]
         extra_kwargs = {"display_name": {"required": False}}
@@ -256,6 +299,14 @@ class EffectiveLimitsSerializer(serializers.Serializer):
     model_tokens_per_day = serializers.DictField(child=serializers.IntegerField())
     allowed_models = serializers.ListField(child=serializers.CharField())
     over_quota_policy = serializers.CharField()
+    pace_share_percent = serializers.IntegerField(
+        allow_null=True, help_text="Burn-rate breaker: percent of each scope's daily limit per "
+        "pace period; null: none.")
+    pace_spend_micros = serializers.IntegerField(
+        allow_null=True, help_text="Burn-rate breaker: the tenant's micro-dollars per pace "
+        "period; null: none.")
+    pace_period_seconds = serializers.IntegerField()
+    pace_cooldown_seconds = serializers.IntegerField()
 
 
 class TenantOverridesSerializer(StrictJSONTypes):
@@ -270,6 +321,17 @@ class TenantOverridesSerializer(StrictJSONTypes):
         child=serializers.IntegerField(min_value=0, max_value=MAX_QUANTITY), required=False,
         help_text='Daily token limits of single models, e.g. {"gpt-4o": 1000000}.',
     )
+    pace_share_percent = _nullable_limit(
+        -1, "Burn-rate breaker share (1-100 percent per period); null: the plan's; -1: none.")
+    pace_spend_micros = _nullable_limit(
+        -1, "Burn-rate breaker spend (micro-dollars per period); null: the plan's; -1: none.")
+    pace_period_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=max(PACE_PERIODS),
+        validators=[_pace_period], help_text=f"Pace period in seconds, one of {', '.join(map(str, PACE_PERIODS))}; null: "
+        "the plan's.")
+    pace_cooldown_seconds = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=PACE_COOLDOWN_MAX_SECONDS,
+        help_text="Pace cool-down in seconds; null: the plan's.")
 
     def validate_model_tokens_per_day(self, value: dict[str, int]) -> dict[str, int]:
         # Keys are model names: the same rule as a key's allowed_models (and PostgreSQL's jsonb
@@ -303,6 +365,25 @@ class TenantLimitsSerializer(serializers.Serializer):
     overrides = TenantOverridesSerializer()
     alert_thresholds = serializers.ListField(child=serializers.IntegerField())
     live = LiveStatusSerializer(allow_null=True, help_text="null when the quota store is down.")
+
+
+class PaceTripSerializer(serializers.Serializer):
+    """A burn-rate breaker trip (quotas/pace.py)."""
+
+    scope = serializers.CharField(help_text='"tenant", "project:<n>" or "key:<n>": what resume '
+                                  "takes.")
+    kind = serializers.CharField(help_text="tenant, project or key")
+    id = serializers.CharField(help_text="The tenant's, project's or key's public id.")
+    label = serializers.CharField()
+    rules = serializers.ListField(child=serializers.CharField())
+    tripped_at = serializers.DateTimeField()
+    until = serializers.DateTimeField(help_text="When the cool-down ends (or ended).")
+    active = serializers.BooleanField(help_text="Calls touching the scope are refused now.")
+    resumed_by = serializers.CharField(allow_blank=True)
+
+
+class PaceResumeSerializer(StrictJSONTypes):
+    scope = serializers.CharField(max_length=200, help_text="A tripped scope, as listed.")
 
 
 class TenantLimitsUpdateSerializer(TenantOverridesSerializer):

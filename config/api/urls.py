@@ -48,6 +48,10 @@ urlpatterns: list[URLPattern] = [
     path("plans/<str:name>/", limit_views.PlanDetailView.as_view(), name="api-plan-detail"),
     re_path(rf"{_TENANT_RE}/limits/?$", limit_views.TenantLimitsView.as_view(),
             name="api-tenant-limits"),
+    re_path(rf"{_TENANT_RE}/pace/trips/?$", limit_views.PaceTripsView.as_view(),
+            name="api-tenant-pace-trips"),
+    re_path(rf"{_TENANT_RE}/pace/resume/?$", limit_views.PaceResumeView.as_view(),
+            name="api-tenant-pace-resume"),
     # projects and keys
     path(f"{_TENANT}projects/", project_views.ProjectListView.as_view(),
          name="api-project-list"),
