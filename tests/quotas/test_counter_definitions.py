@@ -22,6 +22,7 @@ from gateway.errors import (
     queue_full,
     queue_timeout,
     rate_limited,
+    upstream_unavailable,
 )
 from quotas import limits as definitions
 from quotas.engine import UNLIMITED, ReserveRequest, Unit
@@ -86,6 +87,7 @@ def test_every_reason_the_gateway_reports_is_on_the_status_page(acme: Tenant,
         definitions.CONCURRENCY,  # gateway/admission.py
         queue_full(100).refusal, queue_timeout("the tenant's day", 1.0, 1).refusal,
         definitions.SPEND_RATE_EXCEEDED,  # a pace counter (acme has no pace rule): runtime.py
+        upstream_unavailable(1).refusal,  # every key's breaker open: gateway/forward.py
     }
     # Every reason the gateway can count is listed (with a label), and every listed one can be.
     assert reported == set(REFUSAL_REASONS)
