@@ -126,7 +126,8 @@ def trip_call(tenant: str, paced: Sequence[PaceLimit], now_ms: int) -> tuple[lis
     for limit in paced:
         for window in pace_windows(limit.window, now_ms, now_ms + cooldown_ms):
             call_keys.append(_counter_key(tenant, limit, window))
-            counter_args += [window.start_ms, window.end_ms, window.end_ms // 1000 + _CREATED_GRACE_S]
+            expire_at = window.end_ms // 1000 + _CREATED_GRACE_S
+            counter_args += [window.start_ms, window.end_ms, expire_at]
             until_ms = max(until_ms, window.end_ms)
     info = json.dumps({"owner": paced[0].owner, "label": paced[0].label,
                        "rules": [p.rule for p in paced]}, separators=(",", ":"))

@@ -327,7 +327,8 @@ class TenantOverridesSerializer(StrictJSONTypes):
         -1, "Burn-rate breaker spend (micro-dollars per period); null: the plan's; -1: none.")
     pace_period_seconds = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=max(PACE_PERIODS),
-        validators=[_pace_period], help_text=f"Pace period in seconds, one of {', '.join(map(str, PACE_PERIODS))}; null: "
+        validators=[_pace_period],
+        help_text=f"Pace period in seconds, one of {', '.join(map(str, PACE_PERIODS))}; null: "
         "the plan's.")
     pace_cooldown_seconds = serializers.IntegerField(
         required=False, allow_null=True, min_value=1, max_value=PACE_COOLDOWN_MAX_SECONDS,
