@@ -182,3 +182,42 @@ def test_a_runaway_script_trips_the_breaker_before_a_third_of_the_day(
         tenant_id=t.tenant_id).count()) == 1
     assert committed(django_db_blocker, lambda: Project.objects.get(
         pk=t.project_id).tokens_per_day) == DAY
+
+
+def test_after_the_cool_down_the_gateway_admits_a_periods_share_again(
+        gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine) -> None:
+    """Half-open, through the gateway: a 1-second period and a 1-second cool-down (so the test
+    waits at most about two seconds); a project of 1,000 tokens a day may use half per period."""
+    t = make_tenant(tokens_per_day=-1, requests_per_second=-1, pace_share_percent=50,
+                    pace_period_seconds=1, pace_cooldown_seconds=1,
+                    project_options={"tokens_per_day": 1_000})
+    model = f"{unique_model('pace-half')}@output_tokens=50"
+
+    async def call() -> tuple[Any, ...]:
+        client = async_client_for(gateway, t.plaintext)
+        try:
+            answer = await client.chat.completions.create(model=model, messages=MESSAGES,
+                                                          max_tokens=50)
+        except openai.RateLimitError as error:
+            return ("refused", error.code, int(error.response.headers["retry-after"]))
+        finally:
+            await client.close()
+        return ("ok", answer.usage.total_tokens)
+
+    async def scenario() -> tuple[list[tuple[Any, ...]], tuple[Any, ...], tuple[Any, ...]]:
+        results = [await call()]
+        while results[-1][0] == "ok" and len(results) < 50:
+            results.append(await call())
+        closed = await call()  # at once: the scope is closed for the cool-down
+        await asyncio.sleep(results[-1][2] + 0.2)
+        return results, closed, await call()
+
+    results, closed, reopened = asyncio.run(scenario())
+    assert results[-1][:2] == ("refused", "spend_rate_exceeded")
+    assert 1 <= results[-1][2] <= 2  # the cool-down, rounded up to whole 1-second periods
+    assert closed[:2] == ("refused", "spend_rate_exceeded")
+    assert reopened[0] == "ok"  # half-open: the next period's share
+    scope = keys.project_scope(t.project_id)
+    assert wait_until(lambda: engine.counter(t.tag, scope).pending == 0)
+    assert engine.counter(t.tag, scope).used == sum(r[1] for r in [*results, reopened]
+                                                    if r[0] == "ok")
