@@ -29,8 +29,8 @@ from quotas import keys
 from quotas.engine import QuotaEngine
 from quotas.status import utc_day_id
 from tenants.models import Membership, Project
-from tests.gateway.conftest import GatewayServer, MakeTenant, async_client_for, committed, \
-    wait_until
+from tests.gateway.conftest import GatewayServer, MakeTenant, async_client_for, client_for, \
+    committed, wait_until
 from tests.support.gateway_calls import billed, unique_model
 from tests.support.webhook_receiver import Receiver
 
@@ -221,3 +221,25 @@ def test_after_the_cool_down_the_gateway_admits_a_periods_share_again(
     assert wait_until(lambda: engine.counter(t.tag, scope).pending == 0)
     assert engine.counter(t.tag, scope).used == sum(r[1] for r in [*results, reopened]
                                                     if r[0] == "ok")
+
+
+def test_under_the_queue_policy_a_pace_refusal_never_waits(
+        gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine) -> None:
+    """The seeded enterprise plan queues over-quota calls and has the pace rule (25% per 10
+    minutes): a project over its pace is refused with spend_rate_exceeded, not queued (pace
+    counters are queueable=False), and leaves no waiter behind."""
+    t = make_tenant(plan="enterprise", tokens_per_day=-1, requests_per_second=-1,
+                    project_options={"tokens_per_day": 1_000})
+    model = f"{unique_model('pace-queue')}@output_tokens=50"
+    client = client_for(gateway, t.plaintext)
+    outcomes = []
+    for _ in range(20):
+        try:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=50)
+        except openai.RateLimitError as error:
+            outcomes.append(error.code)
+            break
+        outcomes.append("ok")
+    assert outcomes[-1] == "spend_rate_exceeded" and "ok" in outcomes
+    assert engine.client.zcard(keys.queue_waiters_key(t.tag)) == 0
+    assert wait_until(lambda: engine.open_hold_ids(t.tag) == [])
