@@ -267,8 +267,10 @@ local function wait_in(qk, kind, index, retry_after)
 end
 
 -- The gate: behind any live waiter ahead in the queue of a resource this call touches. While
--- nobody of the tenant waits (the usual case) one EXISTS stands for every queue.
-if Q and redis.call('EXISTS', Q.waiters) == 1 then
+-- nobody of the tenant waits (the usual case) one EXISTS stands for every queue, and for the
+-- caller's own entry (it has none: nothing to leave when it is admitted).
+if Q then Q.any = redis.call('EXISTS', Q.waiters) == 1 end
+if Q and Q.any then
   local mine = Q.order
   if mine == nil then
     -- A newcomer comes after every waiter of its priority (its arrival number is not taken yet).
@@ -362,13 +364,14 @@ for j = 1, r do
 end
 if refused ~= 0 and Q then
   if Q.queueable[refused] then return wait_in(Q.counter_q(refused), 1, refused) end
-  leave()  -- waiting cannot help (e.g. a pace counter): refused at once, out of the queue
+  -- waiting cannot help (e.g. a pace counter): refused at once, out of the queue
+  if Q.any then leave() end
   publish_wakes()
 end
 if refused ~= 0 or dry_run then
   return out
 end
-if Q then
+if Q and Q.any then
   leave()  -- admitted: out of its queue, and the next head is told to try at once
   publish_wakes()
 end
