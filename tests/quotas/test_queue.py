@@ -18,6 +18,7 @@ import redis.asyncio
 from quotas import keys
 from quotas.engine import (
     AsyncQuotaEngine,
+    QuotaEngine,
     ConcurrencyLimit,
     Outcome,
     QueueTicket,
@@ -33,6 +34,8 @@ from tests.quotas.conftest import new_tenant
 DAY = WindowKind.DAY
 KINDS = ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)]
 TIMING = QueueTiming(timeout_s=30.0, head_retry_ms=1000, lease_ms=3000)
+# Timers far beyond a test: only wakes (settle, release, sweep, an admitted head) move waiters.
+WAKES_ONLY = QueueTiming(timeout_s=60.0, head_retry_ms=120_000, lease_ms=240_000)
 
 
 @dataclass
@@ -77,6 +80,10 @@ def async_client(request: pytest.FixtureRequest, kind: str) -> Any:
         request.getfixturevalue("redis_url"), max_connections=50, timeout=5,
         decode_responses=True)
     return redis.asyncio.Redis(connection_pool=pool)
+
+
+def sync_client(request: pytest.FixtureRequest, kind: str) -> Any:
+    return request.getfixturevalue(kind)
 
 
 def subscriber(request: pytest.FixtureRequest, kind: str) -> redis.asyncio.Redis:
@@ -155,7 +162,7 @@ def test_200_waiters_are_admitted_in_arrival_order(request: pytest.FixtureReques
         assert await q.waiting_ids() == set() and len(q.room) == 0
         assert not await q.client.exists(keys.queue_seq_key(q.tenant))
 
-    run(request, kind, scenario)
+    run(request, kind, scenario, WAKES_ONLY)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -179,7 +186,7 @@ def test_a_newcomer_never_overtakes_a_waiter(request: pytest.FixtureRequest, kin
         await q.engine.leave_queue(q.tenant, "small", small.queue_key, TIMING.lease_ms)
         await q.engine.release(big.hold)
 
-    run(request, kind, scenario)
+    run(request, kind, scenario, WAKES_ONLY)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -198,7 +205,7 @@ def test_higher_priority_goes_first(request: pytest.FixtureRequest, kind: str) -
         assert await next_done(tasks) == 0
         await q.engine.release(low.result().hold)
 
-    run(request, kind, scenario)
+    run(request, kind, scenario, WAKES_ONLY)
 
 
 # -- per resource, and what is queued ---------------------------------------------------------------
@@ -222,7 +229,7 @@ def test_a_project_at_its_limit_does_not_block_another_project(
         assert (await asyncio.wait_for(waiter, 10)).admitted
         await q.engine.release(waiter.result().hold)
 
-    run(request, kind, scenario)
+    run(request, kind, scenario, WAKES_ONLY)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -268,7 +275,7 @@ def test_concurrency_and_rate_refusals_wait_too(request: pytest.FixtureRequest, 
         await q.engine.settle(first.hold, 1)
         await q.engine.settle(second.result().hold, 1)
 
-    run(request, kind, scenario)
+    run(request, kind, scenario, WAKES_ONLY)
 
 
 # -- bounds, leaving, dead waiters ------------------------------------------------------------------
@@ -317,7 +324,7 @@ def test_a_waiter_whose_client_left_is_removed(request: pytest.FixtureRequest, k
         await q.engine.release(stays.result().hold)
         assert (await q.engine.counter(q.tenant, "tenant")).pending == 0
 
-    run(request, kind, scenario)
+    run(request, kind, scenario, WAKES_ONLY)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -403,6 +410,28 @@ def test_settle_publishes_a_wake_only_when_someone_waits(request: pytest.Fixture
         await sub.aclose()
 
     run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_swept_hold_wakes_the_waiter(request: pytest.FixtureRequest, kind: str) -> None:
+    """The holder's process died: the sweep ends its hold, and the freed capacity wakes the
+    queue (lua/sweep.lua publishes when the tenant has waiters)."""
+    limits = (ScopeLimit("tenant", DAY, 10),)
+    # A timer far beyond the test: only the sweep's wake can make the waiter try again.
+    timing = QueueTiming(timeout_s=30.0, head_retry_ms=120_000, lease_ms=240_000)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        waiter = await q.arrive(q.request("waiter", 10, limits, queue=q.ticket()))
+        assert isinstance(holder, Reservation) and isinstance(waiter, asyncio.Task)
+        sync = QuotaEngine(sync_client(request, kind))
+        swept = await asyncio.to_thread(sync.sweep, q.tenant, stale_s=0)
+        assert [h.request_id for h in swept.swept] == ["holder"]
+        admitted = await asyncio.wait_for(waiter, 20)
+        assert admitted.admitted and admitted.queue_wait_ms < 120_000
+        await q.engine.release(admitted.hold)
+
+    run(request, kind, scenario, timing)
 
 
 def test_waiting_costs_redis_a_bounded_number_of_commands(request: pytest.FixtureRequest) -> None:
