@@ -3,8 +3,9 @@ the plan's over-quota policy.
 
 Exactly one reserve script call on the hot path; the policies (queue, soft, fallback) add calls
 only for requests that were refused. Under the queue policy the reserve itself gates and queues
-(lua/reserve.lua "Queue", no extra call); a queued call waits in quotas/waiting.py. A large body is parsed, checked and counted as one job on an
-estimation thread (`checked`), so it costs the event loop nothing and one hand-off.
+(lua/reserve.lua "Queue", no extra call); a queued call waits in quotas/waiting.py. A large body
+is parsed, checked and counted as one job on an estimation thread (`checked`), so it costs the
+event loop nothing and one hand-off.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Rate and quota headers on every /v1 response, in OpenAI's names where they exist.
 
 `x-tollgate-queue-wait-ms` is on every admitted call of a tenant under the queue policy: how long
-it waited in the queue (0 when it did not). `x-ratelimit-*-requests` describe the first request-rate bucket of the call (the tenant's
-requests per second, else the key's per minute); `x-ratelimit-*-tokens` describe the tightest
-limited token counter after this call's hold. Resets use OpenAI's duration format ("1s", "6m0s",
-"13h2m5s").
+it waited in the queue (0 when it did not). `x-ratelimit-*-requests` describe the first
+request-rate bucket of the call (the tenant's requests per second, else the key's per minute);
+`x-ratelimit-*-tokens` describe the tightest limited token counter after this call's hold. Resets
+use OpenAI's duration format ("1s", "6m0s", "13h2m5s").
 """
 from __future__ import annotations
 

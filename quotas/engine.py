@@ -768,7 +768,8 @@ def _queue_keys(req: ReserveRequest) -> list[str]:
     """lua/reserve.lua's queue keys: the tenant's waiters, membership and arrivals, then the
     queue of every resource of the call in KEYS order (counters, buckets, the gauge)."""
     tenant = req.tenant
-    out = [keys.queue_waiters_key(tenant), keys.queue_member_key(tenant), keys.queue_seq_key(tenant)]
+    out = [keys.queue_waiters_key(tenant), keys.queue_member_key(tenant),
+           keys.queue_seq_key(tenant)]
     out += [_counter_queue_key(tenant, limit) for limit in req.limits]
     out += [keys.queue_key(tenant, keys.rate_resource(rate.scope, rate.period_ms))
             for rate in req.rates]

@@ -208,7 +208,7 @@ def test_higher_priority_goes_first(request: pytest.FixtureRequest, kind: str) -
     run(request, kind, scenario, WAKES_ONLY)
 
 
-# -- per resource, and what is queued ---------------------------------------------------------------
+# -- per resource, and what is queued -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -216,7 +216,8 @@ def test_a_project_at_its_limit_does_not_block_another_project(
     request: pytest.FixtureRequest, kind: str
 ) -> None:
     def limits(project: str, project_limit: int) -> tuple[ScopeLimit, ...]:
-        return (ScopeLimit("tenant", DAY, 1000), ScopeLimit(f"project:{project}", DAY, project_limit))
+        return (ScopeLimit("tenant", DAY, 1000),
+                ScopeLimit(f"project:{project}", DAY, project_limit))
 
     async def scenario(q: Queue) -> None:
         holder = await q.arrive(q.request("a-holder", 10, limits("a", 10), queue=q.ticket()))
@@ -278,7 +279,7 @@ def test_concurrency_and_rate_refusals_wait_too(request: pytest.FixtureRequest, 
     run(request, kind, scenario, WAKES_ONLY)
 
 
-# -- bounds, leaving, dead waiters ------------------------------------------------------------------
+# -- bounds, leaving, dead waiters ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -368,7 +369,7 @@ def test_a_waiter_times_out_and_leaves(request: pytest.FixtureRequest, kind: str
     run(request, kind, scenario, timing)
 
 
-# -- wakes and cost ---------------------------------------------------------------------------------
+# -- wakes and cost -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -468,7 +469,7 @@ def test_waiting_costs_redis_a_bounded_number_of_commands(request: pytest.Fixtur
     run(request, "standalone", scenario)
 
 
-# -- a race -----------------------------------------------------------------------------------------
+# -- a race ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
