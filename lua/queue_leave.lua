@@ -11,8 +11,9 @@ KEYS (one hash tag: the tenant's `{t<id>}` or the provider key's `{p<id>}`)
   KEYS[1]  waiters      ...:waiters        zset waiter id -> expiry ms
   KEYS[2]  queue        ...:wq[:<resource>] zset waiter id -> order: the queue the caller was
                         told it waits in (its last reserve reply)
-  KEYS[3]  membership   ...:waiters:in     hash waiter id -> queue key (tenant queues only)
-  KEYS[4]  arrivals     ...:waiters:seq    deleted when nobody waits any more
+  KEYS[3]  arrivals     ...:waiters:seq    deleted when nobody waits any more
+  KEYS[4]  membership   ...:waiters:in     hash waiter id -> queue key; tenant queues only (a
+                        provider key has one queue and no membership hash: 3 keys)
 
 ARGV
   ARGV[1]  waiter id
@@ -23,8 +24,8 @@ Return
   { removed (1 | 0), woken (1 | 0) }
 ]]
 
-if #KEYS ~= 4 or #ARGV ~= 3 then
-  return redis.error_reply('queue_leave: expected KEYS = waiters, queue, membership, arrivals and ARGV = id, lease_ms, channel')
+if (#KEYS ~= 3 and #KEYS ~= 4) or #ARGV ~= 3 then
+  return redis.error_reply('queue_leave: expected KEYS = waiters, queue, arrivals, [membership] and ARGV = id, lease_ms, channel')
 end
 local id, lease = ARGV[1], tonumber(ARGV[2])
 if not lease or lease < 1 then
@@ -36,7 +37,7 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local first = redis.call('ZRANGE', KEYS[2], 0, 0)
 local removed = redis.call('ZREM', KEYS[2], id)
 redis.call('ZREM', KEYS[1], id)
-redis.call('HDEL', KEYS[3], id)
+if #KEYS == 4 then redis.call('HDEL', KEYS[4], id) end
 
 local woken = 0
 if removed == 1 and first[1] == id then
@@ -52,5 +53,5 @@ if removed == 1 and first[1] == id then
     end
   end
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[4]) end
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[3]) end
 return { removed, woken }
