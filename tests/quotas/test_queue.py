@@ -208,6 +208,33 @@ def test_higher_priority_goes_first(request: pytest.FixtureRequest, kind: str) -
     run(request, kind, scenario, WAKES_ONLY)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_priorities_are_served_by_priority_then_arrival(request: pytest.FixtureRequest,
+                                                               kind: str) -> None:
+    limits = (ScopeLimit("tenant", DAY, 10),)
+    rng = random.Random(7)
+    priorities = [rng.choice((-5, 0, 10, 20)) for _ in range(40)]
+
+    async def scenario(q: Queue) -> None:
+        current = await q.arrive(q.request("holder", 10, limits, queue=q.ticket()))
+        assert isinstance(current, Reservation) and current.admitted
+        tasks: dict[int, asyncio.Task[Reservation]] = {}
+        for i, priority in enumerate(priorities):
+            task = await q.arrive(q.request(f"w{i}", 10, limits, queue=q.ticket(priority=priority)))
+            assert isinstance(task, asyncio.Task)
+            tasks[i] = task
+        served = []
+        while tasks:
+            await q.engine.release(current.hold)
+            index = await next_done(tasks)
+            current = tasks.pop(index).result()
+            served.append(index)
+        await q.engine.release(current.hold)
+        assert served == sorted(range(len(priorities)), key=lambda i: (-priorities[i], i))
+
+    run(request, kind, scenario, WAKES_ONLY)
+
+
 # -- per resource, and what is queued -------------------------------------------------------------
 
 
