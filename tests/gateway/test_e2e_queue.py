@@ -8,6 +8,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -224,20 +225,18 @@ def test_a_race_of_queued_calls_keeps_the_money_exact(
     print(f"\nqueue race through the gateway: {dict((k, kinds.count(k)) for k in set(kinds))}")
 
 
-def test_two_plans_waiting_for_one_provider_key_the_higher_first(
-    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
-    django_db_blocker: Any, mock_upstream: MockUpstream, tmp_path: Any,
-) -> None:
-    """Shared capacity: one provider key allows 30 requests a minute (one each 2 s) and is the
-    only key serving the model; tenants of a standard-like plan (priority 10) and an
-    enterprise-like one (20) wait for it, arriving in turn: every enterprise call is served
-    before every standard one, each plan in arrival order."""
+@contextmanager
+def only_capped_key(django_db_blocker: Any, mock_upstream: MockUpstream, gateway: GatewayServer,
+                    tmp_path: Any, rpm: int, check_key: str) -> Iterator[tuple[Any, str, Any]]:
+    """A provider key allowing `rpm` requests a minute, the only key serving a new model (the
+    session's shared key, which serves every model, is disabled meanwhile), and a gateway started
+    with it: (the key, the model, the gateway). Afterwards the shared key is back and the session
+    gateway serves again (checked with `check_key`)."""
     from gateway.models import ProviderKey
     from gateway.prices import Price
     from gateway.providers import create_provider_key, delete_provider_key, update_provider_key
     from tests.gateway.conftest import MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE
 
-    rpm = 30
     model = unique_model("queue-cap")
     cap = committed(django_db_blocker, lambda: create_provider_key(
         f"cap-{uuid.uuid4().hex[:6]}", base_url=mock_upstream.base_url,
@@ -251,15 +250,46 @@ def test_two_plans_waiting_for_one_provider_key_the_higher_first(
             update_provider_key(shared, ["enabled"], actor="test")
         committed(django_db_blocker, work)
 
-    low = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=10))
-    high = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=20))
-    # The session's shared key serves every model: out of the way while this test runs, so
-    # the capped key is the only one (the dedicated gateway starts without it).
     shared_enabled(False)
     server = start_gateway(tmp_path, workers=2)
     try:
-        while engine.take_capacity(cap.pk, rpm, None, 1).taken:
-            pass  # the bucket is empty: the next request comes in 2 s
+        yield cap, model, server
+    finally:
+        server.stop()
+        shared_enabled(True)
+        committed(django_db_blocker, lambda: delete_provider_key(
+            ProviderKey.objects.get(pk=cap.pk), actor="test"))
+
+        def serves_again() -> bool:
+            try:
+                client_for(gateway, check_key).chat.completions.create(
+                    model="gpt-4o-mini", messages=MESSAGES, max_tokens=1)
+            except openai.OpenAIError:
+                return False
+            return True
+        # The session gateway has the shared key back before the next test.
+        assert wait_until(serves_again, 10)
+
+
+def drain_capacity(engine: QuotaEngine, key_id: int, rpm: int) -> None:
+    while engine.take_capacity(key_id, rpm, None, 1).taken:
+        pass
+
+
+def test_two_plans_waiting_for_one_provider_key_the_higher_first(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any, mock_upstream: MockUpstream, tmp_path: Any,
+) -> None:
+    """Shared capacity: one provider key allows 30 requests a minute (one each 2 s) and is the
+    only key serving the model; tenants of a standard-like plan (priority 10) and an
+    enterprise-like one (20) wait for it, arriving in turn: every enterprise call is served
+    before every standard one, each plan in arrival order."""
+    rpm = 30
+    low = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=10))
+    high = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=20))
+    with only_capped_key(django_db_blocker, mock_upstream, gateway, tmp_path, rpm,
+                         low.plaintext) as (cap, model, server):
+        drain_capacity(engine, cap.pk, rpm)  # the next request comes in 2 s
         finished: list[str] = []
         lock = threading.Lock()
 
@@ -282,18 +312,49 @@ def test_two_plans_waiting_for_one_provider_key_the_higher_first(
         assert engine.client.zcard(keys.provider_waiters_key(cap.pk)) == 0
         for tenant in (low, high):
             assert engine.counter(tenant.tag, "tenant").pending == 0
-    finally:
-        server.stop()
-        shared_enabled(True)
-        committed(django_db_blocker, lambda: delete_provider_key(
-            ProviderKey.objects.get(pk=cap.pk), actor="test"))
 
-        def serves_again() -> bool:
+
+def test_waiting_for_a_provider_key_times_out_or_ends_with_its_client(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any, mock_upstream: MockUpstream, tmp_path: Any,
+) -> None:
+    """The key allows one request a minute and has none left: a queued call gives up after its
+    plan's 2 s (429 queue_timeout, its hold released, the refusal counted); a call whose client
+    leaves is taken out of the key's queue and its hold released."""
+    rpm = 1
+    t = make_tenant(plan=queue_plan(django_db_blocker, 2))
+    patient = make_tenant(plan=queue_plan(django_db_blocker, 30))
+    with only_capped_key(django_db_blocker, mock_upstream, gateway, tmp_path, rpm,
+                         t.plaintext) as (cap, model, server):
+        drain_capacity(engine, cap.pk, rpm)
+        with pytest.raises(openai.RateLimitError) as info:
+            client_for(server, t.plaintext, timeout=30).chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=5)
+        assert info.value.code == "queue_timeout"
+        assert int(info.value.response.headers["Retry-After"]) >= 1
+        assert engine.client.zcard(keys.provider_waiters_key(cap.pk)) == 0
+        assert engine.counter(t.tag, "tenant").pending == 0
+        refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
+        assert refused.get("queue_timeout") == "1"
+
+        # A client that gives up after 3 s, while its call waits in the key's queue (its plan
+        # would wait 30 s).
+        gone: list[type[BaseException]] = []
+
+        def leaving() -> None:
             try:
-                client_for(gateway, low.plaintext).chat.completions.create(
-                    model="gpt-4o-mini", messages=MESSAGES, max_tokens=1)
-            except openai.OpenAIError:
-                return False
-            return True
-        # The session gateway has the shared key back before the next test.
-        assert wait_until(serves_again, 10)
+                httpx.post(f"{server.base_url}/chat/completions", timeout=3,
+                           headers={"Authorization": f"Bearer {patient.plaintext}"},
+                           json={"model": model, "messages": MESSAGES, "max_tokens": 5})
+            except httpx.ReadTimeout as error:
+                gone.append(type(error))
+
+        thread = threading.Thread(target=leaving)
+        thread.start()
+        assert wait_until(lambda: engine.client.zcard(keys.provider_queue_key(cap.pk)) == 1, 5)
+        assert len(engine.open_hold_ids(patient.tag)) == 1  # admitted, waiting for the key
+        thread.join(10)
+        assert gone == [httpx.ReadTimeout]
+        assert wait_until(lambda: engine.client.zcard(keys.provider_queue_key(cap.pk)) == 0, 5)
+        assert wait_until(lambda: engine.open_hold_ids(patient.tag) == [], 5)
+        assert engine.counter(patient.tag, "tenant").pending == 0
