@@ -1,0 +1,199 @@
+"""gateway/circuit.py on the session's Redis and PostgreSQL, inside one process: successes stay
+in process until the flush, a failure is recorded at once and its transition reaches the pool,
+the channel and the audit trail; probes after the cool-down; PostgreSQL down loses only the
+audit row (logged), never the breaker or the call."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+import redis.asyncio
+from django.db import OperationalError, connection
+
+from gateway.circuit import NO_PROBE, Circuit, Ticket
+from gateway.providers import KEY_BREAKER, ProviderPool, Upstream, create_provider_key
+from gateway.runtime import Database
+from quotas.breakers import AsyncBreakerStore, BreakerRules, BreakerStore
+from quotas.keys import PROVIDER_BREAKER_CHANNEL
+from quotas.runtime import get_engine
+from tenants.models import AuditEvent
+
+MODEL = "gpt-4o"
+RULES = BreakerRules(window_ms=60_000, min_calls=3, error_percent=50, cooldown_ms=150,
+                     probes=1, lease_ms=60_000)
+
+
+class Runtime:
+    """The parts of GatewayRuntime a Circuit uses, with its real detach and a real Database."""
+
+    def __init__(self, pool: ProviderPool, db: Any) -> None:
+        self.pool = pool
+        self.db = db
+        self.background: set[asyncio.Future[Any]] = set()
+
+    def detach(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    def spawn(self, factory: Callable[[], Any]) -> None:
+        self.detach(factory())
+
+    async def settle(self) -> None:
+        """Wait for the detached work (records, publishes, audits) to finish."""
+        for _ in range(10):
+            if not self.background:
+                return
+            await asyncio.wait(set(self.background), timeout=1)
+        raise AssertionError(f"detached work still running: {self.background}")
+
+
+class DatabaseDown(Database):
+    """Injected fault: PostgreSQL unreachable."""
+
+    async def run(self, work: Callable[..., Any], *args: Any) -> Any:
+        raise OperationalError("injected: database unreachable")
+
+
+def _upstream(provider: Any) -> Upstream:
+    return Upstream(id=provider.pk, public_id=provider.public_id, base_url="http://u",
+                    secret="s", rpm_capacity=None, tpm_capacity=None)
+
+
+def _run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())  # type: ignore[arg-type]
+
+
+async def _circuit(redis_url: str, upstream: Upstream, db: Any,
+                   ) -> tuple[Circuit, Runtime, redis.asyncio.Redis]:
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    runtime = Runtime(ProviderPool([upstream]), db)
+    circuit = Circuit(runtime, AsyncBreakerStore(client), RULES, flush_s=3600)  # type: ignore[arg-type]
+    return circuit, runtime, client
+
+
+@pytest.fixture
+def provider(django_db_blocker: Any) -> Any:
+    from tests.gateway.conftest import committed
+
+    return committed(django_db_blocker, lambda: create_provider_key(
+        f"circuit-{uuid.uuid4().hex[:8]}", base_url="https://u.example/v1",
+        secret="sk-circuit-test-secret"))
+
+
+def _snapshot(provider_id: int, model: str) -> Any:
+    return next(b for b in BreakerStore(get_engine().client).snapshots(provider_id)
+                if b.model == model)
+
+
+@pytest.mark.django_db
+def test_successes_cost_nothing_until_the_flush(redis_url: str, provider: Any) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, Database(1))
+        for _ in range(5):
+            circuit.ok(upstream, MODEL)
+        assert circuit.pending == {(upstream.id, MODEL): 5}
+        assert _snapshot(upstream.id, KEY_BREAKER).calls == 0  # nothing in Redis yet
+        await circuit.flush()
+        assert circuit.pending == {}
+        await client.aclose()
+        await runtime.db.run(lambda: connection.close())
+        for task in list(runtime.background):
+            task.cancel()  # the flusher loop
+
+    _run(test)
+    assert (_snapshot(provider.pk, KEY_BREAKER).calls, _snapshot(provider.pk, MODEL).calls) \
+        == (5, 5)
+
+
+@pytest.mark.django_db
+def test_a_failure_opens_at_once_published_and_audited(redis_url: str, provider: Any) -> None:
+    upstream = _upstream(provider)
+    heard: list[dict[str, Any]] = []
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, Database(1))
+        pubsub = client.pubsub()
+        await pubsub.subscribe(PROVIDER_BREAKER_CHANNEL)
+        # One success not flushed yet (as ok() leaves it, without starting the flusher loop,
+        # which settle() would wait for): it goes with the first failure.
+        circuit.pending[(upstream.id, MODEL)] = 1
+        for _ in range(2):
+            await circuit.report(upstream, MODEL, NO_PROBE, server_failed=True)
+        await runtime.settle()
+        assert _snapshot(upstream.id, MODEL).state == "open"
+        assert runtime.pool.breakers_due(upstream.id, MODEL, 0.0) == []
+        assert runtime.pool.breakers_due(upstream.id, "other", 0.0) is None
+        # The first read may be the subscription's confirmation (returned as None).
+        for _ in range(3):
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+            if message is not None:
+                heard.append(json.loads(message["data"]))
+        await pubsub.aclose()
+        await client.aclose()
+        await runtime.db.run(lambda: connection.close())  # the database thread's own
+
+    _run(test)
+    assert [(m["id"], m["model"], m["state"]) for m in heard] == [(provider.pk, MODEL, "open")]
+    # Written and committed by the database thread: the test's transaction reads it.
+    [event] = AuditEvent.objects.filter(target=provider.public_id,
+                                        action__startswith="provider_key.breaker_")
+    assert (event.action, event.actor) == ("provider_key.breaker_opened", "gateway")
+    assert event.data == {"breaker": "model", "model": MODEL, "calls": 3, "errors": 2,
+                          "open_seconds": pytest.approx(0.15, abs=0.01)}
+
+
+@pytest.mark.django_db
+def test_probes_after_the_cooldown_close_it(redis_url: str, provider: Any) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, DatabaseDown(1))
+        for _ in range(3):
+            await circuit.report(upstream, MODEL, NO_PROBE, transport_failed=True)
+        assert runtime.pool.breakers_due(upstream.id, MODEL, 1e12) == [KEY_BREAKER]
+        await asyncio.sleep(RULES.cooldown_ms / 1000 + 0.05)
+        ticket = await circuit.admit(upstream, MODEL, [KEY_BREAKER])
+        assert ticket == Ticket(key=True)
+        # The one slot is taken: another call skips the key.
+        assert await circuit.admit(upstream, MODEL, [KEY_BREAKER]) is None
+        await circuit.report(upstream, MODEL, ticket)
+        await runtime.settle()
+        assert runtime.pool.breakers() == {}
+        await client.aclose()
+
+    _run(test)
+    breaker = _snapshot(provider.pk, KEY_BREAKER)
+    assert (breaker.state, breaker.opened, breaker.half_opened, breaker.closed) == (
+        "closed", 1, 1, 1)
+
+
+@pytest.mark.django_db
+def test_postgresql_down_loses_only_the_audit_row(redis_url: str, provider: Any,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, DatabaseDown(1))
+        for _ in range(3):
+            await circuit.report(upstream, MODEL, NO_PROBE, transport_failed=True)
+        await runtime.settle()
+        assert runtime.pool.breakers_due(upstream.id, MODEL, 0.0) == []
+        await client.aclose()
+
+    with caplog.at_level(logging.ERROR, logger="gateway.circuit"):
+        _run(test)
+    assert _snapshot(provider.pk, KEY_BREAKER).state == "open"
+    [record] = [r for r in caplog.records if "not recorded" in r.getMessage()]
+    assert "provider_key.breaker_opened" in record.getMessage()
+    assert provider.public_id in record.getMessage()
+    assert not AuditEvent.objects.filter(target=provider.public_id,
+                                         action__startswith="provider_key.breaker_").exists()
