@@ -546,8 +546,10 @@ class _Calls:
         return cal
 
     def expire_at(self, window: Window) -> int:
-        grace = (self.settings.minute_grace_s if window.kind is WindowKind.MINUTE
-                 else self.settings.counter_grace_s)
+        # Minute and pace-period counters matter only while their window runs (and to the holds
+        # still open in it), so they go soon after; day and month ones are read for days after.
+        short = window.kind is WindowKind.MINUTE or window.kind.pace_seconds is not None
+        grace = self.settings.minute_grace_s if short else self.settings.counter_grace_s
         return window.end_ms // 1000 + grace
 
     def reserve(self, req: ReserveRequest) -> _ReserveCall:

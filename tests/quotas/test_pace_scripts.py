@@ -11,7 +11,7 @@ import redis
 from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit, Unit
 from quotas.pace import CLOSED_CREDIT, PaceBreaker, PaceLimit, paced_of
-from quotas.windows import WindowKind, pace_windows
+from quotas.windows import Calendar, WindowKind, pace_windows
 
 HOUR, SECOND = WindowKind.PACE_1H, WindowKind.PACE_1S
 DAY = ScopeLimit("tenant", WindowKind.DAY, 1_000_000)
@@ -172,3 +172,15 @@ def test_pace_periods_match_the_plans_choices() -> None:
     from tenants.models import PACE_PERIODS
 
     assert sorted(PACE_PERIODS) == sorted(k.pace_seconds for k in WindowKind if k.pace_seconds)
+
+
+def test_a_pace_counter_expires_soon_after_its_period(
+        engine: QuotaEngine, tenant: str, client: redis.Redis | redis.RedisCluster) -> None:
+    # Pace counters are read only while their period runs; kept like day counters (two days), a
+    # 10-minute rule would leave about 288 keys per active scope.
+    limit = pace(1_000, WindowKind.PACE_10M)
+    assert reserve(engine, tenant, "a", 10, limit).admitted
+    window = Calendar().window(WindowKind.PACE_10M, redis_ms(client))
+    key = keys.counter_key(tenant, "project:7", window.id)
+    ttl = client.ttl(key)
+    assert 0 < ttl <= 600 + engine.settings.minute_grace_s
