@@ -30,6 +30,7 @@ from gateway.providers import ProviderPool, Upstream
 from quotas.invalidation import publish_invalidation
 from quotas.keys import INVALIDATION_CHANNEL, auth_version_key
 from quotas.runtime import get_engine
+from quotas.waiting import WaitRoom
 from tenants import invalidation
 from tenants.api_key_format import generate_key
 from tenants.services import issue_key, revoke_key
@@ -455,11 +456,13 @@ def test_each_message_carries_the_version_its_publish_set() -> None:
 
 
 class FakeRuntime:
-    """What the listener touches of a gateway runtime: the auth cache and a provider pool."""
+    """What the listener touches of a gateway runtime: the auth cache, a provider pool and the
+    room of queued calls (woken after each resubscription)."""
 
     def __init__(self, auth: AuthCache) -> None:
         self.auth = auth
         self.pool = ProviderPool([])
+        self.waiting = WaitRoom()
         self.reloads = 0
 
     async def reload_pool(self) -> None:
