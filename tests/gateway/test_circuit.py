@@ -79,12 +79,19 @@ async def _circuit(redis_url: str, upstream: Upstream, db: Any,
 
 
 @pytest.fixture
-def provider(django_db_blocker: Any) -> Any:
-    from tests.gateway.conftest import committed
+def provider() -> Any:
+    # In the test's transaction: the breakers need only its id (the audit rows name it).
+    return create_provider_key(f"circuit-{uuid.uuid4().hex[:8]}",
+                               base_url="https://u.example/v1", secret="sk-circuit-test-secret")
 
-    return committed(django_db_blocker, lambda: create_provider_key(
-        f"circuit-{uuid.uuid4().hex[:8]}", base_url="https://u.example/v1",
-        secret="sk-circuit-test-secret"))
+
+def _take_audit_rows(public_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """The breaker audit rows of a key, then deleted: the database thread committed them (on
+    its own connection, outside the test's transaction), and tests leave no data behind."""
+    found = AuditEvent.objects.filter(target=public_id, action__startswith="provider_key.breaker_")
+    rows = [(e.action, e.actor, e.data) for e in found.order_by("id")]
+    found.delete()
+    return rows
 
 
 def _snapshot(provider_id: int, model: str) -> Any:
@@ -118,6 +125,7 @@ def test_successes_cost_nothing_until_the_flush(redis_url: str, provider: Any) -
 def test_a_failure_opens_at_once_published_and_audited(redis_url: str, provider: Any) -> None:
     upstream = _upstream(provider)
     heard: list[dict[str, Any]] = []
+    audited: list[tuple[str, str, dict[str, Any]]] = []
 
     async def test() -> None:
         circuit, runtime, client = await _circuit(redis_url, upstream, Database(1))
@@ -139,16 +147,15 @@ def test_a_failure_opens_at_once_published_and_audited(redis_url: str, provider:
                 heard.append(json.loads(message["data"]))
         await pubsub.aclose()
         await client.aclose()
+        audited.extend(await runtime.db.run(_take_audit_rows, upstream.public_id))
         await runtime.db.run(lambda: connection.close())  # the database thread's own
 
     _run(test)
     assert [(m["id"], m["model"], m["state"]) for m in heard] == [(provider.pk, MODEL, "open")]
-    # Written and committed by the database thread: the test's transaction reads it.
-    [event] = AuditEvent.objects.filter(target=provider.public_id,
-                                        action__startswith="provider_key.breaker_")
-    assert (event.action, event.actor) == ("provider_key.breaker_opened", "gateway")
-    assert event.data == {"breaker": "model", "model": MODEL, "calls": 3, "errors": 2,
-                          "open_seconds": pytest.approx(0.15, abs=0.01)}
+    [(action, actor, data)] = audited
+    assert (action, actor) == ("provider_key.breaker_opened", "gateway")
+    assert data == {"breaker": "model", "model": MODEL, "calls": 3, "errors": 2,
+                    "open_seconds": pytest.approx(0.15, abs=0.01)}
 
 
 @pytest.mark.django_db
