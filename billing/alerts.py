@@ -200,20 +200,25 @@ def _describe(alert: Alert, kind: WindowKind) -> str:
     return f"{alert.tenant}: {alert.threshold}% or less of {what} remains"
 
 
-def _email(alert: Alert, kind: WindowKind, recipients: list[str]) -> tuple[str, ...]:
+def _mail_owners(subject: str, body: str, recipients: list[str], what: str) -> tuple[str, ...]:
+    """Mail the owners; the addresses mailed, or () when there are none or the mail failed."""
     if not recipients:
         return ()
+    try:
+        EmailMessage(subject, body, to=recipients).send()
+    except Exception:  # noqa: BLE001 - a mail server outage must not undo a fired alert
+        log.exception("could not mail %s to the owners", what)
+        return ()
+    return tuple(recipients)
+
+
+def _email(alert: Alert, kind: WindowKind, recipients: list[str]) -> tuple[str, ...]:
     subject = f"[Tollgate] {_describe(alert, kind)}"
     body = (f"{_describe(alert, kind)}.\n\n"
             f"Window: {alert.window}\nLimit: {alert.limit} tokens\nUsed: {alert.used}\n"
             f"In flight: {alert.pending}\nRemaining: {max(alert.remaining, 0)}\n")
-    try:
-        EmailMessage(subject, body, to=recipients).send()
-    except Exception:  # noqa: BLE001 - a mail server outage must not undo a fired alert
-        log.exception("could not mail the %s alert to the owners of %s", alert.window,
-                      alert.tenant)
-        return ()
-    return tuple(recipients)
+    return _mail_owners(subject, body, recipients,
+                        f"the {alert.window} alert of {alert.tenant}")
 
 
 def _fire(item: _Watched, window: str, threshold: int, limit: int, used: int, pending: int,
@@ -340,8 +345,6 @@ def _insert_trip(tenant_id: int, trip: Trip) -> bool:
 
 
 def _trip_email(alert: TripAlert, recipients: list[str]) -> tuple[str, ...]:
-    if not recipients:
-        return ()
     trip = alert.trip
     subject = f"[Tollgate] {alert.tenant}: {alert.who} paused, spending far above its pace"
     body = (f"The burn-rate breaker of {alert.who} (tenant {alert.tenant}) tripped at "
@@ -351,13 +354,8 @@ def _trip_email(alert: TripAlert, recipients: list[str]) -> tuple[str, ...]:
             "it admits one period's share again, and trips again if the spending goes on.\n"
             "If the spending is expected, an owner or admin can resume it early on the console's "
             "Limits page.\n")
-    try:
-        EmailMessage(subject, body, to=recipients).send()
-    except Exception:  # noqa: BLE001 - a mail server outage must not undo an announced trip
-        log.exception("could not mail the trip of %s to the owners of %s", alert.who,
-                      alert.tenant)
-        return ()
-    return tuple(recipients)
+    return _mail_owners(subject, body, recipients,
+                        f"the trip of {alert.who} of {alert.tenant}")
 
 
 def _announce(tenant: Tenant, trip: Trip) -> TripAlert | None:
