@@ -35,7 +35,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
@@ -48,6 +48,7 @@ from quotas.breakers import (
     BreakerState,
     Outcomes,
     RecordResult,
+    SLOT_BACK,
 )
 from quotas.keys import PROVIDER_BREAKER_CHANNEL
 from tenants.services.audit import record_audit_event
@@ -72,12 +73,16 @@ def rules_from_settings() -> BreakerRules:
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Ticket:
-    """The probe slots a call holds: its result must be recorded with them."""
+    """The probe slots a call holds: its result must be recorded with them (report), or the
+    slots handed back (give_back), exactly once. A slot neither reported nor handed back stays
+    taken a whole lease (the call deadline), and with `probes` slots per lease one such leak
+    keeps a healed key skipped that long."""
 
     key: bool = False  # a slot of the key's own breaker
     model: bool = False  # a slot of the (key, model) breaker
+    spent: bool = field(default=False, compare=False)  # reported or handed back
 
     def __bool__(self) -> bool:
         return self.key or self.model
@@ -115,42 +120,63 @@ class Circuit:
         the key (a slot was refused: other calls are probing it)."""
         pool = self.runtime.pool
         ticket = NO_PROBE
-        for name in due:
-            try:
-                result = await self.store.probe(upstream.id, name, self.rules)
-            except Exception as exc:  # noqa: BLE001 - Redis away: try the key, unprobed
-                log.warning("breaker probe of provider key %s not taken (%s)",
-                            upstream.public_id, exc)
-                continue
-            if result.transition:
-                self._transition(upstream, name, result.transition, "half_open", 0, 0, 0.0)
-            if not result.granted:
-                wait = min(result.wait_ms, self.rules.cooldown_ms) / 1000
-                pool.hold_breaker(upstream.id, name, time.time() + wait)
-                return None
-            if result.state == "closed":
-                pool.close_breaker(upstream.id, name)  # closed meanwhile: an ordinary call
-            elif name == KEY_BREAKER:
-                ticket = Ticket(True, ticket.model)
-            else:
-                ticket = Ticket(ticket.key, True)
+        try:
+            for name in due:
+                try:
+                    result = await self.store.probe(upstream.id, name, self.rules)
+                except Exception as exc:  # noqa: BLE001 - Redis away: try the key, unprobed
+                    log.warning("breaker probe of provider key %s not taken (%s)",
+                                upstream.public_id, exc)
+                    continue
+                if result.transition:
+                    self._transition(upstream, name, result.transition, "half_open", 0, 0, 0.0)
+                if not result.granted:
+                    wait = min(result.wait_ms, self.rules.cooldown_ms) / 1000
+                    pool.hold_breaker(upstream.id, name, time.time() + wait)
+                    self.give_back(upstream, model, ticket)  # the key's slot, if taken first
+                    return None
+                if result.state == "closed":
+                    pool.close_breaker(upstream.id, name)  # closed meanwhile: an ordinary call
+                elif name == KEY_BREAKER:
+                    ticket = Ticket(True, ticket.model)
+                else:
+                    ticket = Ticket(ticket.key, True)
+        except BaseException:
+            self.give_back(upstream, model, ticket)  # cancelled between the two probes
+            raise
         return ticket
+
+    def give_back(self, upstream: Upstream, model: str, ticket: Ticket) -> None:
+        """Hand back the slots of a ticket whose call will not report a result for them (a
+        second slot refused, no RPM / TPM capacity, the client left, an error): one script call,
+        detached (so it runs even from a cancelled call's cleanup). Nothing for NO_PROBE or a
+        ticket already reported."""
+        if not ticket or ticket.spent:
+            return
+        ticket.spent = True
+        self.runtime.detach(self._record(upstream, model,
+                                         SLOT_BACK if ticket.key else Outcomes(),
+                                         SLOT_BACK if ticket.model else Outcomes()))
 
     # -- outcomes -------------------------------------------------------------------------------
 
     async def report(self, upstream: Upstream, model: str, ticket: Ticket, *,
                      transport_failed: bool = False, server_failed: bool = False) -> None:
         """Record a failure, or a probe's result, at once (one script call)."""
-        pending = self.pending.pop((upstream.id, model), 0)
+        if ticket:
+            ticket.spent = True
+        # A failure takes the successes not flushed yet along; a probe's record leaves them to
+        # the flush (a breaker holding a probe slot would count them as nothing).
+        pending = 0 if ticket else self.pending.pop((upstream.id, model), 0)
         if ticket.key:
             key = Outcomes(int(not transport_failed), int(transport_failed), probe=True)
         else:
             key = Outcomes(pending + int(not transport_failed), int(transport_failed))
         if ticket.model:
-            # A transport failure says nothing of the model: the slot is handed back as failed
-            # only when the model's answer was a 5xx.
+            # A transport failure says nothing of the model: no result, its slot is handed
+            # back (neither a success nor a failure for the model's breaker).
             mod = Outcomes(int(not server_failed), int(server_failed), probe=True) \
-                if not transport_failed else Outcomes(0, 0, probe=True)
+                if not transport_failed else SLOT_BACK
         else:
             mod = Outcomes(pending + int(not transport_failed and not server_failed),
                            int(server_failed))

@@ -567,64 +567,70 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             if probe is None:
                 continue  # other calls hold its probe slots
             ticket = probe
-        if (upstream.rpm_capacity or upstream.tpm_capacity) and upstream is not taken:
-            # Behind the key's waiters (CapacityWait(): the gate only), in the same call.
-            got = await runtime.engine.take_capacity(
-                upstream.id, upstream.rpm_capacity, upstream.tpm_capacity,
-                call.admission.reservation.granted, CapacityWait())
-            if not got.taken:
-                capacity_wait_ms = min(got.retry_after_ms, capacity_wait_ms or 10**9)
-                short.append((got.retry_after_ms, upstream))
-                continue
-        call.upstream = upstream
-        request = call.request_for(upstream, payload)
-        call.sent = True
         try:
-            # Straight to the transport: the client's cookie, auth and redirect layers cost a
-            # measurable share of a request and do nothing for an API call.
-            response = await runtime.transport.handle_async_request(request)
-        except _CONNECT_ERRORS:
-            log.warning("provider key %s unreachable; trying the next", upstream.public_id)
-            await circuit.report(upstream, model, ticket, transport_failed=True)
-            continue
-        except httpx.TimeoutException:
-            await circuit.report(upstream, model, ticket, transport_failed=True)
-            await call.release(504, "upstream_timeout")
-            raise upstream_error(504, "The upstream provider did not answer in time.") from None
-        except httpx.HTTPError as exc:
-            await circuit.report(upstream, model, ticket, transport_failed=True)
-            await call.release(502, "upstream_error")
-            raise upstream_error(502, f"The upstream provider failed: {exc}") from None
-
-        status = response.status_code
-        if status < 400 and not ticket:
-            circuit.ok(upstream, model)  # no round trip: flushed in batches
-        elif status < 400 or status >= 500 or ticket:
-            # A failure, or a probe's result (a 4xx probe answered: the upstream is up).
-            await circuit.report(upstream, model, ticket, server_failed=status >= 500)
-        if response.status_code == 429:
-            await response.aclose()
-            last_429 = response
-            await publish_cooldown(runtime, upstream.id, time.time() + _retry_after(response))
-            continue
-        if response.status_code in (401, 403):
-            # The provider key itself is refused: not the tenant's fault and not theirs to see
-            # (the upstream's message may name the key). Rest it and try the next one.
-            await response.aclose()
-            log.error("provider key %s refused by its upstream (HTTP %s): cooling it down for "
-                      "%s s", upstream.public_id, response.status_code, _BAD_KEY_COOLDOWN_S)
-            await publish_cooldown(runtime, upstream.id, time.time() + _BAD_KEY_COOLDOWN_S)
-            refused_key = True
-            continue
-        if response.status_code >= 400:
+            if (upstream.rpm_capacity or upstream.tpm_capacity) and upstream is not taken:
+                # Behind the key's waiters (CapacityWait(): the gate only), in the same call.
+                got = await runtime.engine.take_capacity(
+                    upstream.id, upstream.rpm_capacity, upstream.tpm_capacity,
+                    call.admission.reservation.granted, CapacityWait())
+                if not got.taken:
+                    capacity_wait_ms = min(got.retry_after_ms, capacity_wait_ms or 10**9)
+                    short.append((got.retry_after_ms, upstream))
+                    continue
+            call.upstream = upstream
+            request = call.request_for(upstream, payload)
+            call.sent = True
             try:
-                body = await response.aread()
-            except httpx.HTTPError:
-                body = b""
-            await response.aclose()
-            await call.release(response.status_code, "upstream_status")
-            raise _upstream_failure(response, body)
-        return response
+                # Straight to the transport: the client's cookie, auth and redirect layers cost a
+                # measurable share of a request and do nothing for an API call.
+                response = await runtime.transport.handle_async_request(request)
+            except _CONNECT_ERRORS:
+                log.warning("provider key %s unreachable; trying the next", upstream.public_id)
+                await circuit.report(upstream, model, ticket, transport_failed=True)
+                continue
+            except httpx.TimeoutException:
+                await circuit.report(upstream, model, ticket, transport_failed=True)
+                await call.release(504, "upstream_timeout")
+                raise upstream_error(504, "The upstream provider did not answer in time.") from None
+            except httpx.HTTPError as exc:
+                await circuit.report(upstream, model, ticket, transport_failed=True)
+                await call.release(502, "upstream_error")
+                raise upstream_error(502, f"The upstream provider failed: {exc}") from None
+
+            status = response.status_code
+            if status < 400 and not ticket:
+                circuit.ok(upstream, model)  # no round trip: flushed in batches
+            elif status < 400 or status >= 500 or ticket:
+                # A failure, or a probe's result (a 4xx probe answered: the upstream is up).
+                await circuit.report(upstream, model, ticket, server_failed=status >= 500)
+            if response.status_code == 429:
+                await response.aclose()
+                last_429 = response
+                await publish_cooldown(runtime, upstream.id, time.time() + _retry_after(response))
+                continue
+            if response.status_code in (401, 403):
+                # The provider key itself is refused: not the tenant's fault and not theirs to see
+                # (the upstream's message may name the key). Rest it and try the next one.
+                await response.aclose()
+                log.error("provider key %s refused by its upstream (HTTP %s): cooling it down for "
+                          "%s s", upstream.public_id, response.status_code, _BAD_KEY_COOLDOWN_S)
+                await publish_cooldown(runtime, upstream.id, time.time() + _BAD_KEY_COOLDOWN_S)
+                refused_key = True
+                continue
+            if response.status_code >= 400:
+                try:
+                    body = await response.aread()
+                except httpx.HTTPError:
+                    body = b""
+                await response.aclose()
+                await call.release(response.status_code, "upstream_status")
+                raise _upstream_failure(response, body)
+            return response
+        finally:
+            # A probe slot this attempt neither reported nor will (no capacity, the client
+            # left, an error): handed back now, not a lease (the call deadline) later. A plain
+            # call (NO_PROBE) costs nothing here.
+            circuit.give_back(upstream, model, ticket)
 
     if short and last_429 is None and not refused_key and taken is None:
         waited_for = await _wait_for_capacity(call, short)

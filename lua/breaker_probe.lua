@@ -6,8 +6,10 @@ Purpose
   The first such call after the cool-down turns the breaker half-open; at most `probes` calls get
   a slot (atomically: concurrent workers never get more); their results, recorded by
   breaker_record.lua with the probe flag, close or re-open it. A slot whose result never came
-  (its worker died, the client left before the upstream answered) is freed when the lease ends:
-  `lease_ms` after the breaker half-opened, every slot is handed out afresh.
+  (its worker died) is freed when the lease ends: `lease_ms` after the breaker half-opened,
+  every slot is handed out afresh. A worker that gives a slot up (the call left, or went
+  elsewhere before testing the upstream) hands it back at once: breaker_record.lua, probe flag
+  with no success and no failure.
 
 KEYS
   KEYS[1]  tg:{p<id>}:brk or tg:{p<id>}:brk:m:<model>   one breaker hash (see breaker_record.lua)

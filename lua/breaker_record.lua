@@ -14,7 +14,8 @@ Purpose
   open       records of calls (which started before it opened) are ignored; after the cool-down
              lua/breaker_probe.lua turns it half-open and hands out probe slots.
   half_open  only probe results count: a failed probe re-opens it for another cool-down; the
-             `probes`-th successful probe closes it (a new, empty window).
+             `probes`-th successful probe closes it (a new, empty window); a probe record with
+             no success and no failure hands its slot back (taken - 1) and counts for nothing.
 
 KEYS
   KEYS[1]  tg:{p<id>}:brk            the key's breaker (transport failures)
@@ -27,7 +28,8 @@ ARGV
   ARGV[1]   model         the model's name (added to KEYS[3])
   ARGV[2]   key_ok        successes for the key's breaker, integer >= 0
   ARGV[3]   key_failed    failures for the key's breaker, integer >= 0
-  ARGV[4]   key_probe     1: these are the result of a probe holding one of its slots, else 0
+  ARGV[4]   key_probe     1: these are the result of a probe holding one of its slots, else 0;
+                          with key_ok = key_failed = 0: no result, the slot is handed back
   ARGV[5]   model_ok      ARGV[6] model_failed   ARGV[7] model_probe: the same for KEYS[2]
   ARGV[8]   window_ms     ARGV[9] min_calls      ARGV[10] error_percent (1-100)
   ARGV[11]  cooldown_ms   ARGV[12] probes (successful probes that close a half-open breaker)
@@ -78,6 +80,12 @@ local function record(key, ok, failed, probe)
       if failed > 0 then
         open(key, 1, 1)
         calls, errors, transition = 1, 1, 'opened'
+      elseif ok == 0 then
+        -- No result (the call never reached this breaker's test, or was given up): the slot
+        -- is handed back at once rather than a lease later.
+        if (tonumber(redis.call('HGET', key, 'taken')) or 0) > 0 then
+          redis.call('HINCRBY', key, 'taken', -1)
+        end
       elseif redis.call('HINCRBY', key, 'ok', 1) >= probes then
         redis.call('HSET', key, 'state', 'closed', 'win', now, 'calls', 0, 'errors', 0,
                    'until', 0, 'since', now, 'taken', 0, 'ok', 0)

@@ -46,7 +46,8 @@ class BreakerRules:
 @dataclass(frozen=True)
 class Outcomes:
     """What one record call tells one breaker: successes, failures, and whether they are the
-    result of a probe holding one of its slots."""
+    result of a probe holding one of its slots. A probe with neither a success nor a failure
+    (SLOT_BACK) is no result: it hands its slot back (the call never tested the upstream)."""
 
     ok: int = 0
     failed: int = 0
@@ -56,6 +57,10 @@ class Outcomes:
         for value in (self.ok, self.failed):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"outcome counts must be integers >= 0, got {value!r}")
+
+
+# A probe slot given up without a result (lua/breaker_record.lua: taken - 1).
+SLOT_BACK = Outcomes(probe=True)
 
 
 @dataclass(frozen=True)
