@@ -43,6 +43,10 @@ from rest_framework.views import APIView
 from billing.models import AlertState, UsageRecord, WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint
 from config.console.frame import SESSION_TENANT
+from quotas.keys import tenant_tag
+from quotas.limits import pace_counters
+from quotas.pace import PaceBreaker
+from quotas.runtime import get_engine
 from tenants.membership import invite_member
 from tenants.models import (
     ApiKey,
@@ -55,7 +59,8 @@ from tenants.models import (
     Project,
     Tenant,
 )
-from tenants.services import issue_management_token
+from tenants.selectors import effective_limits
+from tenants.services import issue_management_token, update_project
 from tests.support.routes import management_routes
 from tests.world import World
 
@@ -118,7 +123,14 @@ def _side(world: World, tenant: Tenant, project: Project, key: ApiKey, member: s
     users = get_user_model()
     emails = set(users.objects.filter(tenant_memberships__tenant=tenant)
                  .values_list("email", flat=True))
+    # A tripped burn-rate breaker on the project, so that resuming it works for the owner.
+    project = update_project(project, actor="test", tokens_per_day=1_000, pace_share_percent=10)
+    limits_of = Tenant.objects.select_related("plan").get(pk=tenant.pk)
+    [paced] = pace_counters(limits_of, effective_limits(limits_of), project, key)
+    breaker = PaceBreaker(get_engine().client)
+    assert breaker.trip(tenant_tag(tenant.pk), [paced.scope_limit], breaker.now_ms()).first
     ids = {
+        "pace_scope": paced.scope,
         "project_id": project.public_id, "key_id": key.public_id, "webhook_id": hook.public_id,
         "delivery_id": delivery.public_id, "token_id": token.token.public_id,
         "invitation_id": invitation.public_id, "member_id": member, "username": member,
@@ -174,6 +186,8 @@ API_ROUTES: dict[str, Route] = {
     "api-key-revoke": Route({"POST": WRITE}),
     "api-tenant-limits": Route({**_get(), "PATCH": WRITE},
                                {"PATCH": lambda i: {"alert_thresholds": [50, 10]}}),
+    "api-tenant-pace-trips": Route(_get()),
+    "api-tenant-pace-resume": Route({"POST": WRITE}, {"POST": lambda i: {"scope": i["pace_scope"]}}),
     "api-token-list": Route({**_get(), "POST": WRITE}, {"POST": lambda i: {"name": "new"}}),
     "api-token-revoke": Route({"POST": WRITE}),
     "api-audit-events": Route(_get()),
