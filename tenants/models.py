@@ -75,6 +75,20 @@ def _pace_period(value: int | None) -> None:
             f"Choose a period of {', '.join(map(str, PACE_PERIODS))} seconds.")
 
 
+# A trip closes every pace period of its cool-down in one script call (lua/pace_trip.lua), one
+# counter key each: bounded so that no trip holds Redis for long (3,600 keys: a 1-second period
+# may cool down for an hour, a 10-second one for 10 hours).
+PACE_COOLDOWN_MAX_PERIODS = 3600
+
+
+def pace_cooldown_error(period_s: int | None, cooldown_s: int | None) -> str | None:
+    """Why this period and cool-down cannot go together, or None."""
+    if period_s and cooldown_s and cooldown_s > PACE_COOLDOWN_MAX_PERIODS * period_s:
+        return (f"A cool-down may last at most {PACE_COOLDOWN_MAX_PERIODS:,} pace periods "
+                f"({PACE_COOLDOWN_MAX_PERIODS * period_s:,} s for a {period_s}-second period).")
+    return None
+
+
 def _default_alert_thresholds() -> list[int]:
     return [10, 5]
 
@@ -173,6 +187,9 @@ class Plan(models.Model):
     def clean(self) -> None:
         if self.over_quota_policy == OverQuotaPolicy.FALLBACK and not self.fallback_model:
             raise ValidationError({"fallback_model": "The fallback policy needs a fallback model."})
+        error = pace_cooldown_error(self.pace_period_seconds, self.pace_cooldown_seconds)
+        if error:
+            raise ValidationError({"pace_cooldown_seconds": error})
 
 
 class Tenant(models.Model):
@@ -249,6 +266,15 @@ class Tenant(models.Model):
 
     def __str__(self) -> str:
         return self.slug
+
+    def clean(self) -> None:
+        # The effective pair: the tenant's overrides, else its plan's.
+        plan = self.plan if self.plan_id else None
+        period = self.pace_period_seconds or (plan.pace_period_seconds if plan else None)
+        cooldown = self.pace_cooldown_seconds or (plan.pace_cooldown_seconds if plan else None)
+        error = pace_cooldown_error(period, cooldown)
+        if error:
+            raise ValidationError({"pace_cooldown_seconds": error})
 
 
 class Project(models.Model):

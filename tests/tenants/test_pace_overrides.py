@@ -125,6 +125,20 @@ def test_bad_plan_rules_are_refused(fields: dict[str, int]) -> None:
         update_plan(Plan.objects.get(name="standard"), actor="test", **fields)
 
 
+def test_a_cool_down_is_at_most_3600_periods_on_a_plan_and_for_a_tenant() -> None:
+    # A trip closes each period of its cool-down in one script call: bounded.
+    plan = Plan.objects.get(name="standard")
+    with pytest.raises(ValidationError) as error:
+        update_plan(plan, actor="test", pace_period_seconds=1, pace_cooldown_seconds=3_601)
+    assert set(error.value.error_dict) == {"pace_cooldown_seconds"}
+    update_plan(plan, actor="test", pace_period_seconds=1, pace_cooldown_seconds=3_600)
+    tenant = _tenant("enterprise")  # 600-second periods, 1,800 s cool-down
+    set_tenant_limits(tenant, actor="test", pace_cooldown_seconds=86_400)
+    with pytest.raises(ValidationError) as error:
+        set_tenant_limits(tenant, actor="test", pace_period_seconds=10)  # 8,640 periods
+    assert set(error.value.error_dict) == {"pace_cooldown_seconds"}
+
+
 def test_bad_project_and_key_paces_are_refused_and_the_database_agrees() -> None:
     tenant = _tenant("free")
     project = create_project(tenant, "web", actor="test")
