@@ -9,6 +9,9 @@ credit: the breaker half-opens by itself, admitting one period's share again.
 
 Idempotent: while a trip of the scope is active (now < its until, not resumed), nothing is
 written and the active trip is returned with code 0. Of many refusals racing, exactly one gets 1.
+A refusal made while a trip still lasted (its until is later than the refusal's time: the trip
+is active, or it ended or was resumed after the refusal) trips nothing either: that refusal came
+from the trip's own closing credit, and must not undo a resume that overtook it.
 
 KEYS (all of one tenant, sharing its hash tag `{t<id>}`)
   KEYS[1]          trips hash   tg:{t<id>}:pace:trips   field <scope> -> JSON trip record
@@ -23,6 +26,7 @@ ARGV
   ARGV[4]  credit     negative integer written as each counter's credit
   ARGV[5]  info       opaque string stored in the record (JSON: label, rule; quotas/pace.py)
   ARGV[6]  N          number of counters, >= 1
+  ARGV[7]  refused_ms the Redis time of the reserve refusal asking for this trip
   then for counter i, three values: window_start ms, window_end ms, expire_at unix s (set on a
                                     counter this script creates)
 
@@ -35,10 +39,11 @@ Return: { 1, tripped_ms, until_ms } this call tripped the breaker
 ]]
 
 local n = tonumber(ARGV[6])
+local refused_ms = tonumber(ARGV[7])
 local until_ms, keep_s, credit = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if not n or n < 1 or #KEYS ~= n + 1 or #ARGV ~= 6 + 3 * n
-  or not until_ms or not keep_s or keep_s < 0 or not credit or credit >= 0 then
-  return redis.error_reply('pace_trip: expected KEYS = trips, N counters; ARGV = 6 + 3N values, credit < 0')
+if not n or n < 1 or #KEYS ~= n + 1 or #ARGV ~= 7 + 3 * n
+  or not refused_ms or not until_ms or not keep_s or keep_s < 0 or not credit or credit >= 0 then
+  return redis.error_reply('pace_trip: expected KEYS = trips, N counters; ARGV = 7 + 3N values, credit < 0')
 end
 
 local t = redis.call('TIME')
@@ -49,7 +54,8 @@ local scope = ARGV[1]
 local raw = redis.call('HGET', KEYS[1], scope)
 if raw then
   local rec = cjson.decode(raw)
-  if tonumber(rec['until']) > now_ms then
+  local lasted = tonumber(rec['until'])
+  if lasted > now_ms or lasted > refused_ms then
     return { 0, tonumber(rec['tripped']), tonumber(rec['until']) }
   end
 end
@@ -57,7 +63,7 @@ end
 local counter_keys, starts, ends = {}, {}, {}
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 6 + 3 * (i - 1)
+  local base = 7 + 3 * (i - 1)
   local existed = redis.call('EXISTS', key) == 1
   redis.call('HSET', key, 'credit', ARGV[4])
   if not existed then

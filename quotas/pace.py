@@ -131,7 +131,8 @@ def trip_call(tenant: str, paced: Sequence[PaceLimit], now_ms: int) -> tuple[lis
             until_ms = max(until_ms, window.end_ms)
     info = json.dumps({"owner": paced[0].owner, "label": paced[0].label,
                        "rules": [p.rule for p in paced]}, separators=(",", ":"))
-    args = [scope, until_ms, TRIP_KEEP_S, CLOSED_CREDIT, info, len(call_keys) - 1, *counter_args]
+    args = [scope, until_ms, TRIP_KEEP_S, CLOSED_CREDIT, info, len(call_keys) - 1, now_ms,
+            *counter_args]
     return call_keys, args
 
 

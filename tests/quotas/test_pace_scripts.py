@@ -184,3 +184,23 @@ def test_a_pace_counter_expires_soon_after_its_period(
     key = keys.counter_key(tenant, "project:7", window.id)
     ttl = client.ttl(key)
     assert 0 < ttl <= 600 + engine.settings.minute_grace_s
+
+
+def test_a_refusal_made_before_a_resume_does_not_trip_again(
+        engine: QuotaEngine, breaker: PaceBreaker, tenant: str,
+        client: redis.Redis | redis.RedisCluster) -> None:
+    # A gateway's refusal computed just before an owner's resume reaches pace_trip just after it:
+    # the resume stands (no second trip, no second webhook); a new refusal after it trips anew.
+    limit = pace(1_000)
+    assert reserve(engine, tenant, "a", 1_000, limit).admitted
+    refused = reserve(engine, tenant, "b", 5, limit)
+    assert breaker.trip(tenant, [limit], refused.server_time_ms).first
+    stale = reserve(engine, tenant, "c", 5, limit)  # refused by the trip's closing credit
+    assert not stale.admitted
+    [trip] = breaker.trips(tenant)
+    assert breaker.resume(tenant, trip, "user:alice")
+    late = breaker.trip(tenant, [limit], stale.server_time_ms)
+    assert not late.first and late.tripped_ms == trip.tripped_ms
+    [after] = breaker.trips(tenant)
+    assert after.resumed_by == "user:alice" and not after.active(redis_ms(client))
+    assert breaker.trip(tenant, [limit], redis_ms(client) + 1).first
