@@ -3,18 +3,27 @@ messages other workers publish, and what the admin and /metrics show of the brea
 (read from the session's Redis). End to end across two gateways: test_e2e_breakers.py."""
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
+
+import httpx
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
 from billing import metrics
-from gateway.circuit import apply_breaker_message
+from gateway.circuit import apply_breaker_message, rules_from_settings
+from gateway.errors import GatewayError
+from gateway.forward import Call, _answer
 from gateway.providers import KEY_BREAKER, ProviderPool, Upstream, create_provider_key
-from quotas.breakers import BreakerRules, BreakerStore, Outcomes
+from quotas.breakers import KEY_LEVEL, BreakerRules, BreakerStore, Outcomes
 from quotas.runtime import get_engine
+from tests.gateway.test_call_end import async_engine, new_tenant, open_call, settled_background
+from tests.gateway.test_circuit import DatabaseDown
 from tests.support.prometheus import samples
 
 
@@ -163,3 +172,81 @@ def test_metrics_show_the_state_gauge_and_transitions(provider: Any) -> None:
                f'model="*"}}'] == 0
     assert got[f'tollgate_provider_breaker_transitions_total{{{labels},to="opened"}}'] == 1
     assert got[f'tollgate_provider_breaker_transitions_total{{{labels},to="closed"}}'] == 0
+
+
+# -- a probe call that ends without a result hands its slot back (gateway/forward.py) --------------
+
+class HangingTransport(httpx.AsyncBaseTransport):
+    """Injected fault: the upstream never answers (the call waits until cancelled)."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.entered.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def _breaker_settings(settings: Any) -> None:
+    settings.TOLLGATE_BREAKER_PROBES = 1
+    settings.TOLLGATE_BREAKER_COOLDOWN_SECONDS = 0.1
+    settings.TOLLGATE_BREAKER_MIN_CALLS = 1
+
+
+async def _probe_call(rpm_capacity: int | None) -> tuple[Call, Upstream, BreakerStore, Any]:
+    """An admitted call whose one provider key has its own breaker past its cool-down (opened
+    in Redis, known open in the worker's pool), so the call takes the key's one probe slot."""
+    tenant = new_tenant()
+    engine = async_engine()
+    call = await open_call(engine, tenant, stream=False)
+    call.sent = False
+    call.ctx.limits = SimpleNamespace(over_quota_policy=None, queue_timeout_seconds=0,
+                                      queue_priority=0)
+    pid = uuid.uuid4().int % 10**9
+    key = Upstream(id=pid, public_id=f"pk_{pid}", base_url="http://upstream.invalid/v1",
+                   secret="s", rpm_capacity=rpm_capacity, tpm_capacity=None)
+    call.runtime.pool = ProviderPool([key])
+    call.runtime.transport = HangingTransport()
+    call.runtime.db = DatabaseDown(1)  # the transition's audit row is not this test's concern
+    store = BreakerStore(get_engine().client)
+    rules = rules_from_settings()
+    opened = store.record(pid, "gpt-4o", Outcomes(failed=1), Outcomes(), rules)
+    assert opened.key.state == "open"
+    await asyncio.sleep(rules.cooldown_ms / 1000 + 0.05)
+    call.runtime.pool.open_breaker(pid, KEY_BREAKER, until=time.time() - 1)
+    return call, key, store, rules
+
+
+def test_a_probe_call_without_capacity_hands_its_slot_back(settings: Any) -> None:
+    _breaker_settings(settings)
+
+    async def scenario() -> None:
+        call, key, store, rules = await _probe_call(rpm_capacity=1)
+        assert (await call.runtime.engine.take_capacity(key.id, 1, None, 1)).taken  # all of it
+        with pytest.raises(GatewayError):  # (the pool still lists the key resting: 503)
+            await _answer(call)
+        await settled_background(call)
+        # The one slot is free: the next call probes the key (not a lease, 240 s, later).
+        assert store.probe(key.id, KEY_LEVEL, rules).granted
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_call_the_client_leaves_hands_its_slot_back(settings: Any) -> None:
+    _breaker_settings(settings)
+
+    async def scenario() -> None:
+        call, key, store, rules = await _probe_call(rpm_capacity=None)
+        attempt = asyncio.create_task(_answer(call))
+        await asyncio.wait_for(call.runtime.transport.entered.wait(), 10)
+        assert not store.probe(key.id, KEY_LEVEL, rules).granted  # the call holds the slot
+        attempt.cancel()  # the client leaves while the upstream has the call
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        await settled_background(call)
+        assert store.probe(key.id, KEY_LEVEL, rules).granted
+        await call.release(499, "client_gone")
+        await settled_background(call)
+
+    asyncio.run(scenario())

@@ -204,3 +204,122 @@ def test_postgresql_down_loses_only_the_audit_row(redis_url: str, provider: Any,
     assert provider.public_id in record.getMessage()
     assert not AuditEvent.objects.filter(target=provider.public_id,
                                          action__startswith="provider_key.breaker_").exists()
+
+
+async def _open_both(circuit: Circuit, upstream: Upstream) -> None:
+    """Open the (key, model) breaker (5xx answers, which the key's counts as successes), then
+    the key's own (transport failures: 3 of 6 calls), and wait out the cool-down."""
+    for _ in range(3):
+        await circuit.report(upstream, MODEL, NO_PROBE, server_failed=True)
+    for _ in range(3):
+        await circuit.report(upstream, MODEL, NO_PROBE, transport_failed=True)
+    await asyncio.sleep(RULES.cooldown_ms / 1000 + 0.05)
+
+
+@pytest.mark.django_db
+def test_a_refused_second_slot_hands_the_first_back(redis_url: str, provider: Any) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, DatabaseDown(1))
+        await _open_both(circuit, upstream)
+        assert runtime.pool.breakers_due(upstream.id, MODEL, 1e12) == [KEY_BREAKER, MODEL]
+        # Another call (another worker) holds the model breaker's one slot.
+        assert (await circuit.store.probe(upstream.id, MODEL, RULES)).granted
+        assert await circuit.admit(upstream, MODEL, [KEY_BREAKER, MODEL]) is None
+        await runtime.settle()
+        # The key's slot this call took first is free again: a call for another model gets it.
+        assert await circuit.admit(upstream, "other", [KEY_BREAKER]) == Ticket(key=True)
+        await client.aclose()
+
+    _run(test)
+
+
+@pytest.mark.django_db
+def test_a_ticket_given_back_frees_its_slots_once(redis_url: str, provider: Any) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, DatabaseDown(1))
+        await _open_both(circuit, upstream)
+        ticket = await circuit.admit(upstream, MODEL, [KEY_BREAKER, MODEL])
+        assert ticket == Ticket(key=True, model=True)
+        assert await circuit.admit(upstream, MODEL, [KEY_BREAKER, MODEL]) is None
+        await runtime.settle()
+        circuit.give_back(upstream, MODEL, ticket)  # e.g. no RPM capacity on the key
+        circuit.give_back(upstream, MODEL, ticket)  # a second time: nothing more
+        circuit.give_back(upstream, MODEL, NO_PROBE)  # a plain call: no script call
+        assert len(runtime.background) == 1
+        await runtime.settle()
+        again = await circuit.admit(upstream, MODEL, [KEY_BREAKER, MODEL])
+        assert again == Ticket(key=True, model=True)
+        await circuit.report(upstream, MODEL, again)
+        await runtime.settle()
+        circuit.give_back(upstream, MODEL, again)  # reported: nothing to hand back
+        assert not runtime.background
+        await client.aclose()
+
+    _run(test)
+    assert (_snapshot(provider.pk, KEY_BREAKER).state, _snapshot(provider.pk, MODEL).state) \
+        == ("closed", "closed")
+
+
+@pytest.mark.django_db
+def test_a_transport_failure_is_no_result_for_a_model_probe(redis_url: str,
+                                                            provider: Any) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, DatabaseDown(1))
+        for _ in range(3):
+            await circuit.report(upstream, MODEL, NO_PROBE, server_failed=True)
+        await asyncio.sleep(RULES.cooldown_ms / 1000 + 0.05)
+        ticket = await circuit.admit(upstream, MODEL, [MODEL])
+        assert ticket == Ticket(model=True)
+        await circuit.report(upstream, MODEL, ticket, transport_failed=True)
+        await runtime.settle()
+        # The upstream never answered: the model's breaker is still half-open, its one slot
+        # free for the next call (which finds the upstream healed and closes it).
+        assert _snapshot(upstream.id, MODEL).state == "half_open"
+        healed = await circuit.admit(upstream, MODEL, [MODEL])
+        assert healed == Ticket(model=True)
+        await circuit.report(upstream, MODEL, healed)
+        await runtime.settle()
+        await client.aclose()
+
+    _run(test)
+    model = _snapshot(provider.pk, MODEL)
+    assert (model.state, model.opened, model.half_opened, model.closed) == ("closed", 1, 1, 1)
+    key = _snapshot(provider.pk, KEY_BREAKER)
+    assert (key.state, key.calls, key.errors) == ("closed", 5, 1)
+
+
+@pytest.mark.parametrize("breaker", [KEY_BREAKER, MODEL])
+@pytest.mark.django_db
+def test_a_probes_record_leaves_the_pending_successes_to_the_flush(
+        redis_url: str, provider: Any, breaker: str) -> None:
+    upstream = _upstream(provider)
+
+    async def test() -> None:
+        circuit, runtime, client = await _circuit(redis_url, upstream, DatabaseDown(1))
+        failure = {"transport_failed": True} if breaker == KEY_BREAKER else \
+            {"server_failed": True}
+        for _ in range(3):
+            await circuit.report(upstream, MODEL, NO_PROBE, **failure)
+        await asyncio.sleep(RULES.cooldown_ms / 1000 + 0.05)
+        ticket = await circuit.admit(upstream, MODEL, [breaker])
+        assert ticket
+        # Four successes counted in process and not flushed yet when the probe's result comes.
+        circuit.pending[(upstream.id, MODEL)] = 4
+        await circuit.report(upstream, MODEL, ticket)  # closes the breaker (one probe)
+        await runtime.settle()
+        await circuit.flush()
+        await client.aclose()
+
+    _run(test)
+    key, model = _snapshot(provider.pk, KEY_BREAKER), _snapshot(provider.pk, MODEL)
+    assert (key.state, model.state) == ("closed", "closed")
+    if breaker == KEY_BREAKER:  # the key's new window: the 4; the model's: the probe + 4
+        assert (key.calls, model.calls) == (4, 5)
+    else:  # the key's window: 3 + the probe + 4; the model's new window: the 4
+        assert (key.calls, model.calls) == (8, 4)

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from quotas import keys
-from quotas.breakers import KEY_LEVEL, BreakerRules, BreakerStore, Outcomes
+from quotas.breakers import KEY_LEVEL, SLOT_BACK, BreakerRules, BreakerStore, Outcomes
 
 MODEL = "gpt-4o"
 RULES = BreakerRules(window_ms=60_000, min_calls=10, error_percent=50, cooldown_ms=60_000,
@@ -204,3 +204,42 @@ def test_bad_rules_are_refused(bad: dict) -> None:
 def test_negative_outcomes_are_refused() -> None:
     with pytest.raises(ValueError):
         Outcomes(ok=-1)
+
+
+def test_a_probe_without_a_result_hands_its_slot_back_and_counts_for_nothing(
+        store: BreakerStore) -> None:
+    pid = provider_id()
+    open_model_breaker(store, pid, SHORT)
+    wait_past_cooldown(SHORT)
+    for _ in range(SHORT.probes):
+        assert store.probe(pid, MODEL, SHORT).granted
+    assert not store.probe(pid, MODEL, SHORT).granted  # all three slots out
+    # One call gives its slot up (no capacity, client gone, a transport failure for a model
+    # probe): it is neither a success nor a failure.
+    back = store.record(pid, MODEL, Outcomes(), SLOT_BACK, SHORT)
+    assert (back.model.transition, back.model.state) == ("", "half_open")
+    for _ in range(SHORT.probes - 1):
+        result = store.record(pid, MODEL, Outcomes(), Outcomes(ok=1, probe=True), SHORT)
+        assert (result.model.transition, result.model.state) == ("", "half_open")
+    # The slot handed back is free at once (not a lease later), and its probe closes it.
+    assert store.probe(pid, MODEL, SHORT).granted
+    assert not store.probe(pid, MODEL, SHORT).granted
+    result = store.record(pid, MODEL, Outcomes(), Outcomes(ok=1, probe=True), SHORT)
+    assert (result.model.transition, result.model.state) == ("closed", "closed")
+
+
+def test_handing_back_a_slot_not_held_changes_nothing(
+        store: BreakerStore, client: redis.Redis | redis.RedisCluster) -> None:
+    pid = provider_id()
+    # Closed (no breaker yet): no hash is made.
+    result = store.record(pid, MODEL, SLOT_BACK, SLOT_BACK, SHORT)
+    assert (result.key.state, result.model.state) == ("closed", "closed")
+    assert client.exists(keys.provider_breaker_key(pid)) == 0
+    # Half-open with no slot taken (a lease renewed since): the count stays at 0, not -1.
+    open_model_breaker(store, pid, SHORT)
+    wait_past_cooldown(SHORT)
+    assert store.probe(pid, MODEL, SHORT).granted
+    for _ in range(2):
+        store.record(pid, MODEL, Outcomes(), SLOT_BACK, SHORT)
+    assert client.hget(keys.provider_model_breaker_key(pid, MODEL), "taken") in ("0", b"0")
+    assert sum(store.probe(pid, MODEL, SHORT).granted for _ in range(5)) == SHORT.probes
