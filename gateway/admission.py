@@ -346,7 +346,8 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
         raise refusal_error(reservation)
 
     # Under the queue policy a quota refusal here is one waiting cannot help (a counter not
-    # queueable): it is answered at once, below.
+    # queueable, or a call that can never fit a counter: bigger than its limit plus credit):
+    # it is answered at once, below.
     policy = ctx.limits.over_quota_policy
     if policy == OverQuotaPolicy.SOFT:
         percent = ctx.limits.soft_limit_percent

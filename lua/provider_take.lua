@@ -13,7 +13,9 @@ KEYS
   and, with the queue (see "Queue" below):
   KEYS[2]  tg:{p<id>}:waiters            zset waiter id -> expiry ms (deadline, or a head's lease)
   KEYS[3]  tg:{p<id>}:wq                 zset waiter id -> order (-priority * 2^32 + arrival)
-  KEYS[4]  tg:{p<id>}:waiters:seq        arrival counter
+  KEYS[4]  tg:{p<id>}:waiters:seq        arrival counter; never deleted by a leave (a dropped head
+                                         comes back with its order until its deadline): its TTL
+                                         is raised to each new waiter's deadline
 
 ARGV
   ARGV[1]  rpm_capacity   requests per minute, -1 = not limited
@@ -40,6 +42,9 @@ Queue
   capacity leaves and wakes the next head ({"w": waiters key, "ids": [head]}), which also comes
   back by itself after retry_after_ms (the buckets refill with time, nothing else frees them).
   Entries past their expiry are dropped by whoever finds them ahead of itself.
+  No call is hopeless here: a bucket always has one request in time, and a call bigger than the
+  whole TPM capacity passes on a full bucket (it takes the whole bucket), so no waiter can
+  block the queue for good.
 
 TTL: refreshed to 60 s on each take; an expired hash is two full buckets, which is exactly
 their state after a minute without calls.
@@ -125,6 +130,8 @@ end
 local function wait_here(retry_after)
   if Q.order == nil then
     Q.order = -Q.priority * 4294967296 + redis.call('INCR', Q.seq)
+    local keep = Q.deadline - now_ms
+    if keep > 0 and redis.call('PTTL', Q.seq) < keep then redis.call('PEXPIRE', Q.seq, keep) end
   end
   redis.call('ZADD', Q.queue, Q.order, Q.id)
   local head = live_ahead(Q.order) == nil
@@ -159,7 +166,6 @@ if Q and Q.id ~= '' then
   local first = redis.call('ZRANGE', Q.queue, 0, 0)
   if redis.call('ZREM', Q.queue, Q.id) == 1 and first[1] == Q.id then live_ahead(math.huge, true) end
   redis.call('ZREM', Q.waiters, Q.id)
-  if redis.call('EXISTS', Q.waiters) == 0 then redis.call('DEL', Q.seq) end
 end
 publish_wakes()
 return { 1, math.floor(requests_left), math.floor(tokens_left) }

@@ -19,7 +19,7 @@ KEYS (all of one tenant, sharing its hash tag `{t<id>}`, so this runs on one clu
   then, under the queue policy only (see "Queue" below; E = the keys above):
   KEYS[E+1]          waiters       tg:{t<id>}:waiters             zset waiter id -> expiry ms
   KEYS[E+2]          membership    tg:{t<id>}:waiters:in          hash waiter id -> its queue key
-  KEYS[E+3]          arrivals      tg:{t<id>}:waiters:seq         string counter
+  KEYS[E+3]          arrivals      tg:{t<id>}:waiters:seq         string counter (see TTLs)
   KEYS[E+4..E+N+3]   counter queues  tg:{t<id>}:wq:q:<scope>[:usd]:<kind>, one per counter
   KEYS[..+R]         bucket queues   tg:{t<id>}:wq:rate:<scope>:<period>ms, one per bucket
   KEYS[..+1]         gauge queue     tg:{t<id>}:wq:conc:<scope>; present iff cap >= 0
@@ -67,6 +67,8 @@ Return table (integers only)
   admitted:          { 1, granted, now_ms, rem_1..rem_N, bucket_1..bucket_R }
                      (granted is in tokens; money counters hold `money` in full)
   refused, quota:    { 0, i, now_ms, rem_1..rem_N, bucket_1..bucket_R }  i = first refusing counter
+                     (queue policy: or the first counter the call can never fit, whatever else
+                     refused it; see "Queue")
   window mismatch:   { -1, i, now_ms }
   duplicate id:      { -2, 0, now_ms }                  a hold (or its tombstone) has this id
   epoch missing:     { -5, 0, now_ms }                  counters must be rebuilt first
@@ -97,15 +99,24 @@ Queue (only when the queue values are passed: other calls run none of this)
   queued behind (new arrivals never overtake). Otherwise the checks run as always; a refusal by a
   queueable resource queues the caller there (keeping its order when it moves between queues), a
   refusal by a counter marked not queueable answers at once (and takes it out of its queue), an
-  admission takes it out of its queue. A waiter leaving the head of a queue that still has
-  waiters wakes the next head (PUBLISH {"w": waiters key, "ids": [head]}) and gives it a lease:
+  admission takes it out of its queue. A call that can never fit is never queued: when it would
+  be (by the gate or any refusal), a counter with limit + credit below min_amount (below money,
+  for a money counter) refuses it at once with the quota reply, and it leaves its queue; so does
+  a concurrency cap of 0 (the gauge reply). (A bucket always holds its one request in time.)
+  A waiter leaving the head of a queue that still has waiters wakes the next head
+  (PUBLISH {"w": waiters key, "ids": [head]}) and gives it a lease:
   a head must call again within lease_ms, else it is taken for dead. Entries past their expiry
-  (the deadline, or the head's lease) are dropped by whoever finds them ahead of itself.
+  (the deadline, or the head's lease) are dropped by whoever finds them ahead of itself, and,
+  when the tenant is at its bound, by a newcomer (up to 128 per call, with their queue entry and
+  membership, in whichever queue they are).
 
 TTLs: counters expire at their expire_at, set once at creation and never refreshed (a new window
 is a new key). A bucket's TTL is refreshed to one period on each write: an expired bucket is a
 full bucket, which is exactly its state after a period without requests. The gauge expires
-stale_ms after its last admission. The index has no TTL; Redis deletes it when empty.
+stale_ms after its last admission. The index has no TTL; Redis deletes it when empty. Queue
+keys (waiters, membership, queues) have no TTL either and go when empty; the arrival counter is
+never deleted by a leave (a dropped head comes back with its order until its deadline, and later
+arrivals must stay behind it): its TTL is raised to each new waiter's deadline.
 ]]
 
 local n, r = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -224,7 +235,6 @@ local function leave()
   local first = redis.call('ZRANGE', cur, 0, 0)
   drop(request_id, cur)
   if first[1] == request_id then live_ahead(cur, nil, true) end
-  if redis.call('EXISTS', Q.waiters) == 0 then redis.call('DEL', Q.seq) end
 end
 
 local function publish_wakes()
@@ -233,22 +243,93 @@ local function publish_wakes()
   end
 end
 
+-- Bucket j's level now (refilled since its last write), its capacity and period.
+local function bucket_level(j)
+  local base = 14 + 5 * n + 2 * (j - 1)
+  local capacity, period = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  local f = redis.call('HMGET', KEYS[2 + n + j], 'tokens', 'ts')
+  local tokens = tonumber(f[1]) or capacity
+  local ts = tonumber(f[2]) or now_ms
+  return math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / period), capacity, period
+end
+
+-- The first counter this call can never fit, 0 if none: its smallest acceptable hold (its
+-- worst-case cost, for a money counter) is above limit + credit, so no amount of waiting helps
+-- (a prompt beyond the daily or the TPM limit, a call dearer than the spend budget).
+local function never_fits()
+  for i = 1, n do
+    if limits[i] >= 0 then
+      local need = units[i] == 1 and money or min_amount
+      if limits[i] + (tonumber(redis.call('HGET', KEYS[i + 2], 'credit')) or 0) < need then
+        return i
+      end
+    end
+  end
+  return 0
+end
+
+-- Refused for good by counter i (the quota refusal's reply, nothing held), out of its queue.
+local function refused_for_good(i)
+  local out = { 0, i, now_ms }
+  for k = 1, n do
+    if limits[k] < 0 then
+      out[#out + 1] = -1
+    else
+      local f = redis.call('HMGET', KEYS[k + 2], 'used', 'pending', 'credit')
+      out[#out + 1] = limits[k] + (tonumber(f[3]) or 0)
+        - (tonumber(f[1]) or 0) - (tonumber(f[2]) or 0)
+    end
+  end
+  for j = 1, r do out[#out + 1] = math.floor(bucket_level(j)) end
+  if Q.any then leave() end
+  publish_wakes()
+  return out
+end
+
+-- The tenant is at its bound: drop (a bounded batch of) entries past their expiry, waiters of
+-- dead processes possibly in queues nobody visits, with their queue entry and membership (a
+-- dropped head's successor is woken). The live waiters left count.
+local function live_waiters()
+  local dead = redis.call('ZRANGEBYSCORE', Q.waiters, '-inf', now_ms - 1, 'LIMIT', 0, 128)
+  for _, id in ipairs(dead) do
+    local qk = redis.call('HGET', Q.member, id)
+    if qk then
+      local first = redis.call('ZRANGE', qk, 0, 0)
+      drop(id, qk)
+      if first[1] == id then live_ahead(qk, nil, true) end
+    else
+      redis.call('ZREM', Q.waiters, id)
+    end
+  end
+  return redis.call('ZCOUNT', Q.waiters, now_ms, '+inf')
+end
+
+-- A new place: the next arrival. The counter is never reset while an order it handed out may
+-- come back (a dropped head calls again with its order until its deadline): it lives at least
+-- until this caller's deadline, so later arrivals always come after earlier ones.
+local function arrival()
+  local seq = redis.call('INCR', Q.seq)
+  local keep = Q.deadline - now_ms
+  if keep > 0 and redis.call('PTTL', Q.seq) < keep then redis.call('PEXPIRE', Q.seq, keep) end
+  return seq
+end
+
 -- Queue the caller in qk (resource kind, index), keeping its order; the reply says whether it
--- is the head there.
+-- is the head there. A call that can never fit is refused at once instead (never a head that
+-- blocks its queue until its timeout).
 local function wait_in(qk, kind, index, retry_after)
+  local hopeless = never_fits()
+  if hopeless ~= 0 then return refused_for_good(hopeless) end
   local registered = redis.call('ZSCORE', Q.waiters, request_id) ~= false
   if not registered and Q.order == nil and redis.call('ZCARD', Q.waiters) >= Q.max then
-    -- Entries past their expiry (waiters of dead processes in queues nobody visits) do not
-    -- count; their queue entries are dropped when met (an entry without expiry is dead).
-    redis.call('ZREMRANGEBYSCORE', Q.waiters, '-inf', now_ms - 1)
-    local count = redis.call('ZCARD', Q.waiters)
+    local count = live_waiters()
     if count >= Q.max then
       publish_wakes()
       return { -7, count, now_ms }
     end
   end
   if Q.order == nil then
-    Q.order = -Q.priority * 4294967296 + redis.call('INCR', Q.seq)
+    Q.order = -Q.priority * 4294967296 + arrival()
   end
   local cur = redis.call('HGET', Q.member, request_id)
   if cur and cur ~= qk then
@@ -294,7 +375,11 @@ if cap >= 0 then
   redis.call('ZREMRANGEBYSCORE', gauge, '-inf', now_ms - stale_ms)
   local open = redis.call('ZCARD', gauge)
   if open >= cap then
-    if Q then return wait_in(Q.gauge_q, 3, 1) end
+    if Q and cap > 0 then return wait_in(Q.gauge_q, 3, 1) end
+    if Q then  -- a cap of 0 never frees a slot: refused at once, out of its queue
+      if Q.any then leave() end
+      publish_wakes()
+    end
     return { -4, open, now_ms }
   end
 end
@@ -302,12 +387,7 @@ end
 -- 2. request rate: token buckets, one request each
 local bucket_left, bucket_cap, bucket_period = {}, {}, {}
 for j = 1, r do
-  local base = 14 + 5 * n + 2 * (j - 1)
-  local capacity, period = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
-  local f = redis.call('HMGET', KEYS[2 + n + j], 'tokens', 'ts')
-  local tokens = tonumber(f[1]) or capacity
-  local ts = tonumber(f[2]) or now_ms
-  tokens = math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / period)
+  local tokens, capacity, period = bucket_level(j)
   if tokens < 1 then
     local retry_after = math.ceil((1 - tokens) * period / capacity)
     if Q then return wait_in(Q.bucket_q(j), 2, j, retry_after) end

@@ -428,9 +428,8 @@ def _capacity_leave_call(provider_key_id: int, waiter_id: str,
                          lease_ms: int) -> tuple[list[str], list[Any]]:
     keys.validate_request_id(waiter_id)
     _require_int("lease_ms", lease_ms, 1)
-    # One queue per provider key: no membership hash (3 keys).
-    return ([keys.provider_waiters_key(provider_key_id), keys.provider_queue_key(provider_key_id),
-             keys.provider_seq_key(provider_key_id)],
+    # One queue per provider key: no membership hash (2 keys).
+    return ([keys.provider_waiters_key(provider_key_id), keys.provider_queue_key(provider_key_id)],
             [waiter_id, lease_ms, keys.QUEUE_WAKE_CHANNEL])
 
 
@@ -720,8 +719,8 @@ class _Calls:
                    lease_ms: int) -> tuple[list[str], list[Any]]:
         keys.validate_request_id(request_id)
         _require_int("lease_ms", lease_ms, 1)
-        return ([keys.queue_waiters_key(tenant), queue_key, keys.queue_seq_key(tenant),
-                 keys.queue_member_key(tenant)], [request_id, lease_ms, keys.QUEUE_WAKE_CHANNEL])
+        return ([keys.queue_waiters_key(tenant), queue_key, keys.queue_member_key(tenant)],
+                [request_id, lease_ms, keys.QUEUE_WAKE_CHANNEL])
 
     def sweep_reply(self, tenant: str, reply: Sequence[Any]) -> SweepResult:
         swept_n, dropped, fresh, now_ms = (int(x) for x in reply[:4])

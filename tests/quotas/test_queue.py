@@ -26,6 +26,7 @@ from quotas.engine import (
     Reservation,
     ReserveRequest,
     ScopeLimit,
+    Unit,
 )
 from quotas.waiting import QueueTimedOut, QueueTiming, WaitRoom, listen, wait_in_queue
 from quotas.windows import WindowKind
@@ -160,7 +161,9 @@ def test_200_waiters_are_admitted_in_arrival_order(request: pytest.FixtureReques
         counter = await q.engine.counter(q.tenant, "tenant")
         assert (counter.used, counter.pending) == (0, 0)
         assert await q.waiting_ids() == set() and len(q.room) == 0
-        assert not await q.client.exists(keys.queue_seq_key(q.tenant))
+        # The arrival counter outlives the last deadline it handed out, no longer.
+        ttl = await q.client.pttl(keys.queue_seq_key(q.tenant))
+        assert 0 < ttl <= WAKES_ONLY.timeout_s * 1000 + 2000
 
     run(request, kind, scenario, WAKES_ONLY)
 
@@ -538,3 +541,208 @@ def test_a_race_of_queued_calls_keeps_the_money_exact(request: pytest.FixtureReq
         print(f"\nrace: {dict((k, kinds.count(k)) for k in set(kinds))}")
 
     run(request, kind, scenario, timing)
+
+
+# -- calls that can never fit, dead successors, the bound's clean-up, the arrival counter -------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_that_can_never_fit_is_refused_at_once(request: pytest.FixtureRequest,
+                                                      kind: str) -> None:
+    """A call bigger than a counter's limit plus credit (a prompt beyond the daily limit, the
+    TPM limit, a spend budget) gets that counter's refusal at once: waiting cannot help it, and
+    as the head of a queue it would block every call behind it until its timeout."""
+    day = ScopeLimit("tenant", DAY, 100, reason="daily_quota_exceeded")
+    tpm = ScopeLimit("tenant", WindowKind.MINUTE, 50, reason="tpm_exceeded")
+    budget = ScopeLimit("tenant", WindowKind.MONTH, 1000, unit=Unit.MICROS,
+                        reason="budget_exceeded")
+
+    async def scenario(q: Queue) -> None:
+        # Nobody holds anything: only its size refuses it.
+        for rid, amount, limits, extra, reason in (
+            ("too-big-day", 150, (day,), {}, "daily_quota_exceeded"),
+            ("too-big-min", 200, (day,), {"min_amount": 101}, "daily_quota_exceeded"),
+            ("too-big-tpm", 60, (day, tpm), {}, "tpm_exceeded"),
+            ("too-dear", 10, (day, budget), {"money_amount": 1001}, "budget_exceeded"),
+        ):
+            refused = await q.engine.reserve(q.request(rid, amount, limits, queue=q.ticket(),
+                                                       **extra))
+            assert refused.outcome is Outcome.QUOTA, rid
+            assert refused.refused.reason == reason
+            assert await q.waiting_ids() == set()
+        # A 1-token call of the tenant is not held up behind any of them.
+        small = await q.engine.reserve(q.request("small", 1, (day,), queue=q.ticket()))
+        assert small.admitted
+        await q.engine.release(small.hold)
+        # Credit counts: with 60 tokens of credit the 150-token call fits.
+        sync = QuotaEngine(sync_client(request, kind))
+        await asyncio.to_thread(sync.recharge, q.tenant, day, 60)
+        fits = await q.engine.reserve(q.request("fits", 150, (day,), queue=q.ticket()))
+        assert fits.admitted
+        await q.engine.release(fits.hold)
+        # A concurrency cap of 0 never frees a slot: refused at once too.
+        closed = await q.engine.reserve(q.request("closed", 1, (day,),
+                                                  concurrency=ConcurrencyLimit("key:z", 0),
+                                                  queue=q.ticket()))
+        assert closed.outcome is Outcome.CONCURRENCY
+        assert await q.waiting_ids() == set()
+        counter = await q.engine.counter(q.tenant, "tenant")
+        assert (counter.used, counter.pending) == (0, 0)
+
+    run(request, kind, scenario, WAKES_ONLY)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_call_that_can_never_fit_leaves_the_queue_it_is_in(request: pytest.FixtureRequest,
+                                                             kind: str) -> None:
+    """Behind a waiter (the gate), or as a waiter whose limit was lowered under it: refused at
+    once, out of its queue, and the waiter behind it is the next head (woken)."""
+    def limits(limit: int) -> tuple[ScopeLimit, ...]:
+        return (ScopeLimit("tenant", DAY, limit),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.engine.reserve(q.request("holder", 60, limits(100)))
+        head = await q.engine.reserve(q.request("head", 50, limits(100), queue=q.ticket()))
+        behind = await q.arrive(q.request("behind", 40, limits(100), queue=q.ticket()))
+        assert head.outcome is Outcome.QUEUED and head.queue_head
+        assert isinstance(behind, asyncio.Task)
+        # A newcomer that can never fit is not queued behind them.
+        huge = await q.engine.reserve(q.request("huge", 101, limits(100), queue=q.ticket()))
+        assert huge.outcome is Outcome.QUOTA and huge.refused.scope == "tenant"
+        assert await q.waiting_ids() == {"head", "behind"}
+        # The plan now allows 45 a day: the head (50) can never fit any more. Its next try is
+        # refused at once, it leaves, and "behind" becomes the head and is woken: the holder
+        # ends, and it is admitted.
+        ticket = dataclasses.replace(q.ticket(), order=head.queue_order)
+        again = await q.engine.reserve(q.request("head", 50, limits(45), queue=ticket))
+        assert again.outcome is Outcome.QUOTA
+        assert await q.waiting_ids() == {"behind"}
+        assert await q.client.zrange(head.queue_key, 0, -1) == ["behind"]
+        await q.engine.release(holder.hold)
+        admitted = await asyncio.wait_for(behind, 10)
+        assert admitted.admitted
+        await q.engine.release(admitted.hold)
+        assert await q.waiting_ids() == set()
+
+    run(request, kind, scenario, WAKES_ONLY)
+
+
+async def wake_messages(pubsub: Any) -> list[dict[str, Any]]:
+    out = []
+    while (m := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.3)) is not None:
+        out.append(json.loads(m["data"]))
+    return out
+
+
+async def until_dead(q: Queue, deadline_ms: int) -> None:
+    """Wait until the Redis clock is past `deadline_ms` (an entry's expiry)."""
+    while (await q.client.time())[0] * 1000 <= deadline_ms + 5:
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_leaving_head_wakes_the_next_live_waiter(request: pytest.FixtureRequest,
+                                                   kind: str) -> None:
+    """queue_leave.lua: the successor of a leaving head is a dead entry (its process was
+    killed): it is dropped, and the wake goes to the live waiter behind it."""
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        sub = subscriber(request, kind)
+        pubsub = sub.pubsub()
+        await pubsub.subscribe(keys.QUEUE_WAKE_CHANNEL)
+        await pubsub.get_message(timeout=1)
+        holder = await q.engine.reserve(q.request("holder", 10, limits))
+        head = await q.engine.reserve(q.request("head", 10, limits, queue=q.ticket()))
+        short = dataclasses.replace(q.ticket(), deadline_ms=q.engine.clock.now_ms() + 300)
+        dead = await q.engine.reserve(q.request("dead", 10, limits, queue=short))
+        live = await q.engine.reserve(q.request("live", 10, limits, queue=q.ticket()))
+        assert head.queue_head and not dead.queue_head and not live.queue_head
+        await until_dead(q, short.deadline_ms)
+        await wake_messages(pubsub)
+        assert await q.engine.leave_queue(q.tenant, "head", head.queue_key, TIMING.lease_ms)
+        assert await wake_messages(pubsub) == [
+            {"w": keys.queue_waiters_key(q.tenant), "ids": ["live"]}]
+        assert await q.client.zrange(head.queue_key, 0, -1) == ["live"]
+        assert await q.waiting_ids() == {"live"}
+        assert await q.client.hkeys(keys.queue_member_key(q.tenant)) == ["live"]
+        # The woken head has its lease: it must come back within lease_ms.
+        expiry = await q.client.zscore(keys.queue_waiters_key(q.tenant), "live")
+        assert expiry <= (await q.client.time())[0] * 1000 + TIMING.lease_ms + 1000
+        await q.engine.leave_queue(q.tenant, "live", live.queue_key, TIMING.lease_ms)
+        await q.engine.release(holder.hold)
+        await pubsub.aclose()
+        await sub.aclose()
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_bound_drops_expired_waiters_from_their_queues(request: pytest.FixtureRequest,
+                                                           kind: str) -> None:
+    """A full tenant whose waiters are dead (expired, in project a's queue, which nobody visits
+    any more): a newcomer of project b removes them with their queue entry and membership, and
+    is queued."""
+    def limits(project: str) -> tuple[ScopeLimit, ...]:
+        return (ScopeLimit("tenant", DAY, 1000), ScopeLimit(f"project:{project}", DAY, 10))
+
+    async def scenario(q: Queue) -> None:
+        holders = [await q.engine.reserve(q.request(f"holder-{p}", 10, limits(p)))
+                   for p in ("a", "b")]
+        short = dataclasses.replace(q.ticket(max_waiters=2),
+                                    deadline_ms=q.engine.clock.now_ms() + 300)
+        dead = [await q.engine.reserve(q.request(f"dead{i}", 10, limits("a"), queue=short))
+                for i in range(2)]
+        assert all(d.outcome is Outcome.QUEUED for d in dead)
+        await until_dead(q, short.deadline_ms)
+        new = await q.engine.reserve(q.request("new", 10, limits("b"),
+                                               queue=q.ticket(max_waiters=2)))
+        assert new.outcome is Outcome.QUEUED and new.queue_head
+        assert await q.client.zrange(dead[0].queue_key, 0, -1) == []
+        assert await q.waiting_ids() == {"new"}
+        assert await q.client.hkeys(keys.queue_member_key(q.tenant)) == ["new"]
+        await q.engine.leave_queue(q.tenant, "new", new.queue_key, TIMING.lease_ms)
+        for holder in holders:
+            await q.engine.release(holder.hold)
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dropped_slow_head_keeps_its_place_before_newcomers(request: pytest.FixtureRequest,
+                                                              kind: str) -> None:
+    """A head that came back after its lease was dropped (and the tenant's waiters emptied):
+    the arrival counter is not reset, so it registers again ahead of later arrivals."""
+    limits = (ScopeLimit("tenant", DAY, 10),)
+
+    async def scenario(q: Queue) -> None:
+        holder = await q.engine.reserve(q.request("holder", 10, limits))
+        gone = await q.engine.reserve(q.request("gone", 10, limits, queue=q.ticket()))
+        slow = await q.engine.reserve(q.request("slow", 10, limits, queue=q.ticket()))
+        # "gone" leaves; "slow" becomes the head with a 200 ms lease, and misses it.
+        await q.engine.leave_queue(q.tenant, "gone", gone.queue_key, 200)
+        await until_dead(q, (await q.client.time())[0] * 1000 + 200)
+        # "quick" drops the dead head on its way and waits; admitted, it leaves: nobody waits.
+        quick = await q.engine.reserve(q.request("quick", 10, limits, queue=q.ticket()))
+        assert quick.outcome is Outcome.QUEUED and quick.queue_head
+        assert await q.waiting_ids() == {"quick"}
+        await q.engine.release(holder.hold)
+        quick_ticket = dataclasses.replace(q.ticket(), order=quick.queue_order)
+        quick = await q.engine.reserve(q.request("quick", 10, limits, queue=quick_ticket))
+        assert quick.admitted
+        assert await q.waiting_ids() == set()
+        later = await q.engine.reserve(q.request("later", 10, limits, queue=q.ticket()))
+        assert later.outcome is Outcome.QUEUED
+        ticket = dataclasses.replace(q.ticket(), order=slow.queue_order)
+        back = await q.engine.reserve(q.request("slow", 10, limits, queue=ticket))
+        assert back.outcome is Outcome.QUEUED
+        assert back.queue_order == slow.queue_order < later.queue_order
+        assert back.queue_head
+        # The counter outlives no deadline it handed out by much: it has an expiry.
+        ttl = await q.client.pttl(keys.queue_seq_key(q.tenant))
+        assert 0 < ttl <= TIMING.timeout_s * 1000 + 2000
+        for rid, reply in (("slow", back), ("later", later)):
+            await q.engine.leave_queue(q.tenant, rid, reply.queue_key, TIMING.lease_ms)
+        await q.engine.release(quick.hold)
+
+    run(request, kind, scenario)

@@ -1,7 +1,8 @@
 """An upstream key's queue (lua/provider_take.lua "Queue", quotas/waiting.wait_for_capacity):
 callers of several tenants waiting for one provider key's RPM capacity, on the standalone server
 and the 3-node cluster: the higher plan first every time, arrival order within a plan, the gate
-for callers that do not wait, leaving, and a dead head dropped."""
+for callers that do not wait, leaving (the wake skips a dead successor), and a dead head
+dropped."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import pytest
 from quotas import keys
 from quotas.engine import CapacityWait
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_for_capacity
-from tests.quotas.test_queue import KINDS, Queue, run
+from tests.quotas.test_queue import KINDS, Queue, run, subscriber, until_dead, wake_messages
 
 # One request per second: a drained bucket admits the next waiter each second.
 RPM = 60
@@ -131,5 +132,42 @@ def test_a_dead_head_of_a_provider_queue_is_dropped(request: pytest.FixtureReque
         result, _ = await asyncio.wait_for(live, 5)
         assert result.taken
         assert await q.client.zrange(keys.provider_queue_key(key), 0, -1) == []
+
+    run(request, kind, scenario)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_leaving_head_of_a_provider_queue_wakes_the_next_live_waiter(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """queue_leave.lua on a provider key's queue: the leaving head's successor is dead (its
+    deadline passed), so it is dropped and the live waiter behind it is woken; the arrival
+    counter is not deleted with the last waiter (it expires after the last deadline)."""
+    async def scenario(q: Queue) -> None:
+        key = provider_id()
+        await drain(q, key)
+        sub = subscriber(request, kind)
+        pubsub = sub.pubsub()
+        await pubsub.subscribe(keys.QUEUE_WAKE_CHANNEL)
+        await pubsub.get_message(timeout=1)
+        now = q.engine.clock.now_ms()
+        replies = {}
+        for rid, deadline in (("head", now + 60_000), ("dead", now + 300), ("live", now + 60_000)):
+            replies[rid] = await q.engine.take_capacity(key, RPM, None, 1,
+                                                        CapacityWait(rid, 10, deadline, 3000))
+            assert replies[rid].queued
+        assert replies["head"].queue_head
+        await until_dead(q, now + 300)
+        await wake_messages(pubsub)
+        assert await q.engine.leave_capacity_queue(key, "head", 3000)
+        assert await wake_messages(pubsub) == [
+            {"w": keys.provider_waiters_key(key), "ids": ["live"]}]
+        assert await q.client.zrange(keys.provider_queue_key(key), 0, -1) == ["live"]
+        assert await q.client.zrange(keys.provider_waiters_key(key), 0, -1) == ["live"]
+        assert await q.engine.leave_capacity_queue(key, "live", 3000)
+        ttl = await q.client.pttl(keys.provider_seq_key(key))
+        assert 0 < ttl <= 61_000
+        await pubsub.aclose()
+        await sub.aclose()
 
     run(request, kind, scenario)
