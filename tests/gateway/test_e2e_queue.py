@@ -1,6 +1,6 @@
 """The queue policy's waiting queue through running gateways and the openai SDK: arrival order
-across worker processes, the wait header, the bound (queue_full), a client that leaves, and a
-race that keeps the money exact (granted <= limit, nothing pending, one ledger row per call, the
+across worker processes, the wait header, the bound (queue_full), a client that leaves, a call
+that can never fit (refused at once), and a race that keeps the money exact (granted <= limit, nothing pending, one ledger row per call, the
 ledger equal to what the mock upstream produced)."""
 from __future__ import annotations
 
@@ -183,6 +183,36 @@ def test_queue_timeout_is_its_own_refusal(
     refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
     assert refused.get("queue_timeout") == "1"
     assert engine.counter(t.tag, "tenant").pending == 0
+
+
+def test_a_call_that_can_never_fit_is_refused_at_once(
+    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    django_db_blocker: Any,
+) -> None:
+    """Under the queue policy, a call bigger than the daily limit is not queued (it would head
+    the queue and block the tenant's other calls until its timeout): 429 insufficient_quota at
+    once, counted under its counter's reason; a small call of the tenant is admitted after it."""
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    committed(django_db_blocker, lambda: Plan.objects.create(
+        name=name, display_name=name, tokens_per_day=300, requests_per_second=-1,
+        over_quota_policy="queue", queue_timeout_seconds=30, queue_priority=10,
+        shrink_hold_to_headroom=False))
+    t = make_tenant(plan=name)
+    model = unique_model("never-fits")
+    with pytest.raises(openai.RateLimitError) as info:
+        client_for(gateway, t.plaintext).chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=1000)
+    assert info.value.code == "insufficient_quota"
+    assert waiting(engine, t.tag) == 0
+    small = client_for(gateway, t.plaintext).chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=5)
+    assert small.headers[WAIT_HEADER] == "0"
+    refused = engine.client.hgetall(keys.refused_key(t.tag, utc_day_id()))
+    assert refused.get("quota_tenant") == "1" and "queue_timeout" not in refused
+    assert engine.counter(t.tag, "tenant").pending == 0
+    # One ledger row: the small call's (the refused one reached no upstream).
+    rows = ledger_rows(django_db_blocker, engine, t.tenant_id)
+    assert [r.request_id for r in rows] == [small.headers["x-request-id"]]
 
 
 def test_a_race_of_queued_calls_keeps_the_money_exact(
