@@ -1,7 +1,8 @@
 """The queue policy's waiting queue through running gateways and the openai SDK: arrival order
 across worker processes, the wait header, the bound (queue_full), a client that leaves, a call
-that can never fit (refused at once), and a race that keeps the money exact (granted <= limit, nothing pending, one ledger row per call, the
-ledger equal to what the mock upstream produced)."""
+that can never fit (refused at once), and a race that keeps the money exact (granted <= limit,
+nothing pending, one ledger row per call, the ledger equal to what the mock upstream
+produced)."""
 from __future__ import annotations
 
 import asyncio
