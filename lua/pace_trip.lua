@@ -9,8 +9,9 @@ credit: the breaker half-opens by itself, admitting one period's share again.
 
 Idempotent: while a trip of the scope is active (now < its until, not resumed), nothing is
 written and the active trip is returned with code 0. Of many refusals racing, exactly one gets 1.
-A refusal made while a trip still lasted (its until is later than the refusal's time: the trip
-is active, or it ended or was resumed after the refusal) trips nothing either: that refusal came
+A refusal made while a trip still lasted (its until is at or after the refusal's time: the trip
+is active, or it ended or was resumed after, or in the same millisecond as, the refusal) trips
+nothing either: that refusal came
 from the trip's own closing credit, and must not undo a resume that overtook it.
 
 KEYS (all of one tenant, sharing its hash tag `{t<id>}`)
@@ -55,7 +56,7 @@ local raw = redis.call('HGET', KEYS[1], scope)
 if raw then
   local rec = cjson.decode(raw)
   local lasted = tonumber(rec['until'])
-  if lasted > now_ms or lasted > refused_ms then
+  if lasted > now_ms or lasted >= refused_ms then
     return { 0, tonumber(rec['tripped']), tonumber(rec['until']) }
   end
 end

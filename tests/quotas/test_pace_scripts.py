@@ -147,8 +147,9 @@ def test_resume_gives_the_current_period_a_fresh_share_and_opens_later_ones(
     assert not reserve(engine, tenant, "d", 1, limit).admitted
     later = [k for k in trip.counter_keys[1:]]
     assert all(client.hget(k, "credit") is None for k in later)
-    # A new trip after the resume is a new trip (its own record, its own alert).
-    again = breaker.trip(tenant, [limit], redis_ms(client))
+    # A new trip after the resume is a new trip (its own record, its own alert); a refusal in the
+    # resume's own millisecond counts as made before it, hence + 1.
+    again = breaker.trip(tenant, [limit], redis_ms(client) + 1)
     assert again.first and again.tripped_ms > trip.tripped_ms
 
 
