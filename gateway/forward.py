@@ -43,7 +43,6 @@ from gateway.errors import (
 from gateway.listener import publish_cooldown
 from gateway.headers import QUEUE_WAIT_HEADER
 from gateway.providers import Upstream
-from gateway.refusals import count_refusal
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
 from quotas.engine import (
@@ -55,7 +54,6 @@ from quotas.engine import (
     ReleaseResult,
     SettleResult,
 )
-from quotas.limits import QUEUE_TIMEOUT, UPSTREAM_UNAVAILABLE
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_for_capacity
 
 log = logging.getLogger(__name__)
@@ -647,12 +645,7 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
         # sooner, a cooling key is back).
         await call.release(503, "upstream_unavailable")
         wait = resting if cooling is None else min(resting, cooling)
-        refusal = upstream_unavailable(max(1, math.ceil(wait)))
-        # Counted here: a GatewayError from the forward becomes its response in views.py,
-        # which counts only the refusals raised before it.
-        await count_refusal(runtime.engine.client, call.ctx.tenant_tag, UPSTREAM_UNAVAILABLE,
-                            runtime.engine.clock.now_ms() / 1000)
-        raise refusal
+        raise upstream_unavailable(max(1, math.ceil(wait)))  # counted by views.py
     if capacity_wait_ms is not None and cooling is None and last_429 is None:
         cooling = max(1, math.ceil(capacity_wait_ms / 1000))
     if last_429 is not None or cooling is not None:
@@ -692,12 +685,9 @@ async def _wait_for_capacity(call: Call, short: list[tuple[int, Upstream]]) -> U
         raise
     except QueueTimedOut as timed_out:
         await call.release(429, "queue_timeout")
-        refusal = queue_timeout("capacity of the upstream provider", timed_out.waited_ms / 1000,
-                                max(1, math.ceil(retry_ms / 1000)))
-        # Counted here: views.py counts only the refusals raised before the forward.
-        await count_refusal(runtime.engine.client, ctx.tenant_tag, QUEUE_TIMEOUT,
-                            runtime.engine.clock.now_ms() / 1000)
-        raise refusal from None
+        # Counted by views.py, like every refusal the forward answers with.
+        raise queue_timeout("capacity of the upstream provider", timed_out.waited_ms / 1000,
+                            max(1, math.ceil(retry_ms / 1000))) from None
     if not result.taken:
         return None
     call.headers[QUEUE_WAIT_HEADER] = str(already_ms + waited_ms)

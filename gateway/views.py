@@ -126,10 +126,17 @@ async def _handle(endpoint: Endpoint, request: HttpRequest, request_id: str,
     try:
         return await _admitted(endpoint, runtime, ctx, request, request_id, started)
     except GatewayError as error:
-        if error.refusal is not None:  # only refusals pay for the count
-            await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal,
-                                runtime.engine.clock.now_ms() / 1000)
+        await _count_if_refusal(runtime, ctx, error)
         raise
+
+
+async def _count_if_refusal(runtime: GatewayRuntime, ctx: KeyContext, error: GatewayError) -> None:
+    """Count a refusal in the tenant's refused-today counts (gateway/refusals.py): those raised
+    before the forward and those the forward answers with (every key resting, a queue timeout
+    waiting for provider capacity). Only refusals pay for the count."""
+    if error.refusal is not None:
+        await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal,
+                            runtime.engine.clock.now_ms() / 1000)
 
 
 async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext,
@@ -173,6 +180,7 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
         await call.release(503, "quota_store_unavailable")
         raise
     except GatewayError as error:
+        await _count_if_refusal(runtime, ctx, error)
         return error.response(call.response_headers())
     except Exception:
         # A bug must not leave the hold to the sweep: charge what the upstream may have
