@@ -26,6 +26,8 @@ class Endpoint(StrEnum):
     CHAT = "chat/completions"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"  # OpenAI's Responses API
+    MESSAGES = "messages"  # Anthropic's Messages API
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
+from gateway.usage import Usage
 from tenants.invalidation import publish
 from tenants.services.audit import record_audit_event
 
@@ -68,17 +69,43 @@ def price_micros(input_micros_per_mtok: int, output_micros_per_mtok: int, input_
 class Price:
     input_micros_per_mtok: int
     output_micros_per_mtok: int
+    # Token classes an upstream bills differently (per million tokens); None: the class costs
+    # what its total costs (cached and cache-write input the input price, reasoning the output
+    # price).
+    cached_input_micros_per_mtok: int | None = None
+    cache_write_micros_per_mtok: int | None = None
+    reasoning_micros_per_mtok: int | None = None
 
     def cost(self, input_tokens: int, output_tokens: int) -> int:
-        """Micro-dollars, rounded half up once per call."""
+        """Micro-dollars of plain input and output tokens, rounded half up once per call."""
         return price_micros(self.input_micros_per_mtok, self.output_micros_per_mtok,
                             input_tokens, output_tokens)
 
+    def class_prices(self) -> tuple[int, int, int, int, int]:
+        """Per million tokens: plain input, cached input, cache write, plain output, reasoning."""
+        pin, pout = self.input_micros_per_mtok, self.output_micros_per_mtok
+        return (pin, _or(self.cached_input_micros_per_mtok, pin),
+                _or(self.cache_write_micros_per_mtok, pin), pout,
+                _or(self.reasoning_micros_per_mtok, pout))
+
+    def cost_of(self, usage: Usage) -> int:
+        """Micro-dollars of a call's usage, each class at its price, rounded half up once."""
+        pin, pcached, pwrite, pout, preason = self.class_prices()
+        exact_times_million = (usage.plain_input_tokens * pin + usage.cached_input_tokens * pcached
+                               + usage.cache_write_tokens * pwrite
+                               + usage.plain_output_tokens * pout
+                               + usage.reasoning_tokens * preason)
+        return (exact_times_million + MICROS_PER_MTOK_DIVISOR // 2) // MICROS_PER_MTOK_DIVISOR
+
     def bound(self, tokens: int) -> int:
-        """An upper bound of what `tokens` cost however they split into input and output: all of
-        them at the dearer price, rounded up."""
-        dearer = max(self.input_micros_per_mtok, self.output_micros_per_mtok)
-        return -(-tokens * dearer // MICROS_PER_MTOK_DIVISOR)
+        """An upper bound of what `tokens` cost however they split into input and output and
+        their classes: all of them at the dearest price, rounded up."""
+        dearest = max(self.class_prices())
+        return -(-tokens * dearest // MICROS_PER_MTOK_DIVISOR)
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 @dataclass(frozen=True)
