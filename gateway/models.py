@@ -34,6 +34,28 @@ class ModelKind(models.TextChoices):
     EMBEDDING = "embedding", "Embeddings"
 
 
+# The prices of token classes an upstream bills apart from their totals (per million tokens,
+# micro-dollars). Null: the class costs what its total costs (cached and cache-write input the
+# input price, reasoning the output price), so a row without them prices every call as before.
+CLASS_PRICE_FIELDS = ("cached_input_micros_per_mtok", "cache_write_micros_per_mtok",
+                      "reasoning_micros_per_mtok")
+
+
+def _class_price(what: str, total: str) -> models.BigIntegerField:
+    return models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text=f"Micro-dollars per million {what}; empty: the {total} price.")
+
+
+def _class_prices_non_negative(prefix: str) -> models.CheckConstraint:
+    # Null is allowed (the total's price); said explicitly so that Django's own constraint
+    # validation, which evaluates the condition in a query, agrees with the database.
+    condition = models.Q()
+    for name in CLASS_PRICE_FIELDS:
+        condition &= models.Q(**{f"{name}__isnull": True}) | models.Q(**{f"{name}__gte": 0})
+    return models.CheckConstraint(condition=condition, name=f"{prefix}_class_prices_non_negative")
+
+
 class ModelSpec(models.Model):
     """What the gateway needs to know about a model to reserve for it and to price it."""
 
@@ -52,6 +74,11 @@ class ModelSpec(models.Model):
     output_price_micros_per_mtok = models.BigIntegerField(
         validators=_NON_NEGATIVE, help_text="Micro-dollars per million output tokens."
     )
+    cached_input_micros_per_mtok = _class_price("cached input tokens (prompt-cache reads)",
+                                                "input")
+    cache_write_micros_per_mtok = _class_price("input tokens written to the prompt cache",
+                                               "input")
+    reasoning_micros_per_mtok = _class_price("reasoning (thinking) output tokens", "output")
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -78,6 +105,7 @@ class ModelSpec(models.Model):
                 & models.Q(output_price_micros_per_mtok__gte=0),
                 name="modelspec_prices_non_negative",
             ),
+            _class_prices_non_negative("modelspec"),
         ]
 
     def __str__(self) -> str:
@@ -116,6 +144,11 @@ class ModelPrice(models.Model):
                              "an alias: aliases take their model's price).")
     input_micros_per_mtok = models.BigIntegerField(validators=_NON_NEGATIVE)
     output_micros_per_mtok = models.BigIntegerField(validators=_NON_NEGATIVE)
+    cached_input_micros_per_mtok = _class_price("cached input tokens (prompt-cache reads)",
+                                                "input")
+    cache_write_micros_per_mtok = _class_price("input tokens written to the prompt cache",
+                                               "input")
+    reasoning_micros_per_mtok = _class_price("reasoning (thinking) output tokens", "output")
     valid_from = models.DateTimeField()
     valid_to = models.DateTimeField(null=True, blank=True, help_text="Exclusive; empty: open.")
 
@@ -127,6 +160,7 @@ class ModelPrice(models.Model):
             models.CheckConstraint(
                 name="price_non_negative",
                 condition=models.Q(input_micros_per_mtok__gte=0, output_micros_per_mtok__gte=0)),
+            _class_prices_non_negative("price"),
             models.CheckConstraint(
                 name="price_period_ordered",
                 condition=models.Q(valid_to__isnull=True)
@@ -179,12 +213,19 @@ class ModelAlias(models.Model):
                                    "them (valid to) and price the catalog model instead."})
 
 
+class ProviderKind(models.TextChoices):
+    """The API a provider key speaks; a call goes only to keys of its endpoint's kind."""
+
+    OPENAI = "openai", "OpenAI-compatible (chat, completions, embeddings, responses, moderations)"
+    ANTHROPIC = "anthropic", "Anthropic (the Messages API)"
+
+
 def new_provider_key_id() -> str:
     return "pk_" + random_base62(PUBLIC_ID_RANDOM_LENGTH)
 
 
 def validate_base_url(value: str) -> None:
-    """An http(s) URL of an OpenAI-compatible API root, with no credentials in it.
+    """An http(s) URL of an API root, with no credentials in it.
 
     Django's URLValidator would refuse single-label hosts such as a docker-compose service name
     ("http://upstream:8000/v1"), which are normal for self-hosted upstreams.
@@ -217,8 +258,12 @@ class ProviderKey(models.Model):
     base_url = models.CharField(
         max_length=500,
         validators=[validate_base_url],
-        help_text="API root of an OpenAI-compatible upstream, e.g. https://api.openai.com/v1",
+        help_text="API root with its version path: https://api.openai.com/v1 (OpenAI-compatible)"
+        " or https://api.anthropic.com/v1 (Anthropic).",
     )
+    kind = models.CharField(
+        max_length=16, choices=ProviderKind.choices, default=ProviderKind.OPENAI,
+        help_text="The API the key speaks: it serves only calls of that API's endpoints.")
     secret_encrypted = models.TextField(editable=False)
     secret_last4 = models.CharField(max_length=4, blank=True, editable=False)
     rpm_capacity = models.PositiveIntegerField(
