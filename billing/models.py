@@ -38,6 +38,14 @@ class UsageRecord(models.Model):
     served_model = models.CharField(max_length=200, help_text="The model forwarded (fallback).")
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
+    # The token classes the upstream priced apart (gateway/usage.py): each is part of its total,
+    # so quota and the sums above stay totals; the cost prices each class at its own price.
+    cached_input_tokens = models.BigIntegerField(
+        default=0, help_text="Of input_tokens: read from the provider's prompt cache.")
+    cache_write_tokens = models.BigIntegerField(
+        default=0, help_text="Of input_tokens: written to the provider's prompt cache.")
+    reasoning_tokens = models.BigIntegerField(
+        default=0, help_text="Of output_tokens: reasoning (thinking).")
     held_tokens = models.BigIntegerField(default=0)
     cost_micros = models.BigIntegerField(default=0, help_text="Micro-dollars (1e-6 USD).")
     status = models.CharField(max_length=16, choices=Status.choices)
@@ -81,6 +89,13 @@ class UsageRecord(models.Model):
                                    cost_micros__gte=0)),
             models.CheckConstraint(
                 name="usage_over_hold_non_negative", condition=models.Q(over_hold_tokens__gte=0)),
+            models.CheckConstraint(
+                name="usage_classes_within_totals",
+                condition=models.Q(cached_input_tokens__gte=0, cache_write_tokens__gte=0,
+                                   reasoning_tokens__gte=0,
+                                   reasoning_tokens__lte=models.F("output_tokens"))
+                & models.Q(input_tokens__gte=models.F("cached_input_tokens")
+                           + models.F("cache_write_tokens"))),
         ]
 
     def __str__(self) -> str:
@@ -354,6 +369,20 @@ class ReconciliationRow(models.Model):
     theirs_output = models.BigIntegerField(default=0)
     theirs_cost_micros = models.BigIntegerField(null=True, blank=True,
                                                 help_text="Empty: the bill gives no cost.")
+    # Token classes (part of the input and output above). Theirs are empty when the bill does
+    # not report the class (OpenAI's usage API reports no reasoning tokens): not compared then.
+    ours_cached_input = models.BigIntegerField(default=0)
+    ours_cache_write = models.BigIntegerField(default=0)
+    ours_reasoning = models.BigIntegerField(default=0)
+    theirs_cached_input = models.BigIntegerField(null=True, blank=True,
+                                                 help_text="Empty: the bill does not say.")
+    theirs_cache_write = models.BigIntegerField(null=True, blank=True,
+                                                help_text="Empty: the bill does not say.")
+    theirs_reasoning = models.BigIntegerField(null=True, blank=True,
+                                              help_text="Empty: the bill does not say.")
+    theirs_priced_micros = models.BigIntegerField(
+        null=True, blank=True, help_text="The bill's usage at our prices (each token class at "
+        "its price, the price of the start of the day); empty: the model has no price.")
     difference = models.BigIntegerField(default=0,
                                         help_text="Their tokens minus ours (input + output).")
     difference_rate = models.DecimalField(
