@@ -35,6 +35,8 @@ from gateway.tokens import (
     estimate_chat_prompt,
     estimate_completion_prompt,
     estimate_embedding_input,
+    estimate_messages_prompt,
+    estimate_responses_input,
     is_large,
     off_loop,
 )
@@ -122,6 +124,11 @@ def unmetered(call: Checked, request_id: str) -> Admission:
     return Admission(reservation, call.parsed.model, est, est.output_cap)
 
 
+# The field a context-length refusal names, per endpoint.
+_PROMPT_PARAM = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
+                 Endpoint.RESPONSES: "input", Endpoint.MESSAGES: "messages"}
+
+
 def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price) -> Estimate:
     body = parsed.body
     if parsed.endpoint is Endpoint.CHAT:
@@ -129,6 +136,12 @@ def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price)
                                       functions=body.get("functions"), tokenizer=info.tokenizer)
     elif parsed.endpoint is Endpoint.COMPLETIONS:
         prompt = estimate_completion_prompt(body["prompt"], info.tokenizer)
+    elif parsed.endpoint is Endpoint.RESPONSES:
+        # Output cap: max_output_tokens (reasoning included), else the model's default.
+        prompt = estimate_responses_input(body, model=info.name, tokenizer=info.tokenizer)
+    elif parsed.endpoint is Endpoint.MESSAGES:
+        # Output cap: max_tokens, required; a thinking budget counts inside it.
+        prompt = estimate_messages_prompt(body, model=info.name, tokenizer=info.tokenizer)
     else:
         prompt = estimate_embedding_input(body["input"], info.tokenizer)
         return Estimate(info, prompt, max(1, hold_for(prompt, 0, ctx.limits.safety_factor)), None,
@@ -143,8 +156,7 @@ def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price)
         raise bad_request(
             f"This model's maximum context length is {info.context_window} tokens; your "
             f"request has about {prompt} prompt tokens, which leaves no room for an answer.",
-            "messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
-            "context_length_exceeded")
+            _PROMPT_PARAM[parsed.endpoint], "context_length_exceeded")
     return Estimate(info, prompt, amount, cap, price)
 
 

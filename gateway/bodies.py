@@ -1,13 +1,17 @@
-"""Parsing and validating /v1 request bodies (chat completions, completions, embeddings).
+"""Parsing and validating /v1 request bodies (chat completions, completions, embeddings,
+OpenAI's Responses API and Anthropic's Messages API).
 
 Only what the gateway needs to meter is checked strictly (model, messages/prompt/input, output
-caps, n, streaming options); every other field passes through untouched, so new OpenAI
-parameters work without a gateway release. A bad body is a 400 naming the field, before any
-reservation is made.
+caps, n, streaming options, and for the two newer APIs the fields that decide what the upstream
+adds to the prompt: previous_response_id, conversation, system, tools, thinking); every other
+field passes through untouched, so new provider parameters work without a gateway release.
+Unknown input item and content block types pass too (the estimate counts them by their JSON).
+A bad body is a 400 naming the field, before any reservation is made.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -40,6 +44,12 @@ class ParsedBody:
     max_output: int | None  # the client's output cap per choice, if any
     choices: int  # n (times best_of for legacy completions): output is reserved per choice
     size: int = 0  # bytes of the raw body: a large one is token-counted off the event loop
+    # Responses API: the earlier turns the upstream adds that the gateway does not see.
+    context_ref: str | None = None  # previous_response_id
+    conversation: str | None = None  # the conversation's id
+    store: bool = True  # whether the upstream keeps the response (Responses API default: true)
+    # Messages API: thinking.budget_tokens (it counts inside max_tokens, so it adds no hold).
+    thinking_budget: int | None = None
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -134,6 +144,226 @@ def load_json(raw: bytes) -> Any:
     return body
 
 
+def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean.", name)
+    return value
+
+
+def _refuse_n(body: dict[str, Any], api: str) -> None:
+    # The Responses and Messages APIs answer one output per call; an `n` would be rejected by
+    # the upstream after the hold was made, so it is refused before.
+    if body.get("n") is not None:
+        raise bad_request(f"Unknown parameter: 'n'. The {api} returns one output per call.",
+                          "n", "unknown_parameter")
+
+
+# Response and conversation ids as OpenAI issues them ("resp_...", "conv_..."). The id ends up
+# in a Redis key (the remembered context of a response), so its alphabet and length are bounded.
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_RESPONSE_ROLES = {"user", "assistant", "system", "developer"}
+_MESSAGE_ROLES = {"user", "assistant"}
+# Anthropic's documented floor for an extended-thinking budget.
+MIN_THINKING_BUDGET = 1024
+
+
+def _response_id(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not _RESPONSE_ID.fullmatch(value):
+        raise bad_request(f"'{param}' must be an id of 1 to 128 letters, digits, '_' or '-'.",
+                          param)
+    return value
+
+
+def _check_parts(content: Any, param: str) -> None:
+    """A content string, or an array of parts/blocks, each an object with a string type."""
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise bad_request(f"'{param}' must be a string or an array.", param)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(f"'{param}[{j}]' must be an object with a string 'type'.",
+                              f"{param}[{j}]")
+
+
+def _check_response_input(value: Any) -> None:
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not value:
+        raise bad_request("'input' must be a string or a non-empty array of input items.",
+                          "input")
+    for i, item in enumerate(value):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"'{param}' must be an object.", param)
+        kind = item.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise bad_request(f"'{param}.type' must be a string.", f"{param}.type")
+        if kind is None and "role" not in item:
+            raise bad_request(f"'{param}' must be a message (with a role) or have a 'type'.",
+                              f"{param}.type")
+        if kind in (None, "message"):
+            if item.get("role") not in _RESPONSE_ROLES:
+                raise bad_request(
+                    f"'{param}.role' must be one of {', '.join(sorted(_RESPONSE_ROLES))}.",
+                    f"{param}.role")
+            _check_parts(item.get("content"), f"{param}.content")
+        elif kind == "function_call":
+            for name in ("name", "arguments"):
+                if not isinstance(item.get(name), str):
+                    raise bad_request(f"'{param}.{name}' must be a string.", f"{param}.{name}")
+        elif kind == "function_call_output":
+            _check_parts(item.get("output"), f"{param}.output")
+        elif kind == "item_reference":
+            _response_id(item.get("id"), f"{param}.id")
+        # reasoning, built-in tool calls and their outputs, and future item types pass through.
+
+
+def _check_tools(body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array.", "tools")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise bad_request(f"'tools[{i}]' must be an object.", f"tools[{i}]")
+
+
+def _parse_responses(endpoint: Endpoint, body: dict[str, Any], model: str,
+                     size: int) -> ParsedBody:
+    _refuse_n(body, "Responses API")
+    if _bool_field(body, "background", False):
+        # A background response finishes after this call returns: its usage would have to be
+        # polled to settle the hold. Until that exists it is refused rather than run unmetered.
+        raise bad_request("Background mode ('background': true) is not supported by this "
+                          "gateway yet; send the request without it.", "background",
+                          "unsupported_parameter")
+    stream = _bool_field(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object.", "stream_options")
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true.",
+                              "stream_options")
+    context_ref = None
+    if body.get("previous_response_id") is not None:
+        context_ref = _response_id(body["previous_response_id"], "previous_response_id")
+    conversation = None
+    raw_conversation = body.get("conversation")
+    if raw_conversation is not None:
+        if isinstance(raw_conversation, dict):
+            conversation = _response_id(raw_conversation.get("id"), "conversation.id")
+        else:
+            conversation = _response_id(raw_conversation, "conversation")
+    if context_ref is not None and conversation is not None:
+        raise bad_request("Mutually exclusive parameters: provide only one of "
+                          "'previous_response_id' or 'conversation'.", "conversation",
+                          "mutually_exclusive_parameters")
+    prompt = body.get("prompt")
+    if prompt is not None and not (isinstance(prompt, dict) and isinstance(prompt.get("id"), str)):
+        raise bad_request("'prompt' must be an object with a string 'id'.", "prompt")
+    if body.get("input") is not None:
+        _check_response_input(body["input"])
+    elif context_ref is None and conversation is None and prompt is None:
+        raise bad_request("You must provide 'input' (or continue a 'previous_response_id' or "
+                          "'conversation').", "input", "missing_required_parameter")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string.", "instructions")
+    _check_tools(body)
+    max_output = _int_field(body, "max_output_tokens", minimum=1, maximum=ABSURD_MAX_TOKENS)
+    store = _bool_field(body, "store", True)
+    # Responses streams always end with the response.completed event, which carries the usage:
+    # nothing to ask for, so include_usage stays False.
+    return ParsedBody(endpoint, body, model, stream, False, max_output, 1, size,
+                      context_ref=context_ref, conversation=conversation, store=store)
+
+
+def _check_system(system: Any) -> None:
+    if system is None or isinstance(system, str):
+        return
+    if not isinstance(system, list):
+        raise bad_request("'system' must be a string or an array of text blocks.", "system")
+    for i, block in enumerate(system):
+        if (not isinstance(block, dict) or block.get("type") != "text"
+                or not isinstance(block.get("text"), str)):
+            raise bad_request(f"'system[{i}]' must be a text block "
+                              '({"type": "text", "text": ...}).', f"system[{i}]")
+
+
+def _check_anthropic_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array.", "messages")
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"'{param}' must be an object.", param)
+        if message.get("role") not in _MESSAGE_ROLES:
+            raise bad_request(f"'{param}.role' must be one of: assistant, user.",
+                              f"{param}.role")
+        _check_parts(message.get("content"), f"{param}.content")
+
+
+def _thinking_budget(body: dict[str, Any], max_tokens: int) -> int | None:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict):
+        raise bad_request("'thinking' must be an object.", "thinking")
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return None
+    if kind == "adaptive":
+        # The model decides how much to think, inside max_tokens (Anthropic's newer models):
+        # no budget to check, and the hold (max_tokens) bounds it all the same.
+        if "budget_tokens" in thinking:
+            raise bad_request("'thinking.budget_tokens' is not allowed with type 'adaptive'.",
+                              "thinking.budget_tokens")
+        return None
+    if kind != "enabled":
+        raise bad_request("'thinking.type' must be 'enabled', 'disabled' or 'adaptive'.",
+                          "thinking.type")
+    budget = thinking.get("budget_tokens")
+    param = "thinking.budget_tokens"
+    if budget is None:
+        raise bad_request(f"'{param}' is required when thinking is enabled.", param)
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise bad_request(f"'{param}' must be an integer.", param)
+    if budget < MIN_THINKING_BUDGET:
+        raise bad_request(f"'{param}' must be at least {MIN_THINKING_BUDGET}, got {budget}.",
+                          param)
+    if budget >= max_tokens:
+        raise bad_request(f"'thinking.budget_tokens' ({budget}) must be less than "
+                          f"'max_tokens' ({max_tokens}).", "thinking.budget_tokens")
+    return budget
+
+
+def _parse_messages(endpoint: Endpoint, body: dict[str, Any], model: str,
+                    size: int) -> ParsedBody:
+    _refuse_n(body, "Messages API")
+    max_tokens = _int_field(body, "max_tokens", minimum=1, maximum=ABSURD_MAX_TOKENS)
+    if max_tokens is None:
+        raise bad_request("'max_tokens' is required.", "max_tokens",
+                          "missing_required_parameter")
+    _check_anthropic_messages(body.get("messages"))
+    _check_system(body.get("system"))
+    _check_tools(body)
+    stops = body.get("stop_sequences")
+    if stops is not None and not (isinstance(stops, list)
+                                  and all(isinstance(s, str) for s in stops)):
+        raise bad_request("'stop_sequences' must be an array of strings.", "stop_sequences")
+    budget = _thinking_budget(body, max_tokens)
+    stream = _bool_field(body, "stream", False)
+    # Messages streams always carry usage (message_start, message_delta): include_usage False.
+    return ParsedBody(endpoint, body, model, stream, False, max_tokens, 1, size,
+                      thinking_budget=budget)
+
+
 def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
     body = load_json(raw)
     if not isinstance(body, dict):
@@ -145,6 +375,10 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> ParsedBody:
         # Before anything is reserved or forwarded: such a name never reaches a quota key,
         # the upstream or the ledger (and finance's reports).
         raise bad_request(f"Invalid model name. {MODEL_NAME_RULE}.", "model", "invalid_model")
+    if endpoint is Endpoint.RESPONSES:
+        return _parse_responses(endpoint, body, model, len(raw))
+    if endpoint is Endpoint.MESSAGES:
+        return _parse_messages(endpoint, body, model, len(raw))
 
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):

@@ -25,6 +25,8 @@ Unknown models use the "heuristic" tokenizer (see `_heuristic_count`).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import gzip
 import hashlib
@@ -33,6 +35,7 @@ import math
 import os
 import re
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -415,6 +418,291 @@ def estimate_completion_prompt(prompt: str | list[Any], tokenizer: str) -> int:
 def estimate_embedding_input(input: str | list[Any], tokenizer: str) -> int:  # noqa: A002
     """Input tokens of an embedding request: strings, a token array, or lists of either."""
     return _count_input(input, tokenizer)
+
+
+# -- The Responses API and the Messages API ----------------------------------------------------
+#
+# Both follow the chat rule (TOKENS_PER_MESSAGE per input item or message, REPLY_PRIMING_TOKENS
+# once, every text with the model's tokenizer, function tool definitions as in chat) and add what
+# chat does not have. What the gateway cannot see is held at a documented allowance, on the high
+# side; settlement charges the upstream's real usage in every case.
+
+# A built-in (server-side) tool's definition and the instructions the provider adds for it:
+# OpenAI's web_search, file_search, code_interpreter, computer_use_preview, image_generation, mcp,
+# ...; Anthropic's versioned server and client tools (web_search_20250305, bash_20250124,
+# text_editor_..., computer_...), whose documented additions are at most 735 tokens. Web search
+# holds one search's content on top: OpenAI bills a fixed block of 8,000 input tokens per search
+# on its mini models. What such tools fetch during the call (more searches, file chunks, an MCP
+# server's tool list) is not knowable before the call; the usage settles it.
+BUILT_IN_TOOL_TOKENS = 1_000
+WEB_SEARCH_TOOL_TOKENS = 8_000
+# Anthropic's tool-use system prompt, added once when `tools` is given: 346 tokens on current
+# models, 530 on the largest documented (Claude 3 Opus).
+ANTHROPIC_TOOLS_OVERHEAD = 600
+# An Anthropic image block: images are scaled to at most ~1.15 megapixels, which Anthropic
+# documents as about 1,600 tokens, the most one image costs.
+ANTHROPIC_IMAGE_TOKENS = 1_600
+# A PDF page: its extracted text (Anthropic documents 1,500-3,000 tokens for a dense page) plus
+# the page's image (ANTHROPIC_IMAGE_TOKENS, or image_tokens(model, "high") for OpenAI models).
+PDF_PAGE_TEXT_TOKENS = 3_000
+# A PDF whose pages cannot be counted (object streams we could not read): one token per byte of
+# the decoded file, a bound for text-dense pages (a few kilobytes each for 3,000+ tokens) and
+# high for scanned ones.
+PDF_TOKENS_PER_BYTE = 1
+# A file given by id or URL (OpenAI input_file, Anthropic document/image by file or url source),
+# an item_reference, or a stored prompt template: the gateway cannot see their size. An allowance,
+# not a bound: a larger file is charged its real usage at settlement.
+UNSEEN_CONTENT_TOKENS = 32_000
+# Encrypted reasoning (OpenAI's reasoning.encrypted_content, Anthropic's redacted_thinking data):
+# one token per 2 characters of the ciphertext, well above the tokens it carries (base64 takes
+# 4 characters per 3 bytes, and a token of text is several bytes).
+ENCRYPTED_CHARS_PER_TOKEN = 2
+
+_PDF_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
+_PDF_OBJECT_STREAM = re.compile(rb"/Type\s*/ObjStm\b.*?stream\r?\n", re.DOTALL)
+# Bounds on decompressing a PDF's object streams to find its pages: no decompression bomb.
+_PDF_MAX_INFLATED = 16 * 1024 * 1024
+
+
+def _b64_bytes(data: str) -> bytes | None:
+    """The bytes of base64 `data` (a bare string or a data: URL), None when it is not base64."""
+    if data.startswith("data:"):
+        _, _, data = data.partition(",")
+    try:
+        return base64.b64decode(data, validate=False)
+    except (ValueError, binascii.Error):
+        return None
+
+
+def _pdf_pages(pdf: bytes) -> int:
+    """Page objects in a PDF, also those inside compressed object streams (PDF 1.5+); 0 when
+    none is found."""
+    pages = len(_PDF_PAGE.findall(pdf))
+    budget = _PDF_MAX_INFLATED
+    for match in _PDF_OBJECT_STREAM.finditer(pdf):
+        if budget <= 0:
+            break
+        inflater = zlib.decompressobj()
+        try:
+            inflated = inflater.decompress(memoryview(pdf)[match.end():], budget)
+        except zlib.error:
+            continue
+        budget -= len(inflated)
+        pages += len(_PDF_PAGE.findall(inflated))
+    return pages
+
+
+def _pdf_tokens(pdf: bytes, page_image_tokens: int) -> int:
+    pages = _pdf_pages(pdf)
+    if pages:
+        return pages * (PDF_PAGE_TEXT_TOKENS + page_image_tokens)
+    return len(pdf) * PDF_TOKENS_PER_BYTE
+
+
+def _file_data_tokens(data: str, page_image_tokens: int, tokenizer: str) -> int:
+    """Inline file data: a PDF by its pages, text by its tokens, anything else by size."""
+    raw = _b64_bytes(data)
+    if raw is None:
+        return count_text(data, tokenizer)
+    if raw.startswith(b"%PDF"):
+        return _pdf_tokens(raw, page_image_tokens)
+    try:
+        return count_text(raw.decode("utf-8"), tokenizer)
+    except UnicodeDecodeError:
+        return len(raw) * PDF_TOKENS_PER_BYTE
+
+
+def _encrypted_tokens(value: Any) -> int:
+    return -(-len(value) // ENCRYPTED_CHARS_PER_TOKEN) if isinstance(value, str) else 0
+
+
+def _built_in_tool_tokens(kind: str, tool: Mapping[str, Any], tokenizer: str) -> int:
+    allowance = WEB_SEARCH_TOOL_TOKENS if kind.startswith("web_search") else BUILT_IN_TOOL_TOKENS
+    # Its own configuration (allowed tools, vector store ids, ...) on top.
+    return allowance + count_text(_json(tool), tokenizer)
+
+
+def _count_tool_definitions(tools: Any, tokenizer: str, *, custom: Callable[[Any], bool],
+                            overhead: int) -> int:
+    """Function/custom tools as chat counts them; built-in tools at their allowance."""
+    if not isinstance(tools, list) or not tools:
+        return 0 if tools is None else _count_value(tools, tokenizer)
+    total = overhead
+    for tool in tools:
+        if isinstance(tool, Mapping) and not custom(tool):
+            total += _built_in_tool_tokens(str(tool.get("type")), tool, tokenizer)
+        else:
+            total += TOOL_DEFINITION_OVERHEAD + _count_value(tool, tokenizer)
+    return total
+
+
+# - Responses API
+
+def _count_response_part(part: Any, *, model: str, tokenizer: str) -> int:
+    if not isinstance(part, Mapping):
+        return _count_value(part, tokenizer)
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+        annotations = part.get("annotations")
+        return _count_value(part.get("text"), tokenizer) + (
+            _count_value(annotations, tokenizer) if annotations else 0)
+    if kind == "refusal":
+        return _count_value(part.get("refusal"), tokenizer)
+    if kind == "input_image":
+        return image_tokens(model, part.get("detail"))
+    if kind == "input_file":
+        page_image = image_tokens(model, "high")
+        data = part.get("file_data")
+        if isinstance(data, str) and data:
+            return _file_data_tokens(data, page_image, tokenizer) + _count_value(
+                part.get("filename"), tokenizer)
+        return UNSEEN_CONTENT_TOKENS
+    # input_audio and future part types: their JSON.
+    return _count_value(part, tokenizer)
+
+
+def _count_response_content(content: Any, *, model: str, tokenizer: str) -> int:
+    if isinstance(content, list):
+        return sum(_count_response_part(part, model=model, tokenizer=tokenizer)
+                   for part in content)
+    return _count_value(content, tokenizer)
+
+
+def _count_response_item(item: Any, *, model: str, tokenizer: str) -> int:
+    if not isinstance(item, Mapping):
+        return TOKENS_PER_MESSAGE + _count_value(item, tokenizer)
+    kind = item.get("type")
+    if kind in (None, "message"):
+        return (TOKENS_PER_MESSAGE + _count_value(item.get("role"), tokenizer)
+                + _count_response_content(item.get("content"), model=model,
+                                          tokenizer=tokenizer))
+    if kind == "function_call":
+        return TOOL_CALL_OVERHEAD + sum(_count_value(item.get(k), tokenizer)
+                                        for k in ("call_id", "name", "arguments"))
+    if kind == "function_call_output":
+        return (TOKENS_PER_MESSAGE + _count_value(item.get("call_id"), tokenizer)
+                + _count_response_content(item.get("output"), model=model,
+                                          tokenizer=tokenizer))
+    if kind == "reasoning":
+        return (TOKENS_PER_MESSAGE
+                + _count_response_content(item.get("summary"), model=model, tokenizer=tokenizer)
+                + _count_response_content(item.get("content"), model=model, tokenizer=tokenizer)
+                + _encrypted_tokens(item.get("encrypted_content")))
+    if kind == "item_reference":
+        return TOKENS_PER_MESSAGE + UNSEEN_CONTENT_TOKENS
+    # Built-in tool calls and their outputs, custom tool calls, future item types: their JSON.
+    return TOKENS_PER_MESSAGE + _count_value(item, tokenizer)
+
+
+def _is_function_tool(tool: Mapping[str, Any]) -> bool:
+    return tool.get("type") in ("function", "custom")
+
+
+def estimate_responses_input(body: Mapping[str, Any], *, model: str, tokenizer: str) -> int:
+    """Input tokens of a Responses API request: `instructions` and `input` (a string or items),
+    `tools`, a structured-output schema (`text.format`) and a stored `prompt` template. Never
+    raises on an odd shape: what it does not know it counts by its JSON. The earlier turns that
+    previous_response_id or conversation bring are not in it (the caller adds them)."""
+    total = REPLY_PRIMING_TOKENS
+    instructions = body.get("instructions")
+    if instructions:
+        total += TOKENS_PER_MESSAGE + _count_value(instructions, tokenizer)
+    value = body.get("input")
+    if isinstance(value, list):
+        for item in value:
+            total += _count_response_item(item, model=model, tokenizer=tokenizer)
+    elif value is not None:
+        total += TOKENS_PER_MESSAGE + _count_value(value, tokenizer)
+    total += _count_tool_definitions(body.get("tools"), tokenizer, custom=_is_function_tool,
+                                     overhead=TOOLS_OVERHEAD)
+    text = body.get("text")
+    if isinstance(text, Mapping) and text.get("format") is not None:
+        total += _count_value(text["format"], tokenizer)
+    prompt = body.get("prompt")
+    if prompt is not None:
+        # A template stored upstream: its text is unseen; its variables are counted.
+        total += UNSEEN_CONTENT_TOKENS + _count_value(prompt, tokenizer)
+    return total
+
+
+# - Messages API
+
+def _count_document_source(source: Any, *, model: str, tokenizer: str) -> int:
+    if not isinstance(source, Mapping):
+        return _count_value(source, tokenizer)
+    kind = source.get("type")
+    data = source.get("data")
+    if kind == "base64" and isinstance(data, str):
+        return _file_data_tokens(data, ANTHROPIC_IMAGE_TOKENS, tokenizer)
+    if kind == "text":
+        return _count_value(data, tokenizer)
+    if kind == "content":
+        return _count_blocks(source.get("content"), model=model, tokenizer=tokenizer)
+    # "url" and "file" sources: the gateway cannot see them.
+    return UNSEEN_CONTENT_TOKENS
+
+
+def _count_block(block: Any, *, model: str, tokenizer: str) -> int:
+    if not isinstance(block, Mapping):
+        return _count_value(block, tokenizer)
+    kind = block.get("type")
+    if kind == "text":
+        citations = block.get("citations")
+        return _count_value(block.get("text"), tokenizer) + (
+            _count_value(citations, tokenizer) if citations else 0)
+    if kind == "image":
+        return ANTHROPIC_IMAGE_TOKENS
+    if kind == "document":
+        return (_count_document_source(block.get("source"), model=model, tokenizer=tokenizer)
+                + _count_value(block.get("title"), tokenizer)
+                + _count_value(block.get("context"), tokenizer))
+    if kind in ("tool_use", "server_tool_use"):
+        return TOOL_CALL_OVERHEAD + sum(_count_value(block.get(k), tokenizer)
+                                        for k in ("id", "name", "input"))
+    if kind == "tool_result":
+        return (TOOL_CALL_OVERHEAD + _count_value(block.get("tool_use_id"), tokenizer)
+                + _count_blocks(block.get("content"), model=model, tokenizer=tokenizer))
+    if kind == "thinking":
+        return _count_value(block.get("thinking"), tokenizer)
+    if kind == "redacted_thinking":
+        return _encrypted_tokens(block.get("data"))
+    # Search results, server tool results, future block types: their JSON.
+    return _count_value(block, tokenizer)
+
+
+def _count_blocks(content: Any, *, model: str, tokenizer: str) -> int:
+    if isinstance(content, list):
+        return sum(_count_block(block, model=model, tokenizer=tokenizer) for block in content)
+    return _count_value(content, tokenizer)
+
+
+def _is_custom_tool(tool: Mapping[str, Any]) -> bool:
+    # Custom tools have no type or "custom"; server and client tools a versioned type.
+    return tool.get("type") in (None, "custom")
+
+
+def estimate_messages_prompt(body: Mapping[str, Any], *, model: str, tokenizer: str) -> int:
+    """Input tokens of an Anthropic Messages request: `system`, `messages` (text, image,
+    document, tool_use, tool_result, thinking blocks) and `tools`, with the model's tokenizer.
+    Never raises on an odd shape: what it does not know it counts by its JSON."""
+    total = REPLY_PRIMING_TOKENS
+    system = body.get("system")
+    if system:
+        total += TOKENS_PER_MESSAGE + _count_blocks(system, model=model, tokenizer=tokenizer)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, Mapping):
+                total += (TOKENS_PER_MESSAGE + _count_value(message.get("role"), tokenizer)
+                          + _count_blocks(message.get("content"), model=model,
+                                          tokenizer=tokenizer))
+            else:
+                total += TOKENS_PER_MESSAGE + _count_value(message, tokenizer)
+    else:
+        total += _count_value(messages, tokenizer)
+    total += _count_tool_definitions(body.get("tools"), tokenizer, custom=_is_custom_tool,
+                                     overhead=ANTHROPIC_TOOLS_OVERHEAD)
+    return total
 
 
 # -- Off the event loop -----------------------------------------------------------------------
