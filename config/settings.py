@@ -323,6 +323,10 @@ GATEWAY_GC_GEN0_THRESHOLD = env.int("GATEWAY_GC_GEN0_THRESHOLD", default=20_000)
 # TOLLGATE_QUEUE_HEAD_RETRY_MS besides the wakes; a head that has not come back within
 # TOLLGATE_QUEUE_HEAD_LEASE_MS is taken for dead (its process was killed) and dropped.
 TOLLGATE_QUEUE_MAX_WAITERS = _positive_int("TOLLGATE_QUEUE_MAX_WAITERS", 100)
+# How long the gateway remembers a stored Responses API response (its provider key and context
+# size, for the holds of calls continuing it and for retrieving it): OpenAI keeps stored
+# responses 30 days. A reference older than this is one the gateway has not seen.
+TOLLGATE_RESPONSES_TTL_SECONDS = _positive_int("TOLLGATE_RESPONSES_TTL_SECONDS", 30 * 86400)
 TOLLGATE_QUEUE_HEAD_RETRY_MS = _positive_int("TOLLGATE_QUEUE_HEAD_RETRY_MS", 1000)
 TOLLGATE_QUEUE_HEAD_LEASE_MS = _positive_int("TOLLGATE_QUEUE_HEAD_LEASE_MS", 3000)
 if TOLLGATE_QUEUE_HEAD_LEASE_MS < 2 * TOLLGATE_QUEUE_HEAD_RETRY_MS:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from django.conf import settings
 
 from gateway.auth import KeyContext
-from gateway.bodies import Endpoint, ParsedBody, parse_body
+from gateway.bodies import MIN_THINKING_BUDGET, Endpoint, ParsedBody, parse_body
 from gateway.catalog import ModelInfo, hold_for, output_cap_for_hold, reservation_tokens
+from gateway.dialects import provider_kind
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -170,8 +171,11 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
              scopes: tuple[ScopeLimit, ...]) -> ReserveRequest:
     min_amount = None
     if ctx.limits.shrink_hold_to_headroom and est.output_cap is not None:
-        # The smallest hold still worth sending: the prompt plus one output token per choice.
-        min_amount = min(est.amount, hold_for(est.prompt_tokens, parsed.choices,
+        # The smallest hold still worth sending: the prompt plus one output token per choice;
+        # with extended thinking (Messages API), the smallest budget the API accepts plus one
+        # token of answer, since the budget must stay below max_tokens.
+        least_output = MIN_THINKING_BUDGET + 1 if parsed.thinking_budget else 1
+        min_amount = min(est.amount, hold_for(est.prompt_tokens, least_output * parsed.choices,
                                               ctx.limits.safety_factor))
     return ReserveRequest(
         tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
@@ -248,12 +252,15 @@ async def estimated(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price:
     return estimate(parsed, info, ctx, price)
 
 
-def refuse_unserved(runtime: GatewayRuntime, ctx: KeyContext, model: str) -> None:
-    """The key may not call the model (403), or no upstream this tenant may use serves it."""
+def refuse_unserved(runtime: GatewayRuntime, ctx: KeyContext, model: str,
+                    endpoint: Endpoint = Endpoint.CHAT) -> None:
+    """The key may not call the model (403), or no upstream this tenant may use serves it
+    through this endpoint's API (an Anthropic model asked of /v1/chat/completions, say)."""
     if not allows(runtime, ctx, model):
         raise model_not_allowed(model)
-    if not runtime.pool.serves(model, ctx.tenant_id):
-        raise not_found(f"The model '{model}' does not exist or no upstream serves it.")
+    if not runtime.pool.serves(model, ctx.tenant_id, kind=provider_kind(endpoint)):
+        raise not_found(f"The model '{model}' does not exist or no upstream serves it through "
+                        f"this API (/v1/{endpoint.value}).")
 
 
 def check(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody) -> Checked:
@@ -272,7 +279,7 @@ def parse_and_check(runtime: GatewayRuntime, ctx: KeyContext, endpoint: Endpoint
                     raw: bytes) -> Checked:
     """Parse the body, refuse what memory can tell (cheapest first), count the prompt."""
     parsed = parse_body(endpoint, raw)
-    refuse_unserved(runtime, ctx, parsed.model)
+    refuse_unserved(runtime, ctx, parsed.model, endpoint)
     return check(runtime, ctx, parsed)
 
 
@@ -372,7 +379,13 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
                              soft=True)
     elif policy == OverQuotaPolicy.FALLBACK:
         target = ctx.limits.fallback_model
-        if (target and target != parsed.model and allows(runtime, ctx, target)
+        # Not for a Responses call continuing a stored response: its hold includes the earlier
+        # turns and it must go to the key storing them, which may not serve the other model.
+        continues = parsed.context_ref is not None or parsed.conversation is not None
+        if (target and target != parsed.model and not continues
+                and allows(runtime, ctx, target)
+                and runtime.pool.serves(target, ctx.tenant_id,
+                                        kind=provider_kind(parsed.endpoint))
                 and (fb_price := catalog.price(target)) is not None):
             fb_est = await estimated(parsed, catalog.resolve(target), ctx, fb_price)
             fb_request = _request(ctx, parsed, request_id, target, fb_est,

@@ -1,10 +1,13 @@
-"""Errors in OpenAI's shape, so the official SDKs raise the right exception and retry where they
-should: `{"error": {"message", "type", "param", "code"}}` with the status codes of DESIGN.md §8."""
+"""Errors in the caller's API shape, so the official SDKs raise the right exception and retry
+where they should. OpenAI's: `{"error": {"message", "type", "param", "code"}}` with the status codes
+of DESIGN.md §8. Anthropic's (the Messages API): `{"type": "error", "error": {"type", "message"},
+"request_id"}`, its error type and status told by the same error (`Api.ANTHROPIC` below)."""
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from django.http import HttpResponse
@@ -21,6 +24,23 @@ from quotas.limits import (
 )
 
 
+class Api(StrEnum):
+    """The API family a client speaks: the shape of its errors and rate headers."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+# Anthropic's error type for each status the gateway answers with, and the status Anthropic
+# uses where it differs: "overloaded" is 529 there (the SDK's OverloadedError), not 503.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    402: "billing_error", 403: "permission_error", 404: "not_found_error",
+                    405: "invalid_request_error", 408: "timeout_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    502: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+_ANTHROPIC_STATUS = {503: 529}
+
+
 @dataclass(frozen=True)
 class GatewayError(Exception):
     status: int
@@ -33,10 +53,20 @@ class GatewayError(Exception):
     # counters; None for errors that are not a refusal (bad input, upstream failures, ...).
     refusal: str | None = None
 
-    def response(self, headers: dict[str, str] | None = None) -> HttpResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-        response = HttpResponse(json.dumps(body), status=self.status,
+    def response(self, headers: dict[str, str] | None = None,
+                 api: Api = Api.OPENAI, request_id: str | None = None) -> HttpResponse:
+        if api is Api.ANTHROPIC:
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500
+                                        else "invalid_request_error")
+            body: dict[str, Any] = {"type": "error",
+                                    "error": {"type": kind, "message": self.message},
+                                    "request_id": request_id}
+            status = _ANTHROPIC_STATUS.get(self.status, self.status)
+        else:
+            body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                              "code": self.code}}
+            status = self.status
+        response = HttpResponse(json.dumps(body), status=status,
                                 content_type="application/json")
         for name, value in (headers or {}).items():
             response[name] = value

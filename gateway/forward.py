@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,9 @@ from django.http import HttpResponse, StreamingHttpResponse
 
 from gateway.admission import Admission, queue_ticket, reserve_meta
 from gateway.auth import KeyContext
-from gateway.bodies import Endpoint, ParsedBody
+from gateway.bodies import ParsedBody
 from gateway.circuit import NO_PROBE, circuit_for
+from gateway.dialects import Dialect, StreamReader, dialect_for
 from gateway.errors import (
     GatewayError,
     queue_timeout,
@@ -43,8 +44,10 @@ from gateway.errors import (
 from gateway.listener import publish_cooldown
 from gateway.headers import QUEUE_WAIT_HEADER
 from gateway.providers import Upstream
+from gateway.responses_context import remember_answer
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
+from gateway.usage import Usage
 from quotas.engine import (
     CapacityWait,
     Hold,
@@ -87,6 +90,11 @@ class Call:
     request_id: str
     started: float  # time.monotonic() when the request arrived
     headers: dict[str, str]  # rate / quota / request-id headers for the client
+    # The client's headers an upstream of this API is told (anthropic-version, anthropic-beta).
+    client_headers: Mapping[str, str] = field(default_factory=dict)
+    # The one provider key that may serve the call (a Responses call continuing a response
+    # stored there: no other key knows it); None: any key of the model's kind.
+    pinned: int | None = None
     upstream: Upstream | None = None
     relay: StreamRelay | None = None
     # Handed to an upstream's transport: from here on the upstream may have the call.
@@ -96,10 +104,15 @@ class Call:
     reserved_at: float = field(init=False)
     deadline: float = field(init=False)
     started_ms: int = field(init=False)  # wall clock, for an unmetered call's usage event
+    dialect: Dialect = field(init=False)
+    # The upstream's id of the answer (a Responses or Messages id), once seen.
+    answer_id: str | None = field(default=None, init=False)
+    remembered: bool = field(default=False, init=False)
     _end: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _checkpoints: Checkpoints | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.dialect = dialect_for(self.parsed.endpoint)
         loop = asyncio.get_running_loop()
         self.reserved_at = loop.time()
         self.deadline = self.reserved_at + settings.GATEWAY_CALL_DEADLINE_SECONDS
@@ -115,27 +128,26 @@ class Call:
 
     # -- ending the hold ------------------------------------------------------------------
 
-    def _event(self, status: int, input_tokens: int, output_tokens: int, outcome: str) -> str:
+    def _event(self, status: int, usage: Usage, outcome: str) -> str:
         return json.dumps({
-            "in": input_tokens, "out": output_tokens, "st": status, "outcome": outcome,
+            **usage.event_fields(), "st": status, "outcome": outcome,
             "pk": self.upstream.id if self.upstream else None,
             "lat": round((time.monotonic() - self.started) * 1000),
             "stream": self.parsed.stream, "soft": self.admission.soft,
             "fb": self.admission.fallback_from,
         }, separators=(",", ":"))
 
-    async def settle(self, input_tokens: int, output_tokens: int, *, status: int = 200,
-                     outcome: str = "complete") -> None:
+    async def settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> None:
         """Charge the hold with this usage (the first end wins; later calls only wait for it)."""
         if self._end is None:
-            event = self._event(status, input_tokens, output_tokens, outcome)
-            self._begin_end(self._settle_hold(input_tokens, output_tokens, event))
+            event = self._event(status, usage, outcome)
+            self._begin_end(self._settle_hold(usage, event))
         await self._wait_end()
 
     async def release(self, status: int, reason: str) -> None:
         """Free the hold unbilled: only when the upstream produced nothing."""
         if self._end is None:
-            self._begin_end(self._release_hold(self._event(status, 0, 0, reason)))
+            self._begin_end(self._release_hold(self._event(status, Usage(), reason)))
         await self._wait_end()
 
     async def abort(self, status: int, reason: str) -> None:
@@ -147,7 +159,7 @@ class Call:
         elif self.answered:
             est = self.admission.estimate
             granted = self.admission.reservation.granted
-            await self.settle(est.prompt_tokens, max(0, granted - est.prompt_tokens),
+            await self.settle(Usage(est.prompt_tokens, max(0, granted - est.prompt_tokens)),
                               status=status, outcome=reason)
         else:
             await self.release(status, reason)
@@ -162,20 +174,21 @@ class Call:
         # Shielded: cancelling this request (its client left) leaves the end task running.
         await asyncio.shield(self._end)
 
-    async def _settle_hold(self, input_tokens: int, output_tokens: int, event: str) -> None:
+    async def _settle_hold(self, usage: Usage, event: str) -> None:
         hold = self.admission.reservation.hold
         if hold is None:
             log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
                       self.ctx.tenant_id, event)
             _unmetered_backlog().add(self.runtime, UnmeteredUsage(
-                self.ctx.tenant_tag, self.request_id, input_tokens + output_tokens,
+                self.ctx.tenant_tag, self.request_id, usage.total,
                 self.started_ms, _ms_now(), reserve_meta(self.ctx, self.parsed,
                                                            self.admission.model), event))
             return
-        # The price resolved at admission: the one the money hold and the ledger use.
-        cost = self.admission.estimate.price.cost(input_tokens, output_tokens)
+        # The price resolved at admission: the one the money hold and the ledger use, each
+        # token class at its own price.
+        cost = self.admission.estimate.price.cost_of(usage)
         engine = self.runtime.engine
-        await self._end_hold(lambda: engine.settle(hold, input_tokens + output_tokens, event, cost))
+        await self._end_hold(lambda: engine.settle(hold, usage.total, event, cost))
 
     async def _release_hold(self, event: str) -> None:
         hold = self.admission.reservation.hold
@@ -203,22 +216,14 @@ class Call:
     # -- the upstream -------------------------------------------------------------------------
 
     def payload(self) -> bytes:
-        body = dict(self.parsed.body)
-        body["model"] = self.admission.model
-        cap = self.admission.output_cap
-        if cap is not None:
-            name = _output_cap_field(self.parsed.endpoint, self.admission.model, body)
-            body.pop("max_tokens", None)
-            body[name] = cap
-        if self.parsed.stream:
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        return json.dumps(body, separators=(",", ":")).encode()
+        return self.dialect.payload(self.parsed, self.admission.model, self.admission.output_cap)
 
     def request_for(self, upstream: Upstream, payload: bytes) -> httpx.Request:
         # What the client's build_request() makes (its default headers and timeouts, read once
         # in the runtime), without re-merging base URL, cookies and params on every call.
         runtime = self.runtime
-        headers = {**runtime.upstream_headers, "Authorization": f"Bearer {upstream.secret}",
+        headers = {**runtime.upstream_headers,
+                   **self.dialect.upstream_headers(upstream.secret, self.client_headers),
                    "Content-Type": "application/json", "X-Request-Id": self.request_id}
         return httpx.Request("POST", _upstream_url(upstream.base_url, self.parsed.endpoint.value),
                              content=payload, headers=headers,
@@ -234,6 +239,16 @@ class Call:
             headers["X-Tollgate-Unmetered"] = "true"
         headers.update(extra or {})
         return headers
+
+    async def remember(self, usage: Usage) -> None:
+        """A stored Responses answer is remembered (its provider key, its context size) before
+        the client can ask for the next turn: awaited before the answer, or a stream's final
+        event, is sent (one round trip, Responses calls only)."""
+        if self.answer_id is not None and not self.remembered:
+            self.remembered = True
+            upstream = self.upstream.id if self.upstream is not None else None
+            await remember_answer(self.runtime, self.ctx, self.parsed, self.answer_id, upstream,
+                                  usage)
 
     def delivered_tokens(self) -> int:
         """Output tokens relayed so far (a stream's; 0 before its first chunk)."""
@@ -424,32 +439,6 @@ def _upstream_url(base_url: str, path: str) -> httpx.URL:
     return httpx.URL(f"{base_url}/{path}")
 
 
-def _output_cap_field(endpoint: Endpoint, model: str, body: dict[str, Any]) -> str:
-    """The field that caps output upstream: the one the client used; else `max_tokens`, which
-    every OpenAI-compatible server knows, except for OpenAI's reasoning models (o1, o3, ...),
-    which accept only `max_completion_tokens`."""
-    if endpoint is not Endpoint.CHAT:
-        return "max_tokens"
-    if "max_completion_tokens" in body:
-        return "max_completion_tokens"
-    if "max_tokens" in body:
-        return "max_tokens"
-    reasoning = len(model) > 1 and model[0] == "o" and model[1].isdigit()
-    return "max_completion_tokens" if reasoning else "max_tokens"
-
-
-def _usage_tokens(usage: Any) -> tuple[int, int] | None:
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
-    if prompt < 0 or completion < 0:
-        return None  # nonsense from the upstream: count what we saw instead
-    return prompt, completion
-
-
 def _retry_after(response: httpx.Response) -> float:
     try:
         return max(1.0, float(response.headers.get("retry-after", "1")))
@@ -464,62 +453,6 @@ def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError:
     if response.status_code < 500:
         return upstream_client_error(response.status_code, body)
     return upstream_error(502, f"The upstream provider failed with HTTP {response.status_code}.")
-
-
-def _content_text(content: Any) -> str:
-    """The text of a message's `content`: a string, or a list of content parts (`{"type":
-    "text", "text": ...}`, `output_text`, `refusal`, or bare strings); other parts (images,
-    audio) carry no text we can count."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return ""
-    texts: list[str] = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict):
-            for name in ("text", "refusal"):
-                value = part.get(name)
-                if isinstance(value, str):
-                    texts.append(value)
-    return "".join(texts)
-
-
-def _str_field(mapping: dict[str, Any], name: str) -> str:
-    value = mapping.get(name)
-    return value if isinstance(value, str) else ""
-
-
-def _text_of(endpoint: Endpoint, data: dict[str, Any]) -> str:
-    """The output text of an answer or a stream chunk, for counting its tokens when the
-    upstream sent no usage. Never raises: any JSON shape yields the text it holds, if any."""
-    choices = data.get("choices")
-    if not isinstance(choices, list):
-        return ""
-    parts: list[str] = []
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        if endpoint is not Endpoint.CHAT:
-            parts.append(_str_field(choice, "text"))
-            continue
-        message = choice.get("message") or choice.get("delta")
-        if not isinstance(message, dict):
-            continue
-        parts.append(_content_text(message.get("content")))
-        # Also billed as output: a refusal, and the reasoning text some servers stream.
-        for name in ("refusal", "reasoning_content", "reasoning"):
-            parts.append(_str_field(message, name))
-        calls = message.get("tool_calls")
-        functions = [call.get("function") for call in calls if isinstance(call, dict)] \
-            if isinstance(calls, list) else []
-        functions.append(message.get("function_call"))  # the legacy single call
-        for function in functions:
-            if isinstance(function, dict):
-                parts.append(_str_field(function, "name"))
-                parts.append(_str_field(function, "arguments"))
-    return "".join(parts)
 
 
 async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
@@ -550,7 +483,14 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
     payload = call.payload()
     model = call.admission.model
     now = time.time()
-    candidates = [taken] if taken else runtime.pool.candidates(model, call.ctx.tenant_id, now)
+    if taken is not None:
+        candidates = [taken]
+    else:
+        # Only keys of the API's kind (an Anthropic key cannot answer a chat completion).
+        candidates = runtime.pool.candidates(model, call.ctx.tenant_id, now,
+                                             kind=call.dialect.provider_kind)
+        if call.pinned is not None:
+            candidates = [upstream for upstream in candidates if upstream.id == call.pinned]
     circuit = circuit_for(runtime)
     last_429: httpx.Response | None = None
     refused_key = False  # an upstream refused a provider key (401 / 403)
@@ -639,7 +579,8 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
         raise upstream_error(502, "The upstream refused the gateway's provider key; the operators "
                              "have been alerted.")
     cooling = _cooldown_left(runtime, call)
-    resting = runtime.pool.breaker_wait(model, call.ctx.tenant_id, time.time())
+    resting = runtime.pool.breaker_wait(model, call.ctx.tenant_id, time.time(),
+                                        kind=call.dialect.provider_kind)
     if resting is not None and last_429 is None:
         # Keys skipped with an open breaker: 503 until the first one half-opens (or, when
         # sooner, a cooling key is back).
@@ -701,6 +642,7 @@ def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:
         until - now for key_id, until in runtime.pool.cooldowns().items()
         if until > now and (upstream := runtime.pool.get(key_id)) is not None
         and upstream.serves(call.admission.model) and upstream.usable_by(call.ctx.tenant_id)
+        and upstream.kind == call.dialect.provider_kind
     ]
     return max(1, math.ceil(min(waits))) if waits else None
 
@@ -717,19 +659,20 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
         raise upstream_error(504, "The upstream provider stopped answering mid-response.") from None
     await response.aclose()
     try:
-        tokens, outcome = _body_usage(call, body)
+        usage, outcome = _body_usage(call, body)
     except Exception:  # noqa: BLE001 - the answer is here: it must be charged whatever happened
         log.exception("counting the answer of %s failed; charging its size", call.request_id)
-        tokens = (call.admission.estimate.prompt_tokens,
-                  count_stream_text(body.decode("utf-8", "replace"),
-                                    call.admission.estimate.info.tokenizer))
+        usage = Usage(call.admission.estimate.prompt_tokens,
+                      count_stream_text(body.decode("utf-8", "replace"),
+                                        call.admission.estimate.info.tokenizer))
         outcome = "gateway_error_counted"
-    await call.settle(*tokens, outcome=outcome)
+    await call.settle(usage, outcome=outcome)
+    await call.remember(usage)
     return HttpResponse(body, status=200, content_type="application/json",
                         headers=call.response_headers())
 
 
-def _body_usage(call: Call, body: bytes) -> tuple[tuple[int, int], str]:
+def _body_usage(call: Call, body: bytes) -> tuple[Usage, str]:
     """The usage of a whole answer: the upstream's, else its text counted."""
     try:
         data = json.loads(body)
@@ -737,12 +680,14 @@ def _body_usage(call: Call, body: bytes) -> tuple[tuple[int, int], str]:
         data = {}
     if not isinstance(data, dict):
         data = {}
-    tokens = _usage_tokens(data.get("usage"))
-    if tokens is not None:
-        return tokens, "complete"
-    text = _text_of(call.parsed.endpoint, data)
+    dialect = call.dialect
+    call.answer_id = dialect.answer_id(data)
+    usage = dialect.answer_usage(data)
+    if usage is not None:
+        return usage, "complete"
+    text = dialect.answer_text(call.parsed, data)
     counted = count_stream_text(text, call.admission.estimate.info.tokenizer)
-    return (call.admission.estimate.prompt_tokens, counted), "no_usage"
+    return Usage(call.admission.estimate.prompt_tokens, counted), "no_usage"
 
 
 class _DeadlinePassed(Exception):
@@ -757,10 +702,11 @@ class StreamRelay:
         call.relay = self
         self.upstream = response
         self.buffer = b""
-        self.usage: tuple[int, int] | None = None
-        # Events that may carry output text, parsed only when needed: for a checkpoint (the new
-        # ones since the last) or for a settle without usage.
-        self.text_events: list[bytes] = []
+        # The API's reader: the usage when it comes, and the events that may carry output text
+        # (reader.text_events), parsed only when needed: for a checkpoint (the new ones since
+        # the last) or for a settle without usage.
+        self.reader: StreamReader = call.dialect.stream_reader(call.parsed)
+        self.text_events = self.reader.text_events
         self.texts: list[str] = []  # the text of text_events[:len(texts)]
         self.counted = 0  # output tokens in `texts`, as checkpoints count them
         self.handed_off = False
@@ -808,32 +754,7 @@ class StreamRelay:
 
     def _inspect(self, event: bytes) -> bytes | None:
         """The event to send to the client (None: drop it), recording usage on the way."""
-        if b'"usage"' not in event or b'"usage":null' in event:
-            self.text_events.append(event)
-            return event
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            try:
-                data = json.loads(payload)
-            except ValueError:
-                return event
-            if not isinstance(data, dict):
-                return event
-            tokens = _usage_tokens(data.get("usage"))
-            if tokens is not None:
-                self.usage = tokens
-            if self.call.parsed.include_usage:
-                if data.get("choices"):
-                    self.text_events.append(event)  # counted if the usage never arrives
-                return event
-            if not data.get("choices"):
-                return None  # the extra usage chunk the client did not ask for
-            data.pop("usage", None)
-            self.text_events.append(event)
-            return b"data: " + json.dumps(data, separators=(",", ":")).encode()
-        return event
+        return self.reader.inspect(event)
 
     def _events(self, chunk: bytes) -> list[bytes]:
         self.buffer += chunk
@@ -855,7 +776,7 @@ class StreamRelay:
             except ValueError:
                 continue  # not JSON: no text a client could have read as output either
             if isinstance(data, dict):
-                texts.append(_text_of(self.call.parsed.endpoint, data))
+                texts.append(self.reader.event_text(data))
         return "".join(texts)
 
     def _new_text(self) -> str:
@@ -880,8 +801,11 @@ class StreamRelay:
     async def _settle_produced(self, status: int, outcome: str) -> None:
         """Settle with the upstream's usage, else with the text counted; never raises before
         the settle has begun."""
-        if self.usage is not None:
-            await self.call.settle(*self.usage, status=status, outcome=outcome)
+        reader = self.reader
+        self.call.answer_id = reader.response_id
+        if reader.usage is not None:
+            await self.call.settle(reader.usage, status=status, outcome=outcome)
+            await self.call.remember(reader.usage)
             return
         try:
             output = self._received_tokens()
@@ -890,8 +814,11 @@ class StreamRelay:
                           self.call.request_id)
             output = count_stream_text(b"".join(self.text_events).decode("utf-8", "replace"),
                                        self.call.admission.estimate.info.tokenizer)
-        await self.call.settle(self.call.admission.estimate.prompt_tokens, output,
-                               status=status, outcome=f"{outcome}_counted")
+        # What the upstream told before it stopped (a Messages stream's input side and output
+        # so far), else the input estimate; the output never below the text relayed.
+        usage = reader.known(self.call.admission.estimate.prompt_tokens, output)
+        await self.call.settle(usage, status=status, outcome=f"{outcome}_counted")
+        await self.call.remember(usage)
 
     async def relay(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
@@ -900,6 +827,12 @@ class StreamRelay:
             while (chunk := await self._next_chunk()) is not None:
                 for event in self._events(chunk):
                     out = self._inspect(event)
+                    if self.reader.usage is not None and self.reader.response_id is not None \
+                            and not self.call.remembered:
+                        # The final event of a stored response: remembered before the client
+                        # has it and can ask for the next turn.
+                        self.call.answer_id = self.reader.response_id
+                        await self.call.remember(self.reader.usage)
                     if out is not None:
                         yield out + b"\n\n"
                 if loop.time() > deadline:

@@ -9,6 +9,8 @@ _ROUTES: dict[str, Callable[..., Awaitable[Any]]] = {
     "v1/chat/completions": views.chat_completions,
     "v1/completions": views.completions,
     "v1/embeddings": views.embeddings,
+    "v1/responses": views.responses,
+    "v1/messages": views.messages,
     "v1/models": views.list_models,
     "healthz": views.healthz,
     "readyz": views.readyz,

@@ -1,5 +1,9 @@
-"""The OpenAI-compatible /v1 endpoints: plain async Django views that parse, call the gateway's
-services (auth, admission, forwarding) and render. Nothing here decides about quota.
+"""The /v1 endpoints: plain async Django views that parse, call the gateway's services (auth,
+admission, forwarding) and render. Nothing here decides about quota.
+
+OpenAI's APIs (chat completions, completions, embeddings, responses) and Anthropic's Messages API
+go through the same path; the endpoint's dialect (gateway/dialects.py) says how the upstream is
+spoken to, and in which API's shape errors and rate headers are answered.
 
 They are not DRF views: they authenticate API keys themselves (from the worker's cache), parse
 the body themselves (gateway/bodies.py) and answer Django responses in OpenAI's error shape, so
@@ -21,7 +25,9 @@ from gateway.admission import Checked, admit, checked, refuse_before_reading, un
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint
 from gateway.client_address import request_client_address
+from gateway.dialects import ANTHROPIC_PASSED_HEADERS, dialect_for
 from gateway.errors import (
+    Api,
     GatewayError,
     body_too_large,
     invalid_api_key,
@@ -30,6 +36,7 @@ from gateway.errors import (
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
 from gateway.refusals import count_refusal
+from gateway.responses_context import held_context, with_context
 from gateway.runtime import GatewayRuntime
 from gateway.startup import get_runtime, store_problems
 from quotas import durability
@@ -44,6 +51,15 @@ def _bearer(request: HttpRequest) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def _api_key(request: HttpRequest, api: Api) -> str | None:
+    """The caller's Tollgate key: `Authorization: Bearer` for every API, and Anthropic's
+    `x-api-key` header too for the Messages API (what its SDK sends)."""
+    token = _bearer(request)
+    if token is None and api is Api.ANTHROPIC:
+        token = request.headers.get("x-api-key", "").strip() or None
+    return token
 
 
 def _read_body(request: HttpRequest) -> bytes:
@@ -71,11 +87,13 @@ async def _runtime() -> GatewayRuntime:
                            "shortly.", "server_error", "gateway_starting") from None
 
 
-async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyContext:
-    token = _bearer(request)
+async def _authenticate(runtime: GatewayRuntime, request: HttpRequest,
+                        api: Api = Api.OPENAI) -> KeyContext:
+    token = _api_key(request, api)
     if token is None:
-        raise invalid_api_key("You didn't provide an API key. Send it as 'Authorization: "
-                              "Bearer tgk_...'.")
+        how = ("'x-api-key: tgk_...' or 'Authorization: Bearer tgk_...'" if api is Api.ANTHROPIC
+               else "'Authorization: Bearer tgk_...'")
+        raise invalid_api_key(f"You didn't provide an API key. Send it as {how}.")
     try:
         ctx = await runtime.auth.authenticate(token, lambda: request_client_address(request))
     except DatabaseError:
@@ -89,40 +107,50 @@ async def _authenticate(runtime: GatewayRuntime, request: HttpRequest) -> KeyCon
     return ctx
 
 
-def _method_not_allowed(request: HttpRequest, allowed: str) -> HttpResponse:
+def _method_not_allowed(request: HttpRequest, allowed: str,
+                        api: Api = Api.OPENAI) -> HttpResponse:
     response = GatewayError(405, f"Method {request.method} is not allowed here; use {allowed}.",
-                            "invalid_request_error", "method_not_allowed").response()
+                            "invalid_request_error", "method_not_allowed").response(api=api)
     response["Allow"] = allowed
     return response
 
 
+def _with_request_id(response: HttpResponse | StreamingHttpResponse, request_id: str,
+                     api: Api) -> HttpResponse | StreamingHttpResponse:
+    response["x-request-id"] = request_id
+    if api is Api.ANTHROPIC:
+        response["request-id"] = request_id  # where Anthropic's clients look for it
+    return response
+
+
 async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
-    """POST /v1/chat/completions, /v1/completions, /v1/embeddings: every answer in OpenAI's
-    shape with an x-request-id, whatever fails."""
+    """POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/messages:
+    every answer in the endpoint's API shape with an x-request-id, whatever fails."""
+    api = dialect_for(endpoint).api
     if request.method != "POST":
-        return _method_not_allowed(request, "POST")
+        return _method_not_allowed(request, "POST", api)
     started = time.monotonic()
     request_id = f"req_{secrets.token_hex(12)}"
     try:
         response = await _handle(endpoint, request, request_id, started)
     except GatewayError as error:
-        response = error.response()
+        response = error.response(api=api, request_id=request_id)
     except QuotaError as error:
         log.error("quota store unusable: refusing request %s (fail closed): %s",
                   request_id, error)
-        response = quota_store_unavailable().response()
-    except Exception:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
+        response = quota_store_unavailable().response(api=api, request_id=request_id)
+    except Exception:  # noqa: BLE001 - a bug must still answer in the API's shape
         log.exception("request %s failed", request_id)
         response = GatewayError(500, "The gateway failed to handle the request.",
-                                "server_error", "internal_error").response()
-    response["x-request-id"] = request_id
-    return response
+                                "server_error", "internal_error").response(
+                                    api=api, request_id=request_id)
+    return _with_request_id(response, request_id, api)
 
 
 async def _handle(endpoint: Endpoint, request: HttpRequest, request_id: str,
                   started: float) -> HttpResponse | StreamingHttpResponse:
     runtime = await _runtime()
-    ctx = await _authenticate(runtime, request)
+    ctx = await _authenticate(runtime, request, dialect_for(endpoint).api)
     try:
         return await _admitted(endpoint, runtime, ctx, request, request_id, started)
     except GatewayError as error:
@@ -147,10 +175,19 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     raw = _read_body(request)
     # Parsed, refused if memory can tell, and counted: one job on a thread for a large body.
     call = await checked(runtime, ctx, endpoint, raw)
+    # A Responses call continuing a stored response holds for the earlier turns too, and goes
+    # to the provider key that stores them (gateway/responses_context.py).
+    context = await held_context(runtime, ctx, call.parsed)
+    if context is not None:
+        call = with_context(call, context, ctx)
+    client_headers = {name: request.headers[name] for name in ANTHROPIC_PASSED_HEADERS
+                      if name in request.headers} if endpoint is Endpoint.MESSAGES else {}
     # From the reservation on, the hold must end exactly once even if the client leaves and
     # this request is cancelled (even mid-reserve, when the script may already have run):
     # reserve and forward run in a task of their own, which settles or releases by itself.
-    task = asyncio.ensure_future(_admit_and_forward(runtime, ctx, call, request_id, started))
+    task = asyncio.ensure_future(_admit_and_forward(
+        runtime, ctx, call, request_id, started, client_headers,
+        context.pinned if context is not None else None))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -163,7 +200,8 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
 
 
 async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_call: Checked,
-                             request_id: str, started: float) -> HttpResponse | StreamingHttpResponse:
+                             request_id: str, started: float, client_headers: dict[str, str],
+                             pinned: int | None) -> HttpResponse | StreamingHttpResponse:
     try:
         admission = await admit(runtime, ctx, checked_call, request_id)
     except QuotaStoreUnavailable:
@@ -172,8 +210,10 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
         log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
                   "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
         admission = unmetered(checked_call, request_id)
+    api = dialect_for(checked_call.parsed.endpoint).api
     call = Call(runtime, ctx, checked_call.parsed, admission, request_id, started,
-                rate_headers(ctx, admission.reservation))
+                rate_headers(ctx, admission.reservation, anthropic=api is Api.ANTHROPIC),
+                client_headers, pinned)
     try:
         return await forward(call)
     except QuotaStoreUnavailable:
@@ -181,7 +221,7 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
         raise
     except GatewayError as error:
         await _count_if_refusal(runtime, ctx, error)
-        return error.response(call.response_headers())
+        return error.response(call.response_headers(), api, request_id)
     except Exception:
         # A bug must not leave the hold to the sweep: charge what the upstream may have
         # produced, or release when it never answered (Call.abort).
@@ -216,6 +256,18 @@ async def completions(request: HttpRequest) -> HttpResponse | StreamingHttpRespo
 @csrf_exempt
 async def embeddings(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
     return await _proxy(Endpoint.EMBEDDINGS, request)
+
+
+@csrf_exempt
+async def responses(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    """POST /v1/responses: OpenAI's Responses API."""
+    return await _proxy(Endpoint.RESPONSES, request)
+
+
+@csrf_exempt
+async def messages(request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+    """POST /v1/messages: Anthropic's Messages API."""
+    return await _proxy(Endpoint.MESSAGES, request)
 
 
 async def list_models(request: HttpRequest) -> HttpResponse:

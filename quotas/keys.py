@@ -23,6 +23,9 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:wq:<resource>        zset of one resource's waiters, score = order (priority,
                                         then arrival); resource = q:<scope>[:usd]:<window kind>,
                                         rate:<scope>:<period>ms or conc:<scope>
+    tg:{t<tenant>}:resp:<response id>   hash {pk, tokens} a stored Responses API response: the
+                                        provider key holding it, its context size (expires)
+    tg:{t<tenant>}:conv:<conversation>  hash {pk, tokens} a Responses API conversation, the same
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
     tg:{p<provider key>}:waiters        zset of callers waiting for its capacity, score = expiry
     tg:{p<provider key>}:waiters:seq    string: their arrival counter
@@ -192,6 +195,26 @@ def rate_resource(scope: str, period_ms: int) -> str:
 
 def gauge_resource(scope: str) -> str:
     return f"conc:{scope}"
+
+
+# An upstream's id of a stored answer (resp_..., conv_...): what the parsers accept.
+_ANSWER_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def _answer_id(answer_id: str) -> str:
+    if not _ANSWER_ID_RE.match(answer_id):
+        raise ValueError(f"invalid response or conversation id for a Redis key: {answer_id!r}")
+    return answer_id
+
+
+def response_key(tenant: str, response_id: str) -> str:
+    """A stored Responses API response of the tenant (quotas/answers.py)."""
+    return f"tg:{_tag(tenant)}:resp:{_answer_id(response_id)}"
+
+
+def conversation_key(tenant: str, conversation_id: str) -> str:
+    """A Responses API conversation of the tenant (quotas/answers.py)."""
+    return f"tg:{_tag(tenant)}:conv:{_answer_id(conversation_id)}"
 
 
 def provider_capacity_key(provider_key_id: int) -> str:

@@ -162,6 +162,12 @@ class Plan(models.Model):
         help_text="How long a scope that went over its pace stays closed (rounded up to whole "
         "periods); then it admits a period's share again.",
     )
+    responses_context_allowance_tokens = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Responses API: tokens held for the earlier turns of a previous_response_id or "
+        "conversation this gateway has not seen (made elsewhere, or expired here). Empty: such "
+        "a call is refused (400), since its context cannot be held for honestly.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -56,6 +56,8 @@ class EffectiveLimits:
     pace_spend_micros: int = UNLIMITED  # the tenant's micro-dollars per period
     pace_period_seconds: int = 600
     pace_cooldown_seconds: int = 1800
+    # Responses API: tokens held for an earlier context the gateway has not seen; None: refused.
+    responses_context_allowance_tokens: int | None = None
 
     @property
     def paced(self) -> bool:
@@ -94,6 +96,7 @@ def effective_limits(tenant: Tenant) -> EffectiveLimits:
         pace_spend_micros=_override(tenant.pace_spend_micros, _plan_rule(plan.pace_spend_micros)),
         pace_period_seconds=_override(tenant.pace_period_seconds, plan.pace_period_seconds),
         pace_cooldown_seconds=_override(tenant.pace_cooldown_seconds, plan.pace_cooldown_seconds),
+        responses_context_allowance_tokens=plan.responses_context_allowance_tokens,
     )
 
 

@@ -243,7 +243,8 @@ class PlanSerializer(StrictJSONTypes, serializers.ModelSerializer):
             "over_quota_policy", "queue_timeout_seconds", "queue_priority", "soft_limit_percent",
             "fallback_model", "safety_factor", "allowed_models", "shrink_hold_to_headroom",
             "pace_share_percent", "pace_spend_micros", "pace_period_seconds",
-            "pace_cooldown_seconds", "created_at", "updated_at",
+            "pace_cooldown_seconds", "responses_context_allowance_tokens", "created_at",
+            "updated_at",
         ]
         read_only_fields = ["created_at", "updated_at"]
         extra_kwargs = {"display_name": {"required": False}}

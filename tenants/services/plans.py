@@ -35,6 +35,7 @@ PLAN_FIELDS: tuple[str, ...] = (
     "pace_spend_micros",
     "pace_period_seconds",
     "pace_cooldown_seconds",
+    "responses_context_allowance_tokens",
 )
 
 PLAN: Entity[Plan] = Entity(

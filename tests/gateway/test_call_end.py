@@ -35,11 +35,12 @@ from gateway.forward import (
     UnmeteredUsage,
     _complete,
     _retry_end,
-    _text_of,
 )
+from gateway.dialects import openai_text as _text_of
 from gateway.prices import Price
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
+from gateway.usage import Usage
 from quotas.client import make_async_redis, make_redis
 from quotas.engine import (
     AsyncQuotaEngine,
@@ -340,7 +341,8 @@ def test_a_second_end_waits_for_the_first_and_changes_nothing() -> None:
 
     async def scenario() -> None:
         call = await open_call(async_engine(), tenant, stream=False)
-        await asyncio.gather(call.settle(10, 5), call.release(502, "late"), call.settle(1, 1))
+        await asyncio.gather(call.settle(Usage(10, 5)), call.release(502, "late"),
+                             call.settle(Usage(1, 1)))
         await settled_background(call)
 
     asyncio.run(scenario())
@@ -428,7 +430,7 @@ def test_a_settle_that_finds_redis_unreachable_is_retried_until_it_lands() -> No
     async def scenario() -> int:
         engine = Unreachable(async_engine(), "settle", failures=3)
         call = await open_call(engine, tenant, stream=False)
-        await call.settle(20, 4)
+        await call.settle(Usage(20, 4))
         await settled_background(call)
         return engine.attempts
 
@@ -479,7 +481,7 @@ def test_a_fail_open_call_appends_its_usage_once_redis_answers_again() -> None:
     async def scenario() -> int:
         engine = Unreachable(async_engine(), "append_unmetered", failures=2)
         call = await open_call(engine, tenant, stream=False, metered=False)
-        await call.settle(30, 6)
+        await call.settle(Usage(30, 6))
         await settled_background(call)
         return engine.attempts
 
