@@ -95,22 +95,30 @@ class UsageLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (day_start, key_id, model) -> [input_tokens, output_tokens, requests]
+        # (day_start, key_id, model) -> [input_tokens, output_tokens, requests, input_cached_tokens,
+        # input_cache_write_tokens, output_reasoning_tokens]; the classes are PART of the totals.
         self.completions: dict[tuple[int, str, str], list[int]] = {}
         # (day_start, key_id, model) -> [input_tokens, requests]
         self.embeddings: dict[tuple[int, str, str], list[int]] = {}
 
     def record_completion(self, key_id: str, model: str, prompt: int, completion: int,
-                          now: float | None = None) -> None:
+                          now: float | None = None, cached: int = 0, cache_write: int = 0,
+                          reasoning: int = 0) -> None:
+        """`prompt` is ALL input (cached reads and cache writes included), `completion` ALL output
+        (reasoning included); the three classes say how much of them was of each kind."""
         day = int(time.time() if now is None else now) // DAY * DAY
         with self._lock:
             row = self.completions.get((day, key_id, model))
             if row is None:
-                self.completions[(day, key_id, model)] = [prompt, completion, 1]
+                self.completions[(day, key_id, model)] = [prompt, completion, 1, cached, cache_write,
+                                                          reasoning]
             else:
                 row[0] += prompt
                 row[1] += completion
                 row[2] += 1
+                row[3] += cached
+                row[4] += cache_write
+                row[5] += reasoning
 
     def record_embedding(self, key_id: str, model: str, prompt: int, now: float | None = None) -> None:
         day = int(time.time() if now is None else now) // DAY * DAY
@@ -132,11 +140,10 @@ class UsageLedger:
         completions: dict[tuple[str, str], list[int]] = {}
         embeddings: dict[tuple[str, str], list[int]] = {}
         with self._lock:
-            for (_, key_id, model), (inp, out, req) in self.completions.items():
-                acc = completions.setdefault((key_id, model), [0, 0, 0])
-                acc[0] += inp
-                acc[1] += out
-                acc[2] += req
+            for (_, key_id, model), values in self.completions.items():
+                acc = completions.setdefault((key_id, model), [0] * len(values))
+                for i, value in enumerate(values):
+                    acc[i] += value
             for (_, key_id, model), (inp, req) in self.embeddings.items():
                 acc = embeddings.setdefault((key_id, model), [0, 0])
                 acc[0] += inp
@@ -144,8 +151,9 @@ class UsageLedger:
         return {
             "completions": [
                 {"api_key_id": k, "model": m, "prompt_tokens": i, "completion_tokens": o,
-                 "total_tokens": i + o, "requests": r}
-                for (k, m), (i, o, r) in sorted(completions.items())
+                 "total_tokens": i + o, "requests": r, "input_cached_tokens": ci,
+                 "input_cache_write_tokens": cw, "output_reasoning_tokens": rs}
+                for (k, m), (i, o, r, ci, cw, rs) in sorted(completions.items())
             ],
             "embeddings": [
                 {"api_key_id": k, "model": m, "prompt_tokens": i, "total_tokens": i, "requests": r}
@@ -171,6 +179,10 @@ ledger = UsageLedger()
 class RequestHeaders:
     authorization: bytes | None
     mock: dict[bytes, bytes]
+    # Anthropic's Messages API: the key travels in x-api-key, and these two are required/passed.
+    api_key: bytes | None = None
+    anthropic_version: bytes | None = None
+    anthropic_beta: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -184,6 +196,12 @@ class Faults:
     output_tokens: int | None = None
     leaky: bool = False  # an injected 4xx's message names an organisation, deployment and URL
     reset: bool = False  # drop the connection after reading the request, before any answer
+    # Token classes: how many of the input tokens were cache reads / cache writes, and how many
+    # of the output tokens were reasoning (each within the total it is part of).
+    cached_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
 
 _HEADER_FAULTS: dict[bytes, str] = {
@@ -196,6 +214,10 @@ _HEADER_FAULTS: dict[bytes, str] = {
     b"x-mock-output-tokens": "output_tokens",
     b"x-mock-leaky": "leaky",
     b"x-mock-reset": "reset",
+    b"x-mock-cached-tokens": "cached_tokens",
+    b"x-mock-cache-read-tokens": "cache_read_tokens",
+    b"x-mock-cache-write-tokens": "cache_write_tokens",
+    b"x-mock-reasoning-tokens": "reasoning_tokens",
 }
 _MODEL_FAULTS: dict[str, str] = {
     "first_byte_ms": "first_byte_ms",
@@ -208,7 +230,12 @@ _MODEL_FAULTS: dict[str, str] = {
     "output_tokens": "output_tokens",
     "leaky": "leaky",
     "reset": "reset",
+    "cached_tokens": "cached_tokens",
+    "cache_read_tokens": "cache_read_tokens",
+    "cache_write_tokens": "cache_write_tokens",
+    "reasoning_tokens": "reasoning_tokens",
 }
+_TOKEN_CLASS_FAULTS = ("cached_tokens", "cache_read_tokens", "cache_write_tokens", "reasoning_tokens")
 
 
 def _set_fault(faults: Faults, field: str, raw: str, source: str) -> None:
@@ -234,11 +261,11 @@ def _set_fault(faults: Faults, field: str, raw: str, source: str) -> None:
             faults.cut_after = cut
         elif field in ("hang", "leaky", "reset"):
             setattr(faults, field, raw.lower() not in ("0", "false", "no", "off"))
-        elif field == "output_tokens":
+        elif field == "output_tokens" or field in _TOKEN_CLASS_FAULTS:
             tokens = int(raw)
             if not 0 <= tokens <= MAX_OUTPUT_TOKENS:
                 raise ValueError
-            faults.output_tokens = tokens
+            setattr(faults, field, tokens)
     except ValueError:
         raise BadRequest(f"Invalid mock fault value {raw!r} for {source}.", param="model") from None
 
@@ -322,13 +349,22 @@ def parse_faults(headers: RequestHeaders, model: str | None,
 
 def _parse_headers(scope: Scope) -> RequestHeaders:
     authorization: bytes | None = None
+    api_key: bytes | None = None
+    anthropic_version: bytes | None = None
+    anthropic_beta: bytes | None = None
     mock: dict[bytes, bytes] = {}
     for name, value in scope["headers"]:
         if name == b"authorization":
             authorization = value
         elif name.startswith(b"x-mock-"):
             mock[name] = value
-    return RequestHeaders(authorization, mock)
+        elif name == b"x-api-key":
+            api_key = value
+        elif name == b"anthropic-version":
+            anthropic_version = value
+        elif name == b"anthropic-beta":
+            anthropic_beta = value
+    return RequestHeaders(authorization, mock, api_key, anthropic_version, anthropic_beta)
 
 
 def _bearer_key(headers: RequestHeaders) -> str:
@@ -411,6 +447,21 @@ def _emitted(wanted: int, cap: int | None) -> tuple[int, str]:
     if cap is not None and cap < wanted:
         return cap, "length"
     return wanted, "stop"
+
+
+def split_output(wanted: int, reasoning: int, cap: int | None) -> tuple[int, int, bool]:
+    """(reasoning tokens, visible tokens, cut by the cap): the model reasons first, so the cap
+    eats into the visible answer before the reasoning."""
+    if cap is None:
+        return reasoning, wanted, False
+    kept_reasoning = min(reasoning, cap)
+    visible = min(wanted, cap - kept_reasoning)
+    return kept_reasoning, visible, kept_reasoning + visible < reasoning + wanted
+
+
+def cached_part(faults: Faults, total_input: int) -> int:
+    """Cached input tokens by the `cached_tokens` fault, within the input they are part of."""
+    return min(faults.cached_tokens or 0, total_input)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,15 +560,23 @@ def _tool_to_call(payload: dict[str, Any], messages: list[Any]) -> str | None:
     if not names:
         raise BadRequest("Each tool needs function.name.", param="tools")
     choice = payload.get("tool_choice", "auto")
-    if choice == "none":
-        return None
+    forced = None
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         forced = choice["function"].get("name")
-        if isinstance(forced, str) and forced:
-            return forced
-    if choice == "required":
+    return tool_rule(names, choice if isinstance(choice, str) else "auto",
+                     forced if isinstance(forced, str) else None, _last_user_text(messages))
+
+
+def tool_rule(names: list[str], mode: str, forced: str | None, last_user_text: str) -> str | None:
+    """The tool every endpoint calls: a named (forced) one; none for "none"; the first for
+    "required"; else the first when the last user text mentions the weather."""
+    if mode == "none" or not names:
+        return None
+    if forced:
+        return forced
+    if mode == "required":
         return names[0]
-    return names[0] if "weather" in _last_user_text(messages).lower() else None
+    return names[0] if "weather" in last_user_text.lower() else None
 
 
 @lru_cache(maxsize=65_536)
@@ -554,6 +613,20 @@ def _error_body(status: int, message: str, param: str | None = None, error_type:
     return _dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}}).encode()
 
 
+ANTHROPIC_ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    """Anthropic's error shape; its type follows from the status as Anthropic documents it."""
+    error_type = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return _dumps({"type": "error", "error": {"type": error_type, "message": message},
+                   "request_id": _next_id("req_")}).encode()
+
+
 async def send_json(send: Send, status: int, body: bytes,
                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     headers = [_JSON, (b"content-length", str(len(body)).encode()),
@@ -564,7 +637,10 @@ async def send_json(send: Send, status: int, body: bytes,
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Send, error: BadRequest) -> None:
+async def _send_error(send: Send, error: BadRequest, anthropic: bool = False) -> None:
+    if anthropic:
+        await send_json(send, error.status, anthropic_error_body(error.status, error.message))
+        return
     await send_json(send, error.status,
                     _error_body(error.status, error.message, error.param, error.error_type, error.code))
 
@@ -586,8 +662,9 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _apply_faults(faults: Faults, receive: Receive, send: Send) -> bool:
-    """Delay, hang or fail as asked; True when the response has been dealt with."""
+async def _apply_faults(faults: Faults, receive: Receive, send: Send, anthropic: bool = False) -> bool:
+    """Delay, hang or fail as asked (errors in Anthropic's shape for the Messages API); True when
+    the response has been dealt with."""
     if faults.first_byte_ms:
         await asyncio.sleep(faults.first_byte_ms / 1000.0)
     if faults.reset:
@@ -600,7 +677,8 @@ async def _apply_faults(faults: Faults, receive: Receive, send: Send) -> bool:
         except TimeoutError:
             pass
         # Dropped silently by the server when the client is gone (the usual case).
-        await _send_error(send, BadRequest("Mock hang elapsed.", status=504, error_type="server_error"))
+        await _send_error(send, BadRequest("Mock hang elapsed.", status=504, error_type="server_error"),
+                          anthropic)
         return True
     if faults.status is not None:
         status = faults.status
@@ -615,7 +693,9 @@ async def _apply_faults(faults: Faults, receive: Receive, send: Send) -> bool:
             message = (f"{message} The deployment 'acme-prod-eastus2' of organization "
                        f"{LEAKY_ORGANIZATION} does not allow this; see {LEAKY_URL}.")
             param, code = "model", code or "invalid_value"
-        await send_json(send, status, _error_body(status, message, param, error_type, code), extra)
+        body = (anthropic_error_body(status, message) if anthropic
+                else _error_body(status, message, param, error_type, code))
+        await send_json(send, status, body, extra)
         return True
     return False
 
@@ -680,18 +760,62 @@ async def _stream(send: Send, receive: Receive, faults: Faults, events: list[byt
             watcher.cancel()
 
 
+async def stream_tokens(send: Send, receive: Receive, faults: Faults, events: list[tuple[bytes, int]],
+                        settle: Callable[[int], None]) -> None:
+    """Send SSE events whose token payloads are interleaved with other events (the Responses and
+    Messages APIs wrap each output item in start/stop events); each event comes with the tokens it
+    carries. A cut of N drops the connection before the (N+1)-th token-carrying event, or right
+    after the last one; settle(tokens_sent) is called exactly once, right after the last
+    token-carrying event (before the closing events), on a cut, or when the client leaves."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*_SSE_HEADERS, (b"x-request-id", _next_id("req_").encode())]})
+    delay = faults.chunk_ms / 1000.0
+    carrying = [i for i, (_, tokens) in enumerate(events) if tokens]
+    content_end = carrying[-1] + 1 if carrying else len(events) - 1
+    cut_index = -1
+    if faults.cut_after is not None:
+        cut_index = carrying[faults.cut_after] if faults.cut_after < len(carrying) else content_end
+    watcher: asyncio.Future[Message] | None = asyncio.ensure_future(receive()) if delay else None
+    sent = 0
+    settled = False
+    try:
+        last = len(events) - 1
+        for i, (event, tokens) in enumerate(events):
+            if i == cut_index:
+                settle(sent)
+                settled = True
+                # Returning without the final body message makes uvicorn drop the connection.
+                return
+            if i == content_end and not settled:
+                settle(sent)
+                settled = True
+            if delay and tokens and i:
+                assert watcher is not None
+                done, _ = await asyncio.wait((watcher,), timeout=delay)
+                if done:  # The client left: the tokens it got are what was generated.
+                    if not settled:
+                        settle(sent)
+                        settled = True
+                    return
+            await send({"type": "http.response.body", "body": event, "more_body": i != last})
+            sent += tokens
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
 # ---------------------------------------------------------------------------------------------
 # Endpoints
 # ---------------------------------------------------------------------------------------------
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
+def _usage(prompt: int, completion: int, cached: int = 0, reasoning: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning, "audio_tokens": 0,
                                       "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
 
@@ -731,11 +855,14 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send, headers: 
     key_id = api_key_id(key)
     obj_id = _next_id("chatcmpl-")
     created = int(time.time())
+    cached = cached_part(faults, prompt_tokens)
 
     if tool_name is not None:
-        n_tokens, finish = TOOL_CALL_TOKENS, "tool_calls"
+        # max_tokens does not cut tool calls (see the docstring), nor the reasoning before them.
+        reasoning, n_tokens, finish = faults.reasoning_tokens or 0, TOOL_CALL_TOKENS, "tool_calls"
     else:
-        n_tokens, finish = _emitted(wanted, cap)
+        reasoning, n_tokens, capped = split_output(wanted, faults.reasoning_tokens or 0, cap)
+        finish = "length" if capped else "stop"
 
     if not stream:
         if tool_name is not None:
@@ -750,10 +877,11 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send, headers: 
         body = _dumps({
             "id": obj_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(prompt_tokens, n_tokens),
+            "usage": _usage(prompt_tokens, reasoning + n_tokens, cached, reasoning),
             "service_tier": "default", "system_fingerprint": None,
         }).encode()
-        ledger.record_completion(key_id, model, prompt_tokens, n_tokens)
+        ledger.record_completion(key_id, model, prompt_tokens, reasoning + n_tokens, cached=cached,
+                                 reasoning=reasoning)
         await _send_body(send, body, faults)
         return
 
@@ -780,12 +908,15 @@ async def chat_completions(scope: Scope, receive: Receive, send: Send, headers: 
     events.append((head + '{"index":0,"delta":{},"logprobs":null,"finish_reason":"' + finish + '"}'
                    + tail).encode())
     if include_usage:
-        events.append((head + "]," + '"usage":' + _dumps(_usage(prompt_tokens, n_tokens))
+        events.append((head + "]," + '"usage":'
+                       + _dumps(_usage(prompt_tokens, reasoning + n_tokens, cached, reasoning))
                        + "}\n\n").encode())
     events.append(_DONE)
 
     def settle(sent: int) -> None:
-        ledger.record_completion(key_id, model, prompt_tokens, base_tokens + sent)
+        # The reasoning was generated before the first chunk went out.
+        ledger.record_completion(key_id, model, prompt_tokens, reasoning + base_tokens + sent,
+                                 cached=cached, reasoning=reasoning)
 
     await _stream(send, receive, faults, events, 1, content_end, settle)
 
@@ -982,8 +1113,10 @@ def usage_page(kind: str, query_string: str, now: float | None = None) -> dict[s
                 continue
             result: dict[str, Any] = {"object": result_object, "input_tokens": values[0]}
             if kind == "completions":
-                result.update(output_tokens=values[1], input_cached_tokens=0, input_audio_tokens=0,
-                              output_audio_tokens=0, num_model_requests=values[2], batch=None)
+                result.update(output_tokens=values[1], input_cached_tokens=values[3],
+                              input_cache_write_tokens=values[4], output_reasoning_tokens=values[5],
+                              input_audio_tokens=0, output_audio_tokens=0,
+                              num_model_requests=values[2], batch=None)
             else:
                 result["num_model_requests"] = values[1]
             result.update(project_id=None, user_id=None, api_key_id=key_id, model=model)
@@ -1006,10 +1139,14 @@ async def mock_usage(scope: Scope, receive: Receive, send: Send, headers: Reques
     await send_json(send, 200, _dumps(ledger.totals()).encode())
 
 
+# What POST /mock/reset clears; the endpoint modules add their stores.
+RESETS: list[Callable[[], None]] = [ledger.reset, key_faults.reset]
+
+
 async def mock_reset(scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
     await _read_body(receive)
-    ledger.reset()
-    key_faults.reset()
+    for reset in RESETS:
+        reset()
     await send_json(send, 200, b'{"ok":true}')
 
 
@@ -1053,6 +1190,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/mock/reset": {"POST": mock_reset},
     "/mock/faults": {"GET": mock_faults_get, "POST": mock_faults_set},
 }
+# Paths with an id in them: (prefix, handlers); the handler reads the rest of the path.
+PREFIX_ROUTES: list[tuple[str, dict[str, Handler]]] = []
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
@@ -1076,6 +1215,11 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if methods is None and path.startswith("/v1/models/"):
         methods = {"GET": retrieve_model}
     if methods is None:
+        for prefix, handlers in PREFIX_ROUTES:
+            if path.startswith(prefix):
+                methods = handlers
+                break
+    if methods is None:
         await send_json(send, 404, _error_body(404, f"Invalid URL ({scope['method']} {path})",
                                                code="unknown_url"))
         return
@@ -1088,3 +1232,12 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await handler(scope, receive, send, _parse_headers(scope))
     except BadRequest as error:
         await _send_error(send, error)
+
+
+# The Responses and Messages APIs build on the helpers above and register their routes (and
+# their stores' resets) here; imported last because they import this module.
+from gateway.mock_upstream import messages as _messages  # noqa: E402
+from gateway.mock_upstream import responses as _responses  # noqa: E402
+
+_messages.register(ROUTES)
+_responses.register(ROUTES, PREFIX_ROUTES, RESETS)
