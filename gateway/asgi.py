@@ -22,6 +22,7 @@ it reaches its call's deadline or sending it fails.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -45,12 +46,27 @@ View = Callable[..., Awaitable[HttpResponseBase]]
 
 
 class GatewayRouter:
-    def __init__(self, django_app: ASGIHandler, routes: dict[str, View]) -> None:
+    """`routes`: exact paths -> view(request). `prefixes`: paths with an id in them (e.g.
+    "/v1/responses/") -> view(request, rest=<the path after the prefix>), looked up only when no
+    exact path matches (the hot path's lookup stays one dict access)."""
+
+    def __init__(self, django_app: ASGIHandler, routes: dict[str, View],
+                 prefixes: dict[str, View] | None = None) -> None:
         self.django_app = django_app
         self.routes = routes
+        self.prefixes = tuple((prefixes or {}).items())
+
+    def _view(self, path: str) -> View | None:
+        view = self.routes.get(path)
+        if view is not None:
+            return view
+        for prefix, prefixed in self.prefixes:
+            if path.startswith(prefix):
+                return functools.partial(prefixed, rest=path[len(prefix):])
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        view = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        view = self._view(scope.get("path", "")) if scope["type"] == "http" else None
         if view is None:
             if scope["type"] == "http":
                 await _bounded_django(self.django_app, scope, receive, send)
