@@ -65,6 +65,9 @@ class ModelSpecAdmin(admin.ModelAdmin):
         "max_output_tokens",
         "input_price_micros_per_mtok",
         "output_price_micros_per_mtok",
+        "cached_input_micros_per_mtok",
+        "cache_write_micros_per_mtok",
+        "reasoning_micros_per_mtok",
         "enabled",
     )
     list_filter = ("kind", "tokenizer", "enabled")
@@ -86,15 +89,19 @@ class ModelSpecAdmin(admin.ModelAdmin):
 
 @admin.register(ModelPrice)
 class ModelPriceAdmin(admin.ModelAdmin):
-    list_display = ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from",
-                    "valid_to")
+    list_display = ("model", "input_micros_per_mtok", "output_micros_per_mtok",
+                    "cached_input_micros_per_mtok", "cache_write_micros_per_mtok",
+                    "reasoning_micros_per_mtok", "valid_from", "valid_to")
     search_fields = ("model",)
     list_filter = ("model",)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         if obj is None:
             return ()
-        return ("model", "input_micros_per_mtok", "output_micros_per_mtok", "valid_from")
+        # A period's prices (every class's too) are what charged its calls: close it, add anew.
+        return ("model", "input_micros_per_mtok", "output_micros_per_mtok",
+                "cached_input_micros_per_mtok", "cache_write_micros_per_mtok",
+                "reasoning_micros_per_mtok", "valid_from")
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -194,6 +201,7 @@ class ProviderKeyForm(forms.ModelForm):
         model = ProviderKey
         fields = (
             "name",
+            "kind",
             "base_url",
             "models",
             "rpm_capacity",
@@ -228,6 +236,7 @@ class ProviderKeyAdmin(admin.ModelAdmin):
     list_display = (
         "name",
         "public_id",
+        "kind",
         "base_url",
         "masked_secret",
         "priority",
@@ -237,7 +246,7 @@ class ProviderKeyAdmin(admin.ModelAdmin):
         "enabled",
         "breaker",
     )
-    list_filter = ("enabled",)
+    list_filter = ("enabled", "kind")
     list_select_related = ("tenant",)
     search_fields = ("name", "public_id", "base_url", "tenant__slug")
     autocomplete_fields = ("tenant",)
@@ -245,6 +254,7 @@ class ProviderKeyAdmin(admin.ModelAdmin):
     fields = (
         "public_id",
         "name",
+        "kind",
         "base_url",
         "masked_secret",
         "secret",
@@ -291,6 +301,7 @@ class ProviderKeyAdmin(admin.ModelAdmin):
                 tenant=obj.tenant,
                 enabled=obj.enabled,
                 default_price=_default_price(obj),
+                kind=obj.kind,
                 actor=_actor(request),
             )
             # The admin redirects to the object it saved, so give it the created row's identity.

@@ -6,6 +6,10 @@ per process and broadcast between processes by other components: cooldowns (a 42
 key, gateway/listener.py calls ProviderPool.cool_down) and open circuit breakers (a key's, or one
 model's on a key: gateway/circuit.py calls open_breaker / close_breaker, whose shared state lives
 in Redis).
+
+Every key speaks one API, its kind (ProviderKind: "openai", OpenAI-compatible; "anthropic", the
+Messages API): the pool offers a call only the keys of its endpoint's kind (candidates(), serves()
+and breaker_wait() take `kind`, "openai" by default).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from gateway.crypto import (
     encrypt_secret,
     reencrypt,
 )
-from gateway.models import ProviderKey
+from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from quotas.breakers import KEY_LEVEL
 from tenants.invalidation import publish
@@ -89,14 +93,17 @@ def create_provider_key(
     tenant: Tenant | None = None,
     enabled: bool = True,
     default_price: Price | None = None,
+    kind: str = ProviderKind.OPENAI.value,
     actor: str = "system",
 ) -> ProviderKey:
     """Validate and save a provider key with its secret encrypted; audited.
 
     `default_price`: what calls of models with no price of their own cost when this key serves
-    them (gateway/prices.py); None: such models are refused."""
+    them (gateway/prices.py); None: such models are refused. `kind`: the API the key speaks
+    (ProviderKind); it serves only calls of that API's endpoints."""
     provider_key = ProviderKey(
         name=name,
+        kind=kind,
         base_url=normalize_base_url(base_url),
         models=list(models),
         rpm_capacity=rpm_capacity,
@@ -121,6 +128,7 @@ def create_provider_key(
             tenant=tenant,
             data={
                 "name": name,
+                "kind": provider_key.kind,
                 "base_url": provider_key.base_url,
                 "models": provider_key.models,
                 "last4": provider_key.secret_last4,
@@ -134,7 +142,7 @@ def create_provider_key(
 
 # What update_provider_key may change; the secret goes through set_provider_secret.
 EDITABLE_FIELDS: frozenset[str] = frozenset(
-    {"name", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled", "tenant",
+    {"name", "kind", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled", "tenant",
      "default_input_price_micros_per_mtok", "default_output_price_micros_per_mtok"}
 )
 
@@ -205,9 +213,13 @@ class Upstream:
     priority: int = 0
     models: frozenset[str] = frozenset()  # empty: every model
     tenant_id: int | None = None  # set: dedicated to that tenant
+    kind: str = ProviderKind.OPENAI.value  # the API it speaks (ProviderKind)
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def speaks(self, kind: str) -> bool:
+        return self.kind == kind
 
     def usable_by(self, tenant_id: int | None) -> bool:
         return self.tenant_id is None or self.tenant_id == tenant_id
@@ -306,23 +318,27 @@ class ProviderPool:
     def _breaker_open(self, provider_key_id: int, model: str, now: float) -> bool:
         return self.breakers_due(provider_key_id, model, now) == []
 
-    def breaker_wait(self, model: str, tenant_id: int | None, now: float) -> float | None:
-        """Seconds until the first breaker blocking a key usable for this call ends its
-        cool-down; None when no such key has an open breaker."""
+    def breaker_wait(self, model: str, tenant_id: int | None, now: float,
+                     kind: str = ProviderKind.OPENAI.value) -> float | None:
+        """Seconds until the first breaker blocking a key usable for this call (of `kind`) ends
+        its cool-down; None when no such key has an open breaker."""
         waits = [until - now for (key_id, name), until in self.breakers().items()
                  if name in (KEY_BREAKER, model)
                  and (upstream := self._by_id.get(key_id)) is not None
+                 and upstream.speaks(kind)
                  and upstream.serves(model) and upstream.usable_by(tenant_id)]
         return min(waits) if waits else None
 
-    def serves(self, model: str, tenant_id: int | None) -> bool:
-        """Whether any key usable by this tenant serves the model, cooling down or not.
+    def serves(self, model: str, tenant_id: int | None,
+               kind: str = ProviderKind.OPENAI.value) -> bool:
+        """Whether any key of `kind` usable by this tenant serves the model, cooling down or not.
 
         For "does this model exist here" checks (request validation, /v1/models). Unlike
         candidates() it does not take a round-robin turn: calling candidates() once to check
         and once to forward would hand every forward the same key of a pair.
         """
-        return any(u.serves(model) and u.usable_by(tenant_id) for u in self._upstreams)
+        return any(u.speaks(kind) and u.serves(model) and u.usable_by(tenant_id)
+                   for u in self._upstreams)
 
     def _next_turn(self, group: tuple[int, ...]) -> int:
         with self._lock:
@@ -331,8 +347,10 @@ class ProviderPool:
                 counter = self._turns[group] = itertools.count()
             return next(counter)
 
-    def candidates(self, model: str, tenant_id: int | None, now: float) -> list[Upstream]:
-        """Keys to try for this model and tenant, best first.
+    def candidates(self, model: str, tenant_id: int | None, now: float,
+                   kind: str = ProviderKind.OPENAI.value) -> list[Upstream]:
+        """Keys of `kind` (the API of the call's endpoint) to try for this model and tenant,
+        best first.
 
         Keys dedicated to the tenant come before shared ones, then higher priority first; keys
         of equal rank take turns at the front (round robin, per process). Keys dedicated to
@@ -343,7 +361,8 @@ class ProviderPool:
         breakers = bool(self._breaker_until)
         ranked: dict[tuple[bool, int], list[Upstream]] = {}
         for upstream in self._upstreams:
-            if not upstream.serves(model) or not upstream.usable_by(tenant_id):
+            if (not upstream.speaks(kind) or not upstream.serves(model)
+                    or not upstream.usable_by(tenant_id)):
                 continue
             if self.in_cooldown(upstream.id, now):
                 continue
@@ -372,6 +391,7 @@ def upstream_from_key(provider_key: ProviderKey) -> Upstream:
         priority=provider_key.priority,
         models=frozenset(provider_key.models or ()),
         tenant_id=provider_key.tenant_id,
+        kind=provider_key.kind,
     )
 
 

@@ -50,23 +50,57 @@ def test_demo_setup_registers_the_mock_upstream_once() -> None:
     call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
     first = json.loads(out.getvalue())
     assert first["provider_key"].startswith("pk_")
+    assert first["anthropic_provider_key"].startswith("pk_")
     pool = load_pool()
     [upstream] = pool.candidates("gpt-4o", None, 0.0)
     assert upstream.base_url == "http://127.0.0.1:8099/v1"
+    # /v1/messages works out of the box: an anthropic-kind key on the same mock.
+    [messages] = pool.candidates("claude-sonnet-4-5", None, 0.0, kind="anthropic")
+    assert (messages.base_url, messages.public_id) == ("http://127.0.0.1:8099/v1",
+                                                       first["anthropic_provider_key"])
+    # Its own secret: the mock's bill names keys by their secret.
+    assert messages.secret != upstream.secret
     # Its default price meters the mock's fault-injection models ("gpt-4o@cut=3"), which have
     # no price of their own and would otherwise be refused (model_not_priced).
-    key = ProviderKey.objects.get()
+    key = ProviderKey.objects.get(kind="openai")
     assert (key.default_input_price_micros_per_mtok,
             key.default_output_price_micros_per_mtok) == (2_500_000, 10_000_000)
+    claude = ProviderKey.objects.get(kind="anthropic")
+    assert (claude.name, claude.default_input_price_micros_per_mtok,
+            claude.default_output_price_micros_per_mtok) == ("mock-anthropic", 3_000_000,
+                                                             15_000_000)
     # A mock key made before default prices existed gets one at the next setup.
     ProviderKey.objects.update(default_input_price_micros_per_mtok=None,
                                default_output_price_micros_per_mtok=None)
     out = StringIO()
     call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
-    assert json.loads(out.getvalue())["provider_key"] is None
-    assert ProviderKey.objects.count() == 1
+    again = json.loads(out.getvalue())
+    assert again["provider_key"] is None and again["anthropic_provider_key"] is None
+    assert ProviderKey.objects.count() == 2
     key.refresh_from_db()
     assert key.default_input_price_micros_per_mtok == 2_500_000
+
+
+@pytest.mark.django_db
+def test_demo_setup_adds_the_anthropic_mock_key_to_an_earlier_setup_only() -> None:
+    from gateway.models import ProviderKey
+    from gateway.providers import create_provider_key
+
+    # A setup made before the Messages API existed: only the mock's OpenAI key.
+    create_provider_key("mock", base_url="http://127.0.0.1:8099/v1",
+                        secret="sk-mock-upstream-local")
+    out = StringIO()
+    call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
+    added = json.loads(out.getvalue())["anthropic_provider_key"]
+    assert ProviderKey.objects.get(public_id=added).kind == "anthropic"
+
+    # An operator's own keys (no mock key of the demo's): the demo adds no upstream to them.
+    ProviderKey.objects.all().delete()
+    create_provider_key("openai", base_url="https://api.openai.com/v1", secret="sk-own-key-000000")
+    out = StringIO()
+    call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
+    assert json.loads(out.getvalue())["anthropic_provider_key"] is None
+    assert list(ProviderKey.objects.values_list("name", flat=True)) == ["openai"]
 
 
 @pytest.mark.django_db

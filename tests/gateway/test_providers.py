@@ -23,12 +23,14 @@ from gateway.crypto import (
 )
 from gateway.models import ProviderKey
 from gateway.providers import (
+    KEY_BREAKER,
     ProviderPool,
     Upstream,
     create_provider_key,
     load_pool,
     reencrypt_provider_secrets,
     set_provider_secret,
+    update_provider_key,
 )
 from tenants.models import AuditEvent, Tenant
 from tenants.services import create_tenant
@@ -39,7 +41,7 @@ KEY_NEW = Fernet.generate_key().decode()
 
 
 def upstream(id: int, *, priority: int = 0, models: tuple[str, ...] = (),
-             tenant_id: int | None = None) -> Upstream:
+             tenant_id: int | None = None, kind: str = "openai") -> Upstream:
     return Upstream(
         id=id,
         public_id=f"pk_{id}",
@@ -50,6 +52,7 @@ def upstream(id: int, *, priority: int = 0, models: tuple[str, ...] = (),
         priority=priority,
         models=frozenset(models),
         tenant_id=tenant_id,
+        kind=kind,
     )
 
 
@@ -295,6 +298,60 @@ def test_dedicated_keys_first_for_their_tenant_and_never_for_another():
     assert ids(pool.candidates("gpt-4o", None, 0.0)) == [1]
 
 
+def test_a_call_gets_only_keys_of_its_kind():
+    pool = ProviderPool([
+        upstream(1, priority=5),
+        upstream(2, kind="anthropic", models=("claude-sonnet-4-5",)),
+        upstream(3, kind="anthropic", tenant_id=7),
+        upstream(4, kind="anthropic", tenant_id=8),
+    ])
+    # The default is "openai": every caller written before kinds existed is unchanged.
+    assert ids(pool.candidates("claude-sonnet-4-5", None, 0.0)) == [1]
+    assert ids(pool.candidates("claude-sonnet-4-5", None, 0.0, kind="openai")) == [1]
+    assert ids(pool.candidates("claude-sonnet-4-5", 7, 0.0, kind="anthropic")) == [3, 2]
+    assert ids(pool.candidates("claude-haiku-4-5", 7, 0.0, kind="anthropic")) == [3]
+    assert ids(pool.candidates("claude-haiku-4-5", None, 0.0, kind="anthropic")) == []
+    assert pool.serves("claude-sonnet-4-5", None, kind="anthropic")
+    assert not pool.serves("claude-haiku-4-5", None, kind="anthropic")
+    assert pool.serves("claude-haiku-4-5", None)  # the openai key serves every model
+    assert not pool.serves("gpt-4o", None, kind="responses-of-nobody")
+
+    # A breaker on an anthropic key makes anthropic calls wait, never openai ones.
+    pool.open_breaker(2, KEY_BREAKER, 30.0)
+    assert ids(pool.candidates("claude-sonnet-4-5", None, 0.0, kind="anthropic")) == []
+    assert pool.breaker_wait("claude-sonnet-4-5", None, 10.0, kind="anthropic") == 20.0
+    assert pool.breaker_wait("claude-sonnet-4-5", None, 10.0) is None
+    pool.open_breaker(1, "claude-sonnet-4-5", 40.0)
+    assert pool.breaker_wait("claude-sonnet-4-5", None, 10.0) == 30.0
+    assert pool.breaker_wait("claude-sonnet-4-5", None, 10.0, kind="anthropic") == 20.0
+
+
+@pytest.mark.django_db
+def test_provider_keys_have_a_kind_that_reaches_the_pool():
+    openai = create_provider_key("openai", base_url="https://api.openai.com/v1", secret=SECRET)
+    anthropic = create_provider_key("anthropic", base_url="https://api.anthropic.com/v1/",
+                                    secret="sk-ant-TESTsecretValue0123456789", kind="anthropic")
+    assert (openai.kind, anthropic.kind) == ("openai", "anthropic")
+    assert anthropic.base_url == "https://api.anthropic.com/v1"
+    created = AuditEvent.objects.get(target=anthropic.public_id, action="provider_key.create")
+    assert created.data["kind"] == "anthropic"
+    pool = load_pool()
+    assert ids(pool.candidates("claude-sonnet-4-5", None, 0.0, kind="anthropic")) == [
+        anthropic.pk]
+    assert ids(pool.candidates("gpt-4o", None, 0.0)) == [openai.pk]
+    assert pool.get(anthropic.pk).kind == "anthropic"
+
+    with pytest.raises(ValidationError) as excinfo:
+        create_provider_key("bad", base_url="https://a.test/v1", secret=SECRET, kind="gemini")
+    assert "kind" in excinfo.value.message_dict
+    anthropic.kind = "openai"
+    update_provider_key(anthropic, ["kind"])
+    anthropic.refresh_from_db()
+    assert anthropic.kind == "openai"
+    assert AuditEvent.objects.get(target=anthropic.public_id,
+                                  action="provider_key.update").data == {"fields": ["kind"]}
+
+
 def test_secrets_stay_out_of_reprs():
     assert "secret-1" not in repr(upstream(1))
     assert "secret-1" not in repr(ProviderPool([upstream(1)]).candidates("m", None, 0.0))
@@ -360,6 +417,7 @@ def test_provider_add_json(monkeypatch: pytest.MonkeyPatch, acme: Tenant):
     assert data == {
         "public_id": key.public_id,
         "name": "openai-acme",
+        "kind": "openai",
         "base_url": "https://api.openai.com/v1",
         "secret_last4": "XYZ9",
         "models": ["gpt-4o", "gpt-4o-mini"],
@@ -382,8 +440,28 @@ def test_provider_add_text_output(monkeypatch: pytest.MonkeyPatch):
     call_command("provider_add", "mock", "--base-url", "http://127.0.0.1:8001/v1",
                  "--secret-env", "UPSTREAM_SECRET", stdout=out)
     key = ProviderKey.objects.get()
-    assert f"Added provider key {key.public_id} (mock)" in out.getvalue()
+    assert f"Added openai provider key {key.public_id} (mock)" in out.getvalue()
     assert "every model" in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_provider_add_kind(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ANTHROPIC_SECRET", "sk-ant-local-000000000000")
+    out = StringIO()
+    call_command("provider_add", "claude", "--base-url", "https://api.anthropic.com/v1",
+                 "--secret-env", "ANTHROPIC_SECRET", "--kind", "anthropic",
+                 "--models", "claude-sonnet-4-5", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    key = ProviderKey.objects.get()
+    assert (data["kind"], key.kind, key.models) == ("anthropic", "anthropic",
+                                                    ["claude-sonnet-4-5"])
+    assert ids(load_pool().candidates("claude-sonnet-4-5", None, 0.0, kind="anthropic")) == [
+        key.pk]
+    # argparse refuses an unknown kind before anything is made.
+    with pytest.raises(CommandError, match="invalid choice"):
+        call_command("provider_add", "x", "--base-url", "https://a.test/v1",
+                     "--secret-env", "ANTHROPIC_SECRET", "--kind", "gemini", stdout=StringIO())
+    assert ProviderKey.objects.count() == 1
 
 
 @pytest.mark.django_db
@@ -425,7 +503,8 @@ def test_provider_add_errors(monkeypatch: pytest.MonkeyPatch, args: list[str], m
 
 
 def _form(**overrides: Any) -> dict[str, Any]:
-    data = {"name": "openai", "base_url": "https://api.openai.com/v1", "models": "[]",
+    data = {"name": "openai", "kind": "openai", "base_url": "https://api.openai.com/v1",
+            "models": "[]",
             "rpm_capacity": "", "tpm_capacity": "", "priority": "0", "enabled": "on",
             "tenant": "", "secret": ""}
     data.update(overrides)
@@ -458,6 +537,25 @@ def test_admin_sets_the_secret_write_only(admin_client: Client):
     )
     actions = set(AuditEvent.objects.filter(target=key.public_id).values_list("action", flat=True))
     assert actions == {"provider_key.create", "provider_key.update", "provider_key.secret_set"}
+
+
+@pytest.mark.django_db
+def test_admin_shows_and_edits_the_kind(admin_client: Client):
+    add = reverse("admin:gateway_providerkey_add")
+    assert admin_client.post(add, _form(name="claude", kind="anthropic",
+                                        base_url="https://api.anthropic.com/v1",
+                                        secret=SECRET)).status_code == 302
+    key = ProviderKey.objects.get()
+    assert key.kind == "anthropic"
+    listing = admin_client.get(reverse("admin:gateway_providerkey_changelist")).content.decode()
+    assert "Anthropic (the Messages API)" in listing
+    change = reverse("admin:gateway_providerkey_change", args=[key.pk])
+    assert 'value="anthropic" selected' in admin_client.get(change).content.decode()
+    assert "Select a valid choice" in admin_client.post(
+        change, _form(kind="gemini")).content.decode()
+    assert admin_client.post(change, _form(kind="openai")).status_code == 302
+    key.refresh_from_db()
+    assert key.kind == "openai"
 
 
 @pytest.mark.django_db

@@ -11,7 +11,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
-from gateway.models import ProviderKey
+from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from gateway.providers import create_provider_key, normalize_base_url, update_provider_key
 from tenants.management.commands._base import ACTOR, TenantsCommand
@@ -30,6 +30,13 @@ DEFAULT_CONSOLE_URL = "http://127.0.0.1:8000/console/"
 # have no price of their own: its provider key names one (gpt-4o's list price) so that they are
 # metered like a real model instead of refused (model_not_priced).
 MOCK_DEFAULT_PRICE = Price(2_500_000, 10_000_000)
+# The mock speaks the Messages API too (/v1/messages): a second key of the anthropic kind, so that
+# Anthropic clients work out of the box. Its own secret: the mock's bill names keys by their
+# secret, and reconciliation could not tell two keys with one secret apart. Its default price
+# (claude-sonnet-4-5's list price) meters the mock's fault-injection names of Claude models.
+MOCK_ANTHROPIC_NAME = "mock-anthropic"
+MOCK_ANTHROPIC_SECRET = "sk-mock-anthropic-local"
+MOCK_ANTHROPIC_DEFAULT_PRICE = Price(3_000_000, 15_000_000)
 
 
 def _price_the_mock(base_url: str) -> None:
@@ -44,11 +51,24 @@ def _price_the_mock(base_url: str) -> None:
                                   "default_output_price_micros_per_mtok"], actor=ACTOR)
 
 
+def _anthropic_mock(base_url: str, *, first_setup: bool) -> ProviderKey | None:
+    """The mock's anthropic-kind key, made at the first setup, or at a later one whose earlier
+    setup made the mock's OpenAI key but predates the Messages API; never when the operator
+    has an anthropic-kind key already."""
+    if ProviderKey.objects.filter(kind=ProviderKind.ANTHROPIC).exists():
+        return None
+    if not first_setup and not ProviderKey.objects.filter(name="mock", base_url=base_url).exists():
+        return None  # an operator's own keys: the demo adds no upstream to them
+    return create_provider_key(MOCK_ANTHROPIC_NAME, base_url=base_url,
+                               secret=MOCK_ANTHROPIC_SECRET, kind=ProviderKind.ANTHROPIC.value,
+                               default_price=MOCK_ANTHROPIC_DEFAULT_PRICE, actor=ACTOR)
+
+
 class Command(TenantsCommand):
     help = (
         "Create (once) the demo tenant, project, API key, a console user who owns the tenant and "
-        "a Django admin user for a first local run, and with --mock-upstream a provider key for "
-        "the mock upstream. Secrets and passwords are printed only when created (only their "
+        "a Django admin user for a first local run, and with --mock-upstream two provider keys "
+        "for the mock upstream (OpenAI-compatible and Anthropic). Secrets and passwords are printed only when created (only their "
         "hashes are stored); later runs show the masked key."
     )
 
@@ -56,19 +76,23 @@ class Command(TenantsCommand):
         super().add_arguments(parser)
         parser.add_argument("--mock-upstream", metavar="URL",
                             help="Base URL of the mock upstream (e.g. http://127.0.0.1:8099/v1): "
-                            "registered as the provider key 'mock' if no provider key exists.")
+                            "registered as the provider keys 'mock' (openai kind) and "
+                            "'mock-anthropic' (anthropic kind) if no provider key exists.")
         parser.add_argument("--console-url", default=DEFAULT_CONSOLE_URL,
                             help=f"The console's address to print (default {DEFAULT_CONSOLE_URL}).")
 
     def run(self, **options: Any) -> tuple[dict[str, Any], str]:
-        provider = None
+        provider = anthropic = None
         if options.get("mock_upstream") and not ProviderKey.objects.exists():
             # The mock accepts any bearer token; this one is not a secret of anybody's.
             provider = create_provider_key("mock", base_url=options["mock_upstream"],
                                            secret="sk-mock-upstream-local",
                                            default_price=MOCK_DEFAULT_PRICE, actor=ACTOR)
+            anthropic = _anthropic_mock(provider.base_url, first_setup=True)
         elif options.get("mock_upstream"):
-            _price_the_mock(normalize_base_url(options["mock_upstream"]))
+            base_url = normalize_base_url(options["mock_upstream"])
+            _price_the_mock(base_url)
+            anthropic = _anthropic_mock(base_url, first_setup=False)
         with transaction.atomic():
             tenant = Tenant.objects.filter(slug=DEMO_TENANT).first() or create_tenant(
                 DEMO_TENANT, plan_name="standard", actor=ACTOR, name="Demo tenant"
@@ -114,9 +138,13 @@ class Command(TenantsCommand):
             "console_password": console_password,
         }
         data["provider_key"] = provider.public_id if provider else None
+        data["anthropic_provider_key"] = anthropic.public_id if anthropic else None
         lines = [f"Demo tenant '{tenant.slug}' ({tenant.plan.name} plan), project '{project.slug}'."]
         if provider:
             lines.append(f"Upstream: the mock at {provider.base_url} (provider key {provider.public_id}).")
+        if anthropic:
+            lines.append(f"Anthropic upstream (/v1/messages): the mock at {anthropic.base_url} "
+                         f"(provider key {anthropic.public_id}).")
         if plaintext:
             lines.append(f"API key (shown once, store it now): {plaintext}")
         else:

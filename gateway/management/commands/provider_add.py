@@ -11,7 +11,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from gateway.models import ProviderKey
+from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from gateway.providers import create_provider_key
 from tenants.models import Tenant
@@ -44,6 +44,7 @@ def provider_key_as_dict(provider_key: ProviderKey) -> dict[str, Any]:
     return {
         "public_id": provider_key.public_id,
         "name": provider_key.name,
+        "kind": provider_key.kind,
         "base_url": provider_key.base_url,
         "secret_last4": provider_key.secret_last4,
         "models": provider_key.models,
@@ -59,11 +60,19 @@ def provider_key_as_dict(provider_key: ProviderKey) -> dict[str, Any]:
 
 
 class Command(BaseCommand):
-    help = "Add an upstream provider key (an OpenAI-compatible API and its secret)."
+    help = ("Add an upstream provider key (an OpenAI-compatible or Anthropic API and its "
+            "secret).")
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("name")
-        parser.add_argument("--base-url", required=True, help="e.g. https://api.openai.com/v1")
+        parser.add_argument("--base-url", required=True,
+                            help="The API root with its version path, e.g. "
+                            "https://api.openai.com/v1 or https://api.anthropic.com/v1")
+        parser.add_argument(
+            "--kind", choices=ProviderKind.values, default=ProviderKind.OPENAI.value,
+            help="The API the key speaks: openai (OpenAI-compatible: chat, completions, "
+            "embeddings, responses, moderations) or anthropic (the Messages API). "
+            "Default: openai.")
         parser.add_argument(
             "--secret-env",
             required=True,
@@ -109,6 +118,7 @@ class Command(BaseCommand):
                 priority=options["priority"],
                 tenant=tenant,
                 default_price=default_price,
+                kind=options["kind"],
                 actor=ACTOR,
             )
         except ValidationError as exc:
@@ -122,6 +132,6 @@ class Command(BaseCommand):
         models = ", ".join(provider_key.models) or "every model"
         owner = f", dedicated to {tenant.slug}" if tenant else ""
         self.stdout.write(
-            f"Added provider key {provider_key.public_id} ({provider_key.name}) for "
-            f"{provider_key.base_url}: {models}{owner}."
+            f"Added {provider_key.kind} provider key {provider_key.public_id} "
+            f"({provider_key.name}) for {provider_key.base_url}: {models}{owner}."
         )
