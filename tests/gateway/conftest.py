@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The mock provider key's default price (micro-dollars per million tokens), for unpriced models.
 MOCK_DEFAULT_INPUT_PRICE = 1_000_000
 MOCK_DEFAULT_OUTPUT_PRICE = 2_000_000
+ANTHROPIC_MOCK_SECRET = "sk-ant-mock-upstream"
 
 
 @dataclass
@@ -131,6 +132,12 @@ def provider_key(django_db_setup: None, django_db_blocker: Any, mock_upstream: M
 
     key = committed(django_db_blocker, lambda: create_provider_key(
         "mock", base_url=mock_upstream.base_url, secret="sk-mock-upstream",
+        default_price=Price(MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE)))
+    # The same mock speaks Anthropic's Messages API: a key of that kind serves /v1/messages
+    # (ANTHROPIC_MOCK_SECRET is its x-api-key, for per-key faults and the bill).
+    committed(django_db_blocker, lambda: create_provider_key(
+        "mock-anthropic", base_url=mock_upstream.base_url, secret=ANTHROPIC_MOCK_SECRET,
+        kind="anthropic",
         default_price=Price(MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE)))
     return key.public_id
 
