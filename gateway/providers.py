@@ -347,10 +347,11 @@ class ProviderPool:
                 counter = self._turns[group] = itertools.count()
             return next(counter)
 
-    def candidates(self, model: str, tenant_id: int | None, now: float,
+    def candidates(self, model: str | None, tenant_id: int | None, now: float,
                    kind: str = ProviderKind.OPENAI.value) -> list[Upstream]:
         """Keys of `kind` (the API of the call's endpoint) to try for this model and tenant,
-        best first.
+        best first. `model` None: a request that names no model (a moderation without one, a
+        conversation): every key of `kind` may take it, and only key-level breakers apply.
 
         Keys dedicated to the tenant come before shared ones, then higher priority first; keys
         of equal rank take turns at the front (round robin, per process). Keys dedicated to
@@ -361,12 +362,12 @@ class ProviderPool:
         breakers = bool(self._breaker_until)
         ranked: dict[tuple[bool, int], list[Upstream]] = {}
         for upstream in self._upstreams:
-            if (not upstream.speaks(kind) or not upstream.serves(model)
+            if (not upstream.speaks(kind) or (model is not None and not upstream.serves(model))
                     or not upstream.usable_by(tenant_id)):
                 continue
             if self.in_cooldown(upstream.id, now):
                 continue
-            if breakers and self._breaker_open(upstream.id, model, now):
+            if breakers and self._breaker_open(upstream.id, model or KEY_BREAKER, now):
                 continue
             dedicated = upstream.tenant_id is not None
             ranked.setdefault((dedicated, upstream.priority), []).append(upstream)
