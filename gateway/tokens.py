@@ -19,6 +19,10 @@ a hold and the hold must bound the bill (DESIGN.md invariant 2):
 - tool calls in assistant messages: function name + arguments + TOOL_CALL_OVERHEAD each;
 - unknown content parts and fields: the tokens of their JSON.
 
+The Responses API and the Messages API follow the same rule, plus allowances for what the gateway
+cannot see or size (built-in tools, files by id or URL, PDFs, encrypted reasoning): see the
+section "The Responses API and the Messages API" below.
+
 Unknown models use the "heuristic" tokenizer (see `_heuristic_count`).
 """
 
@@ -702,6 +706,11 @@ def estimate_messages_prompt(body: Mapping[str, Any], *, model: str, tokenizer: 
         total += _count_value(messages, tokenizer)
     total += _count_tool_definitions(body.get("tools"), tokenizer, custom=_is_custom_tool,
                                      overhead=ANTHROPIC_TOOLS_OVERHEAD)
+    servers = body.get("mcp_servers")
+    if isinstance(servers, list):
+        # The MCP connector: each server's tool list is fetched upstream, unseen here.
+        total += sum(BUILT_IN_TOOL_TOKENS + _count_value(server, tokenizer)
+                     for server in servers)
     return total
 
 

@@ -304,6 +304,10 @@ def test_anthropic_tools_thinking_and_results_count_their_words():
         added = messages({"messages": [{"role": "user", "content": [block]}]}) - messages(
             {"messages": [{"role": "user", "content": []}]})
         assert words(block) - 2 <= added <= 4 * words(block) + 10, block
+    server = {"type": "url", "url": "https://mcp.test/sse", "name": "docs"}
+    assert messages({**body, "mcp_servers": [server]}) == messages(body) + (
+        BUILT_IN_TOOL_TOKENS + count_text(json.dumps(server, separators=(",", ":"),
+                                                     sort_keys=True), O200K_BASE))
     redacted = {"type": "redacted_thinking", "data": "QUJD" * 100}
     assert messages({"messages": [{"role": "assistant", "content": [redacted]}]}) == (
         messages({"messages": [{"role": "assistant", "content": []}]}) + 200)
