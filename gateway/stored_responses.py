@@ -1,0 +1,414 @@
+"""The Responses API's stored objects through the gateway: a stored response's retrieve, delete,
+cancel and input items, and conversations (create, retrieve, update, delete).
+
+They pass through to the provider key that stores the object, for the tenant that made it only:
+
+- A stored response, or a conversation, is reachable only when the gateway remembers it in the
+  caller's tenant slot (quotas/answers.py: remembered when a call through the gateway created it,
+  for TOLLGATE_RESPONSES_TTL_SECONDS). Anything else (made elsewhere, by another tenant, expired
+  here, deleted, or an id outside [A-Za-z0-9_-]{1,128}) is a 404 in OpenAI's shape, code
+  `response_not_found` / `conversation_not_found`, and no upstream is contacted: an id is not
+  proof of ownership, and asking an upstream would tell one tenant about another's objects.
+- Found: the request goes to that provider key (its base_url + the same path and query string,
+  its secret as Bearer); the upstream's status and JSON body come back as they are, its errors in
+  Tollgate's words as the /v1 forwarder reports them (never the provider's message).
+- Not metered: no tokens are produced, so nothing is held or charged and no ledger row is
+  written; they are authenticated like /v1/responses and bounded by GATEWAY_CALL_DEADLINE_SECONDS.
+- A DELETE the upstream confirms (2xx), or a 404 from the upstream (the object is gone there),
+  also forgets the id, so a later `previous_response_id` / `conversation` is refused as unseen.
+
+Conversations are created on an OpenAI-kind provider key the tenant may use (keys dedicated to
+the tenant first, then by priority; a key serving every model before one with a model list, since
+every later turn of the conversation must go to that key whatever its model), and remembered with
+the context of their initial `items` (estimated with the heuristic tokenizer: the conversation
+has no model yet), so the first turn holds for them. Each turn then remembers the conversation's
+new size (gateway/responses_context.py). Conversation items (/v1/conversations/{id}/items) are not
+served: adding items the gateway cannot count would break the hold for the next turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from redis.exceptions import RedisError
+
+from gateway.auth import KeyContext
+from gateway.bodies import load_json
+from gateway.errors import (
+    Api,
+    GatewayError,
+    bad_request,
+    quota_store_unavailable,
+    upstream_client_error,
+    upstream_error,
+)
+from gateway.models import ProviderKind
+from gateway.providers import Upstream
+from gateway.runtime import GatewayRuntime
+from gateway.tokens import HEURISTIC, estimate_responses_input, is_large, off_loop
+from gateway.views import (
+    _authenticate,
+    _method_not_allowed,
+    _read_body,
+    _runtime,
+    _with_request_id,
+)
+from quotas.answers import AnswerKind, StoredAnswer, forget, recall, remember
+from quotas.engine import QuotaError
+
+log = logging.getLogger(__name__)
+
+# What the gateway accepts as a stored object's id: the ids end up in Redis keys.
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# The upstream's answer is read whole (these are small JSON objects); a larger one is refused
+# rather than held in a worker's memory.
+_MAX_ANSWER_BYTES = 16 * 1024 * 1024
+_RESPONSE_ROUTES = {("", "GET"), ("", "DELETE"), ("cancel", "POST"), ("input_items", "GET")}
+_CONVERSATION_ITEM_METHODS = ("GET", "POST", "DELETE")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An upstream's answer, read whole."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+
+class UpstreamGone(Exception):
+    """The provider key could not be used at all (unreachable, or it refused the key itself):
+    the next key may be tried where there is a choice."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def not_found(kind: AnswerKind, object_id: str) -> GatewayError:
+    noun = "Response" if kind is AnswerKind.RESPONSE else "Conversation"
+    return GatewayError(404, f"{noun} with id '{object_id[:128]}' not found.",
+                        "invalid_request_error", f"{kind.value}_not_found", None)
+
+
+def unknown_url(request: HttpRequest) -> GatewayError:
+    return GatewayError(404, f"Unknown request URL: {request.method} {request.path}. Please check "
+                        "the URL for typos.", "invalid_request_error", "unknown_url")
+
+
+def _valid_id(raw: str) -> str | None:
+    return raw if _ID.fullmatch(raw) else None
+
+
+# -- the upstream -------------------------------------------------------------------------------
+
+
+def _upstream_request(runtime: GatewayRuntime, upstream: Upstream, method: str, path: str,
+                      query: str, body: bytes | None, request_id: str) -> httpx.Request:
+    headers = {**runtime.upstream_headers, "Authorization": f"Bearer {upstream.secret}",
+               "X-Request-Id": request_id}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    url = httpx.URL(f"{upstream.base_url}/{path}", query=query.encode("latin-1"))
+    return httpx.Request(method, url, content=body, headers=headers,
+                         extensions={"timeout": runtime.upstream_timeout})
+
+
+async def _read_answer(response: httpx.Response) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        size += len(chunk)
+        if size > _MAX_ANSWER_BYTES:
+            raise upstream_error(502, "The upstream provider's answer was too large.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def send_upstream(runtime: GatewayRuntime, upstream: Upstream, method: str, path: str,
+                        query: str, body: bytes | None, request_id: str) -> Answer:
+    """One unmetered request to `upstream` (`path` after its base_url), read whole within the
+    call deadline. Its 2xx and 4xx answers come back (a 4xx for `upstream_failure`); raises
+    UpstreamGone when the key could not be used (unreachable, rate limited, key refused) and
+    GatewayError for a timeout or a server error."""
+    request = _upstream_request(runtime, upstream, method, path, query, body, request_id)
+    try:
+        async with asyncio.timeout(settings.GATEWAY_CALL_DEADLINE_SECONDS):
+            response = await runtime.transport.handle_async_request(request)
+            try:
+                content = await _read_answer(response)
+            finally:
+                await response.aclose()
+    except (TimeoutError, httpx.TimeoutException):
+        raise upstream_error(504, "The upstream provider did not answer in time.") from None
+    except (httpx.ConnectError, httpx.PoolTimeout):
+        log.warning("provider key %s unreachable", upstream.public_id)
+        raise UpstreamGone(upstream_error(502, "The upstream provider could not be reached."))
+    except httpx.HTTPError:
+        raise upstream_error(502, "The upstream provider failed mid-answer.") from None
+    status = response.status_code
+    if status == 429:
+        retry = _retry_after(response.headers.get("retry-after"))
+        raise UpstreamGone(GatewayError(429, "The upstream provider is rate limiting; retry "
+                                        "shortly.", "requests", "rate_limit_exceeded", None,
+                                        retry))
+    if status in (401, 403):
+        # The provider key itself is refused: not the tenant's to see (the message may name it).
+        log.error("provider key %s refused by its upstream (HTTP %s)", upstream.public_id, status)
+        raise UpstreamGone(upstream_error(502, "The upstream refused the gateway's provider key; "
+                                          "the operators have been alerted."))
+    if status >= 500:
+        raise upstream_error(502, f"The upstream provider failed with HTTP {status}.")
+    return Answer(status, content, response.headers.get("content-type", "application/json"))
+
+
+def _retry_after(raw: str | None) -> int:
+    try:
+        return max(1, int(float(raw or "1")))
+    except ValueError:
+        return 1
+
+
+def _relay(answer: Answer) -> HttpResponse:
+    """The upstream's answer to the client: a 2xx as it is, a 4xx in Tollgate's words."""
+    if answer.status >= 400:
+        raise upstream_client_error(answer.status, answer.body)
+    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
+
+
+async def _owned(runtime: GatewayRuntime, ctx: KeyContext, kind: AnswerKind,
+                 raw_id: str) -> tuple[str, Upstream]:
+    """The object's id and the provider key storing it, when this tenant made it through the
+    gateway; else 404 (nothing is sent upstream)."""
+    object_id = _valid_id(raw_id)
+    if object_id is None:
+        raise not_found(kind, raw_id)
+    try:
+        stored = await recall(runtime.engine.client, ctx.tenant_tag, kind, object_id)
+    except (RedisError, OSError):
+        raise quota_store_unavailable() from None
+    if stored is None:
+        raise not_found(kind, object_id)
+    upstream = runtime.pool.get(stored.provider_key_id)
+    if upstream is None or not upstream.usable_by(ctx.tenant_id) \
+            or not upstream.speaks(ProviderKind.OPENAI.value):
+        # Disabled, deleted, reloading or re-assigned: only that key knows the object.
+        raise GatewayError(503, f"The provider key that stores {kind.value} '{object_id}' is not "
+                           "available now; retry later.", "server_error",
+                           "provider_key_unavailable", None, 5)
+    return object_id, upstream
+
+
+async def _forget(runtime: GatewayRuntime, ctx: KeyContext, kind: AnswerKind,
+                  object_id: str) -> None:
+    try:
+        await forget(runtime.engine.client, ctx.tenant_tag, kind, object_id)
+    except (RedisError, OSError) as exc:
+        # The upstream's object is gone either way; a later continuation of it gets the
+        # upstream's 4xx instead of the gateway's 400.
+        log.warning("%s %s not forgotten (%s)", kind.value, object_id, type(exc).__name__)
+
+
+async def _pass_owned(runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
+                      kind: AnswerKind, object_id: str, upstream: Upstream, path: str,
+                      body: bytes | None, request_id: str, deleting: bool) -> HttpResponse:
+    try:
+        answer = await send_upstream(runtime, upstream, request.method or "GET", path,
+                                     request.META.get("QUERY_STRING", ""), body, request_id)
+    except UpstreamGone as gone:
+        raise gone.error from None
+    if (deleting and 200 <= answer.status < 300) or answer.status == 404:
+        await _forget(runtime, ctx, kind, object_id)
+    return _relay(answer)
+
+
+# -- the views ----------------------------------------------------------------------------------
+
+Handler = Callable[[GatewayRuntime, KeyContext, HttpRequest, str], Awaitable[HttpResponse]]
+
+
+async def _serve(request: HttpRequest, handler: Handler) -> HttpResponse:
+    """Authenticate, run `handler`, answer in OpenAI's shape with an x-request-id whatever
+    fails (as views._proxy does)."""
+    request_id = f"req_{secrets.token_hex(12)}"
+    try:
+        runtime = await _runtime()
+        ctx = await _authenticate(runtime, request)
+        response = await handler(runtime, ctx, request, request_id)
+    except GatewayError as error:
+        response = error.response(request_id=request_id)
+    except (QuotaError, RedisError):
+        log.error("quota store unusable: refusing request %s", request_id)
+        response = quota_store_unavailable().response(request_id=request_id)
+    except Exception:  # noqa: BLE001 - a bug must still answer in the API's shape
+        log.exception("request %s failed", request_id)
+        response = GatewayError(500, "The gateway failed to handle the request.",
+                                "server_error", "internal_error").response(request_id=request_id)
+    return _with_request_id(response, request_id, Api.OPENAI)  # type: ignore[return-value]
+
+
+@csrf_exempt
+async def response_item(request: HttpRequest, rest: str) -> HttpResponse:
+    """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
+    GET /v1/responses/{id}/input_items."""
+    raw_id, _, sub = rest.partition("/")
+    methods = sorted(method for route, method in _RESPONSE_ROUTES if route == sub)
+    if not methods or "/" in sub:
+        return unknown_url(request).response()
+    if request.method not in methods:
+        return _method_not_allowed(request, ", ".join(methods))
+
+    async def handle(runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
+                     request_id: str) -> HttpResponse:
+        object_id, upstream = await _owned(runtime, ctx, AnswerKind.RESPONSE, raw_id)
+        path = f"responses/{object_id}" + (f"/{sub}" if sub else "")
+        # Cancel takes no body: nothing of the client's is passed on.
+        return await _pass_owned(runtime, ctx, request, AnswerKind.RESPONSE, object_id, upstream,
+                                 path, b"" if request.method == "POST" else None, request_id,
+                                 deleting=request.method == "DELETE")
+
+    return await _serve(request, handle)
+
+
+@csrf_exempt
+async def conversation_item(request: HttpRequest, rest: str) -> HttpResponse:
+    """GET /v1/conversations/{id} (retrieve), POST (update its metadata), DELETE."""
+    raw_id, slash, sub = rest.partition("/")
+    if slash:
+        if sub == "items" or sub.startswith("items/"):
+            return GatewayError(
+                404, "Conversation items (/v1/conversations/{id}/items) are not served by this "
+                "gateway: items it cannot count would break the hold for the next turn. Send new "
+                "items as the 'input' of a response with 'conversation'.",
+                "invalid_request_error", "unsupported_endpoint").response()
+        return unknown_url(request).response()
+    if request.method not in _CONVERSATION_ITEM_METHODS:
+        return _method_not_allowed(request, ", ".join(_CONVERSATION_ITEM_METHODS))
+
+    async def handle(runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
+                     request_id: str) -> HttpResponse:
+        body = None
+        if request.method == "POST":
+            body = _read_body(request)
+            _metadata_only(body)
+        object_id, upstream = await _owned(runtime, ctx, AnswerKind.CONVERSATION, raw_id)
+        return await _pass_owned(runtime, ctx, request, AnswerKind.CONVERSATION, object_id,
+                                 upstream, f"conversations/{object_id}", body, request_id,
+                                 deleting=request.method == "DELETE")
+
+    return await _serve(request, handle)
+
+
+def _metadata_only(raw: bytes) -> None:
+    """An update changes only `metadata` (what OpenAI's API allows): anything else is a 400
+    before the upstream is asked."""
+    body = load_json(raw)
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    unknown = sorted(set(body) - {"metadata"})
+    if unknown:
+        raise bad_request(f"Unknown parameter: '{unknown[0]}'. Only 'metadata' can be updated.",
+                          unknown[0], "unknown_parameter")
+    _check_metadata(body.get("metadata"))
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("'metadata' must be an object of string values.", "metadata")
+
+
+def _parse_conversation(raw: bytes) -> list[Any]:
+    """The initial items of a conversation create (validated as far as the count needs)."""
+    body = load_json(raw) if raw.strip() else {}
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    items = body.get("items")
+    if items is None:
+        items = []
+    if not isinstance(items, list) or not all(isinstance(item, Mapping) for item in items):
+        raise bad_request("'items' must be an array of input items.", "items")
+    _check_metadata(body.get("metadata"))
+    return items
+
+
+def conversation_tokens(items: list[Any]) -> int:
+    """The context a conversation's initial items add to its first turn: the heuristic count
+    (the model is not known yet)."""
+    if not items:
+        return 0
+    return estimate_responses_input({"input": items}, model="", tokenizer=HEURISTIC)
+
+
+def conversation_keys(runtime: GatewayRuntime, ctx: KeyContext) -> list[Upstream]:
+    """OpenAI-kind keys to create a tenant's conversation on, best first: those serving every
+    model (any later turn's model can go there), then the others, each in the pool's order."""
+    usable = runtime.pool.candidates(None, ctx.tenant_id, time.time(),
+                                     kind=ProviderKind.OPENAI.value)
+    return [u for u in usable if not u.models] + [u for u in usable if u.models]
+
+
+@csrf_exempt
+async def conversations(request: HttpRequest) -> HttpResponse:
+    """POST /v1/conversations: create a conversation (optional `items`, `metadata`)."""
+    if request.method != "POST":
+        return _method_not_allowed(request, "POST")
+
+    async def handle(runtime: GatewayRuntime, ctx: KeyContext, request: HttpRequest,
+                     request_id: str) -> HttpResponse:
+        raw = _read_body(request)
+        items = _parse_conversation(raw)
+        tokens = (await off_loop(conversation_tokens, items) if is_large(len(raw))
+                  else conversation_tokens(items))
+        keys = conversation_keys(runtime, ctx)
+        if not keys:
+            raise upstream_error(502, "No upstream provider for conversations could be reached.")
+        gone: UpstreamGone | None = None
+        for upstream in keys:
+            try:
+                answer = await send_upstream(runtime, upstream, "POST", "conversations", "",
+                                             raw or b"{}", request_id)
+            except UpstreamGone as error:
+                gone = error
+                continue
+            if answer.status < 300:
+                await _remember_conversation(runtime, ctx, upstream, answer, tokens)
+            return _relay(answer)
+        assert gone is not None
+        raise gone.error
+
+    return await _serve(request, handle)
+
+
+async def _remember_conversation(runtime: GatewayRuntime, ctx: KeyContext, upstream: Upstream,
+                                 answer: Answer, tokens: int) -> None:
+    """Remember a created conversation before the client has its id (so its first turn is
+    admitted and pinned to this key)."""
+    try:
+        created = json.loads(answer.body)
+    except ValueError:
+        created = None
+    conversation_id = created.get("id") if isinstance(created, dict) else None
+    if not isinstance(conversation_id, str) or _valid_id(conversation_id) is None:
+        raise upstream_error(502, "The upstream provider answered a conversation without a "
+                             "usable id.")
+    try:
+        await remember(runtime.engine.client, ctx.tenant_tag,
+                       [(AnswerKind.CONVERSATION, conversation_id)],
+                       StoredAnswer(upstream.id, tokens), settings.TOLLGATE_RESPONSES_TTL_SECONDS)
+    except (RedisError, OSError):
+        # Not remembered, it could not be used through the gateway: say so rather than hand
+        # out an id every turn would be refused with (the upstream's copy is left unused).
+        log.error("conversation %s created but not remembered: Redis unreachable",
+                  conversation_id)
+        raise quota_store_unavailable() from None
