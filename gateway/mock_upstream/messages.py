@@ -44,9 +44,15 @@ TOOL_INPUT: dict[str, Any] = json.loads(TOOL_ARGUMENTS)
 
 
 def _api_key(headers: RequestHeaders) -> str:
-    if headers.api_key is None or not headers.api_key.strip():
-        raise BadRequest("x-api-key header is required", status=401)
-    return headers.api_key.decode("latin-1").strip()
+    """The key from x-api-key, else from `Authorization: Bearer` (how the anthropic SDK 2.x sends
+    an api_key, and how OAuth tokens travel)."""
+    if headers.api_key is not None and headers.api_key.strip():
+        return headers.api_key.decode("latin-1").strip()
+    if headers.authorization is not None:
+        scheme, _, key = headers.authorization.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and key.strip():
+            return key.strip()
+    raise BadRequest("x-api-key header is required", status=401)
 
 
 def _require_version(headers: RequestHeaders) -> None:
