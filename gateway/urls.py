@@ -3,7 +3,7 @@ from typing import Any
 
 from django.urls import path
 
-from gateway import stored_responses, views
+from gateway import other_endpoints, stored_responses, views
 
 _ROUTES: dict[str, Callable[..., Awaitable[Any]]] = {
     "v1/chat/completions": views.chat_completions,
@@ -11,16 +11,24 @@ _ROUTES: dict[str, Callable[..., Awaitable[Any]]] = {
     "v1/embeddings": views.embeddings,
     "v1/responses": views.responses,
     "v1/messages": views.messages,
-    "v1/models": views.list_models,
+    "v1/models": other_endpoints.list_models,
+    "v1/moderations": other_endpoints.moderations,
+    "v1/messages/count_tokens": other_endpoints.count_tokens,
     "v1/conversations": stored_responses.conversations,
     "healthz": views.healthz,
     "readyz": views.readyz,
+    # /v1 itself: a JSON 404 like every other unknown /v1 path (the last prefix below).
+    "v1": other_endpoints.v1_other,
+    "v1/": other_endpoints.v1_other,
 }
 
-# Paths with an id in them: the view gets the rest of the path as `rest`.
+# Paths with an id in them: the view gets the rest of the path as `rest`. The first prefix that
+# matches serves the path (in this order), so "v1/" stays last: every other /v1 path, answered in
+# JSON (a model by id, an unsupported endpoint, else 404), never Django's HTML page.
 _PREFIX_ROUTES: dict[str, Callable[..., Awaitable[Any]]] = {
     "v1/responses/": stored_responses.response_item,
     "v1/conversations/": stored_responses.conversation_item,
+    "v1/": other_endpoints.v1_other,
 }
 
 urlpatterns = [path(route, view) for route, view in _ROUTES.items()] + [

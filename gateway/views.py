@@ -270,23 +270,6 @@ async def messages(request: HttpRequest) -> HttpResponse | StreamingHttpResponse
     return await _proxy(Endpoint.MESSAGES, request)
 
 
-async def list_models(request: HttpRequest) -> HttpResponse:
-    """GET /v1/models: the models this key may use (and that an upstream serves)."""
-    if request.method not in ("GET", "HEAD"):
-        return _method_not_allowed(request, "GET, HEAD")
-    try:
-        runtime = await _runtime()
-        ctx = await _authenticate(runtime, request)
-    except GatewayError as error:
-        return error.response()
-    now = int(time.time())
-    names = [name for name in runtime.catalog.names()
-             if ctx.allows(name) and runtime.pool.serves(name, ctx.tenant_id)]
-    return JsonResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": now, "owned_by": "tollgate"}
-        for name in names]})
-
-
 async def healthz(request: HttpRequest) -> HttpResponse:
     """The process is up (no dependency is checked)."""
     return JsonResponse({"status": "ok"})
