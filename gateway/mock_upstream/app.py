@@ -1190,6 +1190,9 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/mock/reset": {"POST": mock_reset},
     "/mock/faults": {"GET": mock_faults_get, "POST": mock_faults_set},
 }
+# The Responses and Messages APIs (responses.py, messages.py) build on this module's helpers, so
+# the package's __init__ (which Python runs before importing this module by any name) adds their
+# routes and resets to these tables: this module never imports them.
 # Paths with an id in them: (prefix, handlers); the handler reads the rest of the path.
 PREFIX_ROUTES: list[tuple[str, dict[str, Handler]]] = []
 
@@ -1232,12 +1235,3 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await handler(scope, receive, send, _parse_headers(scope))
     except BadRequest as error:
         await _send_error(send, error)
-
-
-# The Responses and Messages APIs build on the helpers above and register their routes (and
-# their stores' resets) here; imported last because they import this module.
-from gateway.mock_upstream import messages as _messages  # noqa: E402
-from gateway.mock_upstream import responses as _responses  # noqa: E402
-
-_messages.register(ROUTES)
-_responses.register(ROUTES, PREFIX_ROUTES, RESETS)

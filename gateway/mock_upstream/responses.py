@@ -18,7 +18,6 @@ from gateway.mock_upstream.app import (
     TOOL_ARGUMENTS,
     TOOL_CALL_TOKENS,
     BadRequest,
-    Faults,
     Handler,
     Receive,
     RequestHeaders,
@@ -638,4 +637,4 @@ def register(routes: dict[str, dict[str, Handler]], prefix_routes: list[tuple[st
     resets.append(store.reset)
 
 
-__all__ = ["Faults", "MAX_STORED", "register", "store"]
+__all__ = ["MAX_STORED", "register", "store"]
