@@ -11,6 +11,11 @@ A name resolves to its canonical model first (ModelAlias: "gpt-4o-2024-08-06" ->
 4. else no price: the gateway refuses the call (model_not_priced). Never $0 by accident; a model
    is free only when an operator priced it at 0.
 
+A price has a figure per token class (Price.class_prices): plain input, cached input (prompt-cache
+reads), cache writes, plain output, reasoning. A period or catalog entry without a class price
+(null) prices that class at its total's price; a call's cost is Price.cost_of(usage), each class
+at its price, rounded half up once. Provider keys' default prices name input and output only.
+
 Every write to the catalog (models, price periods, aliases) goes through the functions at the end
 (save_model_spec, save_price, save_alias and the deletes): they validate, record an audit event and
 tell every gateway process to reload its catalog (pub/sub). Django admin calls them too.
@@ -130,11 +135,25 @@ class DefaultPrice:
 
 
 def _highest(prices: Iterable[Price]) -> Price | None:
+    """Each total and each class at its highest price among `prices`: an upper bound of what any
+    of them charges, whatever the split of a call. A class whose highest is its total's highest
+    stays None (the same figure, and Price's usual shape)."""
     prices = list(prices)
     if not prices:
         return None
-    return Price(max(p.input_micros_per_mtok for p in prices),
-                 max(p.output_micros_per_mtok for p in prices))
+    pin, pcached, pwrite, pout, preason = (max(column) for column in
+                                           zip(*(p.class_prices() for p in prices)))
+    return Price(pin, pout, None if pcached == pin else pcached,
+                 None if pwrite == pin else pwrite, None if preason == pout else preason)
+
+
+# The class price columns of ModelPrice and ModelSpec (gateway/models.py), in Price's order.
+_CLASS_COLUMNS = ("cached_input_micros_per_mtok", "cache_write_micros_per_mtok",
+                  "reasoning_micros_per_mtok")
+
+
+def _class_prices(row: Any) -> dict[str, int | None]:
+    return {name: getattr(row, name) for name in _CLASS_COLUMNS}
 
 
 def _frozen(mapping: Mapping) -> Mapping:  # type: ignore[type-arg]
@@ -169,11 +188,13 @@ class PriceBook:
     def load(cls) -> PriceBook:
         return cls.of(
             periods=((row.model, Period(Price(row.input_micros_per_mtok,
-                                              row.output_micros_per_mtok),
+                                              row.output_micros_per_mtok, **_class_prices(row)),
                                         row.valid_from, row.valid_to))
                      for row in ModelPrice.objects.all()),
-            list_prices={name: Price(pin, pout) for name, pin, pout in ModelSpec.objects.values_list(
-                "name", "input_price_micros_per_mtok", "output_price_micros_per_mtok")},
+            list_prices={name: Price(pin, pout, *classes)
+                         for name, pin, pout, *classes in ModelSpec.objects.values_list(
+                             "name", "input_price_micros_per_mtok",
+                             "output_price_micros_per_mtok", *_CLASS_COLUMNS)},
             aliases=dict(ModelAlias.objects.values_list("alias", "model__name")),
             defaults=(DefaultPrice(Price(pin, pout), frozenset(models or ()))
                       for pin, pout, models in ProviderKey.objects.filter(
@@ -239,7 +260,8 @@ def save_model_spec(spec: ModelSpec, *, actor: str = "system",
     trail); every gateway process reloads its catalog."""
     _save_catalog_row(spec, actor=actor, action="model", target=spec.name, data=lambda created: (
         {"kind": spec.kind, "input_price_micros_per_mtok": spec.input_price_micros_per_mtok,
-         "output_price_micros_per_mtok": spec.output_price_micros_per_mtok} if created
+         "output_price_micros_per_mtok": spec.output_price_micros_per_mtok,
+         **_class_prices(spec)} if created
         else {"fields": sorted(changed)}))
     return spec
 
@@ -260,6 +282,7 @@ def save_price(price: ModelPrice, *, actor: str = "system") -> ModelPrice:
                       data=lambda _created: {
                           "input_micros_per_mtok": price.input_micros_per_mtok,
                           "output_micros_per_mtok": price.output_micros_per_mtok,
+                          **_class_prices(price),
                           "valid_from": _when(price.valid_from),
                           "valid_to": _when(price.valid_to)})
     return price

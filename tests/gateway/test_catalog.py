@@ -36,6 +36,24 @@ SEEDED = {
     "gpt-4": ("cl100k_base", "chat", 30_000_000, 60_000_000),
     "text-embedding-3-small": ("cl100k_base", "embedding", 20_000, 0),
     "text-embedding-3-large": ("cl100k_base", "embedding", 130_000, 0),
+    # Not tiktoken models: the catalog's rule for an unknown tokenizer, the heuristic.
+    "claude-sonnet-4-5": ("heuristic", "chat", 3_000_000, 15_000_000),
+    "claude-haiku-4-5": ("heuristic", "chat", 1_000_000, 5_000_000),
+    "claude-opus-4-1": ("heuristic", "chat", 15_000_000, 75_000_000),
+    "claude-opus-4-5": ("heuristic", "chat", 5_000_000, 25_000_000),
+}
+# name: (cached input, cache write, reasoning) micros/1M; absent: all null (the totals' prices).
+SEEDED_CLASS_PRICES = {
+    "gpt-4o": (1_250_000, None, None),
+    "gpt-4o-mini": (75_000, None, None),
+    "gpt-4.1": (500_000, None, None),
+    "gpt-4.1-mini": (100_000, None, None),
+    "o3-mini": (550_000, None, 4_400_000),  # reasoning at the output price, said explicitly
+    # Anthropic: cache reads 0.1x input, cache writes (5-minute cache) 1.25x input.
+    "claude-sonnet-4-5": (300_000, 3_750_000, None),
+    "claude-haiku-4-5": (100_000, 1_250_000, None),
+    "claude-opus-4-1": (1_500_000, 18_750_000, None),
+    "claude-opus-4-5": (500_000, 6_250_000, None),
 }
 
 SF = Decimal("1.25")
@@ -68,6 +86,10 @@ def test_seeded_models_and_exact_prices():
         for spec in ModelSpec.objects.all()
     }
     assert rows == SEEDED
+    classes = {spec.name: (spec.cached_input_micros_per_mtok, spec.cache_write_micros_per_mtok,
+                           spec.reasoning_micros_per_mtok) for spec in ModelSpec.objects.all()}
+    assert classes == {name: SEEDED_CLASS_PRICES.get(name, (None, None, None))
+                       for name in SEEDED}
 
 
 @pytest.mark.django_db
@@ -105,7 +127,9 @@ def test_load_catalog_is_one_query_per_table(django_assert_num_queries: Any):
     )
     # A disabled model keeps its list price: the ledger prices its past calls.
     assert catalog.price("gpt-4") == Price(30_000_000, 60_000_000)
-    assert catalog.price("gpt-4o") == Price(2_500_000, 10_000_000)
+    assert catalog.price("gpt-4o") == Price(2_500_000, 10_000_000, 1_250_000)
+    assert catalog.price("claude-sonnet-4-5") == Price(3_000_000, 15_000_000, 300_000, 3_750_000)
+    assert catalog.price("claude-sonnet-4-5-20250929") == catalog.price("claude-sonnet-4-5")
     with pytest.raises(dataclasses.FrozenInstanceError):
         gpt4o.context_window = 1  # type: ignore[misc]
     with pytest.raises(TypeError):

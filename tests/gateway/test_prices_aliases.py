@@ -142,7 +142,8 @@ def test_load_reads_periods_aliases_list_prices_and_enabled_default_prices() -> 
     prices = PriceBook.load()
     assert prices.price("gpt-4o-2024-08-06", NOW) == Price(7, 8)
     assert prices.price("gpt-4o-2024-08-06", NOW - timedelta(seconds=1)) == Price(
-        spec.input_price_micros_per_mtok, spec.output_price_micros_per_mtok)
+        spec.input_price_micros_per_mtok, spec.output_price_micros_per_mtok,
+        cached_input_micros_per_mtok=spec.cached_input_micros_per_mtok)
     assert prices.price("llama", NOW) == Price(11, 12)
     assert prices.price("mystery", NOW) is None  # the disabled key's default does not count
     catalog = load_catalog()
@@ -224,7 +225,7 @@ def test_prices_aliases_and_default_prices_are_edited_in_admin_and_reach_the_gat
     messages = _received(pubsub)
     pubsub.close()
     assert messages.count({"kind": "catalog", "id": None}) == 2
-    assert ModelAlias.objects.get().model == gpt4o
+    assert ModelAlias.objects.get(alias="gpt-4o-2024-08-06").model == gpt4o
     assert load_catalog().price("gpt-4o-2024-08-06", NOW) == Price(7_500_000, 30_000_000)
     for page in ("/admin/gateway/modelprice/", "/admin/gateway/modelalias/",
                  "/admin/gateway/providerkey/add/"):
