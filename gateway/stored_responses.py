@@ -136,15 +136,22 @@ async def _read_answer(response: httpx.Response) -> bytes:
     return b"".join(chunks)
 
 
+def call_deadline() -> float:
+    """When a request arriving now must be answered (loop clock): GATEWAY_CALL_DEADLINE_SECONDS,
+    like a metered call."""
+    return asyncio.get_running_loop().time() + settings.GATEWAY_CALL_DEADLINE_SECONDS
+
+
 async def send_upstream(runtime: GatewayRuntime, upstream: Upstream, method: str, path: str,
-                        query: str, body: bytes | None, request_id: str) -> Answer:
-    """One unmetered request to `upstream` (`path` after its base_url), read whole within the
-    call deadline. Its 2xx and 4xx answers come back (a 4xx for `upstream_failure`); raises
-    UpstreamGone when the key could not be used (unreachable, rate limited, key refused) and
-    GatewayError for a timeout or a server error."""
+                        query: str, body: bytes | None, request_id: str,
+                        deadline: float) -> Answer:
+    """One unmetered request to `upstream` (`path` after its base_url), read whole by `deadline`
+    (loop clock). Its 2xx and 4xx answers come back (a 4xx for `_relay`); raises UpstreamGone
+    when the key could not be used (unreachable, rate limited, key refused) and GatewayError for
+    a timeout or a server error."""
     request = _upstream_request(runtime, upstream, method, path, query, body, request_id)
     try:
-        async with asyncio.timeout(settings.GATEWAY_CALL_DEADLINE_SECONDS):
+        async with asyncio.timeout_at(deadline):
             response = await runtime.transport.handle_async_request(request)
             try:
                 content = await _read_answer(response)
@@ -225,7 +232,8 @@ async def _pass_owned(runtime: GatewayRuntime, ctx: KeyContext, request: HttpReq
                       body: bytes | None, request_id: str, deleting: bool) -> HttpResponse:
     try:
         answer = await send_upstream(runtime, upstream, request.method or "GET", path,
-                                     request.META.get("QUERY_STRING", ""), body, request_id)
+                                     request.META.get("QUERY_STRING", ""), body, request_id,
+                                     call_deadline())
     except UpstreamGone as gone:
         raise gone.error from None
     if (deleting and 200 <= answer.status < 300) or answer.status == 404:
@@ -374,10 +382,11 @@ async def conversations(request: HttpRequest) -> HttpResponse:
         if not keys:
             raise upstream_error(502, "No upstream provider for conversations could be reached.")
         gone: UpstreamGone | None = None
+        deadline = call_deadline()  # one for every key tried
         for upstream in keys:
             try:
                 answer = await send_upstream(runtime, upstream, "POST", "conversations", "",
-                                             raw or b"{}", request_id)
+                                             raw or b"{}", request_id, deadline)
             except UpstreamGone as error:
                 gone = error
                 continue
