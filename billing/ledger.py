@@ -23,6 +23,13 @@ Events (fields of the stream entries, lua/*.lua):
   changes nothing).
 - unmetered: a fail-open call (no hold existed); a row with status "unmetered", billed like a
   settled call.
+
+Token classes: settled, unmetered and corrected events carry the call's usage by class
+(gateway/usage.py: "in" and "out" totals, "ci" cached input, "cw" cache writes, "rs" reasoning,
+each class part of its total); the row keeps them apart (cached_input_tokens,
+cache_write_tokens, reasoning_tokens). The cost the scripts charged (`money`) is the gateway's
+Price.cost_of of that usage; an unmetered call, which carries none, is priced here the same way.
+Swept rows keep 0 in every class: the sweep knows only its hold's totals.
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ from django.db import DatabaseError, transaction
 from billing.models import UsageRecord
 from billing.prices import PriceBook
 from gateway.models import ProviderKey
+from gateway.prices import Price
+from gateway.usage import Usage
 from quotas import keys
 from quotas.keys import tenant_tag
 from quotas.windows import Calendar, Window, WindowKind
@@ -49,7 +58,8 @@ _COMPLETE = "complete"
 _CORRECTED = "corrected"
 # The fields a correction replaces on the swept row; the rest (who, which model, when the hold
 # was made and swept, the hold, the sweep's basis) stays as the sweep recorded it.
-_CORRECTED_FIELDS = ("input_tokens", "output_tokens", "cost_micros", "status", "detail",
+_CORRECTED_FIELDS = ("input_tokens", "output_tokens", "cached_input_tokens",
+                     "cache_write_tokens", "reasoning_tokens", "cost_micros", "status", "detail",
                      "http_status", "latency_ms", "provider_key_id", "streamed", "over_soft_limit",
                      "over_hold_tokens", "swept_input_tokens", "swept_output_tokens",
                      "swept_cost_micros", "corrected_at")
@@ -80,13 +90,13 @@ def _count(value: Any) -> int:
     return max(int(value or 0), 0)
 
 
-def _split(details: dict[str, Any], actual: int) -> tuple[int, int]:
-    """Input and output tokens of a call the gateway ended with the upstream's figures."""
-    input_tokens, output_tokens = _int(details.get("in")), _int(details.get("out"))
-    if input_tokens is None or output_tokens is None:
+def _usage(details: dict[str, Any], actual: int) -> Usage:
+    """The usage, by token class, of a call the gateway ended with the upstream's figures."""
+    usage = Usage.from_event(details)
+    if usage is None:
         # An event without the split (settled outside the gateway): all of it as input.
-        return actual, 0
-    return input_tokens, output_tokens
+        return Usage(actual, 0)
+    return usage
 
 
 def _ended_status(details: dict[str, Any]) -> UsageRecord.Status:
@@ -106,11 +116,10 @@ def over_hold(held: int, input_tokens: int, output_tokens: int) -> int:
 _CHARGED_OUTCOMES = frozenset({"settled", "swept", _CORRECTED})
 
 
-def _cost(outcome: str, fields: dict[str, str], price: Any, input_tokens: int,
-          output_tokens: int) -> int:
+def _cost(outcome: str, fields: dict[str, str], price: Price, usage: Usage) -> int:
     if outcome in _CHARGED_OUTCOMES and fields.get("money", "") != "":
         return _count(fields["money"])
-    return price.cost(input_tokens, output_tokens)
+    return price.cost_of(usage)
 
 
 def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> UsageRecord:
@@ -121,26 +130,27 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
     actual = _count(fields.get("actual"))
     basis = ""
     if outcome in ("settled", "unmetered"):
-        input_tokens, output_tokens = _split(details, actual)
+        usage = _usage(details, actual)
         status = (_ended_status(details) if outcome == "settled"
                   else UsageRecord.Status.UNMETERED)
     elif outcome == _CORRECTED:
         if _int(details.get("in")) is None and actual == 0:
             # A release after the sweep: the upstream produced nothing after all.
-            input_tokens, output_tokens = 0, 0
+            usage = Usage()
             status = UsageRecord.Status.RELEASED
         else:
-            input_tokens, output_tokens = _split(details, actual)
+            usage = _usage(details, actual)
             status = _ended_status(details)
     elif outcome == "swept":
         # What the sweep charged (lua/sweep.lua); events of holds swept before the sweep knew
         # phases carry neither split nor basis: nothing was charged for them.
-        input_tokens, output_tokens = _count(fields.get("in")), _count(fields.get("out"))
+        usage = Usage(_count(fields.get("in")), _count(fields.get("out")))
         basis = UsageRecord.SweepBasis(fields["basis"]) if fields.get("basis") else ""
         status = UsageRecord.Status.SWEPT
     else:
         status = UsageRecord.Status(outcome)
-        input_tokens = output_tokens = 0
+        usage = Usage()
+    input_tokens, output_tokens = usage.input_tokens, usage.output_tokens
     ended = _moment(fields["ended"])
     model = str(meta.get("m") or "")
     served = str(meta.get("served") or model)
@@ -157,8 +167,11 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
         served_model=served,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
         held_tokens=held,
-        cost_micros=_cost(outcome, fields, price, input_tokens, output_tokens),
+        cost_micros=_cost(outcome, fields, price, usage),
         status=status,
         detail=str(details.get("outcome") or outcome)[:64],
         http_status=_int(details.get("st")),

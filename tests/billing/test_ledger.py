@@ -418,3 +418,124 @@ def test_two_drainers_racing_over_one_correction_apply_it_once(
         "settled", 100, 200, cost(100, 200))
     assert (row.swept_input_tokens, row.swept_output_tokens, row.swept_cost_micros) == (
         100, 900, cost(100, 900))
+
+
+# -- token classes: cached input, cache writes, reasoning (gateway/usage.py) -------------------
+
+SONNET = "claude-sonnet-4-5"  # seeded: $3 in, $15 out, cache reads $0.30, cache writes $3.75
+
+
+def classed_event(usage: Any, outcome: str = "complete") -> str:
+    """A settle event as the gateway writes it: the usage's event fields, then the call's."""
+    return json.dumps({**usage.event_fields(), "st": 200, "lat": 40, "outcome": outcome,
+                       "pk": None, "stream": False, "soft": False})
+
+
+def sonnet_hold(engine: QuotaEngine, tenant: Tenant, project: Project, rid: str):
+    meta = json.dumps({"p": project.pk, "m": SONNET, "served": SONNET, "ep": "messages"})
+    return engine.reserve(ReserveRequest(
+        tenant_tag(tenant.pk), rid, 20_000, LIMITS, meta=meta, input_tokens=10_000,
+        price_in=3_000_000, price_out=15_000_000)).hold
+
+
+def test_a_settled_call_keeps_its_token_classes_apart(client: redis.Redis, acme: Tenant) -> None:
+    from gateway.usage import Usage
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "claude", actor="test")
+    usage = Usage(10_000, 1_000, cached_input_tokens=6_000, cache_write_tokens=2_000,
+                  reasoning_tokens=400)
+    price = PriceBook.load().price(SONNET, datetime.now(UTC))
+    # 2,000 plain input at $3, 6,000 cache reads at $0.30, 2,000 cache writes at $3.75,
+    # 1,000 output at $15 (thinking included): 6,000 + 1,800 + 7,500 + 15,000 micro-dollars.
+    assert price.cost_of(usage) == 30_300
+    engine.settle(sonnet_hold(engine, acme, project, "classed"), usage.total,
+                  classed_event(usage), actual_money=price.cost_of(usage))
+    plain = Usage(500, 100)
+    engine.settle(sonnet_hold(engine, acme, project, "plain"), plain.total,
+                  classed_event(plain), actual_money=price.cost_of(plain))
+    assert drain_tenant(client, acme.pk) == 2
+    row = row_values("classed")
+    assert (row["input_tokens"], row["output_tokens"], row["cached_input_tokens"],
+            row["cache_write_tokens"], row["reasoning_tokens"], row["cost_micros"]) == (
+        10_000, 1_000, 6_000, 2_000, 400, 30_300)
+    assert row["over_hold_tokens"] == 0  # totals, not classes, count against the hold
+    row = row_values("plain")
+    assert (row["cached_input_tokens"], row["cache_write_tokens"], row["reasoning_tokens"],
+            row["cost_micros"]) == (0, 0, 0, 500 * 3 + 100 * 15)
+
+
+def test_an_unmetered_call_is_priced_by_class(client: redis.Redis, acme: Tenant) -> None:
+    from gateway.usage import Usage
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "claude", actor="test")
+    now_ms = int(datetime.now(UTC).timestamp() * 1000)
+    meta = json.dumps({"p": project.pk, "m": SONNET, "served": SONNET, "ep": "messages"})
+    usage = Usage(1_000, 200, cached_input_tokens=800, reasoning_tokens=50)
+    engine.append_unmetered(tenant_tag(acme.pk), "open-classed", actual=usage.total,
+                            created_ms=now_ms - 100, ended_ms=now_ms, meta=meta,
+                            event=classed_event(usage))
+    drain_tenant(client, acme.pk)
+    row = row_values("open-classed")
+    # No money in the event: the ledger prices it, 200 plain at $3 + 800 reads at $0.30 +
+    # 200 output at $15.
+    assert (row["status"], row["cached_input_tokens"], row["reasoning_tokens"],
+            row["cost_micros"]) == ("unmetered", 800, 50, 600 + 240 + 3_000)
+
+
+def test_a_correction_brings_the_classes_and_a_swept_row_has_none(
+        client: redis.Redis, acme: Tenant) -> None:
+    from gateway.usage import Usage
+    from quotas.engine import Phase
+
+    engine = QuotaEngine(client)
+    project = create_project(acme, "claude", actor="test")
+    hold = sonnet_hold(engine, acme, project, "late-classed")
+    engine.progress(hold, Phase.FORWARDED)
+    engine.sweep(tenant_tag(acme.pk), stale_s=0)
+    drain_tenant(client, acme.pk)
+    swept = row_values("late-classed")
+    assert (swept["status"], swept["cached_input_tokens"], swept["cache_write_tokens"],
+            swept["reasoning_tokens"]) == ("swept", 0, 0, 0)
+
+    usage = Usage(10_000, 300, cached_input_tokens=9_000, cache_write_tokens=500,
+                  reasoning_tokens=100)
+    price = PriceBook.load().price(SONNET, datetime.now(UTC))
+    assert engine.settle(hold, usage.total, classed_event(usage),
+                         actual_money=price.cost_of(usage)).outcome == "corrected"
+    drain_tenant(client, acme.pk)
+    row = row_values("late-classed")
+    assert (row["status"], row["input_tokens"], row["output_tokens"], row["cached_input_tokens"],
+            row["cache_write_tokens"], row["reasoning_tokens"], row["cost_micros"]) == (
+        "settled", 10_000, 300, 9_000, 500, 100, price.cost_of(usage))
+    assert (row["swept_input_tokens"], row["swept_cost_micros"]) == (swept["input_tokens"],
+                                                                     swept["cost_micros"])
+
+
+def test_an_upstream_split_larger_than_its_totals_is_clamped_into_them(
+        client: redis.Redis, acme: Tenant) -> None:
+    engine = QuotaEngine(client)
+    project = create_project(acme, "claude", actor="test")
+    event = json.dumps({"in": 100, "out": 10, "ci": 90, "cw": 50, "rs": 99, "st": 200,
+                        "outcome": "complete"})
+    engine.settle(sonnet_hold(engine, acme, project, "odd"), 110, event)
+    drain_tenant(client, acme.pk)
+    row = row_values("odd")
+    # Cache writes first (the dearer class), then reads within what is left: the row always
+    # satisfies the database's check that classes are parts of their totals.
+    assert (row["input_tokens"], row["cache_write_tokens"], row["cached_input_tokens"],
+            row["output_tokens"], row["reasoning_tokens"]) == (100, 50, 50, 10, 10)
+
+
+def test_the_database_refuses_classes_outside_their_totals(acme: Tenant) -> None:
+    from django.db import IntegrityError, transaction
+
+    moment = datetime.now(UTC)
+    for classes in ({"cached_input_tokens": 60, "cache_write_tokens": 50},
+                    {"reasoning_tokens": 11}, {"cached_input_tokens": -1}):
+        with pytest.raises(IntegrityError), transaction.atomic():
+            UsageRecord.objects.create(request_id="bad", tenant=acme, model="m",
+                                       served_model="m", input_tokens=100, output_tokens=10,
+                                       status="settled", started_at=moment, ended_at=moment,
+                                       **classes)
