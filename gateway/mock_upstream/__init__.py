@@ -20,6 +20,7 @@ POST /v1/embeddings         `input` likewise; `dimensions` floats (default 8) pe
                             (the SDK's default) returns base64 of little-endian float32
 POST /v1/responses          OpenAI's Responses API (below), streamed or not
 GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items
+POST /v1/conversations, GET|POST|DELETE /v1/conversations/{id}   (below; no /items)
 POST /v1/moderations        OpenAI's shape, nothing flagged (every score 1e-06); not billed
 POST /v1/messages           Anthropic's Messages API (below), streamed or not
 POST /v1/messages/count_tokens   {"input_tokens": N} by the Messages rule; not billed
@@ -121,8 +122,9 @@ one provider key fails while another serves, then heals:
 `cache_read_tokens`, `cache_write_tokens`, `reasoning_tokens`), validated when set (a bad one is a
 400). `model` defaults to "*" (every model); a model's faults add to (and win over) the key's
 all-model ones, and both win over headers and suffixes. GET /mock/faults answers
-{"faults": [{"api_key_id", "model", "faults"}], "requests": {api_key_id: inference requests
-received, faulted or not}}. Like the bill, this state is per worker process.
+{"faults": [{"api_key_id", "model", "faults"}], "requests": {api_key_id: inference, moderation,
+token-count, stored-response and conversation requests received, faulted or not}}. Calls on
+stored responses and conversations get the key's all-model faults. Like the bill, this state is per worker process.
 
 The Responses API (POST /v1/responses)
 --------------------------------------
@@ -136,6 +138,11 @@ or unfinished one (or one of another key, or made with `store: false`) is a 400 
 {"id": ...}) adds the context accumulated in that conversation by this key. Leniency: the mock
 does not require a conversation to have been created first; an unseen id starts at 0. Both at
 once is a 400. No `input` (and neither of the two) is a 400, param "input".
+POST /v1/conversations {"items", "metadata"} creates one for the key ({"id": "conv_...",
+"object": "conversation", "created_at", "metadata"}); its items' words (the input rule) are its
+first turn's context. GET returns it, POST {"metadata"} updates it, DELETE answers
+{"id", "object": "conversation.deleted", "deleted": true}; another key's, a deleted one, or one
+only used leniently is a 404. Items are not kept: /v1/conversations/{id}/items is a 404.
 
 Output: the chat rules: the answer words, length `output_tokens` (default 16), `max_output_tokens`
 caps it (status "incomplete", incomplete_details {"reason": "max_output_tokens"}); with

@@ -69,14 +69,24 @@ class StoredResponse:
     timer: asyncio.TimerHandle | None = field(default=None)
 
 
+@dataclass(slots=True)
+class ConversationRecord:
+    # The tokens a turn in this conversation re-sends: its items', then the last turn's
+    # input_tokens + output_tokens.
+    context: int
+    # None for an id only ever used in `conversation` (the mock's leniency): no object to GET.
+    created_at: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
 class ResponseStore:
-    """Responses kept per (api_key_id, response id), and conversation contexts per
+    """Responses kept per (api_key_id, response id), and conversations per
     (api_key_id, conversation id): a key never sees another key's state."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.responses: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
-        self.conversations: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.conversations: OrderedDict[tuple[str, str], ConversationRecord] = OrderedDict()
 
     def get(self, key_id: str, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -92,16 +102,32 @@ class ResponseStore:
         with self._lock:
             return self.responses.pop((key_id, response_id), None)
 
-    def conversation(self, key_id: str, conversation_id: str) -> int:
+    def conversation(self, key_id: str, conversation_id: str) -> ConversationRecord | None:
         with self._lock:
-            return self.conversations.get((key_id, conversation_id), 0)
+            return self.conversations.get((key_id, conversation_id))
 
-    def set_conversation(self, key_id: str, conversation_id: str, context: int) -> None:
+    def context(self, key_id: str, conversation_id: str) -> int:
+        record = self.conversation(key_id, conversation_id)
+        return 0 if record is None else record.context
+
+    def put_conversation(self, key_id: str, conversation_id: str, record: ConversationRecord) -> None:
         with self._lock:
-            self.conversations[(key_id, conversation_id)] = context
+            self.conversations[(key_id, conversation_id)] = record
             self.conversations.move_to_end((key_id, conversation_id))
             while len(self.conversations) > MAX_CONVERSATIONS:
                 self.conversations.popitem(last=False)
+
+    def set_conversation(self, key_id: str, conversation_id: str, context: int) -> None:
+        with self._lock:
+            record = self.conversations.get((key_id, conversation_id))
+        if record is None:
+            self.put_conversation(key_id, conversation_id, ConversationRecord(context))
+        else:
+            record.context = context
+
+    def delete_conversation(self, key_id: str, conversation_id: str) -> ConversationRecord | None:
+        with self._lock:
+            return self.conversations.pop((key_id, conversation_id), None)
 
     def reset(self) -> None:
         with self._lock:
@@ -446,7 +472,7 @@ async def create_response(scope: Scope, receive: Receive, send: Send, headers: R
                              param="previous_response_id", code="previous_response_not_found")
         context = previous.context
     elif conversation_id:
-        context = store.conversation(key_id, conversation_id)
+        context = store.context(key_id, conversation_id)
     input_tokens = (context + _words(instructions) + parsed.tokens
                     + (len(json.dumps(payload["tools"]).split()) if payload.get("tools") else 0))
     tool_name = None if parsed.after_tool_output else tool_rule(names, mode, forced, parsed.last_user_text)
@@ -542,7 +568,8 @@ async def response_item(scope: Scope, receive: Receive, send: Send, headers: Req
         raise BadRequest(f"Invalid URL ({method} {scope['path']})", status=404, code="unknown_url")
     if method == "POST":
         await _read_body(receive)
-    _, faults = parse_faults(headers, None)
+    # Counted for the key, and its all-model faults apply: a broken key serves nothing.
+    _, faults = parse_faults(headers, None, key)
     if await _apply_faults(faults, receive, send):
         return
     key_id = api_key_id(key)
@@ -568,6 +595,73 @@ async def response_item(scope: Scope, receive: Receive, send: Send, headers: Req
         await send_json(send, 200, _dumps(entry.body).encode())
     else:
         await send_json(send, 200, _dumps(_input_items_page(entry.input_items, _query(scope))).encode())
+
+
+def _conversation_body(conversation_id: str, record: ConversationRecord) -> bytes:
+    return _dumps({"id": conversation_id, "object": "conversation", "created_at": record.created_at,
+                   "metadata": record.metadata}).encode()
+
+
+def _metadata(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise BadRequest("Invalid 'metadata': expected an object of string values.", param="metadata")
+    return value
+
+
+async def create_conversation(scope: Scope, receive: Receive, send: Send,
+                              headers: RequestHeaders) -> None:
+    """POST /v1/conversations {"items": [...], "metadata": {...}}: its items' words are the
+    context of its first turn."""
+    key = _bearer_key(headers)
+    payload = await _read_json(receive)
+    if payload is None:
+        return
+    items = payload.get("items")
+    if items is not None and not isinstance(items, list):
+        raise BadRequest("Invalid 'items': expected an array of input items.", param="items")
+    parsed = parse_input(items) if items is not None else ParsedInput([], 0, "", False)
+    metadata = _metadata(payload.get("metadata"))
+    _, faults = parse_faults(headers, None, key)
+    if await _apply_faults(faults, receive, send):
+        return
+    conversation_id = _next_id("conv_")
+    record = ConversationRecord(parsed.tokens, int(time.time()), metadata)
+    store.put_conversation(api_key_id(key), conversation_id, record)
+    await send_json(send, 200, _conversation_body(conversation_id, record))
+
+
+async def conversation_item(scope: Scope, receive: Receive, send: Send,
+                            headers: RequestHeaders) -> None:
+    """GET /v1/conversations/{id}, POST (update its metadata), DELETE."""
+    key = _bearer_key(headers)
+    conversation_id = scope["path"][len("/v1/conversations/"):]
+    method = scope["method"]
+    if "/" in conversation_id or not conversation_id:
+        # Conversation items are not kept by the mock (only the context they add up to).
+        raise BadRequest(f"Invalid URL ({method} {scope['path']})", status=404, code="unknown_url")
+    metadata: dict[str, Any] | None = None
+    if method == "POST":
+        payload = await _read_json(receive)
+        if payload is None:
+            return
+        metadata = _metadata(payload.get("metadata"))
+    _, faults = parse_faults(headers, None, key)
+    if await _apply_faults(faults, receive, send):
+        return
+    key_id = api_key_id(key)
+    record = store.conversation(key_id, conversation_id)
+    if record is None or record.created_at is None:
+        raise BadRequest(f"Conversation with id '{conversation_id}' not found.", status=404)
+    if method == "DELETE":
+        store.delete_conversation(key_id, conversation_id)
+        await send_json(send, 200, _dumps({"id": conversation_id, "object": "conversation.deleted",
+                                           "deleted": True}).encode())
+        return
+    if metadata is not None:
+        record.metadata = metadata
+    await send_json(send, 200, _conversation_body(conversation_id, record))
 
 
 def _input_items_page(items: list[dict[str, Any]], query: dict[str, list[str]]) -> dict[str, Any]:
@@ -632,8 +726,11 @@ def register(routes: dict[str, dict[str, Handler]], prefix_routes: list[tuple[st
              resets: list[Callable[[], None]]) -> None:
     routes["/v1/responses"] = {"POST": create_response}
     routes["/v1/moderations"] = {"POST": moderations}
+    routes["/v1/conversations"] = {"POST": create_conversation}
     prefix_routes.append(("/v1/responses/", {"GET": response_item, "DELETE": response_item,
                                              "POST": response_item}))
+    prefix_routes.append(("/v1/conversations/", {"GET": conversation_item, "DELETE": conversation_item,
+                                                 "POST": conversation_item}))
     resets.append(store.reset)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -218,6 +219,46 @@ def test_conversation_accumulates_context(mock: MockUpstream) -> None:
     assert second.usage is not None and second.usage.input_tokens == 2 + 16 + 1
 
 
+def test_conversations_api_carries_its_items_into_turns(mock: MockUpstream) -> None:
+    key, other = _key(), _key()
+    client = _client(mock, key)
+    conversation = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "we plan a trip to Rome"}],
+        metadata={"topic": "travel"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "travel"}
+    turn = client.responses.create(model="gpt-4o", input="what to see", conversation=conversation.id)
+    assert turn.usage is not None and turn.usage.input_tokens == 6 + 3
+    assert client.conversations.retrieve(conversation.id).metadata == {"topic": "travel"}
+    updated = client.conversations.update(conversation.id, metadata={"topic": "food"})
+    assert updated.metadata == {"topic": "food"}
+    with pytest.raises(openai.NotFoundError):
+        _client(mock, other).conversations.retrieve(conversation.id)
+    # Another key's turn in the same id does not see this key's context.
+    foreign = _client(mock, other).responses.create(model="gpt-4o", input="hi", conversation=conversation.id)
+    assert foreign.usage is not None and foreign.usage.input_tokens == 1
+    assert client.conversations.delete(conversation.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.conversations.create(items="not a list")  # type: ignore[arg-type]
+    assert bad.value.body["param"] == "items"  # type: ignore[index]
+
+
+def test_stored_object_calls_count_for_the_key_and_get_its_faults(mock: MockUpstream) -> None:
+    key = _key()
+    client = _client(mock, key)
+    created = client.responses.create(model="gpt-4o", input="hi")
+    client.responses.retrieve(created.id)
+    client.responses.input_items.list(created.id)
+    report = httpx.get(f"{mock.url}/mock/faults", timeout=5).json()
+    assert report["requests"][api_key_id(key)] == 3
+    httpx.post(f"{mock.url}/mock/faults", json={"key": key, "faults": {"status": 503}}, timeout=5)
+    with pytest.raises(openai.InternalServerError):
+        client.responses.retrieve(created.id)
+    httpx.post(f"{mock.url}/mock/faults", json={"key": key, "faults": {}}, timeout=5)
+    assert client.responses.retrieve(created.id).id == created.id
+
+
 def test_retrieve_delete_input_items_and_per_key_isolation(mock: MockUpstream) -> None:
     key, other = _key(), _key()
     client = _client(mock, key)
@@ -306,6 +347,45 @@ def test_moderations_are_not_billed(mock: MockUpstream) -> None:
     assert result.results[0].categories.violence is False
     rows = httpx.get(f"{mock.url}/mock/usage", timeout=5).json()["completions"]
     assert not [row for row in rows if row["api_key_id"] == api_key_id(key)]
+
+
+def test_chat_reports_cached_and_reasoning_faults_in_the_bill(mock: MockUpstream) -> None:
+    key = _key()
+    client = openai.OpenAI(base_url=mock.base_url, api_key=key, max_retries=0, timeout=10)
+    reply = client.chat.completions.create(model="gpt-4o@cached_tokens=1@reasoning_tokens=4", max_tokens=10,
+                                           messages=[{"role": "user", "content": "a b c"}])
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details and usage.completion_tokens_details
+    assert (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) == (3, 1)
+    assert (usage.completion_tokens, usage.completion_tokens_details.reasoning_tokens) == (10, 4)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == expected_text(6)
+    row = bill_row(mock, key, "gpt-4o")
+    assert (row["prompt_tokens"], row["completion_tokens"], row["input_cached_tokens"],
+            row["output_reasoning_tokens"]) == (3, 10, 1, 4)
+    page = httpx.get(f"{mock.base_url}/organization/usage/completions",
+                     params={"start_time": int(time.time()) - 60, "group_by": "api_key_id",
+                             "api_key_ids": api_key_id(key)},
+                     headers={"Authorization": "Bearer admin"}, timeout=5)
+    assert page.status_code == 200
+    results = [result for bucket in page.json()["data"] for result in bucket["results"]]
+    assert len(results) == 1
+    assert {name: results[0][name] for name in ("input_tokens", "output_tokens", "input_cached_tokens",
+                                                 "input_cache_write_tokens", "output_reasoning_tokens",
+                                                 "num_model_requests")} == {
+        "input_tokens": 3, "output_tokens": 10, "input_cached_tokens": 1, "input_cache_write_tokens": 0,
+        "output_reasoning_tokens": 4, "num_model_requests": 1}
+    # Streamed with usage: the same classes in the usage chunk and in the bill.
+    chunks = list(client.chat.completions.create(
+        model="gpt-4o@cached_tokens=2@reasoning_tokens=3@output_tokens=2", stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": "user", "content": "a b c"}]))
+    streamed = chunks[-1].usage
+    assert streamed is not None and streamed.prompt_tokens_details and streamed.completion_tokens_details
+    assert (streamed.completion_tokens, streamed.completion_tokens_details.reasoning_tokens) == (5, 3)
+    assert streamed.prompt_tokens_details.cached_tokens == 2
+    row = bill_row(mock, key, "gpt-4o")
+    assert (row["prompt_tokens"], row["completion_tokens"], row["input_cached_tokens"],
+            row["output_reasoning_tokens"], row["requests"]) == (6, 15, 3, 7, 2)
 
 
 def test_agents_sdk_runs_a_function_tool(mock: MockUpstream) -> None:
