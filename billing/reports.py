@@ -6,9 +6,19 @@ Figures are sums of the ledger's integers, so the totals equal the ledger to the
 money is printed in US dollars with six decimals (exact: micro-dollars / 10^6).
 
 Columns (tenant report): day, project, api_key, model, requests, input_tokens, output_tokens,
-cost_usd, then the sweep and its corrections (below). Columns (platform report): tenant, plan,
-requests, input_tokens, output_tokens, cost_usd, then the same sweep columns.
+cached_input_tokens, cache_write_tokens, reasoning_tokens, cost_usd, then the sweep and its
+corrections (below). Columns (platform report): tenant, plan, requests, input_tokens,
+output_tokens, the same three token classes, cost_usd, then the same sweep columns.
 Released requests count as requests with zero tokens and zero cost.
+
+The token classes are the parts of the totals the upstream prices apart (gateway/usage.py):
+  cached_input_tokens  of input_tokens, read from the provider's prompt cache (OpenAI
+                       cached_tokens, Anthropic cache_read_input_tokens)
+  cache_write_tokens   of input_tokens, written to the prompt cache (Anthropic
+                       cache_creation_input_tokens)
+  reasoning_tokens     of output_tokens, reasoning / thinking
+input_tokens and output_tokens stay totals (what quota counts); cost_usd prices each class at
+the model's price for it.
 
 The sweep columns tell finance which figures are not the upstream's own:
   swept_requests      rows still charged what the sweep knew (the gateway never ended the call:
@@ -43,10 +53,11 @@ from billing.models import UsageRecord
 from tenants.models import Tenant
 
 SWEEP_COLUMNS = ("swept_requests", "corrected_requests", "sweep_charged_usd", "correction_usd")
+CLASS_COLUMNS = ("cached_input_tokens", "cache_write_tokens", "reasoning_tokens")
 TENANT_COLUMNS = ("day", "project", "api_key", "model", "requests", "input_tokens",
-                  "output_tokens", "cost_usd", *SWEEP_COLUMNS)
-PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens", "cost_usd",
-                    *SWEEP_COLUMNS)
+                  "output_tokens", *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS)
+PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens",
+                    *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -89,17 +100,25 @@ def usd(micros: int) -> Decimal:
 
 _CORRECTED = Q(corrected_at__isnull=False)
 _SUMS = {"requests": Count("id"), "input_tokens": Sum("input_tokens"),
-         "output_tokens": Sum("output_tokens"), "cost": Sum("cost_micros"),
+         "output_tokens": Sum("output_tokens"),
+         **{name: Sum(name) for name in CLASS_COLUMNS},
+         "cost": Sum("cost_micros"),
          "swept": Count("id", filter=Q(status=UsageRecord.Status.SWEPT)),
          "corrected": Count("id", filter=_CORRECTED),
          "sweep_charged": Coalesce(Sum("swept_cost_micros", filter=_CORRECTED), 0),
          "corrected_cost": Coalesce(Sum("cost_micros", filter=_CORRECTED), 0)}
-_SUMMED = ("requests", "input_tokens", "output_tokens", "cost", "swept", "corrected",
-           "sweep_charged", "corrected_cost")
+_SUMMED = ("requests", "input_tokens", "output_tokens", *CLASS_COLUMNS, "cost", "swept",
+           "corrected", "sweep_charged", "corrected_cost")
 
 
 def _totals(groups: list[dict]) -> dict[str, int]:
     return {name: sum(g[name] for g in groups) for name in _SUMMED}
+
+
+def _token_cells(g: dict) -> tuple[object, ...]:
+    """input_tokens, output_tokens and the classes, then cost_usd."""
+    return (g["input_tokens"], g["output_tokens"], *(g[name] for name in CLASS_COLUMNS),
+            usd(g["cost"]))
 
 
 def _sweep_cells(g: dict) -> tuple[object, ...]:
@@ -117,15 +136,14 @@ def tenant_month(tenant: Tenant, month: Month) -> Report:
     )
     rows = [(g["day"].isoformat(), g["project__slug"] or "(deleted)",
              g["api_key__public_id"] or "(deleted)", g["served_model"], g["requests"],
-             g["input_tokens"], g["output_tokens"], usd(g["cost"]), *_sweep_cells(g))
+             *_token_cells(g), *_sweep_cells(g))
             for g in groups]
     t = _totals(groups)
     return Report(
         title=f"{tenant.slug} {month}",
         columns=TENANT_COLUMNS,
         rows=rows,
-        totals=("total", "", "", "", t["requests"], t["input_tokens"], t["output_tokens"],
-                usd(t["cost"]), *_sweep_cells(t)),
+        totals=("total", "", "", "", t["requests"], *_token_cells(t), *_sweep_cells(t)),
         cost_micros=t["cost"],
     )
 
@@ -137,15 +155,14 @@ def platform_month(month: Month) -> Report:
         .annotate(**_SUMS)
         .order_by("tenant__slug")
     )
-    rows = [(g["tenant__slug"], g["tenant__plan__name"], g["requests"], g["input_tokens"],
-             g["output_tokens"], usd(g["cost"]), *_sweep_cells(g)) for g in groups]
+    rows = [(g["tenant__slug"], g["tenant__plan__name"], g["requests"], *_token_cells(g),
+             *_sweep_cells(g)) for g in groups]
     t = _totals(groups)
     return Report(
         title=f"all tenants {month}",
         columns=PLATFORM_COLUMNS,
         rows=rows,
-        totals=("total", "", t["requests"], t["input_tokens"], t["output_tokens"], usd(t["cost"]),
-                *_sweep_cells(t)),
+        totals=("total", "", t["requests"], *_token_cells(t), *_sweep_cells(t)),
         cost_micros=t["cost"],
     )
 

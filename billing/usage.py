@@ -23,10 +23,14 @@ GROUPINGS: dict[str, tuple[str, ...]] = {
     "key": ("api_key__public_id", "api_key__name"),
     "model": ("served_model",),
 }
+# The token classes, each part of a total (of input_tokens: cached and cache-write input; of
+# output_tokens: reasoning), as the ledger keeps them (gateway/usage.py).
+TOKEN_CLASSES = ("cached_input_tokens", "cache_write_tokens", "reasoning_tokens")
 _SUMS = {
     "requests": Count("id"),
     "input_tokens": Sum("input_tokens"),
     "output_tokens": Sum("output_tokens"),
+    **{name: Sum(name) for name in TOKEN_CLASSES},
     "cost_micros": Sum("cost_micros"),
 }
 
@@ -54,7 +58,8 @@ def usage_totals(
     tenant: Tenant, start: date, end: date, group_by: tuple[str, ...] = ("day",), *,
     project: str | None = None, key: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Requests, input / output / total tokens and cost per group, for days start..end.
+    """Requests, input / output / total tokens, the token classes (cached input, cache writes,
+    reasoning: parts of the input and output totals) and cost per group, for days start..end.
 
     group_by names from GROUPINGS, combined (("day", "model") is a row per day and model);
     project / key (public ids) narrow the rows to one project or API key.
@@ -88,6 +93,7 @@ def usage_totals(
             input_tokens=row["input_tokens"] or 0,
             output_tokens=row["output_tokens"] or 0,
             total_tokens=(row["input_tokens"] or 0) + (row["output_tokens"] or 0),
+            **{name: row[name] or 0 for name in TOKEN_CLASSES},
             cost_micros=row["cost_micros"] or 0,
         )
         out.append(item)

@@ -77,6 +77,12 @@ class UsageRowSerializer(serializers.Serializer):
     input_tokens = serializers.IntegerField()
     output_tokens = serializers.IntegerField()
     total_tokens = serializers.IntegerField()
+    cached_input_tokens = serializers.IntegerField(
+        help_text="Of input_tokens: read from the provider's prompt cache.")
+    cache_write_tokens = serializers.IntegerField(
+        help_text="Of input_tokens: written to the provider's prompt cache.")
+    reasoning_tokens = serializers.IntegerField(
+        help_text="Of output_tokens: reasoning (thinking).")
     cost_micros = serializers.IntegerField(
         required=False, help_text="Micro-dollars; left out for members (finance data).")
 

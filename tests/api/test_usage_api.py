@@ -147,3 +147,33 @@ def test_quota_is_503_when_redis_is_down(world: World, monkeypatch) -> None:
     monkeypatch.setattr(usage_views, "quota_status", down)
     response = world.client(world.owner).get(_quota(world))
     assert response.status_code == 503 and "Redis" in response.json()["detail"]
+
+
+def test_usage_includes_the_token_classes(ledger: World) -> None:
+    """Cached input, cache writes and reasoning per group (parts of the input and output
+    totals), for members too (they are tokens, not finance data)."""
+    now = datetime.now(UTC)
+    UsageRecord.objects.create(
+        request_id="claude-1", tenant=ledger.acme, project=ledger.web,
+        api_key=ledger.issued.api_key, model="claude-sonnet-4-5",
+        served_model="claude-sonnet-4-5", input_tokens=10_000, output_tokens=1_000,
+        cached_input_tokens=6_000, cache_write_tokens=2_000, reasoning_tokens=400,
+        cost_micros=30_300, status=UsageRecord.Status.SETTLED, started_at=now, ended_at=now)
+    UsageRecord.objects.create(
+        request_id="claude-2", tenant=ledger.acme, project=ledger.web,
+        api_key=ledger.issued.api_key, model="claude-sonnet-4-5",
+        served_model="claude-sonnet-4-5", input_tokens=500, output_tokens=10,
+        cached_input_tokens=500, cost_micros=165, status=UsageRecord.Status.SETTLED,
+        started_at=now, ended_at=now)
+    for user in (ledger.owner, ledger.member):
+        rows = ledger.client(user).get(_usage(ledger), {"group_by": "model"}).json()["results"]
+        by_model = {r["model"]: r for r in rows}
+        claude = by_model["claude-sonnet-4-5"]
+        assert (claude["requests"], claude["input_tokens"], claude["output_tokens"],
+                claude["total_tokens"], claude["cached_input_tokens"],
+                claude["cache_write_tokens"], claude["reasoning_tokens"]) == (
+            2, 10_500, 1_010, 11_510, 6_500, 2_000, 400)
+        gpt = by_model["gpt-4o"]
+        assert (gpt["cached_input_tokens"], gpt["cache_write_tokens"],
+                gpt["reasoning_tokens"]) == (0, 0, 0)
+        assert ("cost_micros" in claude) == (user is ledger.owner)

@@ -65,11 +65,12 @@ def test_tenant_month_groups_by_day_project_key_model_and_totals_match_the_ledge
         ("2026-11-02", "batch", acme.projects.get(slug="batch").api_keys.get().public_id, "gpt-4o"),
         ("2026-11-30", "batch", acme.projects.get(slug="batch").api_keys.get().public_id, "gpt-4o"),
     ]
-    assert report.rows[0][4:8] == (2, 1010, 505, Decimal("0.007575"))
+    # requests, input, output, cached input, cache writes, reasoning, cost
+    assert report.rows[0][4:11] == (2, 1010, 505, 0, 0, 0, Decimal("0.007575"))
     sums = ledger_sums(tenant=acme)
     assert report.totals[4:7] == (sums["n"], sums["i"], sums["o"])
     assert report.cost_micros == sums["c"] == 1_523_712
-    assert report.totals[7] == Decimal("1.523712")
+    assert report.totals[10] == Decimal("1.523712")
 
 
 def test_platform_report_has_one_row_per_tenant(ledger) -> None:
@@ -84,12 +85,12 @@ def test_csv_and_xlsx_carry_the_same_figures(ledger, tmp_path: Path) -> None:
     report = tenant_month(acme, Month.parse("2026-11"))
     rows = list(csv.reader(io.StringIO(to_csv(report).decode())))
     assert rows[0] == list(report.columns)
-    assert rows[-1][7] == "1.523712" and len(rows) == len(report.rows) + 2
+    assert rows[-1][10] == "1.523712" and len(rows) == len(report.rows) + 2
     book = load_workbook(io.BytesIO(to_xlsx(report)))
     sheet = book.active
     assert [c.value for c in sheet[1]] == list(report.columns)
     assert sheet.cell(row=sheet.max_row, column=5).value == report.totals[4]
-    assert round(sheet.cell(row=sheet.max_row, column=8).value, 6) == 1.523712
+    assert round(sheet.cell(row=sheet.max_row, column=11).value, 6) == 1.523712
 
 
 def test_cost_report_command(ledger, tmp_path: Path) -> None:
@@ -177,19 +178,65 @@ def test_reports_show_swept_rows_and_the_corrections_of_late_settles(ledger) -> 
     record(acme, "still-swept", 1, "gpt-4o", 100, 900, 9_250, web, key, status="swept")
 
     report = tenant_month(acme, Month.parse("2026-11"))
-    assert report.columns[8:] == ("swept_requests", "corrected_requests", "sweep_charged_usd",
+    assert report.columns[11:] == ("swept_requests", "corrected_requests", "sweep_charged_usd",
                                   "correction_usd")
     [row] = [r for r in report.rows if r[0] == "2026-11-01" and r[3] == "gpt-4o"]
-    assert row[4:] == (5, 1210, 1655, Decimal("0.019575"), 1, 2, Decimal("0.009900"),
+    assert row[4:] == (5, 1210, 1655, 0, 0, 0, Decimal("0.019575"), 1, 2, Decimal("0.009900"),
                        Decimal("-0.007150"))
-    assert report.totals[8:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
+    assert report.totals[11:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
     assert report.cost_micros == ledger_sums(tenant=acme)["c"]
 
     platform = platform_month(Month.parse("2026-11"))
     assert platform.rows[0][:1] == ("acme",)
-    assert platform.rows[0][6:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
+    assert platform.rows[0][9:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
 
     sheet = load_workbook(io.BytesIO(to_xlsx(report))).active
-    assert [c.value for c in sheet[1]][8:] == list(report.columns[8:])
-    assert sheet.cell(row=sheet.max_row, column=12).value == pytest.approx(-0.00715)
-    assert sheet.cell(row=sheet.max_row, column=12).number_format == "0.000000"
+    assert [c.value for c in sheet[1]][11:] == list(report.columns[11:])
+    assert sheet.cell(row=sheet.max_row, column=15).value == pytest.approx(-0.00715)
+    assert sheet.cell(row=sheet.max_row, column=15).number_format == "0.000000"
+
+
+def test_reports_show_the_token_classes_with_totals(ledger) -> None:
+    """Cached input, cache writes and reasoning are columns of their own (parts of the input and
+    output totals, which stay what quota counted), summed in the totals row, in the CSV and the
+    XLSX alike."""
+    acme, globex = ledger
+    web = acme.projects.get(slug="web")
+    key = web.api_keys.get()
+    moment = datetime(2026, 11, 3, 12, tzinfo=UTC)
+    for rid, classes in (("c1", (6_000, 2_000, 400)), ("c2", (1_000, 0, 0))):
+        UsageRecord.objects.create(
+            request_id=rid, tenant=acme, project=web, api_key=key, model="claude-sonnet-4-5",
+            served_model="claude-sonnet-4-5", input_tokens=10_000, output_tokens=1_000,
+            cached_input_tokens=classes[0], cache_write_tokens=classes[1],
+            reasoning_tokens=classes[2], cost_micros=30_300, status="settled",
+            started_at=moment, ended_at=moment)
+    UsageRecord.objects.create(
+        request_id="g-cached", tenant=globex, model="gpt-4o", served_model="gpt-4o",
+        input_tokens=100, output_tokens=10, cached_input_tokens=64, cost_micros=290,
+        status="settled", started_at=moment, ended_at=moment)
+
+    report = tenant_month(acme, Month.parse("2026-11"))
+    assert report.columns[4:11] == ("requests", "input_tokens", "output_tokens",
+                                    "cached_input_tokens", "cache_write_tokens",
+                                    "reasoning_tokens", "cost_usd")
+    [row] = [r for r in report.rows if r[3] == "claude-sonnet-4-5"]
+    assert row[:11] == ("2026-11-03", "web", key.public_id, "claude-sonnet-4-5", 2, 20_000,
+                        2_000, 7_000, 2_000, 400, Decimal("0.060600"))
+    sums = UsageRecord.objects.filter(tenant=acme, ended_at__month=11).aggregate(
+        c=Sum("cached_input_tokens"), w=Sum("cache_write_tokens"), r=Sum("reasoning_tokens"))
+    assert report.totals[7:10] == (sums["c"], sums["w"], sums["r"]) == (7_000, 2_000, 400)
+
+    platform = platform_month(Month.parse("2026-11"))
+    assert platform.columns[2:9] == ("requests", "input_tokens", "output_tokens",
+                                     "cached_input_tokens", "cache_write_tokens",
+                                     "reasoning_tokens", "cost_usd")
+    assert [r[5:8] for r in platform.rows] == [(7_000, 2_000, 400), (64, 0, 0)]
+    assert platform.totals[5:8] == (7_064, 2_000, 400)
+
+    rows = list(csv.reader(io.StringIO(to_csv(report).decode())))
+    assert rows[-1][7:10] == ["7000", "2000", "400"]
+    sheet = load_workbook(io.BytesIO(to_xlsx(report))).active
+    assert [sheet.cell(row=sheet.max_row, column=c).value for c in (8, 9, 10)] == [
+        7_000, 2_000, 400]
+    assert sheet.cell(row=1, column=8).value == "cached_input_tokens"
