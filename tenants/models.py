@@ -427,7 +427,9 @@ class AuditEvent(models.Model):
     )
     actor = models.CharField(max_length=200)
     action = models.CharField(max_length=64)
-    target = models.CharField(max_length=PUBLIC_ID_MAX_LENGTH)
+    # A public id, a slug, or a catalog model name (gateway/prices.py audits models, prices and
+    # aliases by name): as long as the longest of them, MODEL_NAME_MAX_LENGTH (128).
+    target = models.CharField(max_length=200)
     data = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
