@@ -396,8 +396,7 @@ async def _unmetered_call(request: HttpRequest, api: Api, handler: Handler) -> H
         ctx = await _authenticate(runtime, request, api)
         try:
             refuse_before_reading(ctx)
-            response = await handler(runtime, ctx, request, _read_body(request),
-                                                   request_id)
+            response = await handler(runtime, ctx, request, _read_body(request), request_id)
         except GatewayError as error:
             await _count_if_refusal(runtime, ctx, error)
             raise
@@ -437,7 +436,7 @@ async def _moderate(runtime: GatewayRuntime, ctx: KeyContext, request: HttpReque
                           "content parts.", "input")
     pool, tenant = runtime.pool, ctx.tenant_id
     model: str | None
-    if "model" in body:
+    if body.get("model") is not None:
         model = _model_name(body["model"])
         if not allows(runtime, ctx, model):
             raise model_not_allowed(model)

@@ -125,7 +125,7 @@ def test_a_wrong_method_on_a_known_path_is_a_json_405(path: str, allowed: str,
         assert body["error"]["code"] == "method_not_allowed"
 
 
-# -- the model rules --------------------------------------------------------------------------------
+# -- the model rules -------------------------------------------------------------------------------
 
 
 def _info(name: str) -> ModelInfo:
