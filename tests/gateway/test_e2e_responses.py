@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
+import httpx2
 import openai
 import pytest
 
@@ -150,23 +151,24 @@ class Meter:
 
 
 class RequestIds:
-    """Every gateway request id a client's HTTP client saw, in order (an httpx response hook, so
-    it works for the openai, anthropic and agents SDKs alike, streaming or not)."""
+    """Every gateway request id a client's HTTP client saw, in order (a response hook, so it
+    works for the openai, anthropic and agents SDKs alike, streaming or not). The SDKs speak
+    through httpx2, so the hooked clients are httpx2's."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, int]] = []
 
-    def _record(self, response: httpx.Response) -> None:
+    def _record(self, response: httpx2.Response) -> None:
         self.seen.append((response.headers.get("x-request-id", ""), response.status_code))
 
-    async def _arecord(self, response: httpx.Response) -> None:
+    async def _arecord(self, response: httpx2.Response) -> None:
         self._record(response)
 
-    def client(self, **options: Any) -> httpx.Client:
-        return httpx.Client(event_hooks={"response": [self._record]}, **options)
+    def client(self, **options: Any) -> httpx2.Client:
+        return httpx2.Client(event_hooks={"response": [self._record]}, **options)
 
-    def async_client(self, **options: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(event_hooks={"response": [self._arecord]}, **options)
+    def async_client(self, **options: Any) -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(event_hooks={"response": [self._arecord]}, **options)
 
     @property
     def last(self) -> str:
