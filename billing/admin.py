@@ -51,7 +51,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 @admin.register(UsageRecord)
 class UsageRecordAdmin(ReadOnlyAdmin):
     list_display = ("request_id", "tenant", "served_model", "provider_key", "status",
-                    "input_tokens", "output_tokens", "cost_micros", "http_status", "ended_at")
+                    "input_tokens", "output_tokens", "cached_input_tokens", "cache_write_tokens",
+                    "reasoning_tokens", "cost_micros", "http_status", "ended_at")
     list_filter = ("status", "endpoint", "streamed")
     search_fields = ("request_id", "served_model", "model")
     date_hierarchy = "ended_at"
@@ -66,7 +67,9 @@ class ReconciliationRowInline(admin.TabularInline):
     show_change_link = True
     fields = ("flagged", "day", "provider_key", "api_key_id", "model", "tenant", "ours_input",
               "ours_output", "theirs_input", "theirs_output", "difference", "difference_rate",
-              "ours_cost_micros", "theirs_cost_micros", "note")
+              "ours_cached_input", "theirs_cached_input", "ours_cache_write",
+              "theirs_cache_write", "ours_reasoning", "theirs_reasoning", "ours_cost_micros",
+              "theirs_cost_micros", "theirs_priced_micros", "note")
     readonly_fields = fields
     ordering = ("-flagged", "day", "model")
 

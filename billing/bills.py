@@ -11,12 +11,21 @@ Every adapter is a `BillSource`: `fetch(start, end)` returns the `BillLine`s of 
   API key), so `cost_micros` is None.
 * `MockBill(base_url)`: the same API as served by gateway.mock_upstream (its `/v1` URL).
 * `CsvBill(path_or_file)`: a CSV file with a header row naming at least the columns
-  `day,api_key_id,model,input_tokens,output_tokens,requests` and optionally `cost_usd`
+  `day,api_key_id,model,input_tokens,output_tokens,requests` and optionally `cost_usd` and the
+  token classes `input_cached_tokens,input_cache_write_tokens,output_reasoning_tokens`
   (other columns are ignored). `day` is YYYY-MM-DD (UTC); token and request counts are
   non-negative integers; `cost_usd` is a non-negative decimal number of US dollars (e.g.
   `0.012345`), converted to integer micro-dollars with Decimal (no floats), rounded half up
   below the micro-dollar; an empty `cost_usd` means "no cost given". A malformed line raises
   `BillFormatError` naming the file and the line number.
+
+Token classes: `input_tokens` and `output_tokens` are totals; a line also says how much of them
+the upstream priced apart when the bill reports it: `input_cached_tokens` (OpenAI's own field
+name: prompt-cache reads), `input_cache_write_tokens` and `output_reasoning_tokens` (the mock's
+extension, for Anthropic's cache writes and reasoning). A class the bill does not report (field
+absent or null, CSV column absent or cell empty) is None on the line: reconciliation compares
+only the classes a bill reports (OpenAI's usage API has no reasoning figure), and prices an
+unreported class as 0 tokens (at its total's price).
 """
 from __future__ import annotations
 
@@ -31,9 +40,16 @@ from typing import IO, Any, Protocol
 
 import httpx
 
+from gateway.usage import Usage
+
 MICROS_PER_USD = Decimal(1_000_000)
 CSV_REQUIRED_COLUMNS = ("day", "api_key_id", "model", "input_tokens", "output_tokens", "requests")
-CSV_COLUMNS = (*CSV_REQUIRED_COLUMNS, "cost_usd")
+# The bill's name of each token class (BillLine's field): the usage API's result fields and the
+# CSV's optional columns.
+CLASS_FIELDS = {"input_cached_tokens": "cached_input_tokens",
+                "input_cache_write_tokens": "cache_write_tokens",
+                "output_reasoning_tokens": "reasoning_tokens"}
+CSV_COLUMNS = (*CSV_REQUIRED_COLUMNS, "cost_usd", *CLASS_FIELDS)
 # OpenAI's maximum page size for daily buckets; the mock accepts 1..31 as well.
 DAYS_PER_PAGE = 31
 MAX_PAGES = 10_000
@@ -56,6 +72,18 @@ class BillLine:
     output_tokens: int
     requests: int
     cost_micros: int | None = None
+    # Parts of the totals (see the module docstring); None: the bill does not report the class.
+    cached_input_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    def usage(self) -> Usage:
+        """The line's usage by class (an unreported class as 0; classes larger than their
+        totals are clamped into them, as for an upstream's figures)."""
+        return Usage.of(self.input_tokens, self.output_tokens,
+                        cached=self.cached_input_tokens or 0,
+                        cache_write=self.cache_write_tokens or 0,
+                        reasoning=self.reasoning_tokens or 0)
 
 
 class BillSource(Protocol):
@@ -87,6 +115,12 @@ def _count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BillError(f"unexpected {what} in the usage response: {value!r}")
     return value
+
+
+def _classes(result: dict[str, Any]) -> dict[str, int | None]:
+    """A usage result's token classes: None for a field it does not have (or null)."""
+    return {name: None if result.get(field) is None else _count(result.get(field), field)
+            for field, name in CLASS_FIELDS.items()}
 
 
 class OpenAIUsageAPI:
@@ -179,6 +213,7 @@ class OpenAIUsageAPI:
                     output_tokens=_count(result.get("output_tokens"), "output_tokens"),
                     requests=_count(result.get("num_model_requests"), "num_model_requests"),
                     cost_micros=None,
+                    **_classes(result),
                 )
 
 
@@ -300,6 +335,9 @@ class CsvBill:
         if not model:
             raise ValueError("model is empty")
         cost = cell("cost_usd") if "cost_usd" in index else ""
+        classes = {name: _non_negative_int(cell(column), column)
+                   if column in index and cell(column) else None
+                   for column, name in CLASS_FIELDS.items()}
         return BillLine(
             day=day,
             upstream_key_id=cell("api_key_id"),
@@ -308,4 +346,5 @@ class CsvBill:
             output_tokens=_non_negative_int(cell("output_tokens"), "output_tokens"),
             requests=_non_negative_int(cell("requests"), "requests"),
             cost_micros=usd_to_micros(cost) if cost else None,
+            **classes,
         )

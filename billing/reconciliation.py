@@ -23,6 +23,14 @@ missing from the gateway's ModelSpec catalog are marked "unknown model" in the n
 through the rules above). Costs are stored for reading, not compared: OpenAI's usage API gives
 none, and our prices may differ from the provider's.
 
+Token classes (cached input, cache writes, reasoning: parts of the input and output totals,
+gateway/usage.py) are compared too, each class the bill reports (billing/bills.py: a class it
+does not report is empty on the row and not compared): a class whose rate |theirs - ours| /
+max(ours, theirs) exceeds the tolerance flags the row like a token mismatch, and the note names
+it. `theirs_priced_micros` is the bill's usage at our prices (Price.cost_of of each line's usage
+by class, at the price of the start of its UTC day; empty when a line's model has no price), to
+read against `ours_cost_micros` when the bill gives no cost of its own.
+
 Runs are never overwritten: re-running the same period, source and provider key stores a new run
 and points the previous current run at it (`superseded_by`), so the admin shows the history and
 the current result is the run with no successor. A run whose bill could not be read is stored
@@ -58,7 +66,7 @@ from billing.models import ReconciliationRow, ReconciliationRun, UpstreamKeyAlia
 from gateway.crypto import SecretDecryptionError, decrypt_secret
 from gateway.mock_upstream import api_key_id
 from gateway.models import ModelSpec, ProviderKey
-from gateway.prices import load_aliases
+from gateway.prices import PriceBook, load_aliases
 from quotas.keys import reconcile_lock_key
 from tenants.services.audit import record_audit_event
 
@@ -153,6 +161,13 @@ def _alias_map(derive: bool, keys: Sequence[ProviderKey]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+# The token classes compared: the ledger's (and BillLine's) field, the row's suffix, the note's
+# name.
+CLASSES = (("cached_input_tokens", "cached_input", "cached input"),
+           ("cache_write_tokens", "cache_write", "cache write"),
+           ("reasoning_tokens", "reasoning", "reasoning"))
+
+
 @dataclass
 class _Side:
     requests: int = 0
@@ -160,18 +175,32 @@ class _Side:
     output: int = 0
     cost: int | None = None
     upstream_ids: set[str] = field(default_factory=set)
+    # Per class (CLASSES' first names): the tokens, and which classes the side reports at all
+    # (the ledger always does; a bill only those it has).
+    classes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        (name for name, _, _ in CLASSES), 0))
+    reported: set[str] = field(default_factory=set)
+    # Theirs: the bill's usage at our prices; None once a line had no price.
+    priced: int | None = 0
 
     @property
     def tokens(self) -> int:
         return self.input + self.output
 
     def add(self, requests: int, input_tokens: int, output_tokens: int,
-            cost: int | None) -> None:
+            cost: int | None, classes: dict[str, int | None] | None = None) -> None:
         self.requests += requests
         self.input += input_tokens
         self.output += output_tokens
         if cost is not None:
             self.cost = (self.cost or 0) + cost
+        for name, value in (classes or {}).items():
+            if value is not None:
+                self.classes[name] += value
+                self.reported.add(name)
+
+    def reports(self, name: str) -> int | None:
+        return self.classes[name] if name in self.reported else None
 
 
 # (provider key id or None, upstream key id when the key is none of ours, model, day)
@@ -204,18 +233,21 @@ def _ours(start: date, end: date, provider_key: ProviderKey | None,
     sums = (records.annotate(day=TruncDate("ended_at", tzinfo=UTC))
             .values("provider_key_id", "served_model", "day")
             .annotate(requests=Count("id"), input=Sum("input_tokens"),
-                      output=Sum("output_tokens"), cost=Sum("cost_micros"))
+                      output=Sum("output_tokens"), cost=Sum("cost_micros"),
+                      **{name: Sum(name) for name, _, _ in CLASSES})
             .order_by())
     sides: dict[_Group, _Side] = defaultdict(_Side)
     for row in sums:
         model = models.get(row["served_model"], row["served_model"])
         group = (row["provider_key_id"], "", model, row["day"])
-        sides[group].add(row["requests"], row["input"] or 0, row["output"] or 0, row["cost"] or 0)
+        sides[group].add(row["requests"], row["input"] or 0, row["output"] or 0, row["cost"] or 0,
+                         {name: row[name] or 0 for name, _, _ in CLASSES})
     return sides
 
 
 def _theirs(lines: Sequence[BillLine], aliases: dict[str, int],
-            provider_key: ProviderKey | None, models: dict[str, str]) -> dict[_Group, _Side]:
+            provider_key: ProviderKey | None, models: dict[str, str],
+            prices: PriceBook) -> dict[_Group, _Side]:
     sides: dict[_Group, _Side] = defaultdict(_Side)
     for line in lines:
         key_id = aliases.get(line.upstream_key_id)
@@ -224,8 +256,14 @@ def _theirs(lines: Sequence[BillLine], aliases: dict[str, int],
         group = (key_id, "" if key_id else line.upstream_key_id,
                  models.get(line.model, line.model), line.day)
         side = sides[group]
-        side.add(line.requests, line.input_tokens, line.output_tokens, line.cost_micros)
+        side.add(line.requests, line.input_tokens, line.output_tokens, line.cost_micros,
+                 {name: getattr(line, name) for name, _, _ in CLASSES})
         side.upstream_ids.add(line.upstream_key_id)
+        price = prices.price(line.model, _moment(line.day))
+        if price is None or side.priced is None:
+            side.priced = None
+        else:
+            side.priced += price.cost_of(line.usage())
     return sides
 
 
@@ -273,7 +311,8 @@ def reconcile(day_or_range: DayOrRange, source: BillSource, *,
     else:
         models = load_aliases()  # dated snapshot -> catalog model, on both sides
         rows = _compare(run, _ours(start, end, provider_key, models),
-                        _theirs(lines, aliases, provider_key, models), aliases, tolerance)
+                        _theirs(lines, aliases, provider_key, models, PriceBook.load()), aliases,
+                        tolerance)
         run.status = (ReconciliationRun.Status.DRIFT if any(row.flagged for row in rows)
                       else ReconciliationRun.Status.OK)
         _total(run, rows)
@@ -320,6 +359,11 @@ def _compare(run: ReconciliationRun, ours: dict[_Group, _Side], theirs: dict[_Gr
             notes.append(MISSING_THEIRS)
             if key_id is not None and not names_by_key.get(key_id):
                 notes.append(NO_ALIAS)
+        elif mismatched := _class_mismatches(mine, bill, tolerance):
+            # Totals that agree can still hide a wrong split: a cached token billed as a plain
+            # one (or reasoning as plain output) costs a different price.
+            flagged = True
+            notes.extend(mismatched)
         if model not in known_models:
             notes.append(UNKNOWN_MODEL)
         provider_key = keys.get(key_id) if key_id is not None else None
@@ -331,10 +375,26 @@ def _compare(run: ReconciliationRun, ours: dict[_Group, _Side], theirs: dict[_Gr
             ours_cost_micros=mine.cost or 0,
             theirs_requests=bill.requests, theirs_input=bill.input, theirs_output=bill.output,
             theirs_cost_micros=bill.cost,
+            **{f"ours_{suffix}": mine.classes[name] for name, suffix, _ in CLASSES},
+            **{f"theirs_{suffix}": bill.reports(name) for name, suffix, _ in CLASSES},
+            theirs_priced_micros=bill.priced if bill.requests or bill.tokens else None,
             difference=bill.tokens - mine.tokens,
             difference_rate=rate.quantize(RATE_PLACES, rounding=ROUND_HALF_UP),
             flagged=flagged, note="; ".join(notes)[:300]))
     return rows
+
+
+def _class_mismatches(ours: _Side, theirs: _Side, tolerance: Decimal) -> list[str]:
+    """A note for each class the bill reports that differs from ours beyond the tolerance."""
+    notes = []
+    for name, _, label in CLASSES:
+        reported = theirs.reports(name)
+        if reported is None:
+            continue
+        mine = ours.classes[name]
+        if difference_rate(mine, reported) > tolerance:
+            notes.append(f"{label} differs: ours {mine}, theirs {reported}")
+    return notes
 
 
 def _total(run: ReconciliationRun, rows: Sequence[ReconciliationRow]) -> None:

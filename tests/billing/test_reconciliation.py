@@ -617,3 +617,157 @@ def test_admin_alias_edits_and_run_pruning_are_audited(admin_client: Any, admin_
                       ("upstream_key_alias.delete", "key_entered"),
                       ("reconciliation_run.delete", run.public_id)]
     assert not ReconciliationRun.objects.filter(pk=run.pk).exists()
+
+
+# --- token classes ---------------------------------------------------------------------------
+
+CLASS_HEADER = ("day,api_key_id,model,input_tokens,output_tokens,requests,cost_usd,"
+                "input_cached_tokens,input_cache_write_tokens,output_reasoning_tokens\n")
+
+
+def classed_usage(key: ProviderKey, model: str, day: date, input_tokens: int,
+                  output_tokens: int, cached: int = 0, write: int = 0,
+                  reasoning: int = 0) -> UsageRecord:
+    row = usage(key, model, day, input_tokens, output_tokens)
+    row.cached_input_tokens, row.cache_write_tokens, row.reasoning_tokens = (cached, write,
+                                                                             reasoning)
+    row.save(update_fields=["cached_input_tokens", "cache_write_tokens", "reasoning_tokens"])
+    return row
+
+
+def classed_bill(tmp_path: Path, *lines: str) -> CsvBill:
+    path = tmp_path / "classes.csv"
+    path.write_text(CLASS_HEADER + "".join(f"{line}\n" for line in lines))
+    return CsvBill(path)
+
+
+def test_token_classes_that_agree_pass_and_a_wrong_split_is_flagged(
+    key: ProviderKey, tmp_path: Path, admins: None
+) -> None:
+    d2 = DAY + timedelta(days=1)
+    classed_usage(key, "claude-sonnet-4-5", DAY, 10_000, 1_000, 6_000, 2_000, 400)
+    classed_usage(key, "gpt-4o", DAY, 1_000, 100, cached=512)
+    # The same totals as the bill, but the gateway recorded no cache read: a class mismatch.
+    classed_usage(key, "gpt-4o", d2, 1_000, 100)
+    bill = classed_bill(tmp_path,
+                        f"{DAY},{KID},claude-sonnet-4-5,10000,1000,1,,6000,2000,400",
+                        f"{DAY},{KID},gpt-4o,1000,100,1,,512,0,0",
+                        f"{d2},{KID},gpt-4o,1000,100,1,,512,0,0")
+    run = reconcile((DAY, d2 + timedelta(days=1)), bill, provider_key=key)
+    rows = rows_by_model(run)
+    claude = rows[(DAY, "claude-sonnet-4-5")]
+    assert not claude.flagged and claude.note == ""
+    assert (claude.ours_cached_input, claude.ours_cache_write, claude.ours_reasoning) == (
+        6_000, 2_000, 400)
+    assert (claude.theirs_cached_input, claude.theirs_cache_write, claude.theirs_reasoning) == (
+        6_000, 2_000, 400)
+    # The bill's usage at our prices: 2,000 plain input at $3, 6,000 reads at $0.30, 2,000
+    # writes at $3.75, 1,000 output at $15 (Price.cost_of of the line's usage).
+    assert claude.theirs_priced_micros == 6_000 + 1_800 + 7_500 + 15_000
+    assert claude.theirs_cost_micros is None  # the bill itself gave none
+    assert not rows[(DAY, "gpt-4o")].flagged
+    # gpt-4o: 488 plain at $2.50, 512 cached at $1.25, 100 output at $10: 1,220 + 640 + 1,000.
+    assert rows[(DAY, "gpt-4o")].theirs_priced_micros == 2_860
+
+    wrong = rows[(d2, "gpt-4o")]
+    assert wrong.difference == 0 and wrong.difference_rate == 0
+    assert wrong.flagged and wrong.note == "cached input differs: ours 0, theirs 512"
+    assert run.status == "drift" and run.flagged_count == 1
+    assert "cached input differs: ours 0, theirs 512" in mail.outbox[0].body
+
+
+def test_a_class_within_the_tolerance_passes(key: ProviderKey, tmp_path: Path) -> None:
+    classed_usage(key, "o3-mini", DAY, 1_000, 2_000, reasoning=1_000)
+    classed_usage(key, "gpt-4o-mini", DAY, 1_000, 2_000, reasoning=1_000)
+    bill = classed_bill(tmp_path, f"{DAY},{KID},o3-mini,1000,2000,1,,0,0,1050",   # 4.8%
+                        f"{DAY},{KID},gpt-4o-mini,1000,2000,1,,0,0,1060")         # 5.7%
+    rows = rows_by_model(reconcile(DAY, bill, provider_key=key))
+    assert not rows[(DAY, "o3-mini")].flagged
+    assert rows[(DAY, "gpt-4o-mini")].flagged
+    assert rows[(DAY, "gpt-4o-mini")].note == "reasoning differs: ours 1000, theirs 1060"
+
+
+def test_classes_a_bill_does_not_report_are_not_compared(key: ProviderKey,
+                                                         tmp_path: Path) -> None:
+    classed_usage(key, "o3-mini", DAY, 1_000, 2_000, cached=300, reasoning=1_500)
+    # A bill without the class columns (or with empty cells): nothing to compare the split to.
+    run = reconcile(DAY, csv_bill(tmp_path, f"{DAY},{KID},o3-mini,1000,2000,1,"),
+                    provider_key=key)
+    [row] = run.rows.all()
+    assert run.status == "ok" and not row.flagged
+    assert (row.ours_cached_input, row.ours_reasoning) == (300, 1_500)
+    assert (row.theirs_cached_input, row.theirs_cache_write, row.theirs_reasoning) == (
+        None, None, None)
+    # Priced as if nothing were cached: 1,000 input at $1.10, 2,000 output at $4.40.
+    assert row.theirs_priced_micros == 1_100 + 8_800
+    run = reconcile(DAY, classed_bill(tmp_path, f"{DAY},{KID},o3-mini,1000,2000,1,,300,,"),
+                    provider_key=key)
+    [row] = run.rows.all()
+    assert (row.theirs_cached_input, row.theirs_cache_write, row.theirs_reasoning) == (
+        300, None, None)
+    assert not row.flagged
+
+
+def test_a_bill_line_without_a_price_has_no_priced_figure(key: ProviderKey,
+                                                          tmp_path: Path) -> None:
+    bill = classed_bill(tmp_path, f"{DAY},{KID},mystery-model,70,7,1,,,,")
+    [row] = reconcile(DAY, bill, provider_key=key).rows.all()
+    assert row.flagged and row.theirs_priced_micros is None
+
+
+def test_csv_class_cells_are_checked(tmp_path: Path) -> None:
+    bill = classed_bill(tmp_path, f"{DAY},k,gpt-4o,10,1,1,,x,,")
+    with pytest.raises(BillFormatError,
+                       match="line 2: input_cached_tokens must be a non-negative integer"):
+        bill.fetch(DAY, DAY + timedelta(days=1))
+    [line] = classed_bill(tmp_path, f"{DAY},k,gpt-4o,10,1,1,,4,,1").fetch(
+        DAY, DAY + timedelta(days=1))
+    assert (line.cached_input_tokens, line.cache_write_tokens, line.reasoning_tokens) == (
+        4, None, 1)
+
+
+def test_the_openai_adapter_reads_the_classes_it_is_given() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("embeddings"):
+            return httpx.Response(200, json=_page([DAY], {}, None))
+        return httpx.Response(200, json=_page([DAY], {DAY: [
+            # OpenAI's own result: cached input, no reasoning figure.
+            {"input_tokens": 100, "output_tokens": 10, "input_cached_tokens": 64,
+             "input_audio_tokens": 0, "num_model_requests": 1, "api_key_id": "key_A",
+             "model": "gpt-4o"},
+            {"input_tokens": 50, "output_tokens": 5, "input_cached_tokens": None,
+             "num_model_requests": 1, "api_key_id": "key_A", "model": "gpt-4o-mini"}]}, None))
+
+    api = OpenAIUsageAPI("https://api.openai.test/v1", "sk-admin",
+                         transport=httpx.MockTransport(handler))
+    assert api.fetch(DAY, DAY + timedelta(days=1)) == [
+        BillLine(DAY, "key_A", "gpt-4o", 100, 10, 1, None, cached_input_tokens=64),
+        BillLine(DAY, "key_A", "gpt-4o-mini", 50, 5, 1, None),
+    ]
+
+
+def test_the_mock_bill_matches_the_ledger_class_by_class(mock_key: ProviderKey,
+                                                        acme: Tenant) -> None:
+    yesterday = datetime.now(UTC).date() - timedelta(days=1)
+    noon = datetime.combine(yesterday, time(12), tzinfo=UTC).timestamp()
+    kid = api_key_id("sk-mock-bill-test")
+    ledger.record_completion(kid, "claude-haiku-4-5", 5_000, 800, now=noon, cached=3_000,
+                             cache_write=1_000, reasoning=200)
+    ledger.record_completion(kid, "gpt-4o", 900, 90, now=noon, cached=256)
+    for model, inp, out, cached, write, reasoning in (
+            ("claude-haiku-4-5", 5_000, 800, 3_000, 1_000, 200),
+            ("gpt-4o", 900, 90, 128, 0, 0)):  # half of gpt-4o's cache reads are missing here
+        row = usage(mock_key, model, yesterday, inp, out, tenant=acme)
+        UsageRecord.objects.filter(pk=row.pk).update(
+            cached_input_tokens=cached, cache_write_tokens=write, reasoning_tokens=reasoning)
+    run = reconcile(yesterday, MockBill(mock_key.base_url), provider_key=mock_key)
+    rows = rows_by_model(run)
+    haiku = rows[(yesterday, "claude-haiku-4-5")]
+    assert not haiku.flagged
+    assert (haiku.theirs_cached_input, haiku.theirs_cache_write, haiku.theirs_reasoning) == (
+        3_000, 1_000, 200)
+    # 1,000 plain at $1, 3,000 reads at $0.10, 1,000 writes at $1.25, 800 output at $5.
+    assert haiku.theirs_priced_micros == 1_000 + 300 + 1_250 + 4_000
+    gpt = rows[(yesterday, "gpt-4o")]
+    assert gpt.flagged and gpt.note == "cached input differs: ours 128, theirs 256"
+    assert run.status == "drift"
