@@ -19,6 +19,7 @@ from gateway.catalog import Catalog, ModelInfo
 from gateway.errors import GatewayError
 from gateway.mock_upstream import MockUpstream, start_in_thread
 from gateway.mock_upstream.app import api_key_id
+from gateway import other_endpoints
 from gateway.other_endpoints import (
     UNSUPPORTED_ENDPOINTS,
     anthropic_page,
@@ -299,3 +300,55 @@ def test_send_unmetered_is_bounded_by_the_call_deadline(mock: MockUpstream, faul
         _moderate([hanging])
     assert info.value.status == 504
     assert time.monotonic() - started < 3
+
+
+# -- which key a moderation goes to ----------------------------------------------------------------
+
+
+def _moderation(upstreams: list[Upstream], body: bytes, cooling: int | None = None) -> Any:
+    async def run() -> Any:
+        pool = ProviderPool(upstreams)
+        if cooling is not None:
+            pool.cool_down(cooling, time.time() + 60)
+        runtime = _runtime(pool, make_transport("native", max_connections=4))
+        request = SimpleNamespace(headers={})
+        return await other_endpoints._moderate(runtime, _ctx(), request, body, "req_test")
+
+    return asyncio.run(run())
+
+
+def test_a_moderation_without_a_model_goes_to_the_key_serving_the_default(
+        mock: MockUpstream) -> None:
+    chat_only = _upstream(1, "openai", ("gpt-4o",), base_url=mock.base_url, secret="sk-m-chat")
+    moderating = _upstream(2, "openai", ("omni-moderation-latest",), base_url=mock.base_url,
+                           secret="sk-m-moderation")
+    before = _requests(mock, moderating.secret)
+    answer = _moderation([chat_only, moderating], b'{"input": "hello", "model": null}')
+    assert answer.status_code == 200
+    assert httpx.Response(200, content=answer.content).json()["model"] == "omni-moderation-latest"
+    assert _requests(mock, moderating.secret) == before + 1
+
+
+def test_a_moderation_without_a_model_takes_any_key_when_none_serves_the_default(
+        mock: MockUpstream) -> None:
+    chat_only = _upstream(1, "openai", ("gpt-4o",), base_url=mock.base_url, secret="sk-m-any")
+    answer = _moderation([chat_only, _upstream(2, "anthropic", base_url=mock.base_url)],
+                         b'{"input": ["a", "b"]}')
+    assert len(httpx.Response(200, content=answer.content).json()["results"]) == 2
+    with pytest.raises(GatewayError) as resting:
+        _moderation([chat_only], b'{"input": "a"}', cooling=1)
+    assert resting.value.status == 503
+    with pytest.raises(GatewayError) as none:
+        _moderation([_upstream(2, "anthropic", base_url=mock.base_url)], b'{"input": "a"}')
+    assert none.value.status == 404
+
+
+def test_a_moderation_naming_a_model_no_key_serves_is_404(mock: MockUpstream) -> None:
+    chat_only = _upstream(1, "openai", ("gpt-4o",), base_url=mock.base_url, secret="sk-m-404")
+    with pytest.raises(GatewayError) as info:
+        _moderation([chat_only], b'{"input": "a", "model": "text-moderation-latest"}')
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+    for body in (b'{"model": "x"}', b'"text"', b'{"input": "a", "model": 7}', b'{'):
+        with pytest.raises(GatewayError) as bad:
+            _moderation([chat_only], body)
+        assert bad.value.status == 400, body
