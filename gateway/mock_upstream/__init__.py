@@ -190,7 +190,8 @@ cache_read_input_tokens and cache_creation_input_tokens by the faults. Output: a
 `reasoning_tokens` words (only when thinking is enabled; none without the fault), then the text
 block (the chat words), or a tool_use block (input {"city": "Paris"}, 3 tokens, the chat tool
 rule on the last user turn's text blocks, so after a turn of tool_result blocks the answer is
-text). output_tokens = thinking + text; stop_reason end_turn, max_tokens (the cap eats the text,
+text). output_tokens = thinking + text (usage.output_tokens_details.thinking_tokens, the anthropic
+SDK's field, says how much was thinking, in answers and in message_delta); stop_reason end_turn, max_tokens (the cap eats the text,
 then the thinking) or tool_use. Streams: message_start (usage with the input side and
 output_tokens 1), content_block_start, ping (after the first block start), content_block_delta
 (thinking_delta per word then signature_delta, text_delta per word, input_json_delta per argument

@@ -306,7 +306,8 @@ def _stream_events(plan: Plan, message: dict[str, Any], tool_id: str) -> list[tu
               [({"type": "text_delta", "text": piece}, 1) for piece in _stream_pieces(plan.visible)])
     events.append(({"type": "message_delta",
                     "delta": {"stop_reason": plan.stop_reason, "stop_sequence": None},
-                    "usage": {"output_tokens": plan.output_tokens}}, 0))
+                    "usage": {"output_tokens": plan.output_tokens,
+                              "output_tokens_details": {"thinking_tokens": plan.thinking}}}, 0))
     events.append(({"type": "message_stop"}, 0))
     return [(_sse(event), tokens) for event, tokens in events]
 

@@ -105,6 +105,8 @@ def test_thinking_block_counts_as_output(mock: MockUpstream) -> None:
     assert message.content[0].thinking == expected_text(6)  # type: ignore[union-attr]
     assert message.content[0].signature  # type: ignore[union-attr]
     assert message.usage.output_tokens == 10
+    assert message.usage.output_tokens_details is not None
+    assert message.usage.output_tokens_details.thinking_tokens == 6
     # Without thinking enabled the reasoning fault is ignored.
     plain = client.messages.create(model="claude-opus-4-1@reasoning_tokens=6@output_tokens=4", max_tokens=50,
                                    messages=[{"role": "user", "content": "think"}])
@@ -128,6 +130,7 @@ def test_streaming_events_and_helpers(mock: MockUpstream) -> None:
     assert start.message.usage.input_tokens == 2 and start.message.usage.output_tokens == 1
     delta: Any = events[-2]
     assert delta.delta.stop_reason == "end_turn" and delta.usage.output_tokens == 3
+    assert delta.usage.output_tokens_details.thinking_tokens == 0
     raw = httpx.post(f"{mock.url}/v1/messages", json=_hi(stream=True), timeout=5,
                      headers={"x-api-key": key, "anthropic-version": "2023-06-01"})
     assert "event: ping\n" in raw.text and raw.text.startswith("event: message_start\n")
@@ -139,6 +142,8 @@ def test_streaming_events_and_helpers(mock: MockUpstream) -> None:
     assert [block.type for block in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == expected_text(3)  # type: ignore[union-attr]
     assert final.usage.output_tokens == 19 and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens_details is not None
+    assert final.usage.output_tokens_details.thinking_tokens == 3
     row = bill_row(mock, key, "claude-sonnet-4-5")
     assert (row["prompt_tokens"], row["completion_tokens"], row["output_reasoning_tokens"]) == (6, 3 + 16 + 19, 3)
 
