@@ -98,8 +98,11 @@ def test_cost_report_command(ledger, tmp_path: Path) -> None:
     call_command("cost_report", "2026-11", "--tenant", "acme", stdout=out)
     assert ",1.523712," in out.getvalue().splitlines()[-1]
     target = tmp_path / "all.xlsx"
+    out = StringIO()
     call_command("cost_report", "2026-11", "--all", "--format", "xlsx", "--out", str(target),
-                 stdout=StringIO())
+                 stdout=out)
+    # The total cost (not the last column, which is the sweep's correction_usd).
+    assert f"total {usd(ledger_sums()['c'])} USD to {target}" in out.getvalue()
     assert load_workbook(target).active.max_row == 4  # header, two tenants, total
     for bad in (["2026-13", "--tenant", "acme"], ["2026-11", "--tenant", "nope"],
                 ["2026-11", "--all", "--format", "xlsx"]):

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from billing.reports import Month, platform_month, tenant_month, to_csv, to_xlsx
+from billing.reports import Month, platform_month, tenant_month, to_csv, to_xlsx, usd
 from tenants.exceptions import TenantNotFound
 from tenants.selectors import tenant_by_slug
 
@@ -34,7 +34,7 @@ class Command(BaseCommand):
         if options["out"]:
             Path(options["out"]).write_bytes(data)
             self.stdout.write(f"Wrote {report.title}: {len(report.rows)} rows, total "
-                              f"{report.totals[-1]} USD to {options['out']}")
+                              f"{usd(report.cost_micros)} USD to {options['out']}")
         elif options["format"] == "xlsx":
             raise CommandError("XLSX needs --out FILE")
         else:
