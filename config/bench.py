@@ -1,6 +1,7 @@
 """Benchmark: the same load sent directly to the mock upstream and through the gateway, in one run.
 
     python -m config.bench [--duration 5] [--concurrency 1 32] [--gateway-workers 1]
+                           [--modes plain stream responses messages responses-chain long queue]
 
 A config module, like config/serve.py, because it runs the whole system: it starts its own
 embedded Redis and PostgreSQL (config/embedded.py, in a temporary directory), the mock upstream
@@ -12,12 +13,25 @@ usage event), and drives both with a minimal keep-alive HTTP/1.1 client on raw a
 
 Printed per scenario (non-streaming and streaming, each concurrency level): requests per second,
 p50 / p90 / p99 latency, direct and through the gateway, and the latency the gateway adds. Then,
-per kind of call through the gateway: Redis commands per request (INFO commandstats: with the
-scripts loaded, each EVALSHA is one round trip), database transactions per request
+per kind of call through the gateway: Redis commands per request (INFO commandstats, which
+counts the commands the scripts run too), round trips and the EVALSHA calls among them (below),
+database transactions per request
 (pg_stat_database) and the gateway worker's CPU per request; and its peak RSS. The kinds: short
 non-streamed and streamed calls (done well within GATEWAY_CHECKPOINT_SECONDS: reserve and settle
 only), and streams that last `--long-seconds` (`long`: the mock's chunk delay spread over the
 stream), so their holds get a progress checkpoint every GATEWAY_CHECKPOINT_SECONDS.
+
+The Responses and Messages APIs (`responses`, `messages` modes): the same measurements with the
+same 16-token answer, non-streamed and streamed, as `POST /v1/responses` (`input` a string,
+`max_output_tokens`) and `POST /v1/messages` (`max_tokens`, `x-api-key` and `anthropic-version`,
+served by an anthropic-kind provider key on the same mock). Every stored response costs the
+gateway one more write (the remember, one pipelined round trip); `responses-chain` makes each call
+continue the previous answer of its client connection (`previous_response_id`), which costs one
+more read (the recall) before the reserve. A connection starts a new chain after
+`--chain-length` calls, so the context each call continues stays far below the model's window.
+Round trips are counted by Redis (INFO stats `total_reads_processed`: one read event per request
+or pipeline the server receives; the gateway's background work and the bench's own INFO calls add
+a handful per measurement), beside the EVALSHA calls among them.
 
 Then the queue (`queue` mode): a tenant of the standard plan (over-quota policy "queue") whose key
 allows one call in flight; one long call holds it while `--queue-waiters` calls wait in the queue.
@@ -31,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -61,23 +77,98 @@ class Result:
 
 
 OUTPUT_TOKENS = 16  # per bench call (max_tokens): the mock streams one chunk per token
+CHAT_MODEL = "gpt-4o-mini"
+# A model of the Messages API: served by the anthropic-kind key (priced by the catalog when it
+# lists it, else by that key's default price).
+MESSAGES_MODEL = "claude-haiku-4-5"
+ANTHROPIC_VERSION = "2023-06-01"
+# The secrets the mock sees: faults and its bill are per key, and the direct calls use the same.
+MOCK_SECRET = "sk-bench"
+ANTHROPIC_MOCK_SECRET = "sk-bench-anthropic"
 
 
-def _request_bytes(key: str, stream: bool, model: str = "gpt-4o-mini",
-                   content: str = "hello there, how are you today?",
-                   forwarded_for: str | None = None) -> bytes:
-    """One keep-alive chat completion request; `forwarded_for` adds an X-Forwarded-For hop (the
-    gateway believes it only when the bench trusts loopback as a proxy)."""
-    body = {"model": model, "max_tokens": OUTPUT_TOKENS,
-            "messages": [{"role": "user", "content": content}]}
+class Api(StrEnum):
+    """The client APIs the bench speaks."""
+
+    CHAT = "chat"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+
+
+_PATHS = {Api.CHAT: b"/v1/chat/completions", Api.RESPONSES: b"/v1/responses",
+          Api.MESSAGES: b"/v1/messages"}
+
+
+def _body(api: Api, stream: bool, model: str, content: str,
+          previous_response_id: str | None) -> dict[str, Any]:
+    """The same short call in each API: one user turn, an answer capped at OUTPUT_TOKENS."""
+    body: dict[str, Any]
+    if api is Api.RESPONSES:
+        body = {"model": model, "max_output_tokens": OUTPUT_TOKENS, "input": content}
+        if previous_response_id is not None:
+            body["previous_response_id"] = previous_response_id
+    else:
+        body = {"model": model, "max_tokens": OUTPUT_TOKENS,
+                "messages": [{"role": "user", "content": content}]}
     if stream:
         body["stream"] = True
-    payload = json.dumps(body).encode()
+    return body
+
+
+def _request_bytes(key: str, stream: bool, model: str = CHAT_MODEL,
+                   content: str = "hello there, how are you today?",
+                   forwarded_for: str | None = None, *, api: Api = Api.CHAT,
+                   previous_response_id: str | None = None) -> bytes:
+    """One keep-alive request of `api` (a chat completion by default); `forwarded_for` adds an
+    X-Forwarded-For hop (the gateway believes it only when the bench trusts loopback as a
+    proxy). The Messages API authenticates as the anthropic SDK does (x-api-key plus
+    anthropic-version); the others with a bearer key."""
+    if previous_response_id is not None and api is not Api.RESPONSES:
+        raise ValueError("previous_response_id belongs to the Responses API")
+    payload = json.dumps(_body(api, stream, model, content, previous_response_id)).encode()
     forwarded = (b"X-Forwarded-For: " + forwarded_for.encode() + b"\r\n"
                  if forwarded_for is not None else b"")
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-            + key.encode() + b"\r\n" + forwarded + b"Content-Type: application/json\r\n"
-            b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    auth = (b"x-api-key: " + key.encode() + b"\r\nanthropic-version: "
+            + ANTHROPIC_VERSION.encode() + b"\r\n" if api is Api.MESSAGES
+            else b"Authorization: Bearer " + key.encode() + b"\r\n")
+    return (b"POST " + _PATHS[api] + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + forwarded
+            + b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+
+
+# A Responses API answer's id, the first in its body or stream (response.created carries it);
+# `"previous_response_id"` never matches, the character before its `id"` being `_`.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"]+)"')
+
+
+class ResponsesChain:
+    """The requests of one client connection in the chain mode: each continues the answer to
+    the previous one (`previous_response_id`), and every `length` calls a new chain starts
+    (the context each turn continues grows by the whole previous turn)."""
+
+    def __init__(self, key: str, stream: bool, model: str, length: int) -> None:
+        if length < 1:
+            raise ValueError("a chain has at least one call")
+        self.key, self.stream, self.model, self.length = key, stream, model, length
+        self.turn = 0  # calls made in the current chain
+        self.calls = 0
+        self.continued = 0  # calls that named a previous response
+
+    def __call__(self, answer: bytes | None) -> bytes:
+        """The next request, given the body of the answer to the last one (None at first)."""
+        previous: str | None = None
+        if answer is not None and self.turn < self.length:
+            found = _RESPONSE_ID.search(answer)
+            if found is None:
+                raise RuntimeError(f"no response id in the answer: {answer[:200]!r}")
+            previous = found.group(1).decode()
+        else:
+            self.turn = 0
+        self.turn += 1
+        self.calls += 1
+        self.continued += previous is not None
+        return _request_bytes(self.key, self.stream, self.model, api=Api.RESPONSES,
+                              previous_response_id=previous)
 
 
 async def _read_response(reader: asyncio.StreamReader) -> bytes:
@@ -92,13 +183,42 @@ async def _read_response(reader: asyncio.StreamReader) -> bytes:
     return head
 
 
-async def _client(port: int, request: bytes, deadline: float, latencies: list[float]) -> None:
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """Read one whole HTTP/1.1 response and return its head and its body, de-chunked (only
+    where the body is needed: this costs the load generator more than `_read_response`)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lower = head.lower()
+    if b"transfer-encoding: chunked" not in lower:
+        start = lower.index(b"content-length: ") + 16
+        return head, await reader.readexactly(int(lower[start:lower.index(b"\r\n", start)]))
+    parts: list[bytes] = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")  # the empty line after the last chunk (no trailers)
+            return head, b"".join(parts)
+        parts.append((await reader.readexactly(size + 2))[:-2])
+
+
+# A client's requests: the same bytes every time, or a factory giving each connection a function
+# from the previous answer's body (None at first) to the next request.
+NextRequest = Callable[[bytes | None], bytes]
+Requests = bytes | Callable[[], NextRequest]
+
+
+async def _client(port: int, request: bytes | NextRequest, deadline: float,
+                  latencies: list[float]) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    answer: bytes | None = None
     try:
         while time.monotonic() < deadline:
+            payload = request if isinstance(request, bytes) else request(answer)
             started = time.perf_counter()
-            writer.write(request)
-            head = await _read_response(reader)
+            writer.write(payload)
+            if isinstance(request, bytes):
+                head = await _read_response(reader)
+            else:
+                head, answer = await _read_answer(reader)
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"unexpected answer: {head[:200]!r}")
             latencies.append(time.perf_counter() - started)
@@ -106,28 +226,45 @@ async def _client(port: int, request: bytes, deadline: float, latencies: list[fl
         writer.close()
 
 
-async def _load(port: int, request: bytes, concurrency: int, seconds: float) -> Result:
+async def _load(port: int, request: Requests, concurrency: int, seconds: float) -> Result:
     latencies: list[float] = []
     started = time.monotonic()
-    await asyncio.gather(*(_client(port, request, started + seconds, latencies)
+    await asyncio.gather(*(_client(port, request if isinstance(request, bytes) else request(),
+                                   started + seconds, latencies)
                            for _ in range(concurrency)))
     return Result(len(latencies), time.monotonic() - started, latencies)
 
 
 def load(port: int, key: str, stream: bool, concurrency: int, seconds: float,
-         model: str = "gpt-4o-mini") -> Result:
+         model: str = CHAT_MODEL, *, api: Api = Api.CHAT,
+         chains: list[ResponsesChain] | None = None, chain_length: int = 0) -> Result:
+    """`concurrency` keep-alive clients sending `api` calls back to back for `seconds`. With
+    `chain_length`, Responses calls in chains (ResponsesChain), one per client, each appended to
+    `chains` when given."""
     import uvloop
 
-    return uvloop.run(_load(port, _request_bytes(key, stream, model), concurrency, seconds))
+    if not chain_length:
+        return uvloop.run(_load(port, _request_bytes(key, stream, model, api=api), concurrency,
+                                seconds))
+
+    def one_chain() -> NextRequest:
+        chain = ResponsesChain(key, stream, model, chain_length)
+        if chains is not None:
+            chains.append(chain)
+        return chain
+
+    return uvloop.run(_load(port, one_chain, concurrency, seconds))
 
 
 @dataclass
 class Work:
-    """What the gateway spent on one kind of call: requests, Redis commands and EVALSHA
-    round trips, database transactions and the worker's CPU seconds."""
+    """What the gateway spent on one kind of call: requests, Redis commands, round trips (the
+    server's read events) and the EVALSHA calls among them, database transactions and the
+    worker's CPU seconds."""
 
     requests: int = 0
     redis_calls: int = 0
+    redis_reads: int = 0
     evalsha: int = 0
     db_xacts: int = 0
     cpu_s: float = 0.0
@@ -136,6 +273,7 @@ class Work:
             cpu_s: float) -> None:
         self.requests += requests
         self.redis_calls += after["redis_calls"] - before["redis_calls"]
+        self.redis_reads += after["redis_reads"] - before["redis_reads"]
         self.evalsha += after["evalsha"] - before["evalsha"]
         self.db_xacts += after["db_xacts"] - before["db_xacts"]
         self.cpu_s += cpu_s
@@ -203,15 +341,57 @@ def _peak_rss_mb(parent_pid: int) -> float:
     return _rss_mb(parent_pid, "VmHWM:")
 
 
+MODES = ["plain", "stream", "responses", "messages", "responses-chain", "long", "queue"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One kind of short call, measured direct and through the gateway at each level."""
+
+    name: str
+    api: Api
+    stream: bool
+    chain: bool = False
+
+    @property
+    def model(self) -> str:
+        return MESSAGES_MODEL if self.api is Api.MESSAGES else CHAT_MODEL
+
+    @property
+    def mock_secret(self) -> str:
+        return ANTHROPIC_MOCK_SECRET if self.api is Api.MESSAGES else MOCK_SECRET
+
+
+def scenarios(modes: list[str]) -> list[Scenario]:
+    """The short-call scenarios of `modes`, in the order of MODES: chat's `plain` and `stream`,
+    and both ways of each of the other APIs."""
+    found: list[Scenario] = []
+    for mode in MODES:
+        if mode not in modes:
+            continue
+        if mode in ("plain", "stream"):
+            found.append(Scenario(mode, Api.CHAT, mode == "stream"))
+        elif mode in ("responses", "messages", "responses-chain"):
+            api = Api.MESSAGES if mode == "messages" else Api.RESPONSES
+            found += [Scenario(mode + (" stream" if stream else ""), api, stream,
+                               chain=mode == "responses-chain") for stream in (False, True)]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m config.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--gateway-workers", type=int, default=1)
-    parser.add_argument("--modes", nargs="+", choices=["plain", "stream", "long", "queue"],
-                        default=["plain", "stream", "long", "queue"],
-                        help="which scenarios to run (long: streams with checkpoints; queue: "
-                             "what waiting in the queue policy's queue costs)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES,
+                        help="which scenarios to run (plain, stream: chat completions; "
+                             "responses, messages: the Responses and Messages APIs, non-streamed "
+                             "and streamed; responses-chain: Responses calls continuing the "
+                             "previous one; long: streams with checkpoints; queue: what waiting "
+                             "in the queue policy's queue costs)")
+    parser.add_argument("--chain-length", type=int, default=100,
+                        help="calls per chain in responses-chain (each connection then starts "
+                             "a new one)")
     parser.add_argument("--queue-waiters", type=int, default=64,
                         help="calls waiting in the queue in the queue scenario (at most "
                              "TOLLGATE_QUEUE_MAX_WAITERS)")
@@ -230,24 +410,40 @@ def main(argv: list[str] | None = None) -> int:
 
     with running_system("tgb-", args.gateway_port, args.mock_port,
                         args.gateway_workers) as (gateway, key):
-        # Warm up: every worker loads its caches, scripts and connections.
-        load(args.gateway_port, key, False, 4, 1.0)
-        load(args.mock_port, "sk-bench", False, 4, 1.0)
+        # Warm up: every worker loads its caches, scripts and connections (as many as the
+        # most clients will need, so no measurement pays for opening them), and each API's
+        # first call (its provider key's upstream connections) is not measured either.
+        widest = max([4, *args.concurrency])
+        load(args.gateway_port, key, False, widest, 1.0)
+        load(args.mock_port, MOCK_SECRET, False, widest, 1.0)
+        for api in sorted({scenario.api for scenario in scenarios(args.modes)} - {Api.CHAT}):
+            warm = Scenario("warm-up", api, False)
+            load(args.gateway_port, key, False, widest, 0.5, warm.model, api=api)
+            load(args.mock_port, warm.mock_secret, False, widest, 0.5, warm.model, api=api)
 
-        print(f"{'scenario':<22} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
+        print(f"{'scenario':<34} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p90 ms':>8} "
               f"{'p99 ms':>8}")
         work: dict[str, Work] = {}
-        for kind in [mode for mode in args.modes if mode in ("plain", "stream")]:
-            stream = kind == "stream"
-            spent = work.setdefault(f"{kind} (short)", Work())
+        chained: dict[str, list[ResponsesChain]] = {}
+        for scenario in scenarios(args.modes):
+            spent = work.setdefault(f"{scenario.name} (short)", Work())
             for level in args.concurrency:
-                direct = load(args.mock_port, "sk-bench", stream, level, args.duration)
-                through = measured(gateway.pid, spent, lambda: load(
-                    args.gateway_port, key, stream, level, args.duration))
-                for name, r in ((f"{kind} direct", direct), (f"{kind} via gateway", through)):
-                    print(f"{name:<22} {level:>7} {r.rps:>8.0f} {r.pct(50):>8.2f} "
+                chains = chained.setdefault(f"{scenario.name} (short)", [])
+
+                def run(port: int, secret: str, record: list[ResponsesChain] | None,
+                        level: int = level, scenario: Scenario = scenario) -> Result:
+                    return load(port, secret, scenario.stream, level, args.duration,
+                                scenario.model, api=scenario.api, chains=record,
+                                chain_length=args.chain_length if scenario.chain else 0)
+
+                direct = run(args.mock_port, scenario.mock_secret, None)
+                through = measured(gateway.pid, spent,
+                                   lambda: run(args.gateway_port, key, chains))
+                for name, r in ((f"{scenario.name} direct", direct),
+                                (f"{scenario.name} via gateway", through)):
+                    print(f"{name:<34} {level:>7} {r.rps:>8.0f} {r.pct(50):>8.2f} "
                           f"{r.pct(90):>8.2f} {r.pct(99):>8.2f}")
-                print(f"{'  added by gateway':<22} {level:>7} {'':>8} "
+                print(f"{'  added by gateway':<34} {level:>7} {'':>8} "
                       f"{through.pct(50) - direct.pct(50):>8.2f} "
                       f"{through.pct(90) - direct.pct(90):>8.2f} "
                       f"{through.pct(99) - direct.pct(99):>8.2f}")
@@ -262,23 +458,30 @@ def main(argv: list[str] | None = None) -> int:
             through = measured(gateway.pid, work.setdefault(name + " (checkpoints)", Work()),
                                lambda: load(args.gateway_port, key, True, args.long_clients,
                                             seconds, model))
-            print(f"{name + ' via gateway':<22} {args.long_clients:>7} {through.rps:>8.0f} "
+            print(f"{name + ' via gateway':<34} {args.long_clients:>7} {through.rps:>8.0f} "
                   f"{through.pct(50):>8.2f} {through.pct(90):>8.2f} {through.pct(99):>8.2f}")
         print()
         # CPU time per request does not depend on what else shares the machine, unlike req/s:
         # 1,000 / (ms per request) is what one worker on a core of its own could serve.
-        # EVALSHA calls are the hot path's Redis round trips (the gateway sends no other command
-        # per request); Redis counts the commands its scripts run as well, hence the first
-        # column.
-        print(f"{'per gateway request':<30} {'requests':>8} {'Redis cmds':>10} {'EVALSHA':>8} "
-              f"{'DB xacts':>8} {'CPU ms':>7} {'1 core req/s':>12}")
-        print(f"{'':<30} {'':>8} {'(+scripts)':>10} {'(trips)':>8}")
+        # Round trips are the read events Redis processed (one per command or pipeline a client
+        # sends); EVALSHA calls are the reserve and settle among them (and checkpoints); Redis
+        # counts the commands its scripts run as well, hence the first column.
+        print(f"{'per gateway request':<34} {'requests':>8} {'Redis cmds':>10} {'trips':>7} "
+              f"{'EVALSHA':>8} {'DB xacts':>8} {'CPU ms':>7} {'1 core req/s':>12}")
+        print(f"{'':<34} {'':>8} {'(+scripts)':>10} {'(reads)':>7}")
         for name, spent in work.items():
             n = max(1, spent.requests)
             per_request_ms = 1000 * spent.cpu_s / n
-            print(f"{name:<30} {spent.requests:>8} {spent.redis_calls / n:>10.2f} "
-                  f"{spent.evalsha / n:>8.2f} {spent.db_xacts / n:>8.4f} {per_request_ms:>7.3f} "
+            print(f"{name:<34} {spent.requests:>8} {spent.redis_calls / n:>10.2f} "
+                  f"{spent.redis_reads / n:>7.2f} {spent.evalsha / n:>8.2f} "
+                  f"{spent.db_xacts / n:>8.4f} {per_request_ms:>7.3f} "
                   f"{1000 / per_request_ms if per_request_ms else 0:>12.0f}")
+        for name, chains in chained.items():
+            if chains:
+                calls = sum(chain.calls for chain in chains)
+                continued = sum(chain.continued for chain in chains)
+                print(f"{name}: {continued} of {calls} calls continued the previous response "
+                      f"({continued / max(1, calls):.1%}; chains of {args.chain_length})")
         print(f"gateway worker peak RSS: {_peak_rss_mb(gateway.pid):.0f} MB")
         if "queue" in args.modes:
             queue_bench(args.gateway_port, args.queue_waiters, args.queue_idle_seconds)
@@ -417,13 +620,17 @@ def _setup_tenant(mock_port: int) -> str:
 
     # A default price: the long scenario's model carries the mock's latency suffix, which the
     # catalog does not know (an unpriced model is refused).
-    create_provider_key("mock", base_url=f"http://127.0.0.1:{mock_port}/v1", secret="sk-bench",
+    create_provider_key("mock", base_url=f"http://127.0.0.1:{mock_port}/v1", secret=MOCK_SECRET,
                         default_price=Price(150_000, 600_000))
+    # The same mock speaks the Messages API: a key of that kind serves /v1/messages.
+    create_provider_key("mock-anthropic", base_url=f"http://127.0.0.1:{mock_port}/v1",
+                        secret=ANTHROPIC_MOCK_SECRET, kind="anthropic",
+                        default_price=Price(1_000_000, 5_000_000))
     # Every limit on and far from binding, so each request runs every check.
     tenant = create_tenant("bench", plan_name="enterprise", actor="bench",
                            requests_per_second=1_000_000, tokens_per_minute=10**12,
                            monthly_token_budget=10**13,
-                           model_tokens_per_day={"gpt-4o-mini": 10**12})
+                           model_tokens_per_day={CHAT_MODEL: 10**12, MESSAGES_MODEL: 10**12})
     project = create_project(tenant, "load", actor="bench", tokens_per_day=10**12,
                              tokens_per_month=10**13)
     issued = issue_key(project, actor="bench", tokens_per_day=10**12, requests_per_minute=10**8,
@@ -438,6 +645,9 @@ def _server_counters() -> dict[str, Any]:
 
     client = make_redis()
     stats = client.info("commandstats")
+    # One read event per request (or pipeline) a client sends: the round trips. Counted by the
+    # server, since the scripts' own commands make per-command counts useless for this.
+    reads = client.info("stats")["total_reads_processed"]
     # INFO itself and the per-second PINGs of health checks are not request work.
     calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
     evalsha = stats.get("cmdstat_evalsha", {}).get("calls", 0)
@@ -447,7 +657,7 @@ def _server_counters() -> dict[str, Any]:
                        "WHERE datname = current_database()")
         xacts = cursor.fetchone()[0]
     connection.close()
-    return {"redis_calls": calls, "evalsha": evalsha, "db_xacts": xacts}
+    return {"redis_calls": calls, "redis_reads": reads, "evalsha": evalsha, "db_xacts": xacts}
 
 
 if __name__ == "__main__":
