@@ -10,8 +10,10 @@ They pass through to the provider key that stores the object, for the tenant tha
   `response_not_found` / `conversation_not_found`, and no upstream is contacted: an id is not
   proof of ownership, and asking an upstream would tell one tenant about another's objects.
 - Found: the request goes to that provider key (its base_url + the same path and query string,
-  its secret as Bearer); the upstream's status and JSON body come back as they are, its errors in
-  Tollgate's words as the /v1 forwarder reports them (never the provider's message).
+  its secret as Bearer) through other_endpoints.send_unmetered; the upstream's 2xx status and
+  body come back as they are, its errors in Tollgate's words (a 4xx keeps its status, type, code
+  and param, never the provider's message; a 5xx, an unreachable or refused key is a 502, a 429
+  a 429, no answer in time a 504).
 - Not metered: no tokens are produced, so nothing is held or charged and no ledger row is
   written; they are authenticated like /v1/responses and bounded by GATEWAY_CALL_DEADLINE_SECONDS.
 - A DELETE the upstream confirms (2xx), or a 404 from the upstream (the object is gone there),
@@ -19,7 +21,8 @@ They pass through to the provider key that stores the object, for the tenant tha
 
 Conversations are created on an OpenAI-kind provider key the tenant may use (keys dedicated to
 the tenant first, then by priority; a key serving every model before one with a model list, since
-every later turn of the conversation must go to that key whatever its model), and remembered with
+every later turn of the conversation must go to that key whatever its model; one that cannot take
+it, unreachable, rate limited, refused or failing, passes it to the next), and remembered with
 the context of their initial `items` (estimated with the heuristic tokenizer: the conversation
 has no model yet), so the first turn holds for them. Each turn then remembers the conversation's
 new size (gateway/responses_context.py). Conversation items (/v1/conversations/{id}/items) are not
@@ -27,14 +30,12 @@ served: adding items the gateway cannot count would break the hold for the next 
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -50,10 +51,15 @@ from gateway.errors import (
     GatewayError,
     bad_request,
     quota_store_unavailable,
-    upstream_client_error,
     upstream_error,
 )
 from gateway.models import ProviderKind
+from gateway.other_endpoints import (
+    UpstreamAnswer,
+    send_unmetered,
+    unknown_url,
+    upstream_request,
+)
 from gateway.providers import Upstream
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import HEURISTIC, estimate_responses_input, is_large, off_loop
@@ -71,29 +77,8 @@ log = logging.getLogger(__name__)
 
 # What the gateway accepts as a stored object's id: the ids end up in Redis keys.
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-# The upstream's answer is read whole (these are small JSON objects); a larger one is refused
-# rather than held in a worker's memory.
-_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 _RESPONSE_ROUTES = {("", "GET"), ("", "DELETE"), ("cancel", "POST"), ("input_items", "GET")}
 _CONVERSATION_ITEM_METHODS = ("GET", "POST", "DELETE")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An upstream's answer, read whole."""
-
-    status: int
-    body: bytes
-    content_type: str
-
-
-class UpstreamGone(Exception):
-    """The provider key could not be used at all (unreachable, or it refused the key itself):
-    the next key may be tried where there is a choice."""
-
-    def __init__(self, error: GatewayError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 def not_found(kind: AnswerKind, object_id: str) -> GatewayError:
@@ -102,9 +87,12 @@ def not_found(kind: AnswerKind, object_id: str) -> GatewayError:
                         "invalid_request_error", f"{kind.value}_not_found", None)
 
 
-def unknown_url(request: HttpRequest) -> GatewayError:
-    return GatewayError(404, f"Unknown request URL: {request.method} {request.path}. Please check "
-                        "the URL for typos.", "invalid_request_error", "unknown_url")
+def _refused(error: GatewayError) -> HttpResponse:
+    """A refusal decided by the path or method alone, before any key is checked."""
+    request_id = f"req_{secrets.token_hex(12)}"
+    response = error.response(request_id=request_id)
+    _with_request_id(response, request_id, Api.OPENAI)
+    return response
 
 
 def _valid_id(raw: str) -> str | None:
@@ -114,83 +102,19 @@ def _valid_id(raw: str) -> str | None:
 # -- the upstream -------------------------------------------------------------------------------
 
 
-def _upstream_request(runtime: GatewayRuntime, upstream: Upstream, method: str, path: str,
-                      query: str, body: bytes | None, request_id: str) -> httpx.Request:
-    headers = {**runtime.upstream_headers, "Authorization": f"Bearer {upstream.secret}",
-               "X-Request-Id": request_id}
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-    url = httpx.URL(f"{upstream.base_url}/{path}", query=query.encode("latin-1"))
-    return httpx.Request(method, url, content=body, headers=headers,
-                         extensions={"timeout": runtime.upstream_timeout})
+def _send(runtime: GatewayRuntime, upstreams: list[Upstream], method: str, path: str,
+          query: str, body: bytes | None, request_id: str) -> Awaitable[UpstreamAnswer]:
+    """The request to the first of `upstreams` that answers it, unmetered and within the call
+    deadline (other_endpoints.send_unmetered: its failures as the /v1 forwarder reports them)."""
+    def build(upstream: Upstream) -> httpx.Request:
+        return upstream_request(runtime, upstream, method, path,
+                                {"Authorization": f"Bearer {upstream.secret}"}, request_id,
+                                body, query)
+
+    return send_unmetered(runtime, upstreams, build)
 
 
-async def _read_answer(response: httpx.Response) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_raw():
-        size += len(chunk)
-        if size > _MAX_ANSWER_BYTES:
-            raise upstream_error(502, "The upstream provider's answer was too large.")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def call_deadline() -> float:
-    """When a request arriving now must be answered (loop clock): GATEWAY_CALL_DEADLINE_SECONDS,
-    like a metered call."""
-    return asyncio.get_running_loop().time() + settings.GATEWAY_CALL_DEADLINE_SECONDS
-
-
-async def send_upstream(runtime: GatewayRuntime, upstream: Upstream, method: str, path: str,
-                        query: str, body: bytes | None, request_id: str,
-                        deadline: float) -> Answer:
-    """One unmetered request to `upstream` (`path` after its base_url), read whole by `deadline`
-    (loop clock). Its 2xx and 4xx answers come back (a 4xx for `_relay`); raises UpstreamGone
-    when the key could not be used (unreachable, rate limited, key refused) and GatewayError for
-    a timeout or a server error."""
-    request = _upstream_request(runtime, upstream, method, path, query, body, request_id)
-    try:
-        async with asyncio.timeout_at(deadline):
-            response = await runtime.transport.handle_async_request(request)
-            try:
-                content = await _read_answer(response)
-            finally:
-                await response.aclose()
-    except (TimeoutError, httpx.TimeoutException):
-        raise upstream_error(504, "The upstream provider did not answer in time.") from None
-    except (httpx.ConnectError, httpx.PoolTimeout):
-        log.warning("provider key %s unreachable", upstream.public_id)
-        raise UpstreamGone(upstream_error(502, "The upstream provider could not be reached."))
-    except httpx.HTTPError:
-        raise upstream_error(502, "The upstream provider failed mid-answer.") from None
-    status = response.status_code
-    if status == 429:
-        retry = _retry_after(response.headers.get("retry-after"))
-        raise UpstreamGone(GatewayError(429, "The upstream provider is rate limiting; retry "
-                                        "shortly.", "requests", "rate_limit_exceeded", None,
-                                        retry))
-    if status in (401, 403):
-        # The provider key itself is refused: not the tenant's to see (the message may name it).
-        log.error("provider key %s refused by its upstream (HTTP %s)", upstream.public_id, status)
-        raise UpstreamGone(upstream_error(502, "The upstream refused the gateway's provider key; "
-                                          "the operators have been alerted."))
-    if status >= 500:
-        raise upstream_error(502, f"The upstream provider failed with HTTP {status}.")
-    return Answer(status, content, response.headers.get("content-type", "application/json"))
-
-
-def _retry_after(raw: str | None) -> int:
-    try:
-        return max(1, int(float(raw or "1")))
-    except ValueError:
-        return 1
-
-
-def _relay(answer: Answer) -> HttpResponse:
-    """The upstream's answer to the client: a 2xx as it is, a 4xx in Tollgate's words."""
-    if answer.status >= 400:
-        raise upstream_client_error(answer.status, answer.body)
+def _relay(answer: UpstreamAnswer) -> HttpResponse:
     return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
 
 
@@ -231,12 +155,13 @@ async def _pass_owned(runtime: GatewayRuntime, ctx: KeyContext, request: HttpReq
                       kind: AnswerKind, object_id: str, upstream: Upstream, path: str,
                       body: bytes | None, request_id: str, deleting: bool) -> HttpResponse:
     try:
-        answer = await send_upstream(runtime, upstream, request.method or "GET", path,
-                                     request.META.get("QUERY_STRING", ""), body, request_id,
-                                     call_deadline())
-    except UpstreamGone as gone:
-        raise gone.error from None
-    if (deleting and 200 <= answer.status < 300) or answer.status == 404:
+        answer = await _send(runtime, [upstream], request.method or "GET", path,
+                             request.META.get("QUERY_STRING", ""), body, request_id)
+    except GatewayError as error:
+        if error.status == 404 and error.type == "invalid_request_error":
+            await _forget(runtime, ctx, kind, object_id)  # gone upstream: gone here too
+        raise
+    if deleting:
         await _forget(runtime, ctx, kind, object_id)
     return _relay(answer)
 
@@ -273,7 +198,7 @@ async def response_item(request: HttpRequest, rest: str) -> HttpResponse:
     raw_id, _, sub = rest.partition("/")
     methods = sorted(method for route, method in _RESPONSE_ROUTES if route == sub)
     if not methods or "/" in sub:
-        return unknown_url(request).response()
+        return _refused(unknown_url(request))
     if request.method not in methods:
         return _method_not_allowed(request, ", ".join(methods))
 
@@ -295,12 +220,12 @@ async def conversation_item(request: HttpRequest, rest: str) -> HttpResponse:
     raw_id, slash, sub = rest.partition("/")
     if slash:
         if sub == "items" or sub.startswith("items/"):
-            return GatewayError(
+            return _refused(GatewayError(
                 404, "Conversation items (/v1/conversations/{id}/items) are not served by this "
                 "gateway: items it cannot count would break the hold for the next turn. Send new "
                 "items as the 'input' of a response with 'conversation'.",
-                "invalid_request_error", "unsupported_endpoint").response()
-        return unknown_url(request).response()
+                "invalid_request_error", "unsupported_endpoint"))
+        return _refused(unknown_url(request))
     if request.method not in _CONVERSATION_ITEM_METHODS:
         return _method_not_allowed(request, ", ".join(_CONVERSATION_ITEM_METHODS))
 
@@ -381,26 +306,16 @@ async def conversations(request: HttpRequest) -> HttpResponse:
         keys = conversation_keys(runtime, ctx)
         if not keys:
             raise upstream_error(502, "No upstream provider for conversations could be reached.")
-        gone: UpstreamGone | None = None
-        deadline = call_deadline()  # one for every key tried
-        for upstream in keys:
-            try:
-                answer = await send_upstream(runtime, upstream, "POST", "conversations", "",
-                                             raw or b"{}", request_id, deadline)
-            except UpstreamGone as error:
-                gone = error
-                continue
-            if answer.status < 300:
-                await _remember_conversation(runtime, ctx, upstream, answer, tokens)
-            return _relay(answer)
-        assert gone is not None
-        raise gone.error
+        answer = await _send(runtime, keys, "POST", "conversations", "", raw or b"{}",
+                             request_id)
+        await _remember_conversation(runtime, ctx, answer, tokens)
+        return _relay(answer)
 
     return await _serve(request, handle)
 
 
-async def _remember_conversation(runtime: GatewayRuntime, ctx: KeyContext, upstream: Upstream,
-                                 answer: Answer, tokens: int) -> None:
+async def _remember_conversation(runtime: GatewayRuntime, ctx: KeyContext,
+                                 answer: UpstreamAnswer, tokens: int) -> None:
     """Remember a created conversation before the client has its id (so its first turn is
     admitted and pinned to this key)."""
     try:
@@ -414,7 +329,8 @@ async def _remember_conversation(runtime: GatewayRuntime, ctx: KeyContext, upstr
     try:
         await remember(runtime.engine.client, ctx.tenant_tag,
                        [(AnswerKind.CONVERSATION, conversation_id)],
-                       StoredAnswer(upstream.id, tokens), settings.TOLLGATE_RESPONSES_TTL_SECONDS)
+                       StoredAnswer(answer.upstream.id, tokens),
+                       settings.TOLLGATE_RESPONSES_TTL_SECONDS)
     except (RedisError, OSError):
         # Not remembered, it could not be used through the gateway: say so rather than hand
         # out an id every turn would be refused with (the upstream's copy is left unused).

@@ -20,13 +20,8 @@ from gateway.asgi import GatewayRouter
 from gateway.errors import GatewayError
 from gateway.mock_upstream import MockUpstream, free_port, start_subprocess
 from gateway.providers import ProviderPool, Upstream
-from gateway.stored_responses import (
-    Answer,
-    UpstreamGone,
-    conversation_keys,
-    conversation_tokens,
-    send_upstream,
-)
+from gateway.other_endpoints import UpstreamAnswer
+from gateway.stored_responses import conversation_keys, conversation_tokens
 from quotas.answers import AnswerKind
 
 
@@ -179,17 +174,15 @@ def _runtime(**upstream_headers: str) -> Any:
                                              "pool": 2.0})
 
 
-def _send(runtime: Any, upstream: Upstream, method: str, path: str, query: str = "",
-          body: bytes | None = None) -> Answer:
-    async def send() -> Answer:
-        return await send_upstream(runtime, upstream, method, path, query, body, "req_test",
-                                   stored_responses.call_deadline())
-
-    return asyncio.run(send())
+def _send(runtime: Any, upstreams: list[Upstream], method: str, path: str, query: str = "",
+          body: bytes | None = None) -> UpstreamAnswer:
+    return asyncio.run(stored_responses._send(runtime, upstreams, method, path, query, body,
+                                              "req_test"))
 
 
 def _stored_response(mock: MockUpstream, secret: str) -> str:
-    created = httpx.post(f"{mock.base_url}/responses", headers={"Authorization": f"Bearer {secret}"},
+    created = httpx.post(f"{mock.base_url}/responses",
+                         headers={"Authorization": f"Bearer {secret}"},
                          json={"model": "gpt-4o", "input": "one two three"}, timeout=10)
     assert created.status_code == 200
     return str(created.json()["id"])
@@ -199,47 +192,49 @@ def test_a_request_reaches_the_key_with_its_secret_path_and_query(mock: MockUpst
     secret = f"sk-{uuid.uuid4().hex}"
     response_id = _stored_response(mock, secret)
     upstream = _upstream(1, base_url=mock.base_url, secret=secret)
-    answer = _send(_runtime(), upstream, "GET", f"responses/{response_id}")
-    assert answer.status == 200
+    answer = _send(_runtime(), [upstream], "GET", f"responses/{response_id}")
+    assert (answer.status, answer.upstream) == (200, upstream)
     assert answer.content_type.startswith("application/json")
     assert f'"{response_id}"' in answer.body.decode()
-    page = _send(_runtime(), upstream, "GET", f"responses/{response_id}/input_items",
+    page = _send(_runtime(), [upstream], "GET", f"responses/{response_id}/input_items",
                  "order=asc&limit=1")
     assert b'"one two three"' in page.body
     # Another secret (another provider key) does not see it: the upstream's 404, in our words.
-    other = _send(_runtime(), _upstream(2, base_url=mock.base_url, secret="sk-other"), "GET",
-                  f"responses/{response_id}")
-    assert other.status == 404
     with pytest.raises(GatewayError) as relayed:
-        stored_responses._relay(other)
-    assert relayed.value.status == 404
+        _send(_runtime(), [_upstream(2, base_url=mock.base_url, secret="sk-other")], "GET",
+              f"responses/{response_id}")
+    assert (relayed.value.status, relayed.value.type) == (404, "invalid_request_error")
     assert response_id not in relayed.value.message  # never the upstream's message
 
 
-@pytest.mark.parametrize(("status", "gone", "answered"), [
-    ("429", True, 429), ("401", True, 502), ("403", True, 502), ("500", False, 502),
-    ("503", False, 502),
+@pytest.mark.parametrize(("status", "answered"), [
+    ("429", 429), ("401", 502), ("403", 502), ("500", 502), ("503", 502),
 ])
 def test_upstream_failures_map_as_the_forwarder_maps_them(mock: MockUpstream, status: str,
-                                                          gone: bool, answered: int) -> None:
+                                                          answered: int) -> None:
     upstream = _upstream(1, base_url=mock.base_url)
-    runtime = _runtime(**{"X-Mock-Status": status})
-    with pytest.raises((UpstreamGone, GatewayError)) as failed:
-        _send(runtime, upstream, "GET", "responses/resp_any")
-    error = failed.value.error if isinstance(failed.value, UpstreamGone) else failed.value
-    assert isinstance(failed.value, UpstreamGone) is gone
-    assert error.status == answered
-    assert "Mock" not in error.message
+    with pytest.raises(GatewayError) as failed:
+        _send(_runtime(**{"X-Mock-Status": status}), [upstream], "GET", "responses/resp_any")
+    assert failed.value.status == answered
+    assert "Mock" not in failed.value.message
 
 
-def test_an_unreachable_key_is_gone_and_a_slow_one_times_out(
-        mock: MockUpstream, settings: Any) -> None:
+def test_a_conversation_create_passes_over_a_key_that_cannot_take_it(mock: MockUpstream) -> None:
     closed = _upstream(1, base_url=f"http://127.0.0.1:{free_port()}/v1")
-    with pytest.raises(UpstreamGone) as unreachable:
-        _send(_runtime(), closed, "GET", "responses/resp_any")
-    assert unreachable.value.error.status == 502
+    working = _upstream(2, base_url=mock.base_url, secret=f"sk-{uuid.uuid4().hex}")
+    answer = _send(_runtime(), [closed, working], "POST", "conversations", body=b"{}")
+    assert answer.upstream == working
+    assert answer.body.startswith(b'{"id":"conv_')
+
+
+def test_an_unreachable_key_is_a_502_and_a_slow_one_a_504(mock: MockUpstream,
+                                                          settings: Any) -> None:
+    closed = _upstream(1, base_url=f"http://127.0.0.1:{free_port()}/v1")
+    with pytest.raises(GatewayError) as unreachable:
+        _send(_runtime(), [closed], "GET", "responses/resp_any")
+    assert unreachable.value.status == 502
     settings.GATEWAY_CALL_DEADLINE_SECONDS = 0.3
     slow = _runtime(**{"X-Mock-First-Byte-Ms": "2000"})
     with pytest.raises(GatewayError) as late:
-        _send(slow, _upstream(1, base_url=mock.base_url), "GET", "responses/resp_any")
+        _send(slow, [_upstream(1, base_url=mock.base_url)], "GET", "responses/resp_any")
     assert late.value.status == 504
