@@ -127,7 +127,8 @@ def billed(mock: MockUpstream, model: str) -> Bill:
     total = Bill()
     for row in httpx.get(f"{mock.url}/mock/usage", timeout=5).json()["completions"]:
         if row["model"] == name:
-            total = Bill(total.input + row["prompt_tokens"], total.output + row["completion_tokens"],
+            total = Bill(total.input + row["prompt_tokens"],
+                         total.output + row["completion_tokens"],
                          total.cached + row["input_cached_tokens"],
                          total.cache_write + row["input_cache_write_tokens"],
                          total.reasoning + row["output_reasoning_tokens"],
