@@ -158,7 +158,7 @@ async def _pass_owned(runtime: GatewayRuntime, ctx: KeyContext, request: HttpReq
         answer = await _send(runtime, [upstream], request.method or "GET", path,
                              request.META.get("QUERY_STRING", ""), body, request_id)
     except GatewayError as error:
-        if error.status == 404 and error.type == "invalid_request_error":
+        if error.status == 404:  # only an upstream's answer is a 404 here
             await _forget(runtime, ctx, kind, object_id)  # gone upstream: gone here too
         raise
     if deleting:

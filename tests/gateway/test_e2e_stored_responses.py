@@ -129,6 +129,26 @@ def test_a_stored_response_is_retrieved_listed_cancelled_and_deleted(
     assert unseen.value.code == "previous_response_not_found"
 
 
+def test_a_response_gone_upstream_is_forgotten(gateway: GatewayServer, mock_upstream: MockUpstream,
+                                              make_tenant: MakeTenant, plan: str) -> None:
+    t = make_tenant(plan=plan)
+    client = client_for(gateway, t.plaintext)
+    created = client.responses.create(model=_model(), input="soon gone")
+    # Deleted at the provider behind the gateway's back (as when it expires there).
+    assert httpx.delete(f"{mock_upstream.base_url}/responses/{created.id}", timeout=5,
+                        headers={"Authorization": f"Bearer {SHARED_PROVIDER_SECRET}"}
+                        ).status_code == 200
+    with pytest.raises(openai.NotFoundError) as upstream_404:
+        client.responses.retrieve(created.id)
+    assert upstream_404.value.code != "response_not_found"  # the upstream's 404, passed on
+    with pytest.raises(openai.NotFoundError) as forgotten:
+        client.responses.retrieve(created.id)
+    assert forgotten.value.code == "response_not_found"  # the gateway's own, nothing sent
+    with pytest.raises(openai.BadRequestError) as unseen:
+        client.responses.create(model=_model(), input="more", previous_response_id=created.id)
+    assert unseen.value.code == "previous_response_not_found"
+
+
 def test_another_tenants_response_is_not_found_and_never_asked_upstream(
         gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
         plan: str) -> None:
@@ -242,6 +262,8 @@ def test_a_conversation_carries_its_items_into_two_turns(
     conversation = client.conversations.create(items=items, metadata={"topic": "travel"})
     assert conversation.id
     assert client.conversations.retrieve(conversation.id).metadata == {"topic": "travel"}
+    updated = client.conversations.update(conversation.id, metadata={"topic": "rome"})
+    assert updated.metadata == {"topic": "rome"}
 
     request_ids: list[str] = []
     expected: list[int] = []
