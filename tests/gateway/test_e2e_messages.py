@@ -75,7 +75,8 @@ def setup(django_db_setup: None, django_db_blocker: Any,
 
     models = priced_models(django_db_blocker, "ca", {
         "plain": "", "bearer": "", "raw": "", "stream": "",
-        "tool": "", "thinking": "@reasoning_tokens=30", "headers": ""}, tokenizer="heuristic")
+        "tool": "", "thinking": "@reasoning_tokens=30", "budget": "", "headers": ""},
+        tokenizer="heuristic")
     error_model = f"ca-{uuid.uuid4().hex[:8]}@status=500"
     over_quota_model = f"ca-{uuid.uuid4().hex[:8]}"
     unserved_model = f"ca-{uuid.uuid4().hex[:8]}"
@@ -271,6 +272,26 @@ def test_thinking_counts_inside_the_output(caller: Callable[..., Caller], setup:
     assert row.output_tokens == 46
     assert_row_is_the_bill(row, bill, model.price)
     assert_nothing_pending(engine, c.t, 3 + 46)
+
+
+def test_the_thinking_budget_shrinks_with_the_headroom(
+    caller: Callable[..., Caller], setup: Setup, mock_upstream: MockUpstream,
+    engine: QuotaEngine, django_db_blocker: Any
+) -> None:
+    # 1,500 tokens a day: max_tokens 4,000 cannot be held, so the hold shrinks to the headroom
+    # and max_tokens with it (about 1,200); the 2,000-token thinking budget must then shrink
+    # below it too, or the upstream refuses the call (the mock checks budget < max_tokens).
+    c = caller(tokens_per_day=1_500)
+    model = setup.models["budget"]
+    meter = Meter(mock_upstream, model.name)
+    message = c.client.messages.create(**hello(
+        model.name, max_tokens=4_000, thinking={"type": "enabled", "budget_tokens": 2_000}))
+    bill = meter.take()
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens == 16
+    [row] = ledger_rows(django_db_blocker, engine, c.t, 1).values()
+    assert_row_is_the_bill(row, bill, model.price)
+    assert row.held_tokens <= 1_500
+    assert_nothing_pending(engine, c.t, 3 + 16)
 
 
 def test_rate_limit_headers_on_a_success(caller: Callable[..., Caller], setup: Setup,
