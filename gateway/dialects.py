@@ -15,6 +15,7 @@ text is output (counted when the usage never arrives). Adding an API is adding a
   `max_output_tokens`.
 - Anthropic Messages: `usage.input_tokens` EXCLUDES cache reads and writes
   (`cache_read_input_tokens`, `cache_creation_input_tokens`), so the billed input is their sum;
+  `output_tokens` includes extended thinking (`output_tokens_details.thinking_tokens`, its share);
   streams give the input side in `message_start` and the cumulative `output_tokens` in each
   `message_delta`. The cap is `max_tokens` (required); a thinking budget must stay below it.
 
@@ -235,9 +236,14 @@ def _anthropic_input(usage: dict[str, Any]) -> _InputSide | None:
                       _int(usage.get("cache_creation_input_tokens")))
 
 
-def _anthropic_usage(side: _InputSide, output_tokens: int) -> Usage:
+def _anthropic_usage(side: _InputSide, output_tokens: int, thinking: int = 0) -> Usage:
     return Usage.of(side.total, output_tokens, cached=side.cache_read,
-                    cache_write=side.cache_write)
+                    cache_write=side.cache_write, reasoning=thinking)
+
+
+def _thinking(usage: dict[str, Any]) -> int:
+    """Extended thinking's share of output_tokens (`output_tokens_details.thinking_tokens`)."""
+    return _int(_dict(usage.get("output_tokens_details")).get("thinking_tokens"))
 
 
 def messages_usage(usage: Any) -> Usage | None:
@@ -246,7 +252,7 @@ def messages_usage(usage: Any) -> Usage | None:
     side = _anthropic_input(usage)
     if side is None or usage["output_tokens"] < 0 or usage["input_tokens"] < 0:
         return None
-    return _anthropic_usage(side, usage["output_tokens"])
+    return _anthropic_usage(side, usage["output_tokens"], _thinking(usage))
 
 
 def _block_text(block: Any) -> str:
@@ -365,12 +371,13 @@ class ResponsesStreamReader(StreamReader):
 
 
 class MessagesStreamReader(StreamReader):
-    __slots__ = ("input_side", "output_seen")
+    __slots__ = ("input_side", "output_seen", "thinking_seen")
 
     def __init__(self) -> None:
         super().__init__()
         self.input_side: _InputSide | None = None  # from message_start
         self.output_seen = 0  # the latest cumulative output_tokens
+        self.thinking_seen = 0  # of which thinking, when the upstream tells it
 
     def inspect(self, event: bytes) -> bytes | None:
         if b"message_start" in event or b"message_delta" in event:
@@ -390,8 +397,10 @@ class MessagesStreamReader(StreamReader):
                 if side is not None:
                     self.input_side = side
                 self.output_seen = max(self.output_seen, _int(usage.get("output_tokens")))
+                self.thinking_seen = max(self.thinking_seen, _thinking(usage))
                 if self.input_side is not None and isinstance(usage.get("output_tokens"), int):
-                    self.usage = _anthropic_usage(self.input_side, self.output_seen)
+                    self.usage = _anthropic_usage(self.input_side, self.output_seen,
+                                                  self.thinking_seen)
                 return event
         self.text_events.append(event)
         return event
@@ -402,8 +411,8 @@ class MessagesStreamReader(StreamReader):
     def known(self, prompt_estimate: int, counted_output: int) -> Usage:
         output = max(self.output_seen, counted_output)
         if self.input_side is None:
-            return Usage(prompt_estimate, output)
-        return _anthropic_usage(self.input_side, output)
+            return Usage.of(prompt_estimate, output, reasoning=self.thinking_seen)
+        return _anthropic_usage(self.input_side, output, self.thinking_seen)
 
 
 # -- dialects ------------------------------------------------------------------------------------

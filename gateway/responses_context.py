@@ -11,7 +11,8 @@ its input: tokens the gateway never sees in the body, billed all the same. The r
 - A reference the gateway has not seen (made elsewhere, expired here, or another tenant's) is
   refused with a 400 before anything is held, unless the tenant's plan names an explicit context
   allowance (`responses_context_allowance_tokens`): then that many tokens are held for it and any
-  provider key of the kind may serve it.
+  provider key of the kind may serve it. Never for another tenant's stored response: the
+  gateway remembers who made each (quotas/answers.py `owner`), and refuses it as unseen.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from gateway.catalog import reservation_tokens
 from gateway.errors import GatewayError, bad_request
 from gateway.runtime import GatewayRuntime
 from gateway.usage import Usage
-from quotas.answers import AnswerKind, StoredAnswer, recall, remember
+from quotas.answers import AnswerKind, StoredAnswer, owner, recall, remember
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,12 @@ async def held_context(runtime: GatewayRuntime, ctx: KeyContext,
         return Context(stored.context_tokens, stored.provider_key_id)
     allowance = ctx.limits.responses_context_allowance_tokens
     if allowance is None:
+        raise unseen_reference(field, answer_id)
+    made_by = await owner(runtime.engine.client, kind, answer_id)
+    if made_by is not None and made_by != ctx.tenant_tag:
+        # Another tenant's response, on a provider key they may share: the allowance is for
+        # contexts made outside the gateway, never for continuing someone else's. The same
+        # answer as for an unknown id, so nothing tells the caller it exists.
         raise unseen_reference(field, answer_id)
     return Context(allowance, None)
 

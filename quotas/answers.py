@@ -5,7 +5,9 @@ context it carries, in the tenant's slot (tg:{t<tenant>}:resp:<id>, tg:{t<tenant
 A call continuing one (`previous_response_id`, `conversation`) makes the upstream re-send those
 earlier turns as input the gateway never sees: its hold adds the remembered context size, and it
 must go to the provider key that stores them. A response is only reachable through the tenant
-that created it: the key is in that tenant's slot, so another tenant's lookup finds nothing.
+that created it: the key is in that tenant's slot, so another tenant's lookup finds nothing. Its
+owner is also kept outside the slots (tg:answer-owner:<kind>:<id>), so that a tenant allowed to
+continue contexts the gateway has not seen still cannot continue another tenant's (`owner`).
 
 Plain commands, not a script: each write is one hash with its expiry, written in one pipelined
 round trip, and a stale read only holds for an older context size.
@@ -53,14 +55,24 @@ async def recall(client: Any, tenant: str, kind: AnswerKind, answer_id: str) -> 
     return StoredAnswer(pk, count)
 
 
+async def owner(client: Any, kind: AnswerKind, answer_id: str) -> str | None:
+    """The tenant whose call made this answer through the gateway, if any still remembers it."""
+    value = await client.get(keys.answer_owner_key(kind.value, answer_id))
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 async def remember(client: Any, tenant: str, answers: list[tuple[AnswerKind, str]],
                    stored: StoredAnswer, ttl_s: int) -> None:
-    """Remember each (kind, id) as `stored` for `ttl_s` seconds (one round trip)."""
+    """Remember each (kind, id) as `stored` for `ttl_s` seconds, with its owner (one pipelined
+    round trip; on a cluster the owner keys live in other slots, sent in the same pipeline)."""
     pipe = client.pipeline(transaction=False)
     for kind, answer_id in answers:
         key = _key(tenant, kind, answer_id)
         pipe.hset(key, mapping={"pk": stored.provider_key_id, "tokens": stored.context_tokens})
         pipe.expire(key, ttl_s)
+        pipe.set(keys.answer_owner_key(kind.value, answer_id), tenant, ex=ttl_s)
     await pipe.execute()
 
 

@@ -26,6 +26,8 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{t<tenant>}:resp:<response id>   hash {pk, tokens} a stored Responses API response: the
                                         provider key holding it, its context size (expires)
     tg:{t<tenant>}:conv:<conversation>  hash {pk, tokens} a Responses API conversation, the same
+    tg:answer-owner:<kind>:<id>         string: the tenant whose call made a stored response or
+                                        conversation (a lookup across tenants, same expiry)
     tg:{p<provider key>}:cap            an upstream key's RPM / TPM buckets (supply side)
     tg:{p<provider key>}:waiters        zset of callers waiting for its capacity, score = expiry
     tg:{p<provider key>}:waiters:seq    string: their arrival counter
@@ -215,6 +217,14 @@ def response_key(tenant: str, response_id: str) -> str:
 def conversation_key(tenant: str, conversation_id: str) -> str:
     """A Responses API conversation of the tenant (quotas/answers.py)."""
     return f"tg:{_tag(tenant)}:conv:{_answer_id(conversation_id)}"
+
+
+def answer_owner_key(kind: str, answer_id: str) -> str:
+    """Which tenant made a stored response or conversation (`kind`: response, conversation):
+    outside any tenant's slot, since the question is asked by another tenant."""
+    if kind not in ("response", "conversation"):
+        raise ValueError(f"invalid stored answer kind: {kind!r}")
+    return f"tg:answer-owner:{kind}:{_answer_id(answer_id)}"
 
 
 def provider_capacity_key(provider_key_id: int) -> str:

@@ -219,3 +219,15 @@ def test_anthropic_error_shape(error: GatewayError, status: int, kind: str) -> N
         "request_id": "req_1"}
     if error.retry_after_s is not None:
         assert response["Retry-After"] == str(error.retry_after_s)
+
+
+def test_messages_usage_reads_the_thinking_share_of_the_output() -> None:
+    usage = messages_usage({"input_tokens": 10, "output_tokens": 46,
+                            "output_tokens_details": {"thinking_tokens": 30}})
+    assert usage == Usage(10, 46, reasoning_tokens=30)
+    reader = MessagesStreamReader()
+    reader.inspect(_sse("message_start", {"type": "message_start", "message": {
+        "id": "msg_2", "usage": {"input_tokens": 10, "output_tokens": 1}}}))
+    reader.inspect(_sse("message_delta", {"type": "message_delta", "usage": {
+        "output_tokens": 46, "output_tokens_details": {"thinking_tokens": 30}}}))
+    assert reader.usage == Usage(10, 46, reasoning_tokens=30)
