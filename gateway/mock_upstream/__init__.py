@@ -226,6 +226,8 @@ with "organization.usage.embeddings.result" (no output tokens).
 
 The ledger lives in the worker's memory: with `--workers` > 1 each worker bills only the requests
 it served, so the bill endpoint and /mock/usage are accurate only with `--workers 1` (the default).
+The same holds for stored responses and conversations: with several workers a follow-up call
+(retrieve, previous_response_id, conversation) may reach a worker that never saw the first one.
 """
 from __future__ import annotations
 
