@@ -229,7 +229,7 @@ def test_a_client_leaving_at_any_instant_is_charged_what_the_upstream_produced(
     base = unique_model(f"fx-leave-{api}")
     model = f"{base}{CLASS_FAULTS[api]}@chunk_ms=20@output_tokens=30"
     if instant == "before_headers":
-        model += "@first_byte_ms=1500"
+        model += "@first_byte_ms=3000"
         client = Client(api)
         asyncio.run(leave_before_headers(gateway, t, engine, client, model))
         assert client.events == []
