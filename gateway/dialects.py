@@ -386,9 +386,9 @@ class MessagesStreamReader(StreamReader):
             if kind == "message_start":
                 message = _dict(data.get("message"))
                 self.response_id = _str(message.get("id")) or None
-                usage = _dict(message.get("usage"))
-                self.input_side = _anthropic_input(usage)
-                self.output_seen = max(self.output_seen, _int(usage.get("output_tokens")))
+                # Only the input side: message_start's output_tokens is a placeholder (1),
+                # not tokens produced; message_delta's cumulative figure is the count.
+                self.input_side = _anthropic_input(_dict(message.get("usage")))
                 return event
             if kind == "message_delta":
                 usage = _dict(data.get("usage"))

@@ -123,6 +123,9 @@ def test_messages_stream_reader_cut_before_message_delta_keeps_the_input_side() 
     reader.inspect(_sse("message_start", {"type": "message_start", "message": {
         "id": "msg_1", "usage": {"input_tokens": 40, "cache_read_input_tokens": 100,
                                  "cache_creation_input_tokens": 10, "output_tokens": 1}}}))
+    # Nothing relayed yet: message_start's output_tokens (1) is a placeholder, not produced.
+    assert reader.known(prompt_estimate=999, counted_output=0) == Usage(
+        150, 0, cached_input_tokens=100, cache_write_tokens=10)
     delta = _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                          "delta": {"type": "text_delta", "text": "Hi"}})
     reader.inspect(delta)
