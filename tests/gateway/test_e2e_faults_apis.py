@@ -8,8 +8,9 @@ pending) and the ledger row is what the upstream produced, as the mock upstream 
   bill token for token, token classes included;
 - a cut stream (no terminal event): what was relayed. A Messages stream told its input side in
   `message_start`: that is charged exactly (classes included), and the output is the larger of
-  the text relayed (counted) and the last cumulative `output_tokens` seen. A Responses stream
-  tells nothing before its terminal event: the input estimate and the text relayed;
+  the text relayed (counted) and the last `message_delta`'s cumulative `output_tokens`. A
+  Responses stream tells nothing before its terminal event: the input estimate and the text
+  relayed;
 - a hang: 504 in the API's shape, the hold released, nothing billed; a stall mid-stream: the
   deadline ends it and charges what was relayed;
 - a dead worker: the sweep charges the input estimate plus the last checkpoint (the text its
@@ -285,9 +286,10 @@ def test_an_upstream_cut_mid_stream_is_charged_what_was_relayed(
     row = only_row(django_db_blocker, engine, t)
     if api == "messages":
         # message_start told the input side: charged exactly, classes included; the output is
-        # the text relayed, or the last cumulative output_tokens seen if more.
-        [start] = [e for e in client.events if e["type"] == "message_start"]
-        told_output = start["message"]["usage"]["output_tokens"]
+        # the text relayed, or the last message_delta's cumulative output_tokens if more
+        # (message_start's output_tokens is a placeholder, not a count).
+        told_output = max([e["usage"]["output_tokens"] for e in client.events
+                           if e["type"] == "message_delta"], default=0)
         assert (row.input_tokens, row.cached_input_tokens, row.cache_write_tokens) == (
             bill["prompt_tokens"], bill["input_cached_tokens"], bill["input_cache_write_tokens"])
         assert row.output_tokens == max(counted, told_output)
