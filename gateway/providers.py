@@ -142,8 +142,8 @@ def create_provider_key(
 
 # What update_provider_key may change; the secret goes through set_provider_secret.
 EDITABLE_FIELDS: frozenset[str] = frozenset(
-    {"name", "kind", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled", "tenant",
-     "default_input_price_micros_per_mtok", "default_output_price_micros_per_mtok"}
+    {"name", "kind", "base_url", "models", "rpm_capacity", "tpm_capacity", "priority", "enabled",
+     "tenant", "default_input_price_micros_per_mtok", "default_output_price_micros_per_mtok"}
 )
 
 

@@ -127,7 +127,8 @@ def test_price_rows_with_and_without_class_prices_load_into_the_book() -> None:
     assert prices.price("o3-mini", NOW) == O3_MINI
 
     created = AuditEvent.objects.get(action="model_price.create", target="classed")
-    assert (created.data["cached_input_micros_per_mtok"], created.data["cache_write_micros_per_mtok"],
+    assert (created.data["cached_input_micros_per_mtok"],
+            created.data["cache_write_micros_per_mtok"],
             created.data["reasoning_micros_per_mtok"]) == (1, 9, 0)
     assert AuditEvent.objects.get(action="model_price.create",
                                   target="plain").data["cached_input_micros_per_mtok"] is None

@@ -68,8 +68,9 @@ class Command(TenantsCommand):
     help = (
         "Create (once) the demo tenant, project, API key, a console user who owns the tenant and "
         "a Django admin user for a first local run, and with --mock-upstream two provider keys "
-        "for the mock upstream (OpenAI-compatible and Anthropic). Secrets and passwords are printed only when created (only their "
-        "hashes are stored); later runs show the masked key."
+        "for the mock upstream (OpenAI-compatible and Anthropic). Secrets and passwords are "
+        "printed only when created (only their hashes are stored); later runs show the masked "
+        "key."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
