@@ -153,12 +153,31 @@ def estimate(parsed: ParsedBody, info: ModelInfo, ctx: KeyContext, price: Price)
         requested = 16
     amount, cap = reservation_tokens(prompt, requested, info, ctx.limits.safety_factor,
                                      choices=parsed.choices)
-    if cap == 0:
+    if cap < least_output(parsed):
         raise bad_request(
             f"This model's maximum context length is {info.context_window} tokens; your "
             f"request has about {prompt} prompt tokens, which leaves no room for an answer.",
             _PROMPT_PARAM[parsed.endpoint], "context_length_exceeded")
     return Estimate(info, prompt, amount, cap, price)
+
+
+# OpenAI's Responses API refuses a max_output_tokens below 16.
+RESPONSES_MIN_OUTPUT = 16
+
+
+def least_output(parsed: ParsedBody) -> int:
+    """The smallest output cap per choice the call's API accepts, so that a cap the gateway
+    lowers (to the headroom, or to what the context window leaves) is never one the upstream
+    refuses: extended thinking (Messages API) needs its smallest budget plus one token of
+    answer, since the budget must stay below max_tokens; the Responses API 16; others 1. Never
+    above the client's own cap (a client's smaller cap is the upstream's to judge)."""
+    if parsed.thinking_budget:
+        least = MIN_THINKING_BUDGET + 1
+    elif parsed.endpoint is Endpoint.RESPONSES:
+        least = RESPONSES_MIN_OUTPUT
+    else:
+        least = 1
+    return min(least, parsed.max_output) if parsed.max_output is not None else least
 
 
 def reserve_meta(ctx: KeyContext, parsed: ParsedBody, model: str) -> str:
@@ -171,18 +190,21 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
              scopes: tuple[ScopeLimit, ...]) -> ReserveRequest:
     min_amount = None
     if ctx.limits.shrink_hold_to_headroom and est.output_cap is not None:
-        # The smallest hold still worth sending: the prompt plus one output token per choice;
-        # with extended thinking (Messages API), the smallest budget the API accepts plus one
-        # token of answer, since the budget must stay below max_tokens.
-        least_output = MIN_THINKING_BUDGET + 1 if parsed.thinking_budget else 1
-        min_amount = min(est.amount, hold_for(est.prompt_tokens, least_output * parsed.choices,
+        # The smallest hold still worth sending: the prompt plus the smallest output cap the
+        # API accepts (least_output), per choice.
+        min_amount = min(est.amount, hold_for(est.prompt_tokens,
+                                              least_output(parsed) * parsed.choices,
                                               ctx.limits.safety_factor))
+    # The sweep charges a hold it must end without its call at these prices (lua/sweep.lua):
+    # the dearest class of each side, since it cannot know the split (cache writes cost more
+    # than plain input, reasoning may cost more than plain output).
+    pin, pcached, pwrite, pout, preason = est.price.class_prices()
     return ReserveRequest(
         tenant=ctx.tenant_tag, request_id=request_id, amount=est.amount, limits=scopes,
         min_amount=min_amount, rates=ctx.rates, concurrency=ctx.concurrency,
         meta=reserve_meta(ctx, parsed, model), money_amount=est.worst_cost_micros,
-        input_tokens=est.prompt_tokens, price_in=est.price.input_micros_per_mtok,
-        price_out=est.price.output_micros_per_mtok,
+        input_tokens=est.prompt_tokens, price_in=max(pin, pcached, pwrite),
+        price_out=max(pout, preason),
         check_epoch=True,  # refuse (and rebuild) when Redis lost the tenant's data
     )
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from django.conf import settings
 
-from gateway.admission import Checked
+from gateway.admission import Checked, least_output
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
 from gateway.catalog import reservation_tokens
@@ -87,7 +87,7 @@ def with_context(checked: Checked, context: Context, ctx: KeyContext) -> Checked
     prompt = est.prompt_tokens + context.tokens
     amount, cap = reservation_tokens(prompt, parsed.max_output, est.info,
                                      ctx.limits.safety_factor, choices=parsed.choices)
-    if cap == 0:
+    if cap < least_output(parsed):
         raise bad_request(
             f"This model's maximum context length is {est.info.context_window} tokens; with the "
             f"earlier turns ({context.tokens} tokens) your request has about {prompt} input "
