@@ -29,6 +29,7 @@ from gateway.errors import GatewayError, bad_request
 from gateway.runtime import GatewayRuntime
 from gateway.usage import Usage
 from quotas.answers import AnswerKind, StoredAnswer, owner, recall, remember
+from quotas.engine import QuotaStoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,16 @@ async def held_context(runtime: GatewayRuntime, ctx: KeyContext,
     if reference is None:
         return None
     kind, answer_id, field = reference
-    stored = await recall(runtime.engine.client, ctx.tenant_tag, kind, answer_id)
+    try:
+        stored = await recall(runtime.engine.client, ctx.tenant_tag, kind, answer_id)
+    except QuotaStoreUnavailable:
+        if not settings.GATEWAY_FAIL_OPEN:
+            raise  # 503 quota_store_unavailable, like every call while Redis is away
+        # Fail-open: the call goes on unmetered (the reserve fails the same way), to any key of
+        # its kind; one that does not store the response answers the upstream's own error.
+        log.error("FAIL-OPEN: the earlier turns of %s cannot be looked up (quota store "
+                  "unreachable)", answer_id[:64])
+        return None
     if stored is not None:
         return Context(stored.context_tokens, stored.provider_key_id)
     allowance = ctx.limits.responses_context_allowance_tokens

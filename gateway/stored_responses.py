@@ -127,7 +127,7 @@ async def _owned(runtime: GatewayRuntime, ctx: KeyContext, kind: AnswerKind,
         raise not_found(kind, raw_id)
     try:
         stored = await recall(runtime.engine.client, ctx.tenant_tag, kind, object_id)
-    except (RedisError, OSError):
+    except (QuotaError, RedisError, OSError):
         raise quota_store_unavailable() from None
     if stored is None:
         raise not_found(kind, object_id)
@@ -145,7 +145,7 @@ async def _forget(runtime: GatewayRuntime, ctx: KeyContext, kind: AnswerKind,
                   object_id: str) -> None:
     try:
         await forget(runtime.engine.client, ctx.tenant_tag, kind, object_id)
-    except (RedisError, OSError) as exc:
+    except (QuotaError, RedisError, OSError) as exc:
         # The upstream's object is gone either way; a later continuation of it gets the
         # upstream's 4xx instead of the gateway's 400.
         log.warning("%s %s not forgotten (%s)", kind.value, object_id, type(exc).__name__)
@@ -331,7 +331,7 @@ async def _remember_conversation(runtime: GatewayRuntime, ctx: KeyContext,
                        [(AnswerKind.CONVERSATION, conversation_id)],
                        StoredAnswer(answer.upstream.id, tokens),
                        settings.TOLLGATE_RESPONSES_TTL_SECONDS)
-    except (RedisError, OSError):
+    except (QuotaError, RedisError, OSError):
         # Not remembered, it could not be used through the gateway: say so rather than hand
         # out an id every turn would be refused with (the upstream's copy is left unused).
         log.error("conversation %s created but not remembered: Redis unreachable",

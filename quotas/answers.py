@@ -19,6 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from quotas import keys
+from quotas.engine import store_errors
 
 
 class AnswerKind(StrEnum):
@@ -48,7 +49,8 @@ def _int(value: Any) -> int | None:
 async def recall(client: Any, tenant: str, kind: AnswerKind, answer_id: str) -> StoredAnswer | None:
     """The remembered answer, None when this tenant has none by that id (never made here, made
     by another tenant, expired or deleted)."""
-    provider_key, tokens = await client.hmget(_key(tenant, kind, answer_id), ["pk", "tokens"])
+    with store_errors():
+        provider_key, tokens = await client.hmget(_key(tenant, kind, answer_id), ["pk", "tokens"])
     pk, count = _int(provider_key), _int(tokens)
     if pk is None or count is None:
         return None
@@ -57,7 +59,8 @@ async def recall(client: Any, tenant: str, kind: AnswerKind, answer_id: str) -> 
 
 async def owner(client: Any, kind: AnswerKind, answer_id: str) -> str | None:
     """The tenant whose call made this answer through the gateway, if any still remembers it."""
-    value = await client.get(keys.answer_owner_key(kind.value, answer_id))
+    with store_errors():
+        value = await client.get(keys.answer_owner_key(kind.value, answer_id))
     if value is None:
         return None
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -65,16 +68,26 @@ async def owner(client: Any, kind: AnswerKind, answer_id: str) -> str | None:
 
 async def remember(client: Any, tenant: str, answers: list[tuple[AnswerKind, str]],
                    stored: StoredAnswer, ttl_s: int) -> None:
-    """Remember each (kind, id) as `stored` for `ttl_s` seconds, with its owner (one pipelined
-    round trip; on a cluster the owner keys live in other slots, sent in the same pipeline)."""
+    """Remember each (kind, id) as `stored` for `ttl_s` seconds (each turn of a conversation
+    remembers it again, so an active one never expires), with its owner (one pipelined round
+    trip; on a cluster the owner keys live in other slots, sent in the same pipeline).
+
+    A response's owner expires with it (the upstream keeps stored responses 30 days); a
+    conversation's owner never does (the upstream keeps conversations until deleted), so no
+    tenant can ever continue another's conversation, however long it sat idle."""
     pipe = client.pipeline(transaction=False)
     for kind, answer_id in answers:
         key = _key(tenant, kind, answer_id)
         pipe.hset(key, mapping={"pk": stored.provider_key_id, "tokens": stored.context_tokens})
         pipe.expire(key, ttl_s)
-        pipe.set(keys.answer_owner_key(kind.value, answer_id), tenant, ex=ttl_s)
-    await pipe.execute()
+        owner_ttl = ttl_s if kind is AnswerKind.RESPONSE else None
+        pipe.set(keys.answer_owner_key(kind.value, answer_id), tenant, ex=owner_ttl)
+    with store_errors():
+        await pipe.execute()
 
 
 async def forget(client: Any, tenant: str, kind: AnswerKind, answer_id: str) -> None:
-    await client.delete(_key(tenant, kind, answer_id))
+    """Forget an answer the upstream no longer has (deleted). Its owner record stays: nobody
+    else may continue that id either."""
+    with store_errors():
+        await client.delete(_key(tenant, kind, answer_id))

@@ -74,6 +74,10 @@ def _store_errors() -> Iterator[None]:
         raise QuotaStoreUnavailable(f"quota store refused the operation: {exc}") from exc
 
 
+# For the other modules that talk to the quota Redis (quotas/answers.py): the same mapping.
+store_errors = _store_errors
+
+
 # -- requests and results -----------------------------------------------------------------------
 
 
