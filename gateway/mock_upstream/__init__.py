@@ -96,7 +96,9 @@ wins over the header). The model echoed in responses and billed is the part befo
   X-Mock-Cache-Read-Tokens: 5 claude@cache_read_tokens=5      the same for /v1/messages (falls
                                                              back to cached_tokens)
   X-Mock-Cache-Write-Tokens:2 claude@cache_write_tokens=2     2 input tokens are cache writes
-                                                             (/v1/responses, /v1/messages)
+                                                             (/v1/messages only: the Responses
+                                                             API reports no cache writes, as
+                                                             OpenAI's does not; ignored there)
   X-Mock-Reasoning-Tokens: 8  o4-mini@reasoning_tokens=8      8 reasoning tokens (chat,
                                                              responses; messages only when
                                                              thinking is enabled)
@@ -148,8 +150,9 @@ Output: the chat rules: the answer words, length `output_tokens` (default 16), `
 caps it (status "incomplete", incomplete_details {"reason": "max_output_tokens"}); with
 `reasoning_tokens=N` a reasoning item (summary [], the reasoning stays hidden) comes first and N
 counts in output_tokens and output_tokens_details.reasoning_tokens (within the cap);
-`cached_tokens` / `cache_write_tokens` fill input_tokens_details. Function tools
-({"type": "function", "name", ...}) follow chat's rule (tool_choice "none", "required",
+`cached_tokens` fills input_tokens_details.cached_tokens; there is no cache-write figure
+(OpenAI reports none: the `cache_write_tokens` fault does not apply, nothing is billed as one).
+Function tools ({"type": "function", "name", ...}) follow chat's rule (tool_choice "none", "required",
 {"type": "function", "name"}, else "weather" in the last user text): the answer is a
 function_call item (call_id, name, arguments {"city": "Paris"}; 3 output tokens); when a
 function_call_output item comes after the last user message the answer is text.

@@ -306,7 +306,6 @@ class Plan:
 
     input_tokens: int
     cached: int
-    cache_write: int
     reasoning: int
     visible: int  # words of the text, or TOOL_CALL_TOKENS for a tool call
     tool_name: str | None
@@ -319,7 +318,9 @@ class Plan:
     def usage(self) -> dict[str, Any]:
         return {
             "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached, "cache_write_tokens": self.cache_write},
+            # Only cache reads: the Responses API reports no cache-write figure (OpenAI's prompt
+            # cache writes cost the plain input price), so the cache_write_tokens fault is Messages' only.
+            "input_tokens_details": {"cached_tokens": self.cached},
             "output_tokens": self.output_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning},
             "total_tokens": self.input_tokens + self.output_tokens,
@@ -428,7 +429,7 @@ def _stream_events(built: Built, started: dict[str, Any], final: dict[str, Any])
 
 def _bill(key_id: str, model: str, plan: Plan, output_tokens: int) -> None:
     ledger.record_completion(key_id, model, plan.input_tokens, output_tokens, cached=plan.cached,
-                             cache_write=plan.cache_write, reasoning=min(plan.reasoning, output_tokens))
+                             reasoning=min(plan.reasoning, output_tokens))
 
 
 async def create_response(scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
@@ -483,8 +484,7 @@ async def create_response(scope: Scope, receive: Receive, send: Send, headers: R
     else:
         reasoning, visible, capped = split_output(wanted, faults.reasoning_tokens or 0, cap)
     cached = cached_part(faults, input_tokens)
-    plan = Plan(input_tokens, cached, min(faults.cache_write_tokens or 0, input_tokens - cached),
-                reasoning, visible, tool_name, capped)
+    plan = Plan(input_tokens, cached, reasoning, visible, tool_name, capped)
     if await _apply_faults(faults, receive, send):
         return
 

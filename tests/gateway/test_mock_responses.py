@@ -117,6 +117,31 @@ def test_reasoning_and_cached_faults_within_their_totals(mock: MockUpstream) -> 
     assert (row["input_cached_tokens"], row["output_reasoning_tokens"]) == (6, 14)
 
 
+def test_cache_write_fault_does_not_apply_to_responses(mock: MockUpstream) -> None:
+    """The Responses API has no cache-write figure (OpenAI reports none): the fault that makes
+    Messages answers carry cache writes neither shows in the usage nor reaches the bill, streamed
+    or not; cache reads still do."""
+    key = _key()
+    client = _client(mock, key)
+    model = "gpt-4.1@cache_write_tokens=2@cached_tokens=1"
+    response = client.responses.create(model=model, input="a b c d")
+    assert response.usage is not None
+    # exclude_none: the SDK's model declares fields (cache_write_tokens among them) the answer
+    # did not carry.
+    assert response.usage.input_tokens_details.model_dump(exclude_none=True) == {
+        "cached_tokens": 1}
+    streamed = httpx.post(f"{mock.base_url}/responses", timeout=5,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": model, "input": "a b c d", "stream": True})
+    completed = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+                 if line.startswith("data: ") and '"response.completed"' in line]
+    assert len(completed) == 1
+    assert completed[0]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 1}
+    row = bill_row(mock, key, "gpt-4.1")
+    assert (row["prompt_tokens"], row["requests"]) == (8, 2)
+    assert (row["input_cached_tokens"], row["input_cache_write_tokens"]) == (2, 0)
+
+
 def test_stream_event_sequence_and_final_response(mock: MockUpstream) -> None:
     key = _key()
     events = list(_client(mock, key).responses.create(model="gpt-4o@output_tokens=3", input="hi there",
