@@ -45,6 +45,13 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+def _count(value: Any) -> int | None:
+    """A token count an upstream reports: an integer >= 0 (not a boolean), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -85,11 +92,9 @@ def openai_usage(usage: Any) -> Usage | None:
     counted instead)."""
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if not isinstance(prompt, int) or not isinstance(completion, int) or isinstance(prompt, bool):
-        return None
-    if prompt < 0 or completion < 0:
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens", 0))
+    if prompt is None or completion is None:
         return None  # nonsense from the upstream: count what we saw instead
     cached = _int(_dict(usage.get("prompt_tokens_details")).get("cached_tokens"))
     reasoning = _int(_dict(usage.get("completion_tokens_details")).get("reasoning_tokens"))
@@ -166,9 +171,8 @@ def _openai_cap_field(endpoint: Endpoint, model: str, body: dict[str, Any]) -> s
 def responses_usage(usage: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
-    input_tokens, output_tokens = usage.get("input_tokens"), usage.get("output_tokens")
-    if not isinstance(input_tokens, int) or not isinstance(output_tokens, int) \
-            or isinstance(input_tokens, bool) or input_tokens < 0 or output_tokens < 0:
+    input_tokens, output_tokens = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    if input_tokens is None or output_tokens is None:
         return None
     cached = _int(_dict(usage.get("input_tokens_details")).get("cached_tokens"))
     reasoning = _int(_dict(usage.get("output_tokens_details")).get("reasoning_tokens"))
@@ -230,7 +234,7 @@ class _InputSide:
 
 
 def _anthropic_input(usage: dict[str, Any]) -> _InputSide | None:
-    if not isinstance(usage.get("input_tokens"), int):
+    if _count(usage.get("input_tokens")) is None:
         return None
     return _InputSide(_int(usage.get("input_tokens")), _int(usage.get("cache_read_input_tokens")),
                       _int(usage.get("cache_creation_input_tokens")))
@@ -247,10 +251,10 @@ def _thinking(usage: dict[str, Any]) -> int:
 
 
 def messages_usage(usage: Any) -> Usage | None:
-    if not isinstance(usage, dict) or not isinstance(usage.get("output_tokens"), int):
+    if not isinstance(usage, dict) or _count(usage.get("output_tokens")) is None:
         return None
     side = _anthropic_input(usage)
-    if side is None or usage["output_tokens"] < 0 or usage["input_tokens"] < 0:
+    if side is None:
         return None
     return _anthropic_usage(side, usage["output_tokens"], _thinking(usage))
 
@@ -302,9 +306,11 @@ class StreamReader:
     def event_text(self, data: dict[str, Any]) -> str:
         raise NotImplementedError
 
-    def known(self, prompt_estimate: int, counted_output: int) -> Usage:
+    def known(self, prompt_estimate: int, counted_output: int, worst_output: int) -> Usage:
         """The usage of a stream that ended without its final figures: what the upstream told
-        so far, else the input estimate and the output counted from the text relayed."""
+        so far, else the input estimate and the output counted from the text relayed.
+        `worst_output`: the most output the hold allows (what is charged when the stream shows
+        output was produced that its text does not: hidden reasoning)."""
         return Usage(prompt_estimate, counted_output)
 
 
@@ -349,9 +355,20 @@ class OpenAIStreamReader(StreamReader):
 
 
 class ResponsesStreamReader(StreamReader):
-    __slots__ = ()
+    __slots__ = ("reasoning_seen",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A reasoning item started: the model produced reasoning tokens that the stream does
+        # not show (only a summary, if asked), so a cut stream's text undercounts its output.
+        self.reasoning_seen = False
 
     def inspect(self, event: bytes) -> bytes | None:
+        if not self.reasoning_seen and b'"reasoning"' in event \
+                and b"response.output_item.added" in event:
+            data = _event_data(event)
+            if data is not None and _dict(data.get("item")).get("type") == "reasoning":
+                self.reasoning_seen = True
         if b"response.c" in event or b"response.incomplete" in event \
                 or b"response.failed" in event:
             data = _event_data(event)
@@ -368,6 +385,14 @@ class ResponsesStreamReader(StreamReader):
 
     def event_text(self, data: dict[str, Any]) -> str:
         return responses_event_text(data)
+
+    def known(self, prompt_estimate: int, counted_output: int, worst_output: int) -> Usage:
+        if not self.reasoning_seen:
+            return Usage(prompt_estimate, counted_output)
+        # How much it reasoned is told only by the terminal event: charge the most the hold
+        # allows, the cap the upstream was given (reasoning counts inside max_output_tokens).
+        output = max(counted_output, worst_output)
+        return Usage.of(prompt_estimate, output, reasoning=output - counted_output)
 
 
 class MessagesStreamReader(StreamReader):
@@ -392,13 +417,17 @@ class MessagesStreamReader(StreamReader):
                 return event
             if kind == "message_delta":
                 usage = _dict(data.get("usage"))
-                # Newer versions repeat the input side here, cumulative like the output.
+                # Newer versions repeat the input side here, cumulative like the output: merged
+                # field by field, so a delta that leaves a cache field out keeps message_start's.
                 side = _anthropic_input(usage)
                 if side is not None:
-                    self.input_side = side
+                    start = self.input_side or _InputSide(0, 0, 0)
+                    self.input_side = _InputSide(max(start.uncached, side.uncached),
+                                                 max(start.cache_read, side.cache_read),
+                                                 max(start.cache_write, side.cache_write))
                 self.output_seen = max(self.output_seen, _int(usage.get("output_tokens")))
                 self.thinking_seen = max(self.thinking_seen, _thinking(usage))
-                if self.input_side is not None and isinstance(usage.get("output_tokens"), int):
+                if self.input_side is not None and _count(usage.get("output_tokens")) is not None:
                     self.usage = _anthropic_usage(self.input_side, self.output_seen,
                                                   self.thinking_seen)
                 return event
@@ -408,7 +437,7 @@ class MessagesStreamReader(StreamReader):
     def event_text(self, data: dict[str, Any]) -> str:
         return messages_event_text(data)
 
-    def known(self, prompt_estimate: int, counted_output: int) -> Usage:
+    def known(self, prompt_estimate: int, counted_output: int, worst_output: int) -> Usage:
         output = max(self.output_seen, counted_output)
         if self.input_side is None:
             return Usage.of(prompt_estimate, output, reasoning=self.thinking_seen)

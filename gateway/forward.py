@@ -247,8 +247,10 @@ class Call:
         if self.answer_id is not None and not self.remembered:
             self.remembered = True
             upstream = self.upstream.id if self.upstream is not None else None
-            await remember_answer(self.runtime, self.ctx, self.parsed, self.answer_id, upstream,
-                                  usage)
+            # Shielded: a client leaving during the write must not leave the response
+            # unremembered (its next turn would be refused as unseen).
+            await asyncio.shield(self.runtime.detach(remember_answer(
+                self.runtime, self.ctx, self.parsed, self.answer_id, upstream, usage)))
 
     def delivered_tokens(self) -> int:
         """Output tokens relayed so far (a stream's; 0 before its first chunk)."""
@@ -816,7 +818,14 @@ class StreamRelay:
                                        self.call.admission.estimate.info.tokenizer)
         # What the upstream told before it stopped (a Messages stream's input side and output
         # so far), else the input estimate; the output never below the text relayed.
-        usage = reader.known(self.call.admission.estimate.prompt_tokens, output)
+        admission = self.call.admission
+        est = admission.estimate
+        # The most output the upstream could have produced: the cap it was given, else what
+        # the hold leaves after the input estimate.
+        worst = (admission.output_cap * self.call.parsed.choices
+                 if admission.output_cap is not None
+                 else max(0, admission.reservation.granted - est.prompt_tokens))
+        usage = reader.known(est.prompt_tokens, output, worst)
         await self.call.settle(usage, status=status, outcome=f"{outcome}_counted")
         await self.call.remember(usage)
 

@@ -124,14 +124,14 @@ def test_messages_stream_reader_cut_before_message_delta_keeps_the_input_side() 
         "id": "msg_1", "usage": {"input_tokens": 40, "cache_read_input_tokens": 100,
                                  "cache_creation_input_tokens": 10, "output_tokens": 1}}}))
     # Nothing relayed yet: message_start's output_tokens (1) is a placeholder, not produced.
-    assert reader.known(prompt_estimate=999, counted_output=0) == Usage(
+    assert reader.known(prompt_estimate=999, counted_output=0, worst_output=50) == Usage(
         150, 0, cached_input_tokens=100, cache_write_tokens=10)
     delta = _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                          "delta": {"type": "text_delta", "text": "Hi"}})
     reader.inspect(delta)
     assert reader.usage is None
     # Cut: the input side is the upstream's (exact), the output at least what was relayed.
-    assert reader.known(prompt_estimate=999, counted_output=3) == Usage(
+    assert reader.known(prompt_estimate=999, counted_output=3, worst_output=50) == Usage(
         150, 3, cached_input_tokens=100, cache_write_tokens=10)
     assert reader.response_id == "msg_1"
 
@@ -234,3 +234,36 @@ def test_messages_usage_reads_the_thinking_share_of_the_output() -> None:
     reader.inspect(_sse("message_delta", {"type": "message_delta", "usage": {
         "output_tokens": 46, "output_tokens_details": {"thinking_tokens": 30}}}))
     assert reader.usage == Usage(10, 46, reasoning_tokens=30)
+
+
+def test_a_cut_responses_stream_that_reasoned_is_charged_its_cap() -> None:
+    # The reasoning tokens are told only by the terminal event: a stream cut before it, whose
+    # model reasoned, is charged the most the upstream could produce (its max_output_tokens).
+    reader = ResponsesStreamReader()
+    reader.inspect(_sse("response.output_item.added", {
+        "type": "response.output_item.added", "item": {"type": "reasoning", "summary": []}}))
+    assert reader.known(prompt_estimate=20, counted_output=3, worst_output=200) == Usage(
+        20, 200, reasoning_tokens=197)
+    plain = ResponsesStreamReader()
+    assert plain.known(prompt_estimate=20, counted_output=3, worst_output=200) == Usage(20, 3)
+
+
+@pytest.mark.parametrize("usage", [
+    {"prompt_tokens": 3, "completion_tokens": True},
+    {"prompt_tokens": 3, "completion_tokens": -2}])
+def test_boolean_or_negative_counts_are_nonsense(usage: dict[str, Any]) -> None:
+    assert openai_usage(usage) is None
+    assert responses_usage({"input_tokens": 3, "output_tokens": usage["completion_tokens"]}) \
+        is None
+    assert messages_usage({"input_tokens": 3, "output_tokens": usage["completion_tokens"]}) \
+        is None
+
+
+def test_a_message_delta_without_cache_fields_keeps_message_starts() -> None:
+    reader = MessagesStreamReader()
+    reader.inspect(_sse("message_start", {"type": "message_start", "message": {
+        "id": "msg_3", "usage": {"input_tokens": 40, "cache_read_input_tokens": 100,
+                                 "output_tokens": 1}}}))
+    reader.inspect(_sse("message_delta", {"type": "message_delta", "usage": {
+        "input_tokens": 40, "output_tokens": 9}}))
+    assert reader.usage == Usage(140, 9, cached_input_tokens=100)

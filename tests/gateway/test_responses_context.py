@@ -85,3 +85,25 @@ def test_store_false_and_other_endpoints_are_not_remembered(redis_url: str) -> N
         return [await recall(client, "ctxd1", AnswerKind.RESPONSE, i) for i in ("resp_d1",
                                                                                "resp_d2")]
     assert _run(work) == [None, None]
+
+
+def test_a_continuation_while_redis_is_away_is_the_quota_stores_refusal(
+        settings: Any) -> None:
+    from redis.asyncio import Redis
+
+    from quotas.engine import QuotaStoreUnavailable
+
+    async def work(fail_open: bool) -> Any:
+        settings.GATEWAY_FAIL_OPEN = fail_open
+        client = Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+        runtime = SimpleNamespace(engine=SimpleNamespace(client=client))
+        try:
+            return await held_context(runtime, _ctx("ctxe1"),
+                                      _parsed(context_ref="resp_e1"))
+        finally:
+            await client.aclose()
+
+    with pytest.raises(QuotaStoreUnavailable):  # views.py answers it 503 (Anthropic: 529)
+        asyncio.run(work(fail_open=False))
+    # Fail-open: the call goes on unmetered, without the earlier turns' context.
+    assert asyncio.run(work(fail_open=True)) is None
