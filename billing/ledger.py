@@ -44,7 +44,9 @@ from django.db import DatabaseError, transaction
 
 from billing.models import UsageRecord
 from billing.prices import PriceBook
-from gateway.models import ProviderKey
+from gateway.bodies import Endpoint
+from gateway.dialects import provider_kind
+from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from gateway.usage import Usage
 from quotas import keys
@@ -122,6 +124,16 @@ def _cost(outcome: str, fields: dict[str, str], price: Price, usage: Usage) -> i
     return price.cost_of(usage)
 
 
+def _kind_of(endpoint: str) -> str:
+    """The provider key kind that served a call of `endpoint` (the event meta's "ep"), whose
+    default prices price a model without its own: "anthropic" for messages, else "openai". An
+    event without one (written before endpoints were recorded) was an OpenAI-compatible call."""
+    try:
+        return provider_kind(Endpoint(endpoint))
+    except ValueError:
+        return ProviderKind.OPENAI.value
+
+
 def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> UsageRecord:
     """The ledger row of one usage event (unsaved). For a "corrected" event: the row as the
     correction leaves it, swept_* holding what the sweep had charged (from the event)."""
@@ -155,7 +167,7 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
     model = str(meta.get("m") or "")
     served = str(meta.get("served") or model)
     held = _count(fields.get("held"))
-    price = prices.price(served, ended)
+    price = prices.price(served, ended, _kind_of(str(meta.get("ep") or "")))
     record = UsageRecord(
         request_id=fields["request_id"],
         tenant_id=tenant_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
+from gateway.models import ProviderKind
 from gateway.prices import Price
 from gateway.prices import PriceBook as GatewayPriceBook
 
@@ -23,10 +24,11 @@ class PriceBook(GatewayPriceBook):
     ERROR, because refusing to record the usage would lose it.
     """
 
-    def price(self, model: str, at: datetime) -> Price:  # type: ignore[override]
-        found = super().price(model, at)
+    def price(self, model: str, at: datetime,  # type: ignore[override]
+              kind: str = ProviderKind.OPENAI.value) -> Price:
+        found = super().price(model, at, kind)
         if found is None:
-            log.error("no price for model %r at %s: its ledger row is costed at 0", model,
-                      at.isoformat())
+            log.error("no price for model %r (%s kind) at %s: its ledger row is costed at 0",
+                      model, kind, at.isoformat())
             return FREE
         return found

@@ -102,10 +102,11 @@ class Admission:
         return self.reservation.hold is not None
 
 
-def priced(runtime: GatewayRuntime, model: str) -> Price:
+def priced(runtime: GatewayRuntime, model: str, endpoint: Endpoint) -> Price:
     """The model's price now, or model_not_priced (403): a call is never forwarded for free by
-    accident. See gateway/prices.py for the resolution."""
-    price = runtime.catalog.price(model)
+    accident. See gateway/prices.py for the resolution (default prices: only those of the keys
+    of the endpoint's kind, the keys that may serve it)."""
+    price = runtime.catalog.price(model, kind=provider_kind(endpoint))
     if price is None:
         raise model_not_priced(model)
     return price
@@ -290,7 +291,7 @@ def check(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody) -> Check
     everything admit() needs before the reserve. Reads only immutable snapshots (the catalog,
     the key's context) and the context's memo of counters, so it may run on a thread."""
     catalog = runtime.catalog
-    price = priced(runtime, parsed.model)
+    price = priced(runtime, parsed.model, parsed.endpoint)
     # Per-model limits count a dated snapshot under its catalog model (one model name).
     scopes = ctx.scopes(catalog.canonical(parsed.model))
     refuse_impossible(ctx, scopes)
@@ -408,7 +409,8 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
                 and allows(runtime, ctx, target)
                 and runtime.pool.serves(target, ctx.tenant_id,
                                         kind=provider_kind(parsed.endpoint))
-                and (fb_price := catalog.price(target)) is not None):
+                and (fb_price := catalog.price(target,
+                                               kind=provider_kind(parsed.endpoint))) is not None):
             fb_est = await estimated(parsed, catalog.resolve(target), ctx, fb_price)
             fb_request = _request(ctx, parsed, request_id, target, fb_est,
                                   ctx.scopes(catalog.canonical(target)))

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from types import MappingProxyType
 
-from gateway.models import ModelKind, ModelSpec, Tokenizer
+from gateway.models import ModelKind, ModelSpec, ProviderKind, Tokenizer
 from gateway.prices import Price, PriceBook
 
 # Unknown models (not in the catalog, or disabled there but allowed by a plan) get these
@@ -84,9 +84,11 @@ class Catalog:
         model."""
         return self.spec(model_name) or fallback_model_info(model_name)
 
-    def price(self, model_name: str, at: datetime | None = None) -> Price | None:
-        """What a call of this model costs now (or at `at`); None when it has no price."""
-        return self.prices.price(model_name, at or datetime.now(UTC))
+    def price(self, model_name: str, at: datetime | None = None,
+              kind: str = ProviderKind.OPENAI.value) -> Price | None:
+        """What a call of this model served by a provider key of `kind` (the endpoint's,
+        gateway.dialects.provider_kind) costs now (or at `at`); None when it has no price."""
+        return self.prices.price(model_name, at or datetime.now(UTC), kind)
 
     def names(self, kind: str | None = None) -> list[str]:
         return sorted(n for n, info in self.models.items() if kind is None or info.kind == kind)

@@ -6,8 +6,12 @@ A name resolves to its canonical model first (ModelAlias: "gpt-4o-2024-08-06" ->
 
 1. a ModelPrice period of the canonical model covering the moment;
 2. else the catalog's list price (ModelSpec, enabled or not);
-3. else the highest default price named by an enabled provider key that serves the name (input
-   and output each at their highest, so the hold stays an upper bound whichever key serves it);
+3. else the highest default price named by an enabled provider key OF THE CALL'S KIND (the API
+   its endpoint speaks: "anthropic" for /v1/messages, "openai" for every other endpoint) that
+   serves the name (input and output each at their highest, so the hold stays an upper bound
+   whichever key serves it). Only keys that could serve the call count: an Anthropic key's
+   default price never prices a model called through the OpenAI-compatible endpoints, nor the
+   other way round;
 4. else no price: the gateway refuses the call (model_not_priced). Never $0 by accident; a model
    is free only when an operator priced it at 0.
 
@@ -32,7 +36,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey
+from gateway.models import ModelAlias, ModelPrice, ModelSpec, ProviderKey, ProviderKind
 from gateway.usage import Usage
 from tenants.invalidation import publish
 from tenants.services.audit import record_audit_event
@@ -129,9 +133,10 @@ class DefaultPrice:
 
     price: Price
     models: frozenset[str]  # the key's models; empty: every model
+    kind: str = ProviderKind.OPENAI.value  # the key's kind (ProviderKind): the calls it serves
 
-    def serves(self, model: str) -> bool:
-        return not self.models or model in self.models
+    def serves(self, model: str, kind: str) -> bool:
+        return self.kind == kind and (not self.models or model in self.models)
 
 
 def _highest(prices: Iterable[Price]) -> Price | None:
@@ -196,12 +201,12 @@ class PriceBook:
                              "name", "input_price_micros_per_mtok",
                              "output_price_micros_per_mtok", *_CLASS_COLUMNS)},
             aliases=dict(ModelAlias.objects.values_list("alias", "model__name")),
-            defaults=(DefaultPrice(Price(pin, pout), frozenset(models or ()))
-                      for pin, pout, models in ProviderKey.objects.filter(
+            defaults=(DefaultPrice(Price(pin, pout), frozenset(models or ()), kind)
+                      for pin, pout, models, kind in ProviderKey.objects.filter(
                           enabled=True, default_input_price_micros_per_mtok__isnull=False,
                           default_output_price_micros_per_mtok__isnull=False,
                       ).values_list("default_input_price_micros_per_mtok",
-                                    "default_output_price_micros_per_mtok", "models")),
+                                    "default_output_price_micros_per_mtok", "models", "kind")),
         )
 
     def canonical(self, model: str) -> str:
@@ -216,12 +221,15 @@ class PriceBook:
                 return period.price
         return self.list_prices.get(name)
 
-    def price(self, model: str, at: datetime) -> Price | None:
-        """What a call of `model` ending at `at` costs per million tokens; None: unpriced."""
+    def price(self, model: str, at: datetime,
+              kind: str = ProviderKind.OPENAI.value) -> Price | None:
+        """What a call of `model` ending at `at` costs per million tokens; None: unpriced.
+        `kind`: the provider key kind that serves the call (ProviderKind; "openai" like the
+        pool's default): only default prices of keys of that kind count."""
         own = self.own_price(model, at)
         if own is not None:
             return own
-        return _highest(d.price for d in self.defaults if d.serves(model))
+        return _highest(d.price for d in self.defaults if d.serves(model, kind))
 
 
 def load_aliases() -> dict[str, str]:

@@ -309,7 +309,8 @@ def test_an_unpriced_model_is_refused_before_anything_is_reserved() -> None:
     assert "gpt-4o-2099-01-01" in body["error"]["message"]
     runtime = SimpleNamespace(catalog=Catalog.of([], PriceBook.of(
         defaults=[DefaultPrice(Price(1, 2), frozenset())])))
-    assert priced(runtime, "gpt-4o-2099-01-01") == Price(1, 2)  # type: ignore[arg-type]
+    assert priced(runtime, "gpt-4o-2099-01-01",  # type: ignore[arg-type]
+                  Endpoint.CHAT) == Price(1, 2)
 
 
 # --- reconciliation ----------------------------------------------------------------------------
