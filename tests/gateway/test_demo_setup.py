@@ -118,3 +118,60 @@ def test_demo_setup_prints_the_console_login_once() -> None:
     again = out.getvalue()
     assert password not in again
     assert "printed at the first setup" in again and "manage.py changepassword demo" in again
+
+
+def _mock_setup() -> dict:
+    out = StringIO()
+    call_command("demo_setup", "--json", "--mock-upstream", "http://127.0.0.1:8099/v1", stdout=out)
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.django_db
+def test_a_deleted_anthropic_mock_key_does_not_come_back() -> None:
+    from gateway.models import ProviderKey
+    from gateway.providers import delete_provider_key
+
+    first = _mock_setup()
+    assert first["anthropic_provider_key"] is not None
+    delete_provider_key(ProviderKey.objects.get(public_id=first["anthropic_provider_key"]),
+                        actor="user:ops")
+    # `make up` again: the audit trail says this installation had an anthropic-kind key.
+    assert _mock_setup()["anthropic_provider_key"] is None
+    assert list(ProviderKey.objects.values_list("name", flat=True)) == ["mock"]
+    # Even when every key is gone and the demo registers its OpenAI mock key again.
+    ProviderKey.objects.all().delete()
+    again = _mock_setup()
+    assert again["provider_key"] is not None and again["anthropic_provider_key"] is None
+    assert list(ProviderKey.objects.values_list("name", flat=True)) == ["mock"]
+
+
+@pytest.mark.django_db
+def test_an_operators_deleted_anthropic_key_means_no_mock_one_either() -> None:
+    from gateway.models import ProviderKey
+    from gateway.providers import create_provider_key, delete_provider_key
+
+    create_provider_key("mock", base_url="http://127.0.0.1:8099/v1",
+                        secret="sk-mock-upstream-local")
+    own = create_provider_key("claude", base_url="https://api.anthropic.com/v1",
+                              secret="sk-ant-own-key-0000", kind="anthropic")
+    delete_provider_key(own, actor="user:ops")
+    assert _mock_setup()["anthropic_provider_key"] is None
+    assert not ProviderKey.objects.filter(kind="anthropic").exists()
+
+
+@pytest.mark.django_db
+def test_the_demo_anthropic_keys_default_price_prices_only_messages_calls() -> None:
+    """The two mock keys' default prices: an unpriced name (the mock's fault-injection names)
+    called through the OpenAI-compatible endpoints costs the OpenAI mock key's default, through
+    /v1/messages the anthropic one's; neither raises the other's."""
+    from gateway.catalog import load_catalog
+    from gateway.management.commands.demo_setup import (
+        MOCK_ANTHROPIC_DEFAULT_PRICE,
+        MOCK_DEFAULT_PRICE,
+    )
+
+    _mock_setup()
+    catalog = load_catalog()
+    assert catalog.price("gpt-4o@cut=3") == MOCK_DEFAULT_PRICE
+    assert catalog.price("gpt-4o@cut=3", kind="openai") == MOCK_DEFAULT_PRICE
+    assert catalog.price("claude-x@cut=3", kind="anthropic") == MOCK_ANTHROPIC_DEFAULT_PRICE

@@ -15,7 +15,7 @@ from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from gateway.providers import create_provider_key, normalize_base_url, update_provider_key
 from tenants.management.commands._base import ACTOR, TenantsCommand
-from tenants.models import ApiKey, Membership, Project, Tenant
+from tenants.models import ApiKey, AuditEvent, Membership, Project, Tenant
 from tenants.selectors import masked_key
 from tenants.services import create_project, create_tenant, issue_key
 
@@ -51,11 +51,21 @@ def _price_the_mock(base_url: str) -> None:
                                   "default_output_price_micros_per_mtok"], actor=ACTOR)
 
 
+def _had_anthropic_key() -> bool:
+    """Whether this installation ever had an anthropic-kind provider key: one exists, or the
+    audit trail (which outlives deleted keys) records one created (the demo's mock-anthropic or an
+    operator's). Such an installation does not predate the Messages API."""
+    return (ProviderKey.objects.filter(kind=ProviderKind.ANTHROPIC).exists()
+            or AuditEvent.objects.filter(action="provider_key.create",
+                                         data__kind=ProviderKind.ANTHROPIC.value).exists())
+
+
 def _anthropic_mock(base_url: str, *, first_setup: bool) -> ProviderKey | None:
-    """The mock's anthropic-kind key, made at the first setup, or at a later one whose earlier
-    setup made the mock's OpenAI key but predates the Messages API; never when the operator
-    has an anthropic-kind key already."""
-    if ProviderKey.objects.filter(kind=ProviderKind.ANTHROPIC).exists():
+    """The mock's anthropic-kind key, offered once: made at the first setup, or at a later one
+    whose earlier setup made the mock's OpenAI key but predates the Messages API; never on an
+    installation that has (or ever had) an anthropic-kind key, so a mock-anthropic an operator
+    deleted stays deleted."""
+    if _had_anthropic_key():
         return None
     if not first_setup and not ProviderKey.objects.filter(name="mock", base_url=base_url).exists():
         return None  # an operator's own keys: the demo adds no upstream to them
@@ -78,7 +88,8 @@ class Command(TenantsCommand):
         parser.add_argument("--mock-upstream", metavar="URL",
                             help="Base URL of the mock upstream (e.g. http://127.0.0.1:8099/v1): "
                             "registered as the provider keys 'mock' (openai kind) and "
-                            "'mock-anthropic' (anthropic kind) if no provider key exists.")
+                            "'mock-anthropic' (anthropic kind) if no provider key exists "
+                            "('mock-anthropic' only if no anthropic-kind key ever existed).")
         parser.add_argument("--console-url", default=DEFAULT_CONSOLE_URL,
                             help=f"The console's address to print (default {DEFAULT_CONSOLE_URL}).")
 
