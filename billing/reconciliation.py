@@ -28,8 +28,15 @@ gateway/usage.py) are compared too, each class the bill reports (billing/bills.p
 does not report is empty on the row and not compared): a class whose rate |theirs - ours| /
 max(ours, theirs) exceeds the tolerance flags the row like a token mismatch, and the note names
 it. `theirs_priced_micros` is the bill's usage at our prices (Price.cost_of of each line's usage
-by class, at the price of the start of its UTC day; empty when a line's model has no price), to
-read against `ours_cost_micros` when the bill gives no cost of its own.
+by class, at the price of the start of its UTC day, a model without a price of its own at the
+default prices of the provider keys of the line's key's kind; a line of an upstream key that is
+none of ours, whose kind is unknown, only at the model's own price; empty when a line has no
+price), to read against `ours_cost_micros` when the bill gives no cost of its own.
+
+A swept row (a hold the sweep charged after its worker died, not corrected by a late settle) has
+its estimate's totals but no class split: the call's real classes never reached the gateway. Its
+totals count, its (zero) classes do not, and a group with such rows skips the class comparison,
+with the note SWEPT_CLASSES: a class mismatch there would be the sweep's, not the provider's.
 
 Runs are never overwritten: re-running the same period, source and provider key stores a new run
 and points the previous current run at it (`superseded_by`), so the admin shows the history and
@@ -88,6 +95,7 @@ MISSING_OURS = "missing on ours"
 UNKNOWN_MODEL = "unknown model"
 UNKNOWN_KEY = "unknown upstream key"
 NO_ALIAS = "no upstream key alias (add one in the admin)"
+SWEPT_CLASSES = "token classes not compared: swept rows carry no class split"
 ALERT_ROWS = 20
 
 DayOrRange = date | tuple[date, date]
@@ -182,6 +190,8 @@ class _Side:
     reported: set[str] = field(default_factory=set)
     # Theirs: the bill's usage at our prices; None once a line had no price.
     priced: int | None = 0
+    # Ours: swept rows not corrected since (their classes are unknown, not 0).
+    swept: int = 0
 
     @property
     def tokens(self) -> int:
@@ -230,24 +240,31 @@ def _ours(start: date, end: date, provider_key: ProviderKey | None,
         provider_key__isnull=False)
     if provider_key is not None:
         records = records.filter(provider_key=provider_key)
+    swept = Q(status=UsageRecord.Status.SWEPT, corrected_at__isnull=True)
     sums = (records.annotate(day=TruncDate("ended_at", tzinfo=UTC))
             .values("provider_key_id", "served_model", "day")
             .annotate(requests=Count("id"), input=Sum("input_tokens"),
                       output=Sum("output_tokens"), cost=Sum("cost_micros"),
-                      **{name: Sum(name) for name, _, _ in CLASSES})
+                      swept=Count("id", filter=swept),
+                      **{name: Sum(name, filter=~swept) for name, _, _ in CLASSES})
             .order_by())
     sides: dict[_Group, _Side] = defaultdict(_Side)
     for row in sums:
         model = models.get(row["served_model"], row["served_model"])
         group = (row["provider_key_id"], "", model, row["day"])
-        sides[group].add(row["requests"], row["input"] or 0, row["output"] or 0, row["cost"] or 0,
-                         {name: row[name] or 0 for name, _, _ in CLASSES})
+        side = sides[group]
+        side.add(row["requests"], row["input"] or 0, row["output"] or 0, row["cost"] or 0,
+                 {name: row[name] or 0 for name, _, _ in CLASSES})
+        side.swept += row["swept"]
     return sides
 
 
 def _theirs(lines: Sequence[BillLine], aliases: dict[str, int],
             provider_key: ProviderKey | None, models: dict[str, str],
             prices: PriceBook) -> dict[_Group, _Side]:
+    # A model without a price of its own is priced by the default prices of the keys of the
+    # kind of the key that served it (gateway/prices.py), as the gateway priced the call.
+    kinds = dict(ProviderKey.objects.values_list("pk", "kind"))
     sides: dict[_Group, _Side] = defaultdict(_Side)
     for line in lines:
         key_id = aliases.get(line.upstream_key_id)
@@ -259,7 +276,9 @@ def _theirs(lines: Sequence[BillLine], aliases: dict[str, int],
         side.add(line.requests, line.input_tokens, line.output_tokens, line.cost_micros,
                  {name: getattr(line, name) for name, _, _ in CLASSES})
         side.upstream_ids.add(line.upstream_key_id)
-        price = prices.price(line.model, _moment(line.day))
+        kind = kinds.get(key_id) if key_id is not None else None
+        price = (prices.price(line.model, _moment(line.day), kind) if kind is not None
+                 else prices.own_price(line.model, _moment(line.day)))
         if price is None or side.priced is None:
             side.priced = None
         else:
@@ -359,6 +378,10 @@ def _compare(run: ReconciliationRun, ours: dict[_Group, _Side], theirs: dict[_Gr
             notes.append(MISSING_THEIRS)
             if key_id is not None and not names_by_key.get(key_id):
                 notes.append(NO_ALIAS)
+        elif mine.swept and bill.reported:
+            # A swept row's split is unknown, not 0: comparing would flag the sweep's estimate,
+            # not a wrong split by the provider.
+            notes.append(SWEPT_CLASSES)
         elif mismatched := _class_mismatches(mine, bill, tolerance):
             # Totals that agree can still hide a wrong split: a cached token billed as a plain
             # one (or reasoning as plain output) costs a different price.

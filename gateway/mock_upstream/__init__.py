@@ -152,8 +152,8 @@ caps it (status "incomplete", incomplete_details {"reason": "max_output_tokens"}
 counts in output_tokens and output_tokens_details.reasoning_tokens (within the cap);
 `cached_tokens` fills input_tokens_details.cached_tokens; there is no cache-write figure
 (OpenAI reports none: the `cache_write_tokens` fault does not apply, nothing is billed as one).
-Function tools ({"type": "function", "name", ...}) follow chat's rule (tool_choice "none", "required",
-{"type": "function", "name"}, else "weather" in the last user text): the answer is a
+Function tools ({"type": "function", "name", ...}) follow chat's rule (tool_choice "none",
+"required", {"type": "function", "name"}, else "weather" in the last user text): the answer is a
 function_call item (call_id, name, arguments {"city": "Paris"}; 3 output tokens); when a
 function_call_output item comes after the last user message the answer is text.
 

@@ -771,3 +771,55 @@ def test_the_mock_bill_matches_the_ledger_class_by_class(mock_key: ProviderKey,
     gpt = rows[(yesterday, "gpt-4o")]
     assert gpt.flagged and gpt.note == "cached input differs: ours 128, theirs 256"
     assert run.status == "drift"
+
+
+def test_swept_rows_leave_the_classes_uncompared_with_a_note(key: ProviderKey,
+                                                             tmp_path: Path) -> None:
+    """A swept row carries the sweep's estimate and no class split: its group's totals are
+    compared, its classes are not (the bill's cache reads are not a mismatch), and the note says
+    why. A group without swept rows is compared as before."""
+    d2 = DAY + timedelta(days=1)
+    classed_usage(key, "gpt-4o", DAY, 600, 60, cached=300)
+    usage(key, "gpt-4o", DAY, 400, 40, status="swept", sweep_basis="streaming")
+    classed_usage(key, "gpt-4o", d2, 1_000, 100)  # no swept row: a wrong split is flagged
+    bill = classed_bill(tmp_path, f"{DAY},{KID},gpt-4o,1000,100,2,,500,0,0",
+                        f"{d2},{KID},gpt-4o,1000,100,1,,500,0,0")
+    run = reconcile((DAY, d2 + timedelta(days=1)), bill, provider_key=key)
+    rows = rows_by_model(run)
+    swept = rows[(DAY, "gpt-4o")]
+    assert (swept.ours_input, swept.ours_output, swept.ours_requests) == (1_000, 100, 2)
+    assert swept.ours_cached_input == 300 and swept.theirs_cached_input == 500
+    assert not swept.flagged
+    assert swept.note == "token classes not compared: swept rows carry no class split"
+    compared = rows[(d2, "gpt-4o")]
+    assert compared.flagged and compared.note == "cached input differs: ours 0, theirs 500"
+    # A swept row corrected by a late settle (status settled, corrected_at set) is compared.
+    UsageRecord.objects.filter(status="swept").update(
+        status="settled", corrected_at=datetime.combine(DAY, time(13), tzinfo=UTC))
+    [row] = reconcile(DAY, bill, provider_key=key).rows.all()
+    assert row.flagged and row.note == "cached input differs: ours 300, theirs 500"
+
+
+def test_a_bill_line_is_priced_by_the_defaults_of_its_keys_kind(acme: Tenant,
+                                                                  tmp_path: Path) -> None:
+    """A model without a price of its own, on the bill of an anthropic-kind key, costs that
+    kind's default price, never the openai-kind key's (and the other way round)."""
+    from gateway.prices import Price
+
+    openai_key = create_provider_key("cheap", base_url="https://a.test/v1",
+                                     secret="sk-kinds-reconcile-01", tenant=acme,
+                                     default_price=Price(1_000_000, 2_000_000))
+    claude_key = create_provider_key("claude", base_url="https://b.test/v1",
+                                     secret="sk-kinds-reconcile-02", tenant=acme,
+                                     kind="anthropic", default_price=Price(3_000_000, 15_000_000))
+    ProviderKey.objects.exclude(pk__in=(openai_key.pk, claude_key.pk)).update(enabled=False)
+    for provider_key in (openai_key, claude_key):
+        usage(provider_key, "mystery-model", DAY, 1_000, 100)
+    bill = csv_bill(tmp_path, *(f"{DAY},{kid},mystery-model,1000,100,1," for kid in (
+        api_key_id("sk-kinds-reconcile-01"), api_key_id("sk-kinds-reconcile-02"), "key_not_ours")))
+    run = reconcile(DAY, bill)
+    priced = {row.provider_key_id: row.theirs_priced_micros for row in run.rows.all()}
+    assert priced[openai_key.pk] == 1_000 + 200
+    assert priced[claude_key.pk] == 3_000 + 1_500
+    # A key that is none of ours has no kind: only a model's own price would apply.
+    assert priced[None] is None
