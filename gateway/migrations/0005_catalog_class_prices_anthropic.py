@@ -10,7 +10,7 @@ Anthropic models: cache writes (5-minute cache) cost 1.25x the input price, cach
 thinking is billed as output (null reasoning price). Their tokenizer is not a tiktoken encoding:
 the catalog's rule for such models is the conservative heuristic (gateway/tokens.py). The dated
 snapshot names Anthropic's API also accepts become aliases. Existing entries of those names are
-never overwritten.
+never overwritten, and the reverse deletes only the entries still exactly as seeded here.
 """
 
 from django.apps.registry import Apps
@@ -80,8 +80,19 @@ def remove_class_prices(apps: Apps, schema_editor: BaseDatabaseSchemaEditor) -> 
             output_price_micros_per_mtok=price_out, cached_input_micros_per_mtok=cached,
             cache_write_micros_per_mtok=write, reasoning_micros_per_mtok=reasoning,
         ).update(**UNPRICED_CLASSES)
-    # Their aliases go with them (CASCADE). As 0002's reverse: by name.
-    ModelSpec.objects.filter(name__in=[row[0] for row in ANTHROPIC_MODELS]).delete()
+    # Only the entries that still carry exactly what add_class_prices seeded (tokenizer, kind,
+    # windows, prices): an operator's entry of the same name (made before this migration, which
+    # then left it alone, or edited since) is theirs and stays, with its aliases. A seeded entry
+    # takes its aliases with it (CASCADE).
+    for (name, _alias, context, default_out, max_out, price_in, price_out, cached,
+         write) in ANTHROPIC_MODELS:
+        ModelSpec.objects.filter(
+            name=name, tokenizer="heuristic", kind="chat", context_window=context,
+            default_output_tokens=default_out, max_output_tokens=max_out,
+            input_price_micros_per_mtok=price_in, output_price_micros_per_mtok=price_out,
+            cached_input_micros_per_mtok=cached, cache_write_micros_per_mtok=write,
+            reasoning_micros_per_mtok=None,
+        ).delete()
 
 
 class Migration(migrations.Migration):

@@ -279,9 +279,27 @@ def test_the_migrations_apply_and_reverse() -> None:
     assert set(apps.get_model("gateway", "ProviderKey").objects.values_list(
         "kind", flat=True)) <= {"openai"}
 
+    # After the upgrade: an alias of the operator's own Claude entry, a seeded one repriced.
+    alias_model = apps.get_model("gateway", "ModelAlias")
+    alias_model.objects.create(alias="claude-haiku-own", model=specs["claude-haiku-4-5"])
+    spec_model.objects.filter(name="claude-opus-4-5").update(input_price_micros_per_mtok=4_000_000)
+
     apps = _migrate(("gateway", "0004_token_class_prices_provider_kind"))
     specs = {s.name: s for s in apps.get_model("gateway", "ModelSpec").objects.all()}
     assert specs["gpt-4o"].cached_input_micros_per_mtok is None
     assert specs["o3-mini"].reasoning_micros_per_mtok is None
-    assert not any(name.startswith("claude-") for name in specs)
-    _migrate(("gateway", "0005_catalog_class_prices_anthropic"))
+    # Only the entries still exactly as 0005 seeded them go, with their aliases; the operator's
+    # own entry of a seeded name and a seeded entry the operator edited stay.
+    assert {name for name in specs if name.startswith("claude-")} == {"claude-haiku-4-5",
+                                                                      "claude-opus-4-5"}
+    assert specs["claude-haiku-4-5"].input_price_micros_per_mtok == 9
+    aliases = dict(apps.get_model("gateway", "ModelAlias").objects.values_list("alias",
+                                                                               "model__name"))
+    assert aliases.get("claude-haiku-own") == "claude-haiku-4-5"
+    assert aliases.get("claude-opus-4-5-20251101") == "claude-opus-4-5"
+    assert "claude-sonnet-4-5-20250929" not in aliases
+    assert "claude-opus-4-1-20250805" not in aliases
+    apps = _migrate(("gateway", "0005_catalog_class_prices_anthropic"))
+    specs = {s.name: s for s in apps.get_model("gateway", "ModelSpec").objects.all()}
+    assert specs["claude-sonnet-4-5"].cache_write_micros_per_mtok == 3_750_000  # seeded again
+    assert specs["claude-opus-4-5"].input_price_micros_per_mtok == 4_000_000  # still the edit
