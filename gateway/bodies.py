@@ -6,7 +6,11 @@ caps, n, streaming options, and for the two newer APIs the fields that decide wh
 adds to the prompt: previous_response_id, conversation, system, tools, thinking); every other
 field passes through untouched, so new provider parameters work without a gateway release.
 Unknown input item and content block types pass too (the estimate counts them by their JSON).
-A bad body is a 400 naming the field, before any reservation is made.
+What the gateway cannot meter, or must not pass on, is refused (400 unsupported_tool /
+unsupported_parameter): built-in tools the upstream bills per call, Anthropic's 1-hour prompt
+cache, and references to objects stored at the provider (files by id, stored prompts, vector
+stores, containers, item references outside a continuation). A bad body is a 400 naming the
+field, before any reservation is made.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 
-from gateway.errors import bad_request
+from gateway.errors import GatewayError, bad_request
 from gateway.prices import MODEL_NAME_RULE, is_model_name
 
 # An output cap above this is a typo or an attack, whatever the model.
@@ -233,6 +237,109 @@ def _check_tools(body: dict[str, Any]) -> None:
             raise bad_request(f"'tools[{i}]' must be an object.", f"tools[{i}]")
 
 
+# -- What this gateway cannot meter, or must not pass on ----------------------------------------
+#
+# Built-in tools the upstream bills per call (a search, a container session, a generated image)
+# on top of the tokens: the ledger meters tokens only, so such a call would run partly unbilled
+# and its fee escape every quota. Refused until per-call fees are metered. Matched by prefix, so
+# dated variants (web_search_preview_2025_03_11, web_search_20250305, ...) are caught too.
+# Tools without a per-call fee (function, custom, mcp, computer use, local_shell, apply_patch,
+# Anthropic's bash, text_editor, memory, web_fetch, ...) stay accepted.
+RESPONSES_FEE_TOOLS: tuple[str, ...] = ("web_search", "file_search", "code_interpreter",
+                                        "image_generation")
+MESSAGES_FEE_TOOLS: tuple[str, ...] = ("web_search_", "code_execution_")
+# Anthropic's prompt-cache lifetimes this gateway prices: the default 5 minutes (cache writes at
+# the cache-write class). A 1-hour write costs 2x input, a class Tollgate does not have.
+_CACHE_TTLS = frozenset({"5m"})
+# Where a Messages body holds the client's own data, not Anthropic parameters: a tool call's
+# input and a tool's schema may use any key, "cache_control" included.
+_CLIENT_DATA_KEYS = frozenset({"input", "input_schema"})
+# Why objects stored at the provider cannot be referenced: this gateway serves no /v1/files,
+# vector stores, containers or stored prompts, so any such id was made outside it, by the
+# operator or by another tenant sharing the provider key, and the gateway cannot tell which.
+_NOT_YOURS = ("this gateway does not serve the provider's stored {what}, so such an id may "
+              "belong to another tenant of the provider key")
+
+
+def unsupported_parameter(message: str, param: str) -> GatewayError:
+    return bad_request(message, param, "unsupported_parameter")
+
+
+def _refuse_fee_tools(tools: Any, prefixes: tuple[str, ...]) -> None:
+    if not isinstance(tools, list):
+        return
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind.startswith(prefixes):
+            raise bad_request(
+                f"The built-in tool '{kind[:64]}' is billed by the provider per call, on top of "
+                "tokens, and per-call tool fees are not metered by this gateway yet; remove it "
+                "from 'tools'.", f"tools[{i}]", "unsupported_tool")
+
+
+def _tool_store_reference(tool: dict[str, Any]) -> str | None:
+    """The field of a Responses tool that names an object stored at the provider (vector
+    stores, a container or its files), None when none does. An automatic container without
+    files ({"type": "auto"}) is made for the call and names nothing."""
+    if tool.get("vector_store_ids"):
+        return "vector_store_ids"
+    if isinstance(tool.get("container"), str):  # a container's id
+        return "container"
+    # (A string "environment" is computer use's kind of screen, not a reference.)
+    for name in ("container", "environment"):
+        value = tool.get(name)
+        if isinstance(value, dict):
+            for field in ("container_id", "file_ids"):
+                if value.get(field):
+                    return f"{name}.{field}"
+    return None
+
+
+def check_response_references(items: Any, param: str, *, continuing: bool) -> None:
+    """400 unsupported_parameter for Responses input items that name objects stored at the
+    provider: input_file / input_image parts by `file_id`, and `item_reference` items unless
+    the call continues a stored response or conversation (`continuing`), whose items those are.
+    Also what a conversation's initial items are checked with."""
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "item_reference" and not continuing:
+            raise unsupported_parameter(
+                f"'{param}[{i}]' is an item_reference, allowed only when the call continues "
+                "a stored response or conversation ('previous_response_id' or "
+                "'conversation'): otherwise its id may name an item that another tenant of the "
+                "provider key stored. Send the item itself instead.", f"{param}[{i}]")
+        for field in ("content", "output"):
+            parts = item.get(field)
+            if not isinstance(parts, list):
+                continue
+            for j, part in enumerate(parts):
+                if (isinstance(part, dict) and part.get("type") in ("input_file", "input_image")
+                        and part.get("file_id") is not None):
+                    raise unsupported_parameter(
+                        f"'{param}[{i}].{field}[{j}].file_id' names a file stored at the "
+                        "provider: " + _NOT_YOURS.format(what="files") + ". Send the file "
+                        "inline ('file_data' / a data URL) or by a public URL.",
+                        f"{param}[{i}].{field}[{j}].file_id")
+
+
+def _check_responses_refusals(body: dict[str, Any], *, continuing: bool) -> None:
+    """What a Responses body may not ask for here (see the section's comment), besides a
+    stored `prompt` (refused first: without it a body may lack `input`)."""
+    check_response_references(body.get("input"), "input", continuing=continuing)
+    tools = body.get("tools")
+    _refuse_fee_tools(tools, RESPONSES_FEE_TOOLS)
+    for i, tool in enumerate(tools or ()):
+        field = _tool_store_reference(tool)
+        if field is not None:
+            raise unsupported_parameter(
+                f"'tools[{i}].{field}' names an object stored at the provider: "
+                + _NOT_YOURS.format(what="vector stores, containers or files") + ".",
+                f"tools[{i}].{field}")
+
+
 def _parse_responses(endpoint: Endpoint, body: dict[str, Any], model: str,
                      size: int) -> ParsedBody:
     _refuse_n(body, "Responses API")
@@ -264,18 +371,21 @@ def _parse_responses(endpoint: Endpoint, body: dict[str, Any], model: str,
         raise bad_request("Mutually exclusive parameters: provide only one of "
                           "'previous_response_id' or 'conversation'.", "conversation",
                           "mutually_exclusive_parameters")
-    prompt = body.get("prompt")
-    if prompt is not None and not (isinstance(prompt, dict) and isinstance(prompt.get("id"), str)):
-        raise bad_request("'prompt' must be an object with a string 'id'.", "prompt")
+    if body.get("prompt") is not None:
+        raise unsupported_parameter(
+            "'prompt' names a prompt template stored at the provider: "
+            + _NOT_YOURS.format(what="prompts") + ". Send its text in 'instructions' and "
+            "'input' instead.", "prompt")
     if body.get("input") is not None:
         _check_response_input(body["input"])
-    elif context_ref is None and conversation is None and prompt is None:
+    elif context_ref is None and conversation is None:
         raise bad_request("You must provide 'input' (or continue a 'previous_response_id' or "
                           "'conversation').", "input", "missing_required_parameter")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string.", "instructions")
     _check_tools(body)
+    _check_responses_refusals(body, continuing=context_ref is not None or conversation is not None)
     max_output = _int_field(body, "max_output_tokens", minimum=1, maximum=ABSURD_MAX_TOKENS)
     store = _bool_field(body, "store", True)
     # Responses streams always end with the response.completed event, which carries the usage:
@@ -343,6 +453,71 @@ def _thinking_budget(body: dict[str, Any], max_tokens: int) -> int | None:
     return budget
 
 
+def _check_cache_ttls(body: dict[str, Any]) -> None:
+    """400 for a prompt-cache breakpoint with a lifetime other than the default 5 minutes,
+    wherever it is (system blocks, message content blocks, tools, the top level): Anthropic bills
+    a 1-hour cache write at 2x input, a price class this gateway does not meter."""
+    pending: list[tuple[Any, str]] = [(body, "")]
+    while pending:
+        node, param = pending.pop()
+        if isinstance(node, dict):
+            control = node.get("cache_control")
+            if isinstance(control, dict) and control.get("ttl") is not None \
+                    and control["ttl"] not in _CACHE_TTLS:
+                where = f"{param}.cache_control.ttl" if param else "cache_control.ttl"
+                ttl = control["ttl"]
+                what = ("A 1-hour cache TTL" if ttl == "1h"
+                        else f"The cache TTL {json.dumps(ttl)[:32]}")
+                raise unsupported_parameter(
+                    f"{what} ('{where}') is not supported yet; use the default 5-minute cache "
+                    "(omit 'ttl' or set it to '5m').", where)
+            pending.extend((value, f"{param}.{key}" if param else key)
+                           for key, value in node.items()
+                           if isinstance(value, (dict, list)) and key not in _CLIENT_DATA_KEYS)
+        else:
+            pending.extend((value, f"{param}[{i}]") for i, value in enumerate(node)
+                           if isinstance(value, (dict, list)))
+
+
+def check_messages_references(body: dict[str, Any]) -> None:
+    """400 unsupported_parameter for a Messages body that names objects stored at Anthropic: a
+    top-level `container`, and document or image blocks whose source is a file (`file_id`),
+    also inside tool results and content documents. URL and inline sources stay accepted. Also
+    what count_tokens checks: counting another tenant's file would tell its size."""
+    if body.get("container") is not None:
+        raise unsupported_parameter(
+            "'container' names a container stored at the provider: "
+            + _NOT_YOURS.format(what="containers") + ".", "container")
+    pending: list[tuple[Any, str]] = []
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        pending.extend((message.get("content"), f"messages[{i}].content")
+                       for i, message in enumerate(messages) if isinstance(message, dict))
+    while pending:
+        blocks, param = pending.pop()
+        if not isinstance(blocks, list):
+            continue
+        for j, block in enumerate(blocks):
+            if not isinstance(block, dict):
+                continue
+            where = f"{param}[{j}]"
+            source = block.get("source")
+            if block.get("file_id") is not None:
+                where += ".file_id"
+            elif isinstance(source, dict) and (source.get("type") == "file"
+                                               or source.get("file_id") is not None):
+                where += ".source"
+            else:
+                pending.append((block.get("content"), f"{where}.content"))
+                if isinstance(source, dict):
+                    pending.append((source.get("content"), f"{where}.source.content"))
+                continue
+            raise unsupported_parameter(
+                f"'{where}' names a file stored at the provider: "
+                + _NOT_YOURS.format(what="files") + ". Send it inline (a base64 or text "
+                "source) or by a public URL.", where)
+
+
 def _parse_messages(endpoint: Endpoint, body: dict[str, Any], model: str,
                     size: int) -> ParsedBody:
     _refuse_n(body, "Messages API")
@@ -353,6 +528,9 @@ def _parse_messages(endpoint: Endpoint, body: dict[str, Any], model: str,
     _check_anthropic_messages(body.get("messages"))
     _check_system(body.get("system"))
     _check_tools(body)
+    _refuse_fee_tools(body.get("tools"), MESSAGES_FEE_TOOLS)
+    check_messages_references(body)
+    _check_cache_ttls(body)
     stops = body.get("stop_sequences")
     if stops is not None and not (isinstance(stops, list)
                                   and all(isinstance(s, str) for s in stops)):

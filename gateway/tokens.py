@@ -20,7 +20,7 @@ a hold and the hold must bound the bill (DESIGN.md invariant 2):
 - unknown content parts and fields: the tokens of their JSON.
 
 The Responses API and the Messages API follow the same rule, plus allowances for what the gateway
-cannot see or size (built-in tools, files by id or URL, PDFs, encrypted reasoning): see the
+cannot see or size (built-in tools, files by URL, PDFs, encrypted reasoning): see the
 section "The Responses API and the Messages API" below.
 
 Unknown models use the "heuristic" tokenizer (see `_heuristic_count`).
@@ -41,7 +41,7 @@ import re
 import threading
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -431,15 +431,15 @@ def estimate_embedding_input(input: str | list[Any], tokenizer: str) -> int:  # 
 # chat does not have. What the gateway cannot see is held at a documented allowance, on the high
 # side; settlement charges the upstream's real usage in every case.
 
-# A built-in (server-side) tool's definition and the instructions the provider adds for it:
-# OpenAI's web_search, file_search, code_interpreter, computer_use_preview, image_generation, mcp,
-# ...; Anthropic's versioned server and client tools (web_search_20250305, bash_20250124,
-# text_editor_..., computer_...), whose documented additions are at most 735 tokens. Web search
-# holds one search's content on top: OpenAI bills a fixed block of 8,000 input tokens per search
-# on its mini models. What such tools fetch during the call (more searches, file chunks, an MCP
-# server's tool list) is not knowable before the call; the usage settles it.
+# A built-in tool's definition and the instructions the provider adds for it: OpenAI's
+# computer_use_preview, mcp, local_shell, apply_patch, ...; Anthropic's versioned client and
+# server tools (bash_20250124, text_editor_..., computer_..., memory_..., web_fetch_...), whose
+# documented additions are at most 735 tokens. What such tools bring in during the call (an MCP
+# server's tool list, a fetched page) is not knowable before the call; the usage settles it.
+# Tools the provider bills per call on top of tokens (web search, file search, code
+# interpreter / execution, image generation) never reach the estimate: gateway/bodies.py refuses
+# them (their fees are not metered).
 BUILT_IN_TOOL_TOKENS = 1_000
-WEB_SEARCH_TOOL_TOKENS = 8_000
 # Anthropic's tool-use system prompt, added once when `tools` is given: 346 tokens on current
 # models, 530 on the largest documented (Claude 3 Opus).
 ANTHROPIC_TOOLS_OVERHEAD = 600
@@ -453,9 +453,11 @@ PDF_PAGE_TEXT_TOKENS = 3_000
 # the decoded file, a bound for text-dense pages (a few kilobytes each for 3,000+ tokens) and
 # high for scanned ones.
 PDF_TOKENS_PER_BYTE = 1
-# A file given by id or URL (OpenAI input_file, Anthropic document/image by file or url source),
-# an item_reference, or a stored prompt template: the gateway cannot see their size. An allowance,
-# not a bound: a larger file is charged its real usage at settlement.
+# A file given by URL (OpenAI input_file's file_url, an Anthropic document by url source), or an
+# item_reference of the response or conversation a call continues: the gateway cannot see their
+# size. An allowance, not a bound: a larger file is charged its real usage at settlement. Files
+# by id and stored prompt templates are refused (gateway/bodies.py): they may be another
+# tenant's.
 UNSEEN_CONTENT_TOKENS = 32_000
 # Encrypted reasoning (OpenAI's reasoning.encrypted_content, Anthropic's redacted_thinking data):
 # one token per 2 characters of the ciphertext, well above the tokens it carries (base64 takes
@@ -463,9 +465,23 @@ UNSEEN_CONTENT_TOKENS = 32_000
 ENCRYPTED_CHARS_PER_TOKEN = 2
 
 _PDF_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
-_PDF_OBJECT_STREAM = re.compile(rb"/Type\s*/ObjStm\b.*?stream\r?\n", re.DOTALL)
-# Bounds on decompressing a PDF's object streams to find its pages: no decompression bomb.
+# An object stream's dictionary; its data starts after the next "stream" keyword and its end of
+# line. The keyword is looked for in a bounded window after the dictionary's /Type, never by a
+# lazy `.*?` across the file: that made one regex scan quadratic on a body of many "/Type/ObjStm"
+# without a "stream" (a 104 KB body held the GIL for seconds, 8 MB would for hours).
+_PDF_OBJECT_STREAM = re.compile(rb"/Type\s*/ObjStm\b")
+_PDF_STREAM_KEYWORD = re.compile(rb"stream\r?\n")
+# How far after "/Type/ObjStm" the "stream" keyword may be: the rest of the dictionary (/N,
+# /First, /Length, /Filter, /Extends, ...) is far shorter in any real file.
+_PDF_STREAM_WINDOW = 4096
+# Bounds on decompressing a PDF's object streams to find its pages, so that no body (a zip bomb,
+# thousands of stream headers over one large stream, empty deflate blocks that consume input
+# without producing any) costs more than a few tens of milliseconds: at most this many object
+# streams, this many inflated bytes in all, and this many compressed bytes read in all.
+_PDF_MAX_OBJECT_STREAMS = 1_000
 _PDF_MAX_INFLATED = 16 * 1024 * 1024
+_PDF_MAX_DEFLATED = 16 * 1024 * 1024
+_PDF_INFLATE_CHUNK = 64 * 1024
 
 
 def _b64_bytes(data: str) -> bytes | None:
@@ -478,20 +494,56 @@ def _b64_bytes(data: str) -> bytes | None:
         return None
 
 
+def _object_stream_starts(pdf: bytes) -> Iterator[int]:
+    """Where the data of each object stream begins, for at most _PDF_MAX_OBJECT_STREAMS of
+    them. Linear in the size of `pdf`: one scan for the dictionaries, then a search of at most
+    _PDF_STREAM_WINDOW bytes after each."""
+    for examined, match in enumerate(_PDF_OBJECT_STREAM.finditer(pdf)):
+        if examined >= _PDF_MAX_OBJECT_STREAMS:
+            return
+        keyword = _PDF_STREAM_KEYWORD.search(pdf, match.end(),
+                                             match.end() + _PDF_STREAM_WINDOW)
+        if keyword is not None:
+            yield keyword.end()
+
+
+def _inflate(data: memoryview, max_out: int) -> tuple[bytes, int]:
+    """The zlib stream at the start of `data`, inflated to at most `max_out` (> 0) bytes, and
+    how many bytes of `data` that read. Fed in _PDF_INFLATE_CHUNK pieces, so that data which
+    is not zlib, or breaks after a long valid run, is charged about what was read before the
+    error. What inflated before an error is kept."""
+    inflater = zlib.decompressobj()
+    pieces: list[bytes] = []
+    produced = read = 0
+    for offset in range(0, len(data), _PDF_INFLATE_CHUNK):
+        chunk = data[offset:offset + _PDF_INFLATE_CHUNK]
+        read += len(chunk)
+        try:
+            # max_length is never 0 here: 0 would mean "no limit".
+            piece = inflater.decompress(chunk, max_out - produced)
+        except zlib.error:
+            break
+        pieces.append(piece)
+        produced += len(piece)
+        if inflater.eof or produced >= max_out:
+            read -= len(inflater.unused_data) + len(inflater.unconsumed_tail)
+            break
+    return b"".join(pieces), read
+
+
 def _pdf_pages(pdf: bytes) -> int:
     """Page objects in a PDF, also those inside compressed object streams (PDF 1.5+); 0 when
     none is found."""
     pages = len(_PDF_PAGE.findall(pdf))
-    budget = _PDF_MAX_INFLATED
-    for match in _PDF_OBJECT_STREAM.finditer(pdf):
-        if budget <= 0:
+    inflated_budget = _PDF_MAX_INFLATED
+    deflated_budget = _PDF_MAX_DEFLATED
+    view = memoryview(pdf)
+    for start in _object_stream_starts(pdf):
+        if inflated_budget <= 0 or deflated_budget <= 0:
             break
-        inflater = zlib.decompressobj()
-        try:
-            inflated = inflater.decompress(memoryview(pdf)[match.end():], budget)
-        except zlib.error:
-            continue
-        budget -= len(inflated)
+        inflated, read = _inflate(view[start:start + deflated_budget], inflated_budget)
+        inflated_budget -= len(inflated)
+        deflated_budget -= read
         pages += len(_PDF_PAGE.findall(inflated))
     return pages
 
@@ -520,10 +572,9 @@ def _encrypted_tokens(value: Any) -> int:
     return -(-len(value) // ENCRYPTED_CHARS_PER_TOKEN) if isinstance(value, str) else 0
 
 
-def _built_in_tool_tokens(kind: str, tool: Mapping[str, Any], tokenizer: str) -> int:
-    allowance = WEB_SEARCH_TOOL_TOKENS if kind.startswith("web_search") else BUILT_IN_TOOL_TOKENS
-    # Its own configuration (allowed tools, vector store ids, ...) on top.
-    return allowance + count_text(_json(tool), tokenizer)
+def _built_in_tool_tokens(tool: Mapping[str, Any], tokenizer: str) -> int:
+    # Its own configuration (allowed tools, display size, ...) on top.
+    return BUILT_IN_TOOL_TOKENS + count_text(_json(tool), tokenizer)
 
 
 def _count_tool_definitions(tools: Any, tokenizer: str, *, custom: Callable[[Any], bool],
@@ -534,7 +585,7 @@ def _count_tool_definitions(tools: Any, tokenizer: str, *, custom: Callable[[Any
     total = overhead
     for tool in tools:
         if isinstance(tool, Mapping) and not custom(tool):
-            total += _built_in_tool_tokens(str(tool.get("type")), tool, tokenizer)
+            total += _built_in_tool_tokens(tool, tokenizer)
         else:
             total += TOOL_DEFINITION_OVERHEAD + _count_value(tool, tokenizer)
     return total
@@ -604,9 +655,10 @@ def _is_function_tool(tool: Mapping[str, Any]) -> bool:
 
 def estimate_responses_input(body: Mapping[str, Any], *, model: str, tokenizer: str) -> int:
     """Input tokens of a Responses API request: `instructions` and `input` (a string or items),
-    `tools`, a structured-output schema (`text.format`) and a stored `prompt` template. Never
-    raises on an odd shape: what it does not know it counts by its JSON. The earlier turns that
-    previous_response_id or conversation bring are not in it (the caller adds them)."""
+    `tools` and a structured-output schema (`text.format`). Never raises on an odd shape: what
+    it does not know it counts by its JSON. The earlier turns that previous_response_id or
+    conversation bring are not in it (the caller adds them). A stored `prompt` template is not
+    counted: gateway/bodies.py refuses it."""
     total = REPLY_PRIMING_TOKENS
     instructions = body.get("instructions")
     if instructions:
@@ -622,10 +674,6 @@ def estimate_responses_input(body: Mapping[str, Any], *, model: str, tokenizer: 
     text = body.get("text")
     if isinstance(text, Mapping) and text.get("format") is not None:
         total += _count_value(text["format"], tokenizer)
-    prompt = body.get("prompt")
-    if prompt is not None:
-        # A template stored upstream: its text is unseen; its variables are counted.
-        total += UNSEEN_CONTENT_TOKENS + _count_value(prompt, tokenizer)
     return total
 
 
@@ -642,7 +690,7 @@ def _count_document_source(source: Any, *, model: str, tokenizer: str) -> int:
         return _count_value(data, tokenizer)
     if kind == "content":
         return _count_blocks(source.get("content"), model=model, tokenizer=tokenizer)
-    # "url" and "file" sources: the gateway cannot see them.
+    # "url" sources: the gateway cannot see them ("file" sources are refused by bodies.py).
     return UNSEEN_CONTENT_TOKENS
 
 

@@ -43,7 +43,8 @@ RESPONSE_ITEMS: list[dict[str, Any]] = [
     {"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "What is in this picture and this file?"},
         {"type": "input_image", "image_url": "https://x.test/a.png", "detail": "low"},
-        {"type": "input_file", "file_id": "file-abc"},
+        {"type": "input_file", "file_url": "https://x.test/report.pdf"},
+        {"type": "input_file", "filename": "a.txt", "file_data": "data:text/plain;base64,aGk="},
     ]},
     {"type": "message", "role": "assistant", "content": [
         {"type": "output_text", "text": "A cat.", "annotations": []},
@@ -53,7 +54,6 @@ RESPONSE_ITEMS: list[dict[str, Any]] = [
      "arguments": "{\"city\": \"Paris\"}"},
     {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
     {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Think."}]},
-    {"type": "item_reference", "id": "msg_123"},
     {"type": "web_search_call", "id": "ws_1", "status": "completed"},
     {"role": "system", "content": "Be kind."},
 ]
@@ -72,12 +72,11 @@ def test_a_string_input_parses_with_the_defaults():
 def test_every_item_shape_parses_and_the_body_is_kept_as_sent():
     tools = [
         {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
-        {"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]},
-        {"type": "code_interpreter", "container": {"type": "auto"}},
+        {"type": "custom", "name": "run_sql"},
         {"type": "computer_use_preview", "display_width": 1024, "display_height": 768,
          "environment": "browser"},
-        {"type": "image_generation"},
         {"type": "mcp", "server_label": "x", "server_url": "https://mcp.test"},
+        {"type": "local_shell"}, {"type": "apply_patch"},
     ]
     body = {"model": "gpt-4o", "input": RESPONSE_ITEMS, "instructions": "Be brief.",
             "tools": tools, "max_output_tokens": 500, "stream": True,
@@ -96,10 +95,18 @@ def test_previous_response_id_and_conversation_are_recorded():
     assert responses(input="more", conversation={"id": "conv_2"}).conversation == "conv_2"
 
 
-def test_a_continuation_or_a_stored_prompt_needs_no_input():
+def test_a_continuation_needs_no_input():
     assert responses(previous_response_id="resp_1").context_ref == "resp_1"
     assert responses(conversation="conv_1").conversation == "conv_1"
-    assert responses(prompt={"id": "pmpt_1", "variables": {"city": "Paris"}}).body["prompt"]
+
+
+def test_an_item_reference_is_accepted_only_in_a_continuation():
+    reference = [{"type": "item_reference", "id": "msg_123"}]
+    assert responses(input=reference, previous_response_id="resp_1").context_ref == "resp_1"
+    assert responses(input=reference, conversation={"id": "conv_1"}).conversation == "conv_1"
+    error = refused(responses, input=[{"role": "user", "content": "hi"}, *reference])
+    assert (error.param, error.code) == ("input[1]", "unsupported_parameter")
+    assert "previous_response_id" in error.message and "another tenant" in error.message
 
 
 # --- Responses API: refusals -----------------------------------------------------------------
@@ -168,6 +175,62 @@ def test_the_model_rules_are_those_of_chat(model: Any):
     assert refused(messages, model=model).param == "model"
 
 
+# --- What the gateway cannot meter or must not pass on (Responses API) ---------------------
+
+@pytest.mark.parametrize("tool", [
+    {"type": "web_search"}, {"type": "web_search_preview"},
+    {"type": "web_search_preview_2025_03_11"}, {"type": "web_search_2025_08_26"},
+    {"type": "file_search"}, {"type": "code_interpreter", "container": {"type": "auto"}},
+    {"type": "image_generation", "quality": "low"},
+])
+def test_a_tool_billed_per_call_is_refused(tool: dict[str, Any]):
+    function = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    error = refused(responses, input="x", tools=[function, tool])
+    assert (error.param, error.code) == ("tools[1]", "unsupported_tool")
+    assert f"'{tool['type']}'" in error.message
+    assert "per-call tool fees are not metered" in error.message
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "read"}, {"type": "input_file", "file_id": "file-a"}]}]},
+     "input[0].content[1].file_id"),
+    ({"input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_image", "file_id": "file-b", "detail": "low"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_file", "file_id": "file-c"}]}]}, "input[0].output[0].file_id"),
+    ({"input": "x", "prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}}, "prompt"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": "x", "prompt": "pmpt_1"}, "prompt"),
+    ({"input": "x", "tools": [{"type": "mcp", "server_label": "s",
+                               "vector_store_ids": ["vs_1"]}]}, "tools[0].vector_store_ids"),
+    ({"input": "x", "tools": [{"type": "shell", "container": "cntr_1"}]}, "tools[0].container"),
+    ({"input": "x", "tools": [{"type": "shell", "environment": {
+        "type": "container_reference", "container_id": "cntr_1"}}]},
+     "tools[0].environment.container_id"),
+    ({"input": "x", "tools": [{"type": "shell", "container": {
+        "type": "auto", "file_ids": ["file-1"]}}]}, "tools[0].container.file_ids"),
+])
+def test_an_object_stored_at_the_provider_is_refused_naming_it(fields: dict[str, Any],
+                                                                param: str):
+    error = refused(responses, **fields)
+    assert (error.param, error.code) == (param, "unsupported_parameter")
+    assert "another tenant" in error.message
+
+
+def test_files_by_url_or_inline_and_an_automatic_container_stay_accepted():
+    parts = [{"type": "input_image", "image_url": "https://x.test/a.png"},
+             {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+             {"type": "input_file", "file_url": "https://x.test/a.pdf"},
+             {"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;"
+                                                                     "base64,JVBERi0="}]
+    tools = [{"type": "shell", "environment": {"type": "container_auto"}},
+             {"type": "mcp", "server_label": "s", "server_url": "https://mcp.test"}]
+    parsed = responses(input=[{"role": "user", "content": parts}], tools=tools)
+    assert parsed.body["input"][0]["content"] == parts
+
+
 # --- Messages API: happy shapes --------------------------------------------------------------
 
 ANTHROPIC_MESSAGES: list[dict[str, Any]] = [
@@ -205,8 +268,12 @@ def test_every_block_shape_parses_and_the_body_is_kept_as_sent():
             "system": [{"type": "text", "text": "Be brief.",
                         "cache_control": {"type": "ephemeral"}}],
             "tools": [{"name": "get_weather", "description": "Weather",
-                       "input_schema": {"type": "object"}},
-                      {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}],
+                       "input_schema": {"type": "object"},
+                       "cache_control": {"type": "ephemeral", "ttl": "5m"}},
+                      {"type": "web_fetch_20250910", "name": "web_fetch", "max_uses": 2},
+                      {"type": "bash_20250124", "name": "bash"},
+                      {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+                      {"type": "memory_20250818", "name": "memory"}],
             "thinking": {"type": "enabled", "budget_tokens": 2048}, "stream": True,
             "stop_sequences": ["\n\nHuman:"], "temperature": 1, "metadata": {"user_id": "u"}}
     parsed = parse_body(Endpoint.MESSAGES, _raw(body))
@@ -257,6 +324,99 @@ def test_a_string_system_and_disabled_or_adaptive_thinking_parse():
 ])
 def test_a_bad_messages_body_is_a_400_naming_the_field(fields: dict[str, Any], param: str):
     assert refused(messages, **fields).param == param
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 2},
+    {"type": "web_search_20260209", "name": "web_search"},
+    {"type": "code_execution_20250522", "name": "code_execution"},
+    {"type": "code_execution_20250825", "name": "code_execution"},
+])
+def test_a_messages_server_tool_billed_per_call_is_refused(tool: dict[str, Any]):
+    custom = {"name": "web_search", "input_schema": {"type": "object"}}  # the client's own
+    error = refused(messages, tools=[custom, tool])
+    assert (error.param, error.code) == ("tools[1]", "unsupported_tool")
+    assert f"'{tool['type']}'" in error.message and "not metered" in error.message
+
+
+ONE_HOUR = {"type": "ephemeral", "ttl": "1h"}
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"system": [{"type": "text", "text": "Be brief.", "cache_control": ONE_HOUR}]},
+     "system[0].cache_control.ttl"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": "again",
+                                         "cache_control": ONE_HOUR}]}]},
+     "messages[0].content[1].cache_control.ttl"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "r", "cache_control": ONE_HOUR}]}]}]},
+     "messages[0].content[0].content[0].cache_control.ttl"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "cache_control": ONE_HOUR}]},
+     "tools[0].cache_control.ttl"),
+    ({"cache_control": ONE_HOUR}, "cache_control.ttl"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "24h"}}, "cache_control.ttl"),
+])
+def test_a_one_hour_cache_ttl_is_refused_naming_its_place(fields: dict[str, Any], param: str):
+    error = refused(messages, **fields)
+    assert (error.param, error.code) == (param, "unsupported_parameter")
+    assert "default 5-minute cache" in error.message
+    if fields.get("cache_control", ONE_HOUR) is ONE_HOUR:
+        assert error.message.startswith("A 1-hour cache TTL")
+
+
+def test_the_default_cache_and_client_data_named_cache_control_stay_accepted():
+    five = {"type": "ephemeral", "ttl": "5m"}
+    tool = {"name": "cache", "input_schema": {"type": "object", "properties": {
+        "cache_control": {"type": "object", "ttl": "1h"}}}}
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "hi",
+                                      "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "cache",
+                                           "input": {"cache_control": {"ttl": "1h"}}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": "ok", "cache_control": five}]},
+    ]
+    parsed = messages(messages=history, tools=[tool], cache_control={"type": "ephemeral"},
+                      system=[{"type": "text", "text": "s", "cache_control": five}])
+    assert parsed.body["messages"] == history
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"container": "container_1"}, "container"),
+    ({"container": {"id": "container_1", "skills": []}}, "container"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "file", "file_id": "file_1"}}]}]},
+     "messages[0].content[0].source"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "see"},
+        {"type": "image", "source": {"type": "file", "file_id": "file_2"}}]}]},
+     "messages[0].content[1].source"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "file_3"}}]}]}]},
+     "messages[0].content[0].content[0].source"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "container_upload", "file_id": "file_4"}]}]},
+     "messages[0].content[0].file_id"),
+])
+def test_a_messages_file_or_container_stored_at_the_provider_is_refused(
+        fields: dict[str, Any], param: str):
+    error = refused(messages, **fields)
+    assert (error.param, error.code) == (param, "unsupported_parameter")
+    assert "another tenant" in error.message
+
+
+def test_messages_files_by_url_or_inline_stay_accepted():
+    content = [{"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}},
+               {"type": "document", "source": {"type": "url", "url": "https://x.test/a.pdf"}},
+               {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                               "data": "JVBERi0="}},
+               {"type": "document", "source": {"type": "content", "content": [
+                   {"type": "text", "text": "inline"}]}}]
+    assert messages(messages=[{"role": "user", "content": content}]).body["messages"][0][
+        "content"] == content
 
 
 def test_the_thinking_budget_must_be_below_max_tokens():

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import dataclasses
 import json
+import signal
 import uuid
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
@@ -35,7 +39,6 @@ from gateway.tokens import (
     TOOL_DEFINITION_OVERHEAD,
     TOOLS_OVERHEAD,
     UNSEEN_CONTENT_TOKENS,
-    WEB_SEARCH_TOOL_TOKENS,
     count_text,
     estimate_messages_prompt,
     estimate_responses_input,
@@ -199,7 +202,95 @@ def test_a_pdf_whose_pages_cannot_be_found_is_held_by_its_size():
         responses(_user([])) + len(opaque) + count_text("f.pdf", O200K_BASE))
 
 
-def test_an_inline_text_file_is_counted_as_text_and_a_file_id_at_the_allowance():
+@contextlib.contextmanager
+def _fails_if_it_hangs(seconds: int) -> Iterator[None]:
+    """Fail the test when the block runs longer than `seconds` (SIGALRM interrupts even a regex
+    scan). Not a timing assertion: the fixed scans take milliseconds, the quadratic one they
+    replace took hours on such bodies; the bound only keeps a regression from hanging the run."""
+    def hung(signum: int, frame: Any) -> None:
+        raise AssertionError(f"still running after {seconds} s: the scan is not linear")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_OBJSTM_NO_STREAM = b"/Type/ObjStm "
+
+
+@pytest.mark.parametrize("size", [104 * 1024, 2 * 1024 * 1024])
+def test_many_object_stream_headers_without_a_stream_are_scanned_in_linear_time(size: int):
+    # The body that took 4.7 s at 104 KB (quadratic: each header's lazy scan ran to the end).
+    pdf = b"%PDF-1.5\n" + _OBJSTM_NO_STREAM * (size // len(_OBJSTM_NO_STREAM))
+    with _fails_if_it_hangs(20):
+        assert tokens._pdf_pages(pdf) == 0
+        assert list(tokens._object_stream_starts(pdf)) == []
+        # Through the estimate, as a client's base64 file: held by its size (no page found).
+        assert responses(_user([_file_part(pdf)])) == (
+            responses(_user([])) + len(pdf) + count_text("f.pdf", O200K_BASE))
+
+
+def test_the_stream_keyword_is_looked_for_only_near_its_dictionary():
+    far = b"%PDF-1.5\n<< /Type /ObjStm /N 1" + b" " * tokens._PDF_STREAM_WINDOW + b">>\nstream\n"
+    near = b"%PDF-1.5\n<< /Type /ObjStm /N 1 >>\nstream\n"
+    assert list(tokens._object_stream_starts(far)) == []
+    assert list(tokens._object_stream_starts(near)) == [len(near)]
+
+
+def test_at_most_so_many_object_streams_are_examined():
+    header = b"<< /Type /ObjStm >>\nstream\n"
+    pdf = b"%PDF-1.5\n" + header * (tokens._PDF_MAX_OBJECT_STREAMS + 500)
+    with _fails_if_it_hangs(20):
+        assert len(list(tokens._object_stream_starts(pdf))) == tokens._PDF_MAX_OBJECT_STREAMS
+
+
+def test_inflating_object_streams_is_bounded_in_and_out(monkeypatch: pytest.MonkeyPatch):
+    # A zip bomb: 64 MB of "/Type /Page" from about 200 KB, behind one object stream header.
+    page = b"<< /Type /Page >>"
+    bomb = zlib.compress(page * (64 * 1024 * 1024 // len(page)), 9)
+    pdf = b"%PDF-1.5\n<< /Type /ObjStm >>\nstream\n" + bomb
+    with _fails_if_it_hangs(20):
+        pages = tokens._pdf_pages(pdf)
+    # Only the first _PDF_MAX_INFLATED bytes are inflated (and counted).
+    assert pages == tokens._PDF_MAX_INFLATED // len(page)
+    inflated, read = tokens._inflate(memoryview(bomb), 1000)
+    assert len(inflated) == 1000 and 0 < read < len(bomb)
+    # Empty deflate blocks consume input without output: the compressed bytes read are bounded
+    # too, across all object streams together.
+    budget = 256 * 1024
+    monkeypatch.setattr(tokens, "_PDF_MAX_DEFLATED", budget)
+    empty_blocks = b"\x78\x01" + b"\x00\x00\x00\xff\xff" * 40_000  # 200 KB, no output
+    header = b"<< /Type /ObjStm >>\nstream\n"
+    reads: list[int] = []
+    real_inflate = tokens._inflate
+
+    def counting(data: memoryview, max_out: int) -> tuple[bytes, int]:
+        result = real_inflate(data, max_out)
+        reads.append(result[1])
+        return result
+
+    monkeypatch.setattr(tokens, "_inflate", counting)
+    # Ten object streams of 200 KB of empty blocks each (2 MB in all): reading stops once the
+    # budget is spent, long before the tenth.
+    empty = b"%PDF-1.5\n" + (header + empty_blocks) * 10
+    with _fails_if_it_hangs(20):
+        assert tokens._pdf_pages(empty) == 0
+    assert len(reads) < 10
+    assert budget <= sum(reads) <= budget + 2 * tokens._PDF_INFLATE_CHUNK
+
+
+def test_data_that_is_not_zlib_is_charged_what_was_read():
+    inflated, read = tokens._inflate(memoryview(b"not zlib at all" * 10_000), 1000)
+    assert inflated == b"" and read == tokens._PDF_INFLATE_CHUNK
+
+
+def test_an_inline_text_file_is_counted_as_text_and_a_file_url_at_the_allowance():
+    # A file by id is refused by parse_body; should one reach the estimate, it gets the
+    # allowance of an unseen file too.
     text = "one two three four five six seven " * 20
     inline = responses(_user([_file_part(text.encode(), "text/plain")]))
     assert inline == responses(_user([])) + count_text(text, O200K_BASE) + count_text(
@@ -225,24 +316,21 @@ def test_function_tools_count_their_json_and_built_in_tools_their_allowance():
     with_function = responses({"input": "hi", "tools": [function]})
     assert with_function == base + TOOLS_OVERHEAD + TOOL_DEFINITION_OVERHEAD + count_text(
         json.dumps(function, separators=(",", ":"), sort_keys=True), O200K_BASE)
-    for tool, allowance in (({"type": "file_search", "vector_store_ids": ["vs_1"]},
-                             BUILT_IN_TOOL_TOKENS),
-                            ({"type": "code_interpreter", "container": {"type": "auto"}},
-                             BUILT_IN_TOOL_TOKENS),
-                            ({"type": "mcp", "server_label": "docs"}, BUILT_IN_TOOL_TOKENS),
-                            ({"type": "web_search"}, WEB_SEARCH_TOOL_TOKENS),
-                            ({"type": "web_search_preview"}, WEB_SEARCH_TOOL_TOKENS)):
+    # Built-in tools without a per-call fee (those with one are refused by parse_body).
+    for tool in ({"type": "computer_use_preview", "display_width": 1024,
+                  "display_height": 768, "environment": "browser"},
+                 {"type": "local_shell"}, {"type": "apply_patch"},
+                 {"type": "mcp", "server_label": "docs"}):
         added = responses({"input": "hi", "tools": [function, tool]}) - with_function
-        assert allowance < added <= allowance + 30, tool
+        assert added == BUILT_IN_TOOL_TOKENS + count_text(
+            json.dumps(tool, separators=(",", ":"), sort_keys=True), O200K_BASE), tool
 
 
-def test_a_structured_output_schema_and_a_stored_prompt_are_counted():
+def test_a_structured_output_schema_is_counted():
     schema = {"type": "json_schema", "name": "answer",
               "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     assert responses({"input": "hi", "text": {"format": schema}}) > responses(
         {"input": "hi"}) + 10
-    assert responses({"prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}}) > (
-        UNSEEN_CONTENT_TOKENS)
 
 
 def test_references_and_encrypted_reasoning_are_held_at_their_rules():
@@ -290,11 +378,11 @@ def test_anthropic_tools_thinking_and_results_count_their_words():
     with_custom = messages({**body, "tools": [custom]})
     assert with_custom == messages(body) + ANTHROPIC_TOOLS_OVERHEAD + TOOL_DEFINITION_OVERHEAD + (
         count_text(json.dumps(custom, separators=(",", ":"), sort_keys=True), O200K_BASE))
-    for tool, allowance in (({"type": "web_search_20250305", "name": "web_search"},
-                             WEB_SEARCH_TOOL_TOKENS),
-                            ({"type": "bash_20250124", "name": "bash"}, BUILT_IN_TOOL_TOKENS)):
+    for tool in ({"type": "web_fetch_20250910", "name": "web_fetch"},
+                 {"type": "bash_20250124", "name": "bash"},
+                 {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}):
         added = messages({**body, "tools": [custom, tool]}) - with_custom
-        assert allowance < added <= allowance + 30
+        assert BUILT_IN_TOOL_TOKENS < added <= BUILT_IN_TOOL_TOKENS + 30, tool
     for block in ({"type": "tool_use", "id": "toolu_1", "name": "lookup",
                    "input": {"query": "the tallest mountain in the alps"}},
                   {"type": "tool_result", "tool_use_id": "toolu_1",
@@ -406,15 +494,19 @@ def test_the_messages_output_cap_is_max_tokens_and_thinking_adds_nothing(ctx: An
 
     body = {"max_tokens": 400, "messages": [{"role": "user", "content": TEN_WORDS}]}
     plain = estimate(_parse(Endpoint.MESSAGES, body), INFO, ctx, PRICE)
+    # A model whose maximum output leaves room for the smallest thinking budget (1,024) and an
+    # answer: a cap below that would be refused (admission.least_output).
+    roomy = dataclasses.replace(INFO, context_window=4_000, max_output_tokens=1_200)
     thinking = estimate(_parse(Endpoint.MESSAGES, {
         **body, "max_tokens": 1424, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
-        INFO, ctx, PRICE)
+        roomy, ctx, PRICE)
     assert plain.prompt_tokens == messages({"messages": body["messages"]})
     assert plain.output_cap == 400
     assert plain.amount == hold_for(plain.prompt_tokens, 400, ctx.limits.safety_factor)
-    # max_tokens 1424 with a 1024 budget: the model's maximum output (500) caps it, nothing more.
-    assert thinking.output_cap == INFO.max_output_tokens
-    assert thinking.amount == hold_for(thinking.prompt_tokens, INFO.max_output_tokens,
+    # max_tokens 1424 with a 1024 budget: the model's maximum output (1200) caps it, nothing
+    # more.
+    assert thinking.output_cap == roomy.max_output_tokens
+    assert thinking.amount == hold_for(thinking.prompt_tokens, roomy.max_output_tokens,
                                        ctx.limits.safety_factor)
 
 
