@@ -13,6 +13,9 @@
   not its key, is the reason.
 - Any other /v1 path: a JSON 404 (`unknown_url`) in the caller's API shape, never Django's HTML
   page, without authentication (a 404 tells nothing about keys).
+- An endpoint's path without /v1 (BASE_URL_MISTAKES: `/chat/completions`, `/messages`, ...,
+  what an SDK whose base URL lacks /v1 calls): a JSON 404 in the caller's API shape saying
+  which path was meant and which base URL to set, not Django's HTML page.
 
 `send_unmetered` sends one request that costs no tokens to the first provider key that answers;
 it is what these pass-throughs share, and what any other unmetered pass-through can use.
@@ -23,6 +26,7 @@ import asyncio
 import bisect
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,7 +41,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from gateway.admission import allows, refuse_before_reading
 from gateway.auth import KeyContext
-from gateway.bodies import Endpoint, load_json
+from gateway.bodies import Endpoint, check_messages_references, load_json
 from gateway.dialects import ANTHROPIC_KIND, ANTHROPIC_PASSED_HEADERS, OPENAI_KIND, dialect_for
 from gateway.errors import (
     Api,
@@ -74,6 +78,10 @@ UNSUPPORTED_ENDPOINTS: tuple[str, ...] = (
     "/v1/threads",
     "/v1/realtime",
     "/v1/messages/batches",
+    # Under /v1/responses/ (routed to gateway/stored_responses.py, which checks these first):
+    # compaction and the input token count are OpenAI endpoints of their own, not response ids.
+    "/v1/responses/compact",
+    "/v1/responses/input_tokens",
 )
 SERVED = ("/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/messages, "
           "/v1/messages/count_tokens, /v1/models and /v1/moderations")
@@ -161,7 +169,45 @@ async def v1_other(request: HttpRequest, rest: str = "") -> HttpResponse:
         return await retrieve_model(request, rest[len(_MODELS_PREFIX):])
     api = caller_api(request)
     prefix = unsupported_endpoint(request.path)
-    error = unsupported(request, prefix) if prefix is not None else unknown_url(request)
+    if prefix is not None:
+        error = unsupported(request, prefix)
+    elif _under(request.path, "/v1/v1"):
+        # The anthropic SDK adds /v1 itself: a base URL ending in /v1 doubles it.
+        base = _base(request)
+        error = GatewayError(404, f"Unknown request URL: {_echo(request)}; did you mean "
+                             f"{request.path[3:3 + _PATH_ECHO_MAX]}? Set the SDK's base URL to "
+                             f"{base} for the anthropic SDK ({base}/v1 for the openai SDK).",
+                             "invalid_request_error", "unknown_url")
+    else:
+        error = unknown_url(request)
+    return _answer(error, api, _request_id())
+
+
+# Endpoint paths as an SDK calls them when its base URL lacks "/v1" (the openai SDK appends the
+# endpoint to its base URL, which must end in /v1; the anthropic SDK adds /v1 itself, so its base
+# URL is the bare host, and a base URL of host/v1 reaches /v1/v1/messages instead).
+BASE_URL_MISTAKES: tuple[str, ...] = ("chat/completions", "completions", "embeddings",
+                                      "responses", "messages", "messages/count_tokens",
+                                      "models", "moderations")
+# A Host header echoed in the hint, when it looks like one: anything else is not repeated.
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
+
+
+def _base(request: HttpRequest) -> str:
+    host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
+    return f"http://{host}" if isinstance(host, str) and _HOST.fullmatch(host) else "http://<host>"
+
+
+@csrf_exempt
+async def missing_v1(request: HttpRequest) -> HttpResponse:
+    """An endpoint's path without /v1 (BASE_URL_MISTAKES): a 404 in the caller's API shape that
+    names the path meant and the base URL to set, before authentication."""
+    api = Api.ANTHROPIC if _under(request.path, "/messages") else caller_api(request)
+    base = _base(request)
+    error = GatewayError(404, f"Unknown request URL: {_echo(request)}; did you mean "
+                         f"/v1{request.path[:_PATH_ECHO_MAX]}? Set the SDK's base URL to "
+                         f"{base}/v1 (the anthropic SDK: {base}).", "invalid_request_error",
+                         "unknown_url")
     return _answer(error, api, _request_id())
 
 
@@ -469,8 +515,9 @@ def _any_key(runtime: GatewayRuntime, tenant_id: int, kind: str) -> bool:
 
 
 def _check_count_body(body: dict[str, Any]) -> str:
-    """The model of a count_tokens body; 400 when the model or the messages are missing (the
-    upstream checks the rest, as it does for a message)."""
+    """The model of a count_tokens body; 400 when the model or the messages are missing, or a
+    file or container stored at the provider is named (the upstream checks the rest, as it does
+    for a message)."""
     model = _model_name(body.get("model"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -478,6 +525,9 @@ def _check_count_body(body: dict[str, Any]) -> str:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"'messages[{i}]' must be an object.", f"messages[{i}]")
+    # Counting a file stored at the provider would tell its size, and it may be another
+    # tenant's: refused as in a message.
+    check_messages_references(body)
     return model
 
 

@@ -45,7 +45,7 @@ from django.views.decorators.csrf import csrf_exempt
 from redis.exceptions import RedisError
 
 from gateway.auth import KeyContext
-from gateway.bodies import load_json
+from gateway.bodies import check_response_references, load_json
 from gateway.errors import (
     Api,
     GatewayError,
@@ -58,6 +58,8 @@ from gateway.other_endpoints import (
     UpstreamAnswer,
     send_unmetered,
     unknown_url,
+    unsupported,
+    unsupported_endpoint,
     upstream_request,
 )
 from gateway.providers import Upstream
@@ -194,7 +196,11 @@ async def _serve(request: HttpRequest, handler: Handler) -> HttpResponse:
 @csrf_exempt
 async def response_item(request: HttpRequest, rest: str) -> HttpResponse:
     """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
-    GET /v1/responses/{id}/input_items."""
+    GET /v1/responses/{id}/input_items. /v1/responses/compact and /v1/responses/input_tokens
+    are endpoints this gateway does not serve: 404 unsupported_endpoint, whatever the method."""
+    prefix = unsupported_endpoint(request.path)
+    if prefix is not None:
+        return _refused(unsupported(request, prefix))
     raw_id, _, sub = rest.partition("/")
     methods = sorted(method for route, method in _RESPONSE_ROUTES if route == sub)
     if not methods or "/" in sub:
@@ -271,6 +277,9 @@ def _parse_conversation(raw: bytes) -> list[Any]:
         items = []
     if not isinstance(items, list) or not all(isinstance(item, Mapping) for item in items):
         raise bad_request("'items' must be an array of input items.", "items")
+    # Files by id and item references name objects stored at the provider, maybe another
+    # tenant's (as in a response's input); a new conversation continues nothing.
+    check_response_references(items, "items", continuing=False)
     _check_metadata(body.get("metadata"))
     return items
 

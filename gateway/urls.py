@@ -20,6 +20,8 @@ _ROUTES: dict[str, Callable[..., Awaitable[Any]]] = {
     # /v1 itself: a JSON 404 like every other unknown /v1 path (the last prefix below).
     "v1": other_endpoints.v1_other,
     "v1/": other_endpoints.v1_other,
+    # An SDK whose base URL lacks /v1: a JSON 404 naming the path meant, not Django's HTML page.
+    **{route: other_endpoints.missing_v1 for route in other_endpoints.BASE_URL_MISTAKES},
 }
 
 # Paths with an id in them: the view gets the rest of the path as `rest`. The first prefix that

@@ -237,6 +237,40 @@ def test_anthropic_clients_get_anthropics_404(gateway: GatewayServer,
     assert response.status_code == 404 and response.json()["type"] == "error"
 
 
+def test_a_base_url_without_v1_is_a_json_404_saying_which_to_set(
+        gateway: GatewayServer, make_tenant: MakeTenant) -> None:
+    key = make_tenant().plaintext
+    # The openai SDK with the gateway's root as its base URL (it must end in /v1).
+    bare = openai.OpenAI(base_url=gateway.url, api_key=key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as chat:
+        bare.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
+    assert chat.value.code == "unknown_url"
+    assert "did you mean /v1/chat/completions?" in chat.value.message
+    assert f"Set the SDK's base URL to {gateway.url}/v1 " in chat.value.message
+    with pytest.raises(openai.NotFoundError) as responses:
+        bare.responses.create(model="gpt-4o-mini", input="hi")
+    assert "did you mean /v1/responses?" in responses.value.message
+    # The anthropic SDK with a base URL ending in /v1 (it adds /v1 itself): /v1/v1/messages.
+    doubled = anthropic.Anthropic(base_url=gateway.base_url, api_key=key, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as message:
+        doubled.messages.create(model="claude-haiku-4-5", max_tokens=5, messages=MESSAGES)
+    assert message.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert "did you mean /v1/messages?" in message.value.message
+    # Without /v1 at all, from a plain HTTP client: Anthropic's shape for /messages.
+    response = httpx.post(f"{gateway.url}/messages", json={})
+    assert response.status_code == 404 and response.json()["type"] == "error"
+    assert "did you mean /v1/messages?" in response.json()["error"]["message"]
+
+
+def test_responses_compact_and_input_tokens_are_unsupported(gateway: GatewayServer,
+                                                            make_tenant: MakeTenant) -> None:
+    for path in ("/v1/responses/compact", "/v1/responses/input_tokens"):
+        response = httpx.post(f"{gateway.url}{path}", json={"model": "gpt-4o-mini",
+                                                            "input": "hi"})
+        assert response.status_code == 404, path
+        assert response.json()["error"]["code"] == "unsupported_endpoint", path
+
+
 def test_unsupported_endpoints_are_refused_before_auth(gateway: GatewayServer,
                                                        make_tenant: MakeTenant) -> None:
     client = client_for(gateway, make_tenant().plaintext)

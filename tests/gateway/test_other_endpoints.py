@@ -105,6 +105,91 @@ def test_unsupported_prefixes_match_whole_segments() -> None:
     assert unsupported_endpoint("/v1/messages/batches/b1/results") == "/v1/messages/batches"
 
 
+@pytest.mark.parametrize("method", ["post", "get"])
+@pytest.mark.parametrize("path", ["/v1/responses/compact", "/v1/responses/input_tokens",
+                                  "/v1/responses/input_tokens/x"])
+def test_the_responses_endpoints_not_served_are_unsupported_not_a_405(method: str,
+                                                                       path: str) -> None:
+    # Under /v1/responses/ (a stored response's routes), yet not response ids: refused as
+    # endpoints this gateway does not serve, before any key is checked.
+    response = getattr(Client(), method)(path, {}, content_type="application/json")
+    error = _json_404(response)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "unsupported_endpoint")
+    assert f"does not serve {path.rsplit('/x', 1)[0]} yet" in error["message"]
+
+
+@pytest.mark.parametrize("method", ["post", "get"])
+@pytest.mark.parametrize("path", [f"/{route}" for route in other_endpoints.BASE_URL_MISTAKES])
+def test_an_endpoint_without_v1_says_which_base_url_to_set(method: str, path: str) -> None:
+    response = getattr(Client(), method)(path, {}, content_type="application/json")
+    body = _json_404(response)
+    anthropic = path.startswith("/messages")
+    message = body["error"]["message"]
+    if anthropic:
+        assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+        assert body["request_id"] == response["request-id"]
+    else:
+        assert (body["error"]["type"], body["error"]["code"]) == (
+            "invalid_request_error", "unknown_url")
+    assert f"did you mean /v1{path}?" in message
+    assert ("Set the SDK's base URL to http://testserver/v1 (the anthropic SDK: "
+            "http://testserver)." in message)
+
+
+def test_a_doubled_v1_says_which_base_url_to_set() -> None:
+    body = _json_404(Client().post("/v1/v1/messages", {}, content_type="application/json",
+                                   headers=ANTHROPIC))
+    assert body["error"]["type"] == "not_found_error"
+    assert ("did you mean /v1/messages? Set the SDK's base URL to http://testserver for the "
+            "anthropic SDK" in body["error"]["message"])
+    error = _json_404(Client().get("/v1/v1/models"))["error"]
+    assert error["code"] == "unknown_url" and "did you mean /v1/models?" in error["message"]
+
+
+def test_an_anthropic_client_without_v1_gets_anthropics_shape_anywhere() -> None:
+    body = _json_404(Client().get("/models", headers=ANTHROPIC))
+    assert body["error"]["type"] == "not_found_error"
+    assert "did you mean /v1/models?" in body["error"]["message"]
+
+
+def test_an_odd_host_header_is_not_echoed() -> None:
+    request = SimpleNamespace(META={"HTTP_HOST": "evil.test/<script>"})
+    assert other_endpoints._base(request) == "http://<host>"
+    for host in ("gw.example.com", "localhost:8000", "[::1]:8000", "10.0.0.5"):
+        request = SimpleNamespace(META={"HTTP_HOST": host})
+        assert other_endpoints._base(request) == f"http://{host}"
+
+
+def test_the_router_serves_the_paths_without_v1_itself() -> None:
+    from gateway.urls import direct_routes
+
+    routes = direct_routes()
+    for route in other_endpoints.BASE_URL_MISTAKES:
+        assert routes[f"/{route}"] is other_endpoints.missing_v1
+    assert routes["/v1/chat/completions"] is not other_endpoints.missing_v1
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"container": "container_1"}, "container"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "file", "file_id": "file_1"}}]}]},
+     "messages[0].content[0].source"),
+])
+def test_count_tokens_refuses_files_and_containers_stored_at_the_provider(
+        body: dict[str, Any], param: str) -> None:
+    full = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "hi"}], **body}
+    with pytest.raises(GatewayError) as refused:
+        other_endpoints._check_count_body(full)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (
+        400, param, "unsupported_parameter")
+    # By URL, inline, a 1-hour cache or a server tool: counting them is free, so accepted.
+    accepted = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "url", "url": "https://x.test/a.pdf"},
+         "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}],
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+    assert other_endpoints._check_count_body(accepted) == "claude-haiku-4-5"
+
+
 @pytest.mark.parametrize("path,allowed,headers,anthropic", [
     ("/v1/moderations", "POST", {}, False),
     ("/v1/messages/count_tokens", "POST", {}, True),

@@ -113,6 +113,19 @@ def test_a_bad_conversation_body_is_a_400(body: bytes, param: str | None) -> Non
     assert (refused.value.status, refused.value.param) == (400, param)
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    (b'{"items": [{"type": "item_reference", "id": "msg_1"}]}', "items[0]"),
+    (b'{"items": [{"role": "user", "content": "hi"}, {"type": "message", "role": "user", '
+     b'"content": [{"type": "input_file", "file_id": "file-1"}]}]}', "items[1].content[0].file_id"),
+])
+def test_a_conversation_cannot_start_with_objects_stored_at_the_provider(body: bytes,
+                                                                         param: str) -> None:
+    with pytest.raises(GatewayError) as refused:
+        stored_responses._parse_conversation(body)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (
+        400, param, "unsupported_parameter")
+
+
 def test_a_conversation_body_may_be_empty_or_carry_items() -> None:
     assert stored_responses._parse_conversation(b"") == []
     assert stored_responses._parse_conversation(b"{}") == []
