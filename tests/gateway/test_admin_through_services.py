@@ -60,7 +60,7 @@ def test_adding_a_provider_key_in_admin_is_provider_add(
         "--secret-env", "ADMIN_PATH_SECRET", "--models", "gpt-4o", stdout=StringIO()))
     by_admin = changes(published, django_capture_on_commit_callbacks, lambda: root.post(
         "/admin/gateway/providerkey/add/", {
-            "name": "upstream-a", "base_url": "https://api.example.test/v1/",
+            "name": "upstream-a", "kind": "openai", "base_url": "https://api.example.test/v1/",
             "models": '["gpt-4o"]', "rpm_capacity": "", "tpm_capacity": "", "priority": "0",
             "enabled": "on", "tenant": "", "secret": SECRET}))
     assert [(a, d) for a, _, d in by_admin[0]] == [(a, d) for a, _, d in by_cli[0]]
@@ -91,6 +91,11 @@ def test_catalog_models_and_aliases_in_admin_are_audited_and_published(
             "max_output_tokens": spec.max_output_tokens,
             "input_price_micros_per_mtok": spec.input_price_micros_per_mtok,
             "output_price_micros_per_mtok": spec.output_price_micros_per_mtok, "enabled": "on"}
+    # The form shows the token-class prices too (issue 13): sent back as the admin shows them.
+    for name in ("cached_input_micros_per_mtok", "cache_write_micros_per_mtok",
+                 "reasoning_micros_per_mtok"):
+        value = getattr(spec, name)
+        form[name] = "" if value is None else value
     events, sent = changes(published, django_capture_on_commit_callbacks, lambda: root.post(
         f"/admin/gateway/modelspec/{spec.pk}/change/", form))
     assert events == [("model.update", "user:root", {"fields": ["default_output_tokens"]})]
