@@ -50,10 +50,11 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import Coalesce, TruncDate
 
 from billing.models import UsageRecord
+from gateway.usage import TOKEN_CLASSES
 from tenants.models import Tenant
 
 SWEEP_COLUMNS = ("swept_requests", "corrected_requests", "sweep_charged_usd", "correction_usd")
-CLASS_COLUMNS = ("cached_input_tokens", "cache_write_tokens", "reasoning_tokens")
+CLASS_COLUMNS = TOKEN_CLASSES
 TENANT_COLUMNS = ("day", "project", "api_key", "model", "requests", "input_tokens",
                   "output_tokens", *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS)
 PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens",

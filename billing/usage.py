@@ -14,6 +14,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from billing.models import UsageRecord
+from gateway.usage import TOKEN_CLASSES
 from tenants.models import Tenant
 
 GroupBy = Literal["day", "project", "key", "model"]
@@ -25,7 +26,6 @@ GROUPINGS: dict[str, tuple[str, ...]] = {
 }
 # The token classes, each part of a total (of input_tokens: cached and cache-write input; of
 # output_tokens: reasoning), as the ledger keeps them (gateway/usage.py).
-TOKEN_CLASSES = ("cached_input_tokens", "cache_write_tokens", "reasoning_tokens")
 _SUMS = {
     "requests": Count("id"),
     "input_tokens": Sum("input_tokens"),

@@ -10,8 +10,8 @@ text is output (counted when the usage never arrives). Adding an API is adding a
   `completion_tokens_details.reasoning_tokens`); streams end with a usage chunk the gateway always
   asks for (`stream_options.include_usage`) and removes when the client did not ask for it.
 - OpenAI Responses: `usage.input_tokens` (cached ones in `input_tokens_details.cached_tokens`),
-  `output_tokens` (reasoning in `output_tokens_details.reasoning_tokens`); in streams the usage is in
-  the terminal event (`response.completed`, `response.incomplete`, `response.failed`). The cap is
+  `output_tokens` (reasoning in `output_tokens_details.reasoning_tokens`); in streams the usage is
+  in the terminal event (`response.completed`, `response.incomplete`, `response.failed`). The cap is
   `max_output_tokens`.
 - Anthropic Messages: `usage.input_tokens` EXCLUDES cache reads and writes
   (`cache_read_input_tokens`, `cache_creation_input_tokens`), so the billed input is their sum;
@@ -30,26 +30,24 @@ from typing import Any
 
 from gateway.bodies import Endpoint, ParsedBody
 from gateway.errors import Api
-from gateway.usage import Usage
+from gateway.models import ProviderKind
+from gateway.usage import Usage, token_count
 
 # The Messages API's version when the client names none (the SDKs always send one).
 DEFAULT_ANTHROPIC_VERSION = "2023-06-01"
 # Client headers passed on to an Anthropic upstream (the API's own versioning).
 ANTHROPIC_PASSED_HEADERS = ("anthropic-version", "anthropic-beta")
 
-OPENAI_KIND = "openai"
-ANTHROPIC_KIND = "anthropic"
+OPENAI_KIND = ProviderKind.OPENAI.value
+ANTHROPIC_KIND = ProviderKind.ANTHROPIC.value
+
+
+_count = token_count
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def _count(value: Any) -> int | None:
-    """A token count an upstream reports: an integer >= 0 (not a boolean), else None."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+    """A token count, 0 when absent or nonsense."""
+    return token_count(value) or 0
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -171,7 +169,8 @@ def _openai_cap_field(endpoint: Endpoint, model: str, body: dict[str, Any]) -> s
 def responses_usage(usage: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
-    input_tokens, output_tokens = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    input_tokens = _count(usage.get("input_tokens"))
+    output_tokens = _count(usage.get("output_tokens"))
     if input_tokens is None or output_tokens is None:
         return None
     cached = _int(_dict(usage.get("input_tokens_details")).get("cached_tokens"))
@@ -453,6 +452,9 @@ class Dialect:
 
     api: Api  # the error shape and rate headers the client expects
     provider_kind: str  # the provider keys that serve it (gateway.models.ProviderKind)
+    # Its answers may be stored upstream and continued later (the Responses API): remembered
+    # by gateway/responses_context.py. Other APIs never pay for it.
+    remembers: bool = False
 
     def payload(self, parsed: ParsedBody, model: str, cap: int | None) -> bytes:
         """The body sent upstream: the client's, with the model forwarded and the output cap
@@ -461,6 +463,10 @@ class Dialect:
 
     def upstream_headers(self, secret: str, client: Mapping[str, str]) -> dict[str, str]:
         return {"Authorization": f"Bearer {secret}"}
+
+    def passed_headers(self, client: Mapping[str, str]) -> dict[str, str]:
+        """The client's request headers this API's upstream is told (upstream_headers' `client`)."""
+        return {}
 
     def answer_usage(self, data: dict[str, Any]) -> Usage | None:
         raise NotImplementedError
@@ -540,6 +546,9 @@ class Messages(Dialect):
                 body["thinking"] = {**thinking, "budget_tokens": cap - 1}
         return _dump(body)
 
+    def passed_headers(self, client: Mapping[str, str]) -> dict[str, str]:
+        return {name: client[name] for name in ANTHROPIC_PASSED_HEADERS if name in client}
+
     def upstream_headers(self, secret: str, client: Mapping[str, str]) -> dict[str, str]:
         headers = {"x-api-key": secret,
                    "anthropic-version": client.get("anthropic-version")
@@ -567,7 +576,7 @@ DIALECTS: dict[Endpoint, Dialect] = {
     Endpoint.CHAT: _OPENAI,
     Endpoint.COMPLETIONS: _OPENAI,
     Endpoint.EMBEDDINGS: _OPENAI,
-    Endpoint.RESPONSES: Responses(Api.OPENAI, OPENAI_KIND),
+    Endpoint.RESPONSES: Responses(Api.OPENAI, OPENAI_KIND, remembers=True),
     Endpoint.MESSAGES: Messages(Api.ANTHROPIC, ANTHROPIC_KIND),
 }
 

@@ -244,7 +244,7 @@ class Call:
         """A stored Responses answer is remembered (its provider key, its context size) before
         the client can ask for the next turn: awaited before the answer, or a stream's final
         event, is sent (one round trip, Responses calls only)."""
-        if self.answer_id is not None and not self.remembered:
+        if self.dialect.remembers and self.answer_id is not None and not self.remembered:
             self.remembered = True
             upstream = self.upstream.id if self.upstream is not None else None
             # Shielded: a client leaving during the write must not leave the response
@@ -644,7 +644,7 @@ def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:
         until - now for key_id, until in runtime.pool.cooldowns().items()
         if until > now and (upstream := runtime.pool.get(key_id)) is not None
         and upstream.serves(call.admission.model) and upstream.usable_by(call.ctx.tenant_id)
-        and upstream.kind == call.dialect.provider_kind
+        and upstream.speaks(call.dialect.provider_kind)
     ]
     return max(1, math.ceil(min(waits))) if waits else None
 
@@ -837,7 +837,7 @@ class StreamRelay:
                 for event in self._events(chunk):
                     out = self._inspect(event)
                     if self.reader.usage is not None and self.reader.response_id is not None \
-                            and not self.call.remembered:
+                            and self.call.dialect.remembers and not self.call.remembered:
                         # The final event of a stored response: remembered before the client
                         # has it and can ask for the next turn.
                         self.call.answer_id = self.reader.response_id

@@ -42,7 +42,7 @@ from django.views.decorators.csrf import csrf_exempt
 from gateway.admission import allows, refuse_before_reading
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, check_messages_references, load_json
-from gateway.dialects import ANTHROPIC_KIND, ANTHROPIC_PASSED_HEADERS, OPENAI_KIND, dialect_for
+from gateway.dialects import ANTHROPIC_KIND, OPENAI_KIND, dialect_for
 from gateway.errors import (
     Api,
     GatewayError,
@@ -542,9 +542,9 @@ async def _count_tokens(runtime: GatewayRuntime, ctx: KeyContext, request: HttpR
     upstreams = pool.candidates(model, tenant, time.time(), kind=ANTHROPIC_KIND)
     if not upstreams:
         raise _no_key(f"the model '{model}'")
-    client = {name: request.headers[name] for name in ANTHROPIC_PASSED_HEADERS
-              if name in request.headers}
-    auth_for = dialect_for(Endpoint.MESSAGES).upstream_headers
+    messages = dialect_for(Endpoint.MESSAGES)
+    client = messages.passed_headers(request.headers)
+    auth_for = messages.upstream_headers
     answer = await send_unmetered(runtime, upstreams, lambda upstream: upstream_request(
         runtime, upstream, "POST", "messages/count_tokens", auth_for(upstream.secret, client),
         request_id, raw))

@@ -13,9 +13,14 @@ from typing import Any
 # The usage event's field for each class (the settle's JSON event, read by billing/ledger.py).
 EVENT_FIELDS = {"input_tokens": "in", "output_tokens": "out", "cached_input_tokens": "ci",
                 "cache_write_tokens": "cw", "reasoning_tokens": "rs"}
+# The classes, each a part of a total: also the ledger's columns (billing.UsageRecord) and the
+# reports' and usage API's fields.
+TOKEN_CLASSES = ("cached_input_tokens", "cache_write_tokens", "reasoning_tokens")
 
 
-def _count(value: Any) -> int | None:
+def token_count(value: Any) -> int | None:
+    """A token count as an upstream or an event reports it: an integer >= 0 (not a boolean),
+    else None."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return None
     return value
@@ -33,7 +38,7 @@ class Usage:
 
     def __post_init__(self) -> None:
         for name in EVENT_FIELDS:
-            if _count(getattr(self, name)) is None:
+            if token_count(getattr(self, name)) is None:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.cached_input_tokens + self.cache_write_tokens > self.input_tokens:
             raise ValueError("cached and cache-write tokens are part of input_tokens")
@@ -76,7 +81,7 @@ class Usage:
     @classmethod
     def from_event(cls, details: dict[str, Any]) -> Usage | None:
         """The usage an event carries; None without both totals (an event that has no split)."""
-        values = {name: _count(details.get(short, 0)) for name, short in EVENT_FIELDS.items()}
+        values = {name: token_count(details.get(short, 0)) for name, short in EVENT_FIELDS.items()}
         if details.get("in") is None or details.get("out") is None or None in values.values():
             return None
         return cls.of(values["input_tokens"], values["output_tokens"],  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from gateway.admission import Checked, admit, checked, refuse_before_reading, un
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint
 from gateway.client_address import request_client_address
-from gateway.dialects import ANTHROPIC_PASSED_HEADERS, dialect_for
+from gateway.dialects import dialect_for
 from gateway.errors import (
     Api,
     GatewayError,
@@ -180,8 +180,7 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     context = await held_context(runtime, ctx, call.parsed)
     if context is not None:
         call = with_context(call, context, ctx)
-    client_headers = {name: request.headers[name] for name in ANTHROPIC_PASSED_HEADERS
-                      if name in request.headers} if endpoint is Endpoint.MESSAGES else {}
+    client_headers = dialect_for(endpoint).passed_headers(request.headers)
     # From the reservation on, the hold must end exactly once even if the client leaves and
     # this request is cancelled (even mid-reserve, when the script may already have run):
     # reserve and forward run in a task of their own, which settles or releases by itself.
