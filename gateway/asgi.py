@@ -25,7 +25,6 @@ import asyncio
 import functools
 import json
 import logging
-import secrets
 import tempfile
 from collections.abc import Awaitable, Callable
 from typing import IO, Any
@@ -35,7 +34,7 @@ from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
-from gateway.errors import GatewayError, body_not_received, body_too_large
+from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +197,7 @@ def _v1_refusal(refused: BodyRefused) -> HttpResponseBase:
     """A refused /v1 body in OpenAI's shape; the connection is closed after it (the rest of the
     body is not worth reading)."""
     response = refused.error().response()
-    response["x-request-id"] = f"req_{secrets.token_hex(12)}"
+    response["x-request-id"] = new_request_id()
     response["Connection"] = "close"
     return response
 

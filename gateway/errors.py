@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -22,6 +23,11 @@ from quotas.limits import (
     SPEND_RATE_EXCEEDED,
     UPSTREAM_UNAVAILABLE,
 )
+
+
+def new_request_id() -> str:
+    """The id of one /v1 request: in its x-request-id, its logs, its hold and its ledger row."""
+    return f"req_{secrets.token_hex(12)}"
 
 
 class Api(StrEnum):

@@ -27,7 +27,6 @@ import bisect
 import json
 import logging
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from gateway.errors import (
     model_not_allowed,
     upstream_client_error,
     upstream_error,
+    new_request_id,
 )
 from gateway.prices import MODEL_NAME_RULE, is_model_name
 from gateway.providers import Upstream
@@ -143,10 +143,6 @@ def model_not_found(model: str) -> GatewayError:
                         "it.", "invalid_request_error", "model_not_found")
 
 
-def _request_id() -> str:
-    return f"req_{secrets.token_hex(12)}"
-
-
 def _answer(error: GatewayError, api: Api, request_id: str) -> HttpResponse:
     response = error.response(api=api, request_id=request_id)
     _with_request_id(response, request_id, api)
@@ -180,7 +176,7 @@ async def v1_other(request: HttpRequest, rest: str = "") -> HttpResponse:
                              "invalid_request_error", "unknown_url")
     else:
         error = unknown_url(request)
-    return _answer(error, api, _request_id())
+    return _answer(error, api, new_request_id())
 
 
 # Endpoint paths as an SDK calls them when its base URL lacks "/v1" (the openai SDK appends the
@@ -208,7 +204,7 @@ async def missing_v1(request: HttpRequest) -> HttpResponse:
                          f"/v1{request.path[:_PATH_ECHO_MAX]}? Set the SDK's base URL to "
                          f"{base}/v1 (the anthropic SDK: {base}).", "invalid_request_error",
                          "unknown_url")
-    return _answer(error, api, _request_id())
+    return _answer(error, api, new_request_id())
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -293,7 +289,7 @@ async def _models_caller(request: HttpRequest, api: Api) -> tuple[GatewayRuntime
 async def list_models(request: HttpRequest) -> HttpResponse:
     """GET /v1/models: the models this key may use, in the caller's API shape."""
     api = caller_api(request)
-    request_id = _request_id()
+    request_id = new_request_id()
     if request.method not in ("GET", "HEAD"):
         return _not_allowed(request, "GET, HEAD", api, request_id)
     try:
@@ -312,7 +308,7 @@ async def list_models(request: HttpRequest) -> HttpResponse:
 async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
     """GET /v1/models/{id}: the model if it would be listed for this key, else 404."""
     api = caller_api(request)
-    request_id = _request_id()
+    request_id = new_request_id()
     if request.method not in ("GET", "HEAD"):
         return _not_allowed(request, "GET, HEAD", api, request_id)
     try:
@@ -434,7 +430,7 @@ Handler = Callable[[GatewayRuntime, KeyContext, HttpRequest, bytes, str], Awaita
 
 async def _unmetered_call(request: HttpRequest, api: Api, handler: Handler) -> HttpResponse:
     """POST only; authenticated; every answer in the API's shape with a request id."""
-    request_id = _request_id()
+    request_id = new_request_id()
     if request.method != "POST":
         return _not_allowed(request, "POST", api, request_id)
     try:

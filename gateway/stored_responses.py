@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -52,6 +51,7 @@ from gateway.errors import (
     bad_request,
     quota_store_unavailable,
     upstream_error,
+    new_request_id,
 )
 from gateway.models import ProviderKind
 from gateway.other_endpoints import (
@@ -91,7 +91,7 @@ def not_found(kind: AnswerKind, object_id: str) -> GatewayError:
 
 def _refused(error: GatewayError) -> HttpResponse:
     """A refusal decided by the path or method alone, before any key is checked."""
-    request_id = f"req_{secrets.token_hex(12)}"
+    request_id = new_request_id()
     response = error.response(request_id=request_id)
     _with_request_id(response, request_id, Api.OPENAI)
     return response
@@ -176,7 +176,7 @@ Handler = Callable[[GatewayRuntime, KeyContext, HttpRequest, str], Awaitable[Htt
 async def _serve(request: HttpRequest, handler: Handler) -> HttpResponse:
     """Authenticate, run `handler`, answer in OpenAI's shape with an x-request-id whatever
     fails (as views._proxy does)."""
-    request_id = f"req_{secrets.token_hex(12)}"
+    request_id = new_request_id()
     try:
         runtime = await _runtime()
         ctx = await _authenticate(runtime, request)

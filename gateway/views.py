@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 
 from django.conf import settings
@@ -32,6 +31,7 @@ from gateway.errors import (
     body_too_large,
     invalid_api_key,
     quota_store_unavailable,
+    new_request_id,
 )
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
@@ -130,7 +130,7 @@ async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | Str
     if request.method != "POST":
         return _method_not_allowed(request, "POST", api)
     started = time.monotonic()
-    request_id = f"req_{secrets.token_hex(12)}"
+    request_id = new_request_id()
     try:
         response = await _handle(endpoint, request, request_id, started)
     except GatewayError as error:
