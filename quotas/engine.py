@@ -29,7 +29,7 @@ from redis.exceptions import (
 )
 
 from quotas import keys, scripts
-from quotas.windows import Calendar, RedisClock, Window, WindowKind
+from quotas.windows import UTC_MONTHLY, Calendar, CycleSchedule, RedisClock, Window, WindowKind
 
 UNLIMITED = -1
 _MAX_CLOCK_RETRIES = 3
@@ -185,7 +185,8 @@ class ReserveRequest:
     # Smallest acceptable hold; below `amount` lets the engine shrink the hold to the headroom.
     min_amount: int | None = None
     dry_run: bool = False
-    utc_offset_s: int = 0
+    # The tenant's windows (its time zone and cycle: quotas/cycles.py schedule_for).
+    schedule: CycleSchedule = UTC_MONTHLY
     rates: tuple[RateLimit, ...] = ()
     concurrency: ConcurrencyLimit | None = None
     meta: str = ""  # stored with the hold and copied into its usage event (e.g. JSON)
@@ -540,12 +541,14 @@ def _unmetered_fields(request_id: str, actual: int, created_ms: int, ended_ms: i
 class _Calls:
     settings: EngineSettings
     clock: RedisClock
-    _calendars: dict[int, Calendar] = field(default_factory=dict)
+    _calendars: dict[CycleSchedule, Calendar] = field(default_factory=dict)
 
-    def calendar(self, utc_offset_s: int) -> Calendar:
-        cal = self._calendars.get(utc_offset_s)
+    def calendar(self, schedule: CycleSchedule) -> Calendar:
+        cal = self._calendars.get(schedule)
         if cal is None:
-            cal = self._calendars[utc_offset_s] = Calendar(utc_offset_s)
+            if len(self._calendars) > 4096:  # schedules of tenants long gone: start afresh
+                self._calendars.clear()
+            cal = self._calendars[schedule] = Calendar(schedule)
         return cal
 
     def expire_at(self, window: Window) -> int:
@@ -557,7 +560,7 @@ class _Calls:
 
     def reserve(self, req: ReserveRequest) -> _ReserveCall:
         now_ms = self.clock.now_ms()
-        cal = self.calendar(req.utc_offset_s)
+        cal = self.calendar(req.schedule)
         counters = []
         cap = req.concurrency.cap if req.concurrency is not None else -1
         args: list[Any] = [
@@ -737,11 +740,11 @@ class _Calls:
         return SweepResult(tenant=tenant, swept=swept, dropped=dropped, fresh=fresh)
 
     def recharge_call(
-        self, tenant: str, limit: ScopeLimit, tokens: int, utc_offset_s: int
+        self, tenant: str, limit: ScopeLimit, tokens: int, schedule: CycleSchedule
     ) -> tuple[Window, str, list[Any]]:
         if not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
-        window = self.calendar(utc_offset_s).window(limit.window, self.clock.now_ms())
+        window = self.calendar(schedule).window(limit.window, self.clock.now_ms())
         key = _counter_key(tenant, limit, window)
         return window, key, [tokens, limit.limit, window.start_ms, window.end_ms,
                              self.expire_at(window)]
@@ -756,9 +759,9 @@ class _Calls:
             args += [c.used, c.limit, self.expire_at(c.window)]
         return call_keys, args
 
-    def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, utc_offset_s: int,
+    def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, schedule: CycleSchedule,
                         unit: Unit = Unit.TOKENS) -> str:
-        window = self.calendar(utc_offset_s).window(kind, self.clock.now_ms())
+        window = self.calendar(schedule).window(kind, self.clock.now_ms())
         return _counter_key(tenant, ScopeLimit(scope, kind, UNLIMITED, unit), window)
 
 
@@ -909,12 +912,12 @@ class QuotaEngine:
         with _store_errors():
             self.client.xadd(keys.usage_stream_key(tenant), fields)
 
-    def current_window(self, kind: WindowKind, utc_offset_s: int = 0) -> Window:
+    def current_window(self, kind: WindowKind, schedule: CycleSchedule = UTC_MONTHLY) -> Window:
         """The window of `kind` that contains the Redis clock's now."""
         with _store_errors():
             seconds, micros = self.client.time()  # one clock: Redis' (DESIGN.md invariant 6)
         self.clock.observe(int(seconds) * 1000 + int(micros) // 1000)
-        return self._calls.calendar(utc_offset_s).window(kind, self.clock.now_ms())
+        return self._calls.calendar(schedule).window(kind, self.clock.now_ms())
 
     def has_epoch(self, tenant: str) -> bool:
         with _store_errors():
@@ -983,10 +986,10 @@ class QuotaEngine:
         return SweepResult(tenant, tuple(swept), dropped, fresh)
 
     def recharge(
-        self, tenant: str, limit: ScopeLimit, tokens: int, *, utc_offset_s: int = 0
+        self, tenant: str, limit: ScopeLimit, tokens: int, *, schedule: CycleSchedule = UTC_MONTHLY
     ) -> RechargeResult:
         for _ in range(_MAX_CLOCK_RETRIES):
-            window, key, args = self._calls.recharge_call(tenant, limit, tokens, utc_offset_s)
+            window, key, args = self._calls.recharge_call(tenant, limit, tokens, schedule)
             code, credit, remaining, now_ms = (int(x) for x in self._run("recharge", [key], args))
             self.clock.observe(now_ms)
             if code == 1:
@@ -1012,11 +1015,11 @@ class QuotaEngine:
         return int(removed) == 1
 
     def counter(
-        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0,
+        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, schedule: CycleSchedule = UTC_MONTHLY,
         unit: Unit = Unit.TOKENS,
     ) -> CounterSnapshot:
         """The current window's counter of one scope (for dashboards and tests)."""
-        return self.counter_at(self._calls.counter_key_now(tenant, scope, kind, utc_offset_s, unit))
+        return self.counter_at(self._calls.counter_key_now(tenant, scope, kind, schedule, unit))
 
     def counter_at(self, key: str) -> CounterSnapshot:
         with _store_errors():
@@ -1027,10 +1030,10 @@ class QuotaEngine:
         return _snapshot(key, fields, ttl)
 
     def counters(
-        self, tenant: str, scopes: Sequence[tuple[str, WindowKind]], *, utc_offset_s: int = 0,
+        self, tenant: str, scopes: Sequence[tuple[str, WindowKind]], *, schedule: CycleSchedule = UTC_MONTHLY,
     ) -> list[CounterSnapshot]:
         """The current window's counters of many scopes, in one round trip (dashboards)."""
-        counter_keys = [self._calls.counter_key_now(tenant, scope, kind, utc_offset_s, Unit.TOKENS)
+        counter_keys = [self._calls.counter_key_now(tenant, scope, kind, schedule, Unit.TOKENS)
                         for scope, kind in scopes]
         with _store_errors():
             pipe = self.client.pipeline(transaction=False)
@@ -1129,9 +1132,9 @@ class AsyncQuotaEngine:
         return int(removed) == 1
 
     async def counter(
-        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, utc_offset_s: int = 0
+        self, tenant: str, scope: str, kind: WindowKind = WindowKind.DAY, *, schedule: CycleSchedule = UTC_MONTHLY
     ) -> CounterSnapshot:
-        key = self._calls.counter_key_now(tenant, scope, kind, utc_offset_s)
+        key = self._calls.counter_key_now(tenant, scope, kind, schedule)
         with _store_errors():
             fields = await self.client.hmget(key, _COUNTER_FIELDS)
             ttl = await self.client.ttl(key)

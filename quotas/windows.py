@@ -7,15 +7,19 @@ extra round trip, and a host whose own clock is minutes off still charges the ri
 """
 from __future__ import annotations
 
-import time
+import calendar
+import time as _time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from enum import StrEnum
+from zoneinfo import ZoneInfo
 
 
 class WindowKind(StrEnum):
     DAY = "day"
+    # The tenant's cycle (CycleSchedule): a calendar month unless its plan resets daily or it
+    # has a cycle of its own; named "month" since the budgets it carries are "monthly" ones.
     MONTH = "month"
     MINUTE = "minute"
     # Pace periods of the burn-rate breaker (quotas/pace.py): fixed windows of that many
@@ -85,15 +89,103 @@ class Window:
         return self.start_ms <= now_ms < self.end_ms
 
 
-class Calendar:
-    """Maps an instant on the Redis clock to its windows.
+class CycleKind(StrEnum):
+    MONTHLY = "monthly"  # from the anchor's day of the month (1: the calendar month)
+    DAYS = "days"  # every `every_days` days from the anchor date (7: weekly, 1: daily)
 
-    `utc_offset_s` moves the day and month boundaries to a tenant's local midnight (UTC+8 is
-    28800); the default is UTC. Window ids name the local date.
+
+@dataclass(frozen=True)
+class Cycle:
+    """A tenant's cycle: the window of its 'month' counters, at local midnight in `zone`.
+
+    MONTHLY runs from the anchor's day of the month to the same day of the next month; a day the
+    month lacks (the 31st in February) is the month's last day, and the next window still starts
+    on the anchor day where the month has it (Jan 31 - Feb 28, Feb 28 - Mar 31). DAYS runs every
+    `every_days` calendar days from the anchor date (local midnights, so a window over a
+    daylight-saving change is an hour shorter or longer).
     """
 
-    def __init__(self, utc_offset_s: int = 0) -> None:
-        self.utc_offset_s = utc_offset_s
+    kind: CycleKind = CycleKind.MONTHLY
+    anchor: date = date(2000, 1, 1)
+    every_days: int = 1
+    zone: str = "UTC"
+
+    def __post_init__(self) -> None:
+        if self.kind is CycleKind.DAYS and not 1 <= self.every_days <= 366:
+            raise ValueError(f"every_days must be 1..366, not {self.every_days}")
+        ZoneInfo(self.zone)  # ZoneInfoNotFoundError for a name the tz database lacks
+
+    @property
+    def calendar_month(self) -> bool:
+        return self.kind is CycleKind.MONTHLY and self.anchor.day == 1
+
+    def bounds(self, local_day: date) -> tuple[date, date]:
+        """The first day of the window containing `local_day` and the first day after it."""
+        if self.kind is CycleKind.DAYS:
+            k = (local_day - self.anchor).days // self.every_days
+            first = self.anchor + timedelta(days=k * self.every_days)
+            return first, first + timedelta(days=self.every_days)
+        first = _anchor_day(local_day.year, local_day.month, self.anchor.day)
+        if local_day < first:
+            year, month = _month_step(local_day.year, local_day.month, -1)
+            first = _anchor_day(year, month, self.anchor.day)
+        year, month = _month_step(first.year, first.month, 1)
+        return first, _anchor_day(year, month, self.anchor.day)
+
+    def window_id(self, first: date) -> str:
+        # The calendar month keeps its historical id (m2026-12); other cycles name their first
+        # day. Distinct from day ids (d...), so a daily cycle and the day never share a counter.
+        return f"m{first:%Y-%m}" if self.calendar_month else f"c{first:%Y-%m-%d}"
+
+
+def _anchor_day(year: int, month: int, day: int) -> date:
+    return date(year, month, min(day, calendar.monthrange(year, month)[1]))
+
+
+def _month_step(year: int, month: int, step: int) -> tuple[int, int]:
+    index = year * 12 + month - 1 + step
+    return index // 12, index % 12 + 1
+
+
+DAILY = Cycle(CycleKind.DAYS)
+MONTHLY = Cycle(CycleKind.MONTHLY)
+
+
+@dataclass(frozen=True)
+class CycleSchedule:
+    """A tenant's cycle, and the one it changes to at `switch_ms` (Redis clock), if any.
+
+    The rule of a change: the window current when it was asked for finishes on the old cycle
+    (`switch_ms` is its end, quotas/cycles.py); the first window on the new cycle starts at
+    `switch_ms` and ends at the new cycle's next boundary (a short window when the two disagree,
+    with the full limit: nothing is prorated). The same for the day windows when the time zone
+    changes. Hashable: the engine keeps one Calendar per schedule.
+    """
+
+    current: Cycle = MONTHLY
+    next: Cycle | None = None
+    switch_ms: int | None = None
+
+    def cycle_at(self, now_ms: int) -> tuple[Cycle, int | None]:
+        """The cycle in force at `now_ms`, and the switch instant when it is the new one."""
+        if self.next is not None and self.switch_ms is not None and now_ms >= self.switch_ms:
+            return self.next, self.switch_ms
+        return self.current, None
+
+
+UTC_MONTHLY = CycleSchedule()
+
+
+class Calendar:
+    """Maps an instant on the Redis clock to its windows under one tenant's schedule.
+
+    The day is the local day in the cycle's time zone (23 or 25 hours over a daylight-saving
+    change); the 'month' window is the cycle's (`Cycle`); minute and pace windows are the same
+    instants everywhere. Window ids name local dates.
+    """
+
+    def __init__(self, schedule: CycleSchedule = UTC_MONTHLY) -> None:
+        self.schedule = schedule
         self._cache: dict[WindowKind, Window] = {}
 
     def window(self, kind: WindowKind, now_ms: int) -> Window:
@@ -107,38 +199,40 @@ class Calendar:
     def _compute(self, kind: WindowKind, now_ms: int) -> Window:
         pace = kind.pace_seconds
         if pace is not None:
-            # Shorter than any time-zone offset's granularity: the same instants everywhere.
             return _pace_window(kind, pace * 1000, now_ms)
-        offset = timedelta(seconds=self.utc_offset_s)
-        local = datetime.fromtimestamp(now_ms // 1000, UTC) + offset
+        if kind is WindowKind.MINUTE:
+            start = now_ms - now_ms % 60_000
+            moment = datetime.fromtimestamp(start // 1000, UTC)
+            return Window(kind, f"n{moment:%Y-%m-%dT%H:%M}", start, start + 60_000)
+        cycle, switched_at = self.schedule.cycle_at(now_ms)
+        zone = ZoneInfo(cycle.zone)
+        today = datetime.fromtimestamp(now_ms / 1000, zone).date()
         if kind is WindowKind.DAY:
-            start = local.replace(hour=0, minute=0, second=0, microsecond=0)
-            end = start + timedelta(days=1)
-            window_id = f"d{start:%Y-%m-%d}"
-        elif kind is WindowKind.MONTH:
-            start = local.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-            end = (start + timedelta(days=32)).replace(day=1)
-            window_id = f"m{start:%Y-%m}"
+            first, after = today, today + timedelta(days=1)
+            window_id = f"d{first:%Y-%m-%d}"
         else:
-            start = local.replace(second=0, microsecond=0)
-            end = start + timedelta(minutes=1)
-            window_id = f"n{start:%Y-%m-%dT%H:%M}"
-        return Window(
-            kind=kind,
-            id=window_id,
-            start_ms=_ms(start - offset),
-            end_ms=_ms(end - offset),
-        )
+            first, after = cycle.bounds(today)
+            window_id = cycle.window_id(first)
+        start_ms, end_ms = _midnight_ms(first, zone), _midnight_ms(after, zone)
+        if switched_at is not None and start_ms < switched_at:
+            # The first window after a change starts at the change; its own id, so that it never
+            # shares a counter with the old cycle's last window.
+            start_ms = switched_at
+            window_id = f"{window_id}@{switched_at // 1000}"
+        if self.schedule.switch_ms is not None and switched_at is None:
+            end_ms = min(end_ms, self.schedule.switch_ms)
+        return Window(kind=kind, id=window_id, start_ms=start_ms, end_ms=end_ms)
 
 
-def _ms(moment: datetime) -> int:
-    return int(moment.timestamp()) * 1000
+def _midnight_ms(day: date, zone: ZoneInfo) -> int:
+    # fold=0: where a daylight-saving jump skips midnight, the instant the day really starts.
+    return int(datetime.combine(day, time(0), tzinfo=zone).timestamp()) * 1000
 
 
 class RedisClock:
     """This process's estimate of the Redis server clock: local clock plus a learned offset."""
 
-    def __init__(self, local_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, local_clock: Callable[[], float] = _time.time) -> None:
         self._local = local_clock
         self.offset_ms = 0
 

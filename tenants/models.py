@@ -37,6 +37,7 @@ from tenants.validators import (
     validate_alert_thresholds,
     validate_model_limits,
     validate_model_list,
+    validate_time_zone,
 )
 
 UNLIMITED = -1
@@ -113,6 +114,23 @@ class OverQuotaPolicy(models.TextChoices):
     FALLBACK = "fallback", "Fall back to a cheaper model"
 
 
+class ResetCycle(models.TextChoices):
+    """A plan's cycle: the window of the 'month' counters (budgets, project and key monthly
+    limits and allotments) of its tenants, unless a tenant has a cycle of its own."""
+
+    DAILY = "daily", "Daily"
+    MONTHLY = "monthly", "Monthly (calendar month)"
+
+
+class TenantCycle(models.TextChoices):
+    """A tenant's own cycle (plans that allow it): '' follows the plan's reset cycle."""
+
+    PLAN = "", "The plan's"
+    MONTHLY = "monthly", "Monthly from a billing day"
+    WEEKLY = "weekly", "Weekly"
+    DAYS = "days", "Every N days"
+
+
 class Plan(models.Model):
     name = models.SlugField(max_length=50, unique=True)
     display_name = models.CharField(max_length=100)
@@ -167,6 +185,16 @@ class Plan(models.Model):
         help_text="Responses API: tokens held for the earlier turns of a previous_response_id or "
         "conversation this gateway has not seen (made elsewhere, or expired here). Empty: such "
         "a call is refused (400), since its context cannot be held for honestly.",
+    )
+    reset_cycle = models.CharField(
+        max_length=8, choices=ResetCycle.choices, default=ResetCycle.MONTHLY,
+        help_text="When the tenant's cycle quotas (the 'month' budgets) reset: every day, or "
+        "every calendar month, at midnight in the tenant's time zone.",
+    )
+    allows_custom_cycle = models.BooleanField(
+        default=False,
+        help_text="Its tenants may have a cycle of their own (anchored on a billing day, "
+        "weekly, or every N days).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -249,6 +277,33 @@ class Tenant(models.Model):
         null=True, blank=True, validators=_COOLDOWN,
         help_text="Overrides the plan's pace cool-down (seconds).",
     )
+    # The tenant's windows: its day and its cycle, at local midnight in its time zone.
+    time_zone = models.CharField(
+        max_length=64, default="UTC", validators=[validate_time_zone],
+        help_text="IANA time zone of the tenant's days and cycle (e.g. Europe/Paris).",
+    )
+    cycle = models.CharField(
+        max_length=8, choices=TenantCycle.choices, default=TenantCycle.PLAN, blank=True,
+        help_text="A cycle of the tenant's own (plans that allow it); empty: the plan's.",
+    )
+    cycle_anchor = models.DateField(
+        null=True, blank=True,
+        help_text="Monthly: the billing day is its day of the month (31 ends on the month's "
+        "last day); weekly: its weekday; every N days: the first day of a cycle.",
+    )
+    cycle_every_days = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(366)],
+        help_text="Every N days: N.",
+    )
+    # A change of cycle or time zone waits for the current cycle to end (quotas/cycles.py):
+    # what it will be, and when (the end of the window that was current when it was asked for).
+    next_cycle = models.JSONField(null=True, blank=True, editable=False)
+    cycle_changes_at = models.DateTimeField(null=True, blank=True, editable=False)
+    forecast_threshold_percent = models.PositiveSmallIntegerField(
+        default=80, validators=[MaxValueValidator(100)],
+        help_text="Warn (quota.forecast) when a window's forecast reaches this percent of its "
+        "limit; 0: no forecast warnings.",
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -301,6 +356,14 @@ class Project(models.Model):
         null=True, blank=True, validators=_POSITIVE,
         help_text="The project's spend pace (micro-dollars per pace period); empty: none.",
     )
+    allotment_tokens_per_day = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text="Tokens per day reserved for it alone out of the tenant's daily quota.",
+    )
+    allotment_tokens_per_month = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text="Tokens per cycle reserved for it alone out of the tenant's cycle budget.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -309,7 +372,9 @@ class Project(models.Model):
             models.UniqueConstraint(
                 fields=["tenant", "slug"], name="project_unique_slug_per_tenant"
             ),
-            *_min_value_constraints("project", ("tokens_per_day", "tokens_per_month"), 0),
+            *_min_value_constraints("project", ("tokens_per_day", "tokens_per_month",
+                                                "allotment_tokens_per_day",
+                                                "allotment_tokens_per_month"), 0),
             models.CheckConstraint(
                 condition=models.Q(pace_share_percent__gte=1, pace_share_percent__lte=100),
                 name="project_pace_share_range",
@@ -342,6 +407,14 @@ class ApiKey(models.Model):
         null=True, blank=True, validators=_POSITIVE,
         help_text="The key's spend pace (micro-dollars per pace period); empty: none.",
     )
+    allotment_tokens_per_day = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text="Tokens per day reserved for it alone out of the tenant's daily quota.",
+    )
+    allotment_tokens_per_month = models.BigIntegerField(
+        null=True, blank=True, validators=_NON_NEGATIVE,
+        help_text="Tokens per cycle reserved for it alone out of the tenant's cycle budget.",
+    )
     allowed_models = models.JSONField(
         default=list,
         blank=True,
@@ -360,7 +433,8 @@ class ApiKey(models.Model):
         constraints = [
             *_min_value_constraints(
                 "apikey",
-                ("tokens_per_day", "tokens_per_month", "requests_per_minute", "max_concurrency"),
+                ("tokens_per_day", "tokens_per_month", "requests_per_minute", "max_concurrency",
+                 "allotment_tokens_per_day", "allotment_tokens_per_month"),
                 0,
             ),
             models.CheckConstraint(

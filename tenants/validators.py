@@ -36,3 +36,21 @@ def validate_model_limits(value: Any) -> None:
             raise ValidationError("Model names must be non-empty and contain no whitespace.")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValidationError(f"The limit for {model!r} must be an integer >= 0.")
+
+
+def validate_time_zone(value: Any) -> None:
+    """An IANA time zone name this Python knows (its tz database: DST rules included)."""
+    from zoneinfo import available_timezones  # noqa: PLC0415 - read once, only when validating
+
+    if not isinstance(value, str) or value not in _zones(available_timezones):
+        raise ValidationError(f"{value!r} is not a time zone name (e.g. Europe/Paris, UTC).")
+
+
+_ZONES: frozenset[str] | None = None
+
+
+def _zones(load: Any) -> frozenset[str]:
+    global _ZONES
+    if _ZONES is None:
+        _ZONES = frozenset(load())
+    return _ZONES
