@@ -126,6 +126,7 @@ class WebhookEvent(models.TextChoices):
     EXHAUSTED = "quota.exhausted", "A quota has nothing left"
     TEST = "test", "A test event sent on request"
     BREAKER_TRIPPED = "breaker.tripped", "A scope spent far above its pace and was paused"
+    FORECAST = "quota.forecast", "A quota is forecast to reach the tenant's forecast threshold"
 
 
 class WebhookEndpoint(models.Model):
@@ -239,6 +240,37 @@ class PaceTrip(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id} {self.scope} tripped at {self.tripped_ms}"
+
+
+class ForecastAlert(models.Model):
+    """A `quota.forecast` warning that has been sent: the scope's forecast reached the tenant's
+    forecast_threshold_percent in this window (billing/forecast_alerts.py). Its unique
+    constraint makes the webhook and the owners' email go out once per scope per window,
+    whatever the number of detectors racing; the row keeps what was forecast."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE,
+                               related_name="forecast_alerts")
+    scope = models.CharField(max_length=64, help_text='"tenant", "project:<id>" or "key:<id>".')
+    window = models.CharField(max_length=48, help_text='e.g. "d2026-11-30", "m2026-11", '
+                              '"c2026-11-15".')
+    threshold = models.PositiveSmallIntegerField(help_text="The tenant's threshold (percent of "
+                                                 "the limit) when it fired.")
+    limit = models.BigIntegerField(help_text="The limit plus recharged credit.")
+    used = models.BigIntegerField(help_text="Used and held when it fired.")
+    forecast = models.BigIntegerField(help_text="Tokens forecast at the window's end.")
+    reach_at = models.DateTimeField(null=True, blank=True,
+                                    help_text="When the limit would be reached at that pace.")
+    method = models.CharField(max_length=32)
+    fired_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "scope", "window"],
+                                    name="forecast_alert_once_per_window"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.scope} {self.window} forecast {self.forecast}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from django.utils import timezone
 from billing.alerts import all_tenant_ids, check_thresholds
 from billing.alerts import check_ledger_backlog as check_ledger_backlog_now
 from billing.alerts import check_pending_health as check_pending_health_now
+from billing.forecast_alerts import check_forecasts
 from billing.ledger import DrainResult, drain_all
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import deliver, due_delivery_ids, request_redelivery, request_test_event
@@ -110,6 +111,19 @@ def check_quota_thresholds() -> int:
     if fired:
         log.info("fired %d quota alerts", fired)
     return fired
+
+
+@shared_task
+def check_quota_forecasts() -> int:
+    """Every tenant's usage forecasts against its forecast_threshold_percent: a `quota.forecast`
+    webhook and email once per scope per window (billing/forecast_alerts.py). Beat entry
+    check-quota-forecasts, every TOLLGATE_FORECAST_INTERVAL_SECONDS (300). Safe on several
+    workers: each warning is fired by the one detector that inserts its ForecastAlert row."""
+    warnings = check_forecasts()
+    dispatch_deliveries([i for warning in warnings for i in warning.delivery_ids])
+    if warnings:
+        log.info("sent %d forecast warnings", len(warnings))
+    return len(warnings)
 
 
 @shared_task

@@ -7,6 +7,19 @@ Payload (JSON, UTF-8), one object per event:
      "window": "d2026-11-30" | "m2026-11", "limit": int, "used": int, "pending": int,
      "remaining": int, "threshold": <percent remaining; 0 for quota.exhausted>}
 
+`quota.forecast` (billing/forecast_alerts.py: a scope's forecast reached the tenant's
+forecast_threshold_percent of its limit; once per scope per window) carries instead:
+
+    {"id", "type": "quota.forecast", "created", "tenant",
+     "scope": "tenant" | "project:<slug>" | "key:<name>", "scope_kind": "tenant" | "project" |
+     "key", "scope_id": "<public id>", "window_kind": "day" | "cycle",
+     "window": "<window id>", "window_start": "<ISO 8601 UTC>", "window_end": "<ISO 8601 UTC>",
+     "used": int, "pending": int, "limit": int, "credit": int,
+     "forecast": <tokens forecast at the window's end, used and held included>,
+     "percent": <forecast as a percentage of limit + credit, one decimal>,
+     "would_reach_limit_at": "<ISO 8601 UTC>" | null, "threshold": <the tenant's percent>,
+     "method": "trailing_rate" | "daily_shape", "inputs": {<the method's figures>}}
+
 `id` is the event's: the same on every retry and redelivery (receivers dedupe on it).
 
 Headers: `Tollgate-Timestamp: <unix seconds of this attempt>` and

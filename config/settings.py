@@ -458,6 +458,22 @@ TOLLGATE_PENDING_ALERT_PERCENT = _positive_int("TOLLGATE_PENDING_ALERT_PERCENT",
 TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS = _positive_int("TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS", 300)
 CELERY_BEAT_SCHEDULE["check-ledger-backlog"] = {
     "task": "billing.tasks.check_ledger_backlog", "schedule": 60.0}
+# Usage forecasts (billing/forecast.py): the burn rate is the ledger's last
+# TOLLGATE_FORECAST_TRAILING_HOURS hours; with TOLLGATE_FORECAST_SHAPE_MIN_DAYS days of history
+# (within the last TOLLGATE_FORECAST_HISTORY_DAYS) the rest of the window follows the usual day's
+# shape. The beat checks every tenant's forecasts against its forecast_threshold_percent this
+# often (billing.tasks.check_quota_forecasts: quota.forecast webhook and email, once per window).
+TOLLGATE_FORECAST_TRAILING_HOURS = _positive_int("TOLLGATE_FORECAST_TRAILING_HOURS", 3)
+TOLLGATE_FORECAST_HISTORY_DAYS = _positive_int("TOLLGATE_FORECAST_HISTORY_DAYS", 28)
+TOLLGATE_FORECAST_SHAPE_MIN_DAYS = _positive_int("TOLLGATE_FORECAST_SHAPE_MIN_DAYS", 7)
+if TOLLGATE_FORECAST_SHAPE_MIN_DAYS > TOLLGATE_FORECAST_HISTORY_DAYS:
+    raise ImproperlyConfigured("TOLLGATE_FORECAST_SHAPE_MIN_DAYS must not exceed "
+                               "TOLLGATE_FORECAST_HISTORY_DAYS")
+TOLLGATE_FORECAST_INTERVAL_SECONDS = env.float("TOLLGATE_FORECAST_INTERVAL_SECONDS", default=300.0)
+if TOLLGATE_FORECAST_INTERVAL_SECONDS <= 0:
+    raise ImproperlyConfigured("TOLLGATE_FORECAST_INTERVAL_SECONDS must be > 0")
+CELERY_BEAT_SCHEDULE["check-quota-forecasts"] = {
+    "task": "billing.tasks.check_quota_forecasts", "schedule": TOLLGATE_FORECAST_INTERVAL_SECONDS}
 # Bearer token for GET /metrics (Prometheus); empty: /metrics answers 403.
 TOLLGATE_METRICS_TOKEN = env.str("TOLLGATE_METRICS_TOKEN", default="")
 # Daily reconciliation against the upstream bill: "mock", "openai" or "" (off).

@@ -13,6 +13,8 @@ EVENT_HELP = {
     WebhookEvent.TEST.value: "test events (the Send test event button always sends one)",
     WebhookEvent.BREAKER_TRIPPED.value: "a tenant, project or key spent far above its pace and "
                                         "was paused (burn-rate breaker)",
+    WebhookEvent.FORECAST.value: "a quota is forecast to reach the tenant's forecast threshold "
+                                 "by the end of its window (set on the Limits page)",
 }
 
 
