@@ -50,6 +50,7 @@ from quotas.engine import (
     Reservation,
     ReserveRequest,
     ScopeLimit,
+    Unit,
 )
 from quotas.limits import CONCURRENCY
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_in_queue
@@ -227,7 +228,8 @@ def refusal_error(reservation: Reservation) -> GatewayError:
     refused = reservation.refused
     assert refused is not None
     # The full counter's refusal reason comes with its definition (quotas/limits.py).
-    return insufficient_quota(refused.scope, refused.window.kind.value,
+    scope = "tenant's shared pool" if refused.unit is Unit.POOL else refused.scope
+    return insufficient_quota(scope, refused.window.kind.value,
                               _seconds_until(refused.window.end_ms - reservation.server_time_ms),
                               refusal=refused.reason)
 
@@ -260,7 +262,8 @@ def refuse_impossible(ctx: KeyContext, scopes: tuple[ScopeLimit, ...]) -> None:
     if ctx.limits.over_quota_policy == OverQuotaPolicy.FALLBACK:
         return
     for scope in scopes:
-        if scope.limit == 0:
+        # (an allotment tier or pool of 0 decides nothing alone: its chain's room may be more)
+        if scope.limit == 0 and not scope.unit.tiered:
             # This process's clock, not Redis': only the Retry-After (the window's end) uses it.
             now_ms = int(time.time() * 1000)
             window = Calendar().window(scope.window, now_ms)

@@ -35,7 +35,10 @@ from tenants.api_key_format import digests_match, parse_key
 from tenants.key_usability import key_usability
 from tenants.models import ApiKey, Project
 from tenants.selectors import (
+    NO_ALLOTMENTS,
+    AllotmentSums,
     EffectiveLimits,
+    allotments_of,
     allowed_models_for_key,
     effective_limits,
     secret_by_prefix,
@@ -56,6 +59,8 @@ class KeyContext:
     tenant_tag: str
     limits: EffectiveLimits
     allowed_models: frozenset[str] | None  # None: every model
+    # The tenant's allotment sums, read with the key (quotas.limits.allotment_chain).
+    allotments: AllotmentSums = NO_ALLOTMENTS
     _scopes: dict[str, tuple[ScopeLimit, ...]] = field(default_factory=dict, compare=False)
 
     def allows(self, model: str) -> bool:
@@ -76,7 +81,7 @@ class KeyContext:
             if len(self._scopes) >= _MAX_MODELS_PER_KEY:
                 self._scopes.clear()  # bounded: clients may send any model name
             cached = request_limits(self.project.tenant, self.limits, self.project, self.api_key,
-                                    model)
+                                    model, self.allotments)
             self._scopes[model] = cached
         return cached
 
@@ -127,6 +132,7 @@ def load_key_context(prefix: str) -> KeyContext | None:
         tenant_tag=tenant_tag(tenant.pk),
         limits=effective_limits(tenant),
         allowed_models=frozenset(allowed) if allowed is not None else None,
+        allotments=allotments_of(secret),
     )
 
 

@@ -60,7 +60,7 @@ def rate_headers(ctx: KeyContext, reservation: Reservation,
             headers["x-ratelimit-remaining-requests"] = str(left)
             headers["x-ratelimit-reset-requests"] = duration(refill_ms)
     limited = [c for c in reservation.counters
-               if c.limit != UNLIMITED and c.unit is Unit.TOKENS]
+               if c.limit != UNLIMITED and c.unit in (Unit.TOKENS, Unit.POOL)]
     if limited:
         tightest = min(limited, key=lambda c: c.remaining)
         if anthropic:

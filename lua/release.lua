@@ -39,8 +39,11 @@ Return table
 
 Usage event fields: request_id, outcome ("released" | "corrected"), held, actual (0), money (0),
 created, ended, meta, event; "corrected" adds swept and swept_money; a lost record orphan=1.
-The stream is never trimmed here. Expired counters are skipped, never recreated.
+The stream is never trimmed here. Expired counters are skipped, never recreated. Allotment
+chains (units 2 and 3, lua/lib/tiers.lua) give back the hold (the sweep's charge, if swept).
 ]]
+
+--#include tiers
 
 if #KEYS < 4 or (#ARGV ~= 4 and #ARGV ~= 5) or (#ARGV == 5 and #KEYS < 5) then
   return redis.error_reply('release: expected KEYS = hold, index, stream, counters..., [gauge], [waiters] and 4 ARGV (5 with the waiters key)')
@@ -97,9 +100,10 @@ local money = tonumber(hold[8]) or 0
 
 if state == 'swept' then
   local swept, swept_money = tonumber(hold[9]) or 0, tonumber(hold[10]) or 0
+  tiers_move(keys, units, 0 - swept)
   for i = 1, #keys do
     local back = units[i] == 1 and swept_money or swept
-    if back > 0 and redis.call('EXISTS', KEYS[i + 3]) == 1 then
+    if (units[i] or 0) < 2 and back > 0 and redis.call('EXISTS', KEYS[i + 3]) == 1 then
       redis.call('HINCRBY', KEYS[i + 3], 'used', 0 - back)
     end
   end
@@ -113,8 +117,9 @@ if state == 'swept' then
   return { 'corrected', swept, amount }
 end
 
+tiers_move(keys, units, 0 - amount)
 for i = 1, #keys do
-  if redis.call('EXISTS', KEYS[i + 3]) == 1 then
+  if (units[i] or 0) < 2 and redis.call('EXISTS', KEYS[i + 3]) == 1 then
     -- 0 - x, not -x: Lua's -0 is sent as "-0", which HINCRBY refuses
     redis.call('HINCRBY', KEYS[i + 3], 'pending', 0 - (units[i] == 1 and money or amount))
   end

@@ -47,7 +47,10 @@ ARGV
                           tenant's data: its counters would read 0); 0: no epoch key is passed
   then for counter i, five values:  limit (-1 unlimited, 0 refuse all), window_start ms
                                     (inclusive), window_end ms (exclusive), expire_at unix s,
-                                    unit (0: tokens, held `granted`; 1: micro-dollars, held `money`)
+                                    unit (0: tokens, held `granted`; 1: micro-dollars, held `money`;
+                                    2: an allotment tier, limit = its allotment; 3: the shared
+                                    pool ending a chain of tiers, limit = the pool's size >= 0;
+                                    see "Allotments")
   then for bucket j, two values:    capacity (requests), period_ms (refills capacity per period)
   then, under the queue policy only (their presence is the flag: 6 + N more values):
     order        the waiter's place, "" before it has one (then -priority * 2^32 + arrival)
@@ -82,6 +85,14 @@ Return table (integers only)
   rem_i = limit + credit - used - pending after this call (-1: unlimited counter);
   bucket_j = whole requests left in bucket j after this call.
   In a dry run, figures are as if the hold had been made; nothing is written.
+
+Allotments (units 2 and 3; lua/lib/tiers.lua)
+  A chain is a run of allotment tiers (a key's, a project's) ending with the tenant's shared pool
+  tg:{t<id>}:pool:<window>; tiers are tg:{t<id>}:al:<scope>:<window> hashes {taken, allot}. The
+  call's granted tokens are taken from the first tier up to its allotment, the rest from the
+  next, the rest of that from the pool. A chain's room (the unused allotments plus the pool's
+  limit + credit - taken) is checked like a token counter's headroom and reported at the pool's
+  index (rem_i of a tier is -1); the pool refuses when the room is short.
 
 Hold record (hash KEYS[1])
   amount, money, created (now_ms), keys (JSON array of the counter keys), units (JSON array,
@@ -119,6 +130,8 @@ never deleted by a leave (a dropped head comes back with its order until its dea
 arrivals must stay behind it): its TTL is raised to each new waiter's deadline.
 ]]
 
+--#include tiers
+
 local n, r = tonumber(ARGV[5]), tonumber(ARGV[6])
 local cap = tonumber(ARGV[7])
 local check_epoch = ARGV[14] == '1'
@@ -147,12 +160,13 @@ end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local limits, expire_ats, units = {}, {}, {}
+local limits, expire_ats, units, ckeys = {}, {}, {}, {}
 for i = 1, n do
   local base = 14 + 5 * (i - 1)
   limits[i] = tonumber(ARGV[base + 1])
   expire_ats[i] = tonumber(ARGV[base + 4])
   units[i] = tonumber(ARGV[base + 5])
+  ckeys[i] = KEYS[i + 2]
   if now_ms < tonumber(ARGV[base + 2]) or now_ms >= tonumber(ARGV[base + 3]) then
     return { -1, i, now_ms }
   end
@@ -258,7 +272,8 @@ end
 -- (a prompt beyond the daily or the TPM limit, a call dearer than the spend budget).
 local function never_fits()
   for i = 1, n do
-    if limits[i] >= 0 then
+    -- (an allotment tier or a pool never decides alone: the chain's room may exceed either)
+    if limits[i] >= 0 and units[i] < 2 then
       local need = units[i] == 1 and money or min_amount
       if limits[i] + (tonumber(redis.call('HGET', KEYS[i + 2], 'credit')) or 0) < need then
         return i
@@ -272,7 +287,7 @@ end
 local function refused_for_good(i)
   local out = { 0, i, now_ms }
   for k = 1, n do
-    if limits[k] < 0 then
+    if limits[k] < 0 or units[k] >= 2 then
       out[#out + 1] = -1
     else
       local f = redis.call('HMGET', KEYS[k + 2], 'used', 'pending', 'credit')
@@ -399,11 +414,19 @@ end
 -- 3. token quota and money budgets
 local headroom, exists, stored_limit = {}, {}, {}
 local tightest = nil
+local tiered = false
 for i = 1, n do
   local f = redis.call('HMGET', KEYS[i + 2], 'used', 'pending', 'credit', 'limit')
   exists[i] = f[1] ~= false
   stored_limit[i] = tonumber(f[4])
-  if limits[i] >= 0 then
+  if units[i] >= 2 then
+    tiered = true
+    if i == 1 or units[i - 1] < 2 or units[i - 1] == 3 then  -- a chain starts here
+      local room, pool = tiers_room(ckeys, units, limits, limits, i)
+      headroom[pool] = room
+      if tightest == nil or room < tightest then tightest = room end
+    end
+  elseif limits[i] >= 0 then
     local h = limits[i] + (tonumber(f[3]) or 0) - (tonumber(f[1]) or 0) - (tonumber(f[2]) or 0)
     headroom[i] = h
     if units[i] == 0 and (tightest == nil or h < tightest) then tightest = h end
@@ -417,7 +440,7 @@ if tightest ~= nil and tightest < amount then
     granted = tightest
   else
     for i = 1, n do
-      if units[i] == 0 and headroom[i] ~= nil and headroom[i] < min_amount then refused = i; break end
+      if units[i] ~= 1 and headroom[i] ~= nil and headroom[i] < min_amount then refused = i; break end
     end
   end
 end
@@ -427,7 +450,7 @@ for i = 1, n do
     break
   end
 end
-local function held(i) return units[i] == 1 and money or granted end
+local function held(i) return units[i] == 1 and money or granted end  -- a chain's: granted
 
 local out = { refused == 0 and 1 or 0, refused == 0 and granted or refused, now_ms }
 for i = 1, n do
@@ -470,15 +493,20 @@ end
 local hold_expire_at = 0
 for i = 1, n do
   local key = KEYS[i + 2]
-  -- stored for readers (dashboards); the check above always uses the limit passed in ARGV
-  if stored_limit[i] ~= limits[i] then redis.call('HSET', key, 'limit', limits[i]) end
-  redis.call('HINCRBY', key, 'pending', held(i))
-  if not exists[i] then
-    redis.call('HSET', key, 'used', 0)
-    redis.call('EXPIREAT', key, expire_ats[i])
+  if units[i] < 2 then
+    -- stored for readers (dashboards); the check above always uses the limit passed in ARGV
+    if stored_limit[i] ~= limits[i] then redis.call('HSET', key, 'limit', limits[i]) end
+    redis.call('HINCRBY', key, 'pending', held(i))
+    if not exists[i] then
+      redis.call('HSET', key, 'used', 0)
+      redis.call('EXPIREAT', key, expire_ats[i])
+    end
+  elseif units[i] == 3 and stored_limit[i] ~= limits[i] then
+    redis.call('HSET', key, 'limit', limits[i])  -- the pool's size, for readers
   end
   if expire_ats[i] > hold_expire_at then hold_expire_at = expire_ats[i] end
 end
+if tiered then tiers_move(ckeys, units, granted, limits, expire_ats) end
 
 local counter_keys = {}
 for i = 1, n do counter_keys[i] = KEYS[i + 2] end

@@ -53,7 +53,12 @@ Usage event (stream entry fields)
 
 Counters that have already expired (a settle long after the window) are skipped rather than
 recreated without a TTL. Tokens used above the hold are added to the counter's `over` field.
+Allotment chains (units 2 and 3, lua/lib/tiers.lua) move by the change in the call's tokens
+(actual - held; actual - swept charge after a sweep; actual for a lost record), which gives
+back to the pool first when the call used less than it held.
 ]]
+
+--#include tiers
 
 if #KEYS < 4 or (#ARGV ~= 6 and #ARGV ~= 7) or (#ARGV == 7 and #KEYS < 5) then
   return redis.error_reply('settle: expected KEYS = hold, index, stream, counters..., [gauge], [waiters] and 6 ARGV (7 with the waiters key)')
@@ -84,12 +89,15 @@ if state == false then
   -- The record is gone with Redis' data: charge what exists, record the event, keep a tombstone.
   local known = cjson.decode(ARGV[6])
   local units = known.units
+  local lost_keys = {}
   for i = 1, #units do
     local key = KEYS[i + 3]
-    if redis.call('EXISTS', key) == 1 then
+    lost_keys[i] = key
+    if units[i] < 2 and redis.call('EXISTS', key) == 1 then
       redis.call('HINCRBY', key, 'used', units[i] == 1 and actual_money or actual)
     end
   end
+  tiers_move(lost_keys, units, actual)
   if nkeys > #units + 3 then redis.call('ZREM', KEYS[nkeys], ARGV[1]) end
   redis.call('HSET', KEYS[1], 'state', 'settled', 'actual', actual, 'orphan', 1)
   redis.call('EXPIRE', KEYS[1], tombstone_ttl)
@@ -120,9 +128,10 @@ local money = tonumber(hold[8]) or 0
 
 if state == 'swept' then
   local swept, swept_money = tonumber(hold[9]) or 0, tonumber(hold[10]) or 0
+  tiers_move(keys, units, actual - swept)
   for i = 1, #keys do
     local key = KEYS[i + 3]
-    if redis.call('EXISTS', key) == 1 then
+    if (units[i] or 0) < 2 and redis.call('EXISTS', key) == 1 then
       local delta, held, used = actual - swept, amount, actual
       if units[i] == 1 then delta, held, used = actual_money - swept_money, money, actual_money end
       if delta ~= 0 then redis.call('HINCRBY', key, 'used', delta) end
@@ -139,9 +148,10 @@ if state == 'swept' then
   return { 'corrected', amount, actual - swept }
 end
 
+tiers_move(keys, units, actual - amount)
 for i = 1, #keys do
   local key = KEYS[i + 3]
-  if redis.call('EXISTS', key) == 1 then
+  if (units[i] or 0) < 2 and redis.call('EXISTS', key) == 1 then
     local held, used = amount, actual
     if units[i] == 1 then held, used = money, actual_money end
     redis.call('HINCRBY', key, 'pending', 0 - held)  -- not -held: Lua's -0 is "-0" to HINCRBY

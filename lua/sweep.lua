@@ -45,6 +45,8 @@ when a checkpoint recorded the upstream, else ""). The stream is never
 trimmed here: only the ledger drain deletes events, after committing them.
 ]]
 
+--#include tiers
+
 if #KEYS < 2 or #ARGV < 3 then
   return redis.error_reply('sweep: expected KEYS = index, stream, holds..., keys... and ARGV = stale_ms, H, tombstone_ttl, ids...')
 end
@@ -104,8 +106,9 @@ for i = 1, h do
       -- Exact in a double while the product stays below 2^53 (9e15): tokens * price per
       -- million, i.e. far beyond any real call.
       local charged_money = math.floor((charge_in * pin + charge_out * pout + 500000) / 1000000)
+      tiers_move(keys, units, charged - amount)  -- allotment chains (lua/lib/tiers.lua)
       for j = 1, #keys do
-        if redis.call('EXISTS', keys[j]) == 1 then
+        if (units[j] or 0) < 2 and redis.call('EXISTS', keys[j]) == 1 then
           local held, used = amount, charged
           if units[j] == 1 then held, used = money, charged_money end
           redis.call('HINCRBY', keys[j], 'pending', 0 - held)

@@ -92,6 +92,18 @@ class Phase(StrEnum):
 class Unit(StrEnum):
     TOKENS = "tokens"  # the counter holds the request's tokens (amount, may shrink)
     MICROS = "micros"  # the counter holds the request's worst-case cost in micro-dollars
+    # Allotment chains (lua/lib/tiers.lua, quotas/limits.py allotment_chain): a project's or
+    # key's allotment tier (limit = its allotment), and the tenant's shared pool that ends a
+    # chain (limit = the tenant's quota minus the allotments). Tokens, taken in that order.
+    ALLOTMENT = "allotment"
+    POOL = "pool"
+
+    @property
+    def tiered(self) -> bool:
+        return self is Unit.ALLOTMENT or self is Unit.POOL
+
+
+_UNIT_CODES = {Unit.TOKENS: 0, Unit.MICROS: 1, Unit.ALLOTMENT: 2, Unit.POOL: 3}
 
 
 def _require_int(what: str, value: object, minimum: int) -> None:
@@ -298,7 +310,7 @@ class Reservation:
     def remaining(self) -> int:
         """Tokens left in the tightest limited token scope, UNLIMITED when none is limited."""
         limited = [c.remaining for c in self.counters
-                   if c.limit != UNLIMITED and c.unit is Unit.TOKENS]
+                   if c.limit != UNLIMITED and c.unit in (Unit.TOKENS, Unit.POOL)]
         return min(limited) if limited else UNLIMITED
 
 
@@ -484,6 +496,10 @@ def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
     # Money counters live beside the token counters of the same scope, under their own name.
     if limit.unit is Unit.MICROS:
         return keys.spend_counter_key(tenant, limit.scope, window.id)
+    if limit.unit is Unit.ALLOTMENT:
+        return keys.allotment_key(tenant, limit.scope, window.id)
+    if limit.unit is Unit.POOL:
+        return keys.pool_key(tenant, window.id)
     return keys.counter_key(tenant, limit.scope, window.id)
 
 
@@ -492,7 +508,7 @@ def _str(value: Any) -> str:
 
 
 def _unit_code(unit: Unit) -> int:
-    return 1 if unit is Unit.MICROS else 0
+    return _UNIT_CODES[unit]
 
 
 def _fallback(hold: Hold) -> str:
@@ -766,7 +782,9 @@ class _Calls:
 
 
 def _counter_queue_key(tenant: str, limit: ScopeLimit) -> str:
-    resource = keys.counter_resource(limit.scope, limit.window.value, limit.unit is Unit.MICROS)
+    role = "al" if limit.unit is Unit.ALLOTMENT else "pool" if limit.unit is Unit.POOL else "q"
+    resource = keys.counter_resource(limit.scope, limit.window.value, limit.unit is Unit.MICROS,
+                                     role)
     return keys.queue_key(tenant, resource)
 
 

@@ -5,6 +5,10 @@ slot and one script call can touch every scope of a request. Layout:
 
     tg:{t<tenant>}:q:<scope>:<window>   counter hash {limit, used, pending, credit, over}
     tg:{t<tenant>}:q:<scope>:usd:<window>  spend counter hash (micro-dollars), same fields
+    tg:{t<tenant>}:al:<scope>:<window>  allotment tier hash {taken, allot} of a project or key
+                                        (lua/lib/tiers.lua): what it took in the window
+    tg:{t<tenant>}:pool:<window>        the tenant's shared pool hash {taken, limit, credit}:
+                                        what the scopes borrowed beyond their allotments
     tg:{t<tenant>}:hold:<request_id>    hold record hash {amount, created, keys, state, phase, ...}
     tg:{t<tenant>}:holds                zset of open holds, score = created ms (Redis clock)
     tg:{t<tenant>}:rate:<scope>:<period>ms  token bucket hash {tokens, ts} (request rate)
@@ -91,6 +95,16 @@ def counter_key(tenant: str, scope: str, window_id: str) -> str:
 def spend_counter_key(tenant: str, scope: str, window_id: str) -> str:
     """A spend counter (micro-dollars), beside the token counter of the same scope."""
     return counter_key(tenant, f"{scope}:usd", window_id)
+
+
+def allotment_key(tenant: str, scope: str, window_id: str) -> str:
+    """A project's or key's allotment tier in one window."""
+    return f"{_tag(tenant)}:al:{scope}:{window_id}"
+
+
+def pool_key(tenant: str, window_id: str) -> str:
+    """The tenant's shared pool in one window (its quota minus the allotments)."""
+    return f"{_tag(tenant)}:pool:{window_id}"
 
 
 def hold_key(tenant: str, request_id: str) -> str:
@@ -185,9 +199,12 @@ def queue_key(tenant: str, resource: str) -> str:
     return f"{_tag(tenant)}:wq:{resource}"
 
 
-def counter_resource(scope: str, window_kind: str, money: bool = False) -> str:
+def counter_resource(scope: str, window_kind: str, money: bool = False, role: str = "q") -> str:
     """A counter's queue resource: its scope and window kind, not the window itself, so waiters
-    keep their places when a new window (a new counter key) begins."""
+    keep their places when a new window (a new counter key) begins. `role` "al" / "pool" names
+    an allotment tier's or the pool's (never shared with the scope's own counter)."""
+    if role != "q":
+        return f"{role}:{scope}:{window_kind}"
     return f"q:{scope}:usd:{window_kind}" if money else f"q:{scope}:{window_kind}"
 
 

@@ -38,7 +38,7 @@ from quotas.windows import WindowKind, pace_kind
 
 if TYPE_CHECKING:  # annotations only: the reason codes import without the models
     from tenants.models import ApiKey, Project, Tenant
-    from tenants.selectors import EffectiveLimits
+    from tenants.selectors import AllotmentSums, EffectiveLimits
 
 # -- whose counter --------------------------------------------------------------------------------
 
@@ -51,6 +51,8 @@ QUOTA_TENANT = "quota_tenant"
 QUOTA_PROJECT = "quota_project"
 QUOTA_KEY = "quota_key"
 QUOTA_MODEL = "quota_model"
+# The tenant's shared pool is used up: what is left of its quota is other scopes' allotments.
+QUOTA_POOL = "quota_pool"
 TOKENS_PER_MINUTE = "tokens_per_minute"
 SPEND_BUDGET = "spend_budget"
 # Refusals that are not a full counter.
@@ -74,6 +76,7 @@ REFUSAL_REASONS: dict[str, str] = {
     QUOTA_PROJECT: "Project token quota used up",
     QUOTA_KEY: "API key token quota used up",
     QUOTA_MODEL: "Model's daily token limit used up",
+    QUOTA_POOL: "Tenant's shared pool used up (the rest is reserved as other allotments)",
     TOKENS_PER_MINUTE: "Tokens-per-minute limit reached",
     SPEND_BUDGET: "Monthly spend budget used up",
     QUEUE_TIMEOUT: "Waited in the over-quota queue and timed out",
@@ -127,8 +130,12 @@ def _limit(value: int | None) -> int:
 
 def _counter(kind: str, ref: str, label: str, scope: str, window: WindowKind, limit: int,
              unit: Unit = Unit.TOKENS, reason: str | None = None) -> Counter:
+    # Allotment tiers and the pool are never waited for under the queue policy: a call of a
+    # protected project touches the pool too, and would otherwise queue behind callers waiting
+    # for the pool although its own allotment has room. A short pool answers at once.
     return Counter(kind, ref, ScopeLimit(scope, window, limit, unit, label=label,
-                                         reason=reason or _QUOTA_REASON[kind]))
+                                         reason=reason or _QUOTA_REASON[kind],
+                                         queueable=not unit.tiered))
 
 
 # -- one counter ----------------------------------------------------------------------------------
@@ -230,6 +237,48 @@ def pace_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
     return tuple(c for c in found if c is not None)
 
 
+# -- allotments: a chain of tiers per window -------------------------------------------------------
+
+
+def tenant_window_limit(limits: EffectiveLimits, window: WindowKind) -> int:
+    """The tenant's token quota of a window that allotments are carved from (day or cycle)."""
+    return limits.tokens_per_day if window is WindowKind.DAY else limits.monthly_token_budget
+
+
+def own_allotment(scope: Project | ApiKey, window: WindowKind) -> int:
+    """A project's or key's allotment in a window; 0 when it has none."""
+    value = (scope.allotment_tokens_per_day if window is WindowKind.DAY
+             else scope.allotment_tokens_per_month)
+    return value or 0
+
+
+def allotment_chain(tenant: Tenant, limits: EffectiveLimits, project: Project, api_key: ApiKey,
+                    window: WindowKind, sums: AllotmentSums) -> tuple[Counter, ...]:
+    """The tiers a call of this key takes from in `window` (lua/lib/tiers.lua): the key's
+    allotment, then its project's (the part its keys are not allotted), then the tenant's shared
+    pool (its quota minus the top-level allotments, never below 0). None while the tenant has
+    no allotment in the window, or no quota there to carve from."""
+    quota = tenant_window_limit(limits, window)
+    allotted = sums.tenant_day if window is WindowKind.DAY else sums.tenant_month
+    if quota == UNLIMITED or allotted <= 0:
+        return ()
+    chain = []
+    key_allotment = own_allotment(api_key, window)
+    if key_allotment:
+        chain.append(_counter(KEY, api_key.public_id, api_key.name or api_key.public_id,
+                              keys.api_key_scope(api_key.pk), window, key_allotment,
+                              Unit.ALLOTMENT))
+    project_allotment = own_allotment(project, window)
+    if project_allotment:
+        to_keys = sums.project_keys_day if window is WindowKind.DAY else sums.project_keys_month
+        chain.append(_counter(PROJECT, project.public_id, project.slug,
+                              keys.project_scope(project.pk), window,
+                              max(0, project_allotment - to_keys), Unit.ALLOTMENT))
+    chain.append(_counter(TENANT, tenant.public_id, tenant.name, keys.tenant_scope(), window,
+                          max(0, quota - allotted), Unit.POOL, reason=QUOTA_POOL))
+    return tuple(chain)
+
+
 # -- the lists ------------------------------------------------------------------------------------
 
 
@@ -250,13 +299,21 @@ def key_counters(api_key: ApiKey) -> tuple[Counter, ...]:
 
 
 def request_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
-                     api_key: ApiKey, model: str) -> tuple[Counter, ...]:
+                     api_key: ApiKey, model: str,
+                     allotments: AllotmentSums | None = None) -> tuple[Counter, ...]:
     """The counters a call of `model` with this key is checked against and charged to, in the
     order reserve checks them (the first full one is the refusal reported): tenant day and
     month, project day, key day, model day, then the project's and key's months where limited,
     the tenant's minute under a tokens-per-minute limit and its spend under a spend budget, then
-    the pace counters (`pace_counters`: last, so a full quota is reported as such).
-    ValueError when `model` cannot be a scope."""
+    the pace counters (`pace_counters`: last, so a full quota is reported as such), then the
+    allotment chains of the day and the cycle (`allotment_chain`; after the tenant's own
+    counters, so a full tenant quota is reported as such, a short pool as `quota_pool`).
+    `allotments`: the tenant's sums (the gateway's key lookup reads them with the key); queried
+    when not given. ValueError when `model` cannot be a scope."""
+    if allotments is None:
+        from tenants.selectors import allotment_sums  # noqa: PLC0415 - a query, off the hot path
+
+        allotments = allotment_sums(project)
     project_day, *project_month = project_counters(project)
     key_day, *key_month = key_counters(api_key)
     extra = (tokens_per_minute_counter(tenant, limits), spend_counter(tenant, limits))
@@ -270,13 +327,16 @@ def request_counters(tenant: Tenant, limits: EffectiveLimits, project: Project,
         *key_month,
         *(c for c in extra if c is not None),
         *pace_counters(tenant, limits, project, api_key),
+        *allotment_chain(tenant, limits, project, api_key, WindowKind.DAY, allotments),
+        *allotment_chain(tenant, limits, project, api_key, WindowKind.MONTH, allotments),
     )
 
 
 def request_limits(tenant: Tenant, limits: EffectiveLimits, project: Project, api_key: ApiKey,
-                   model: str) -> tuple[ScopeLimit, ...]:
+                   model: str, allotments: AllotmentSums | None = None) -> tuple[ScopeLimit, ...]:
     """What reserve is given for such a call: `request_counters`' ScopeLimits."""
-    return tuple(c.scope_limit for c in request_counters(tenant, limits, project, api_key, model))
+    return tuple(c.scope_limit for c in request_counters(tenant, limits, project, api_key, model,
+                                                         allotments))
 
 
 def standing_counters(tenant: Tenant, limits: EffectiveLimits, projects: Iterable[Project],

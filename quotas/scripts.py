@@ -20,8 +20,22 @@ class LuaSource:
     text: str
 
 
+# Shared functions a script pastes in with a line `--#include <name>` (lua/lib/<name>.lua):
+# Redis runs one self-contained script per call, so the allotment arithmetic that four
+# operations apply (reserve, settle, release, sweep) is written once and included.
+_INCLUDE = "--#include "
+
+
 def _read(name: str) -> LuaSource:
-    return LuaSource(name=name, text=(LUA_DIR / f"{name}.lua").read_text(encoding="utf-8"))
+    text = (LUA_DIR / f"{name}.lua").read_text(encoding="utf-8")
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(_INCLUDE):
+            lib = line[len(_INCLUDE):].strip()
+            lines.append((LUA_DIR / "lib" / f"{lib}.lua").read_text(encoding="utf-8"))
+        else:
+            lines.append(line)
+    return LuaSource(name=name, text="".join(lines))
 
 
 RESERVE = _read("reserve")

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 
-from django.db.models import Prefetch, Q, QuerySet
+from django.db.models import IntegerField, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from tenants.exceptions import (
@@ -170,12 +171,75 @@ def api_key_by_public_id(public_id: str) -> ApiKey:
 
 
 def secret_by_prefix(prefix: str) -> ApiKeySecret | None:
-    """The secret with this lookup prefix, with its key, project, tenant and plan (one query)."""
+    """The secret with this lookup prefix, with its key, project, tenant and plan, and the
+    allotment sums its calls are reserved with (`allotments_of`), in one query."""
     return (
         ApiKeySecret.objects.select_related("api_key__project__tenant__plan")
+        .annotate(**_allotment_sum_columns("api_key__project__tenant", "api_key__project"))
         .filter(prefix=prefix)
         .first()
     )
+
+
+# -- allotments -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllotmentSums:
+    """What the allotments of a tenant add up to, per window ('month' = the tenant's cycle).
+
+    `tenant_*`: the top-level allotments (every project's, and those of keys whose project has
+    none): the tenant's quota minus these is its shared pool. `project_keys_*`: the allotments
+    of one project's keys, carved out of that project's allotment.
+    """
+
+    tenant_day: int = 0
+    tenant_month: int = 0
+    project_keys_day: int = 0
+    project_keys_month: int = 0
+
+
+NO_ALLOTMENTS = AllotmentSums()
+_ALLOTMENT_FIELDS = {"day": "allotment_tokens_per_day", "month": "allotment_tokens_per_month"}
+
+
+def _sum(queryset: QuerySet, field_name: str) -> Coalesce:
+    total = queryset.order_by().values("_g").annotate(total=Sum(field_name)).values("total")
+    return Coalesce(Subquery(total, output_field=IntegerField()), Value(0))
+
+
+def _allotment_sum_columns(tenant_path: str, project_path: str) -> dict[str, Coalesce]:
+    """Correlated subqueries for AllotmentSums, to annotate a query that reaches a tenant and a
+    project at these paths (so reading them costs no query of its own)."""
+    columns = {}
+    for window, name in _ALLOTMENT_FIELDS.items():
+        projects = Project.objects.filter(tenant=OuterRef(tenant_path)).annotate(_g=Value(1))
+        top_keys = ApiKey.objects.filter(
+            project__tenant=OuterRef(tenant_path), **{f"project__{name}__isnull": True}
+        ).annotate(_g=Value(1))
+        own_keys = ApiKey.objects.filter(project=OuterRef(project_path)).annotate(_g=Value(1))
+        columns[f"_al_tenant_projects_{window}"] = _sum(projects, name)
+        columns[f"_al_tenant_keys_{window}"] = _sum(top_keys, name)
+        columns[f"_al_project_keys_{window}"] = _sum(own_keys, name)
+    return columns
+
+
+def allotments_of(row: object) -> AllotmentSums:
+    """The sums annotated on a row by secret_by_prefix (or allotment_sums)."""
+    get = row.__dict__.get
+    return AllotmentSums(
+        tenant_day=get("_al_tenant_projects_day", 0) + get("_al_tenant_keys_day", 0),
+        tenant_month=get("_al_tenant_projects_month", 0) + get("_al_tenant_keys_month", 0),
+        project_keys_day=get("_al_project_keys_day", 0),
+        project_keys_month=get("_al_project_keys_month", 0),
+    )
+
+
+def allotment_sums(project: Project) -> AllotmentSums:
+    """The allotment sums for calls of this project's keys (one query)."""
+    row = (Project.objects.filter(pk=project.pk)
+           .annotate(**_allotment_sum_columns("tenant", "pk")).only("pk").first())
+    return allotments_of(row) if row is not None else NO_ALLOTMENTS
 
 
 # -- listings for the console and the management API ---------------------------------------------

@@ -88,6 +88,7 @@ def test_every_reason_the_gateway_reports_is_on_the_status_page(acme: Tenant,
         queue_full(100).refusal, queue_timeout("the tenant's day", 1.0, 1).refusal,
         definitions.SPEND_RATE_EXCEEDED,  # a pace counter (acme has no pace rule): runtime.py
         upstream_unavailable(1).refusal,  # every key's breaker open: gateway/forward.py
+        definitions.QUOTA_POOL,  # the shared pool of a tenant with allotments (allotment_chain)
     }
     # Every reason the gateway can count is listed (with a label), and every listed one can be.
     assert reported == set(REFUSAL_REASONS)

@@ -1,0 +1,135 @@
+"""Allotments and the shared pool in the engine (lua/lib/tiers.lua), on standalone Redis and the
+3-node cluster: a call takes from its key's allotment, then its project's, then the pool; ending
+a hold gives back to the pool first; the pool never lends what is allotted to others."""
+from __future__ import annotations
+
+import redis
+
+from quotas import keys
+from quotas.engine import Phase, QuotaEngine, ReserveRequest, ScopeLimit, Unit
+from quotas.windows import UTC_MONTHLY, Calendar, WindowKind
+
+DAY = WindowKind.DAY
+QUOTA = 100
+TENANT = ScopeLimit("tenant", DAY, QUOTA)
+
+
+def protected(allot: int = 60, pool: int = 40) -> tuple[ScopeLimit, ...]:
+    """Project 1 has an allotment; the pool is the quota minus it."""
+    return (TENANT, ScopeLimit("project:1", DAY, allot, Unit.ALLOTMENT),
+            ScopeLimit("tenant", DAY, pool, Unit.POOL))
+
+
+def unprotected(pool: int = 40) -> tuple[ScopeLimit, ...]:
+    return (TENANT, ScopeLimit("tenant", DAY, pool, Unit.POOL))
+
+
+def keyed(key_allot: int, project_part: int, pool: int) -> tuple[ScopeLimit, ...]:
+    """Key 7 has an allotment inside project 1's (whose own part is what its keys do not get)."""
+    return (TENANT, ScopeLimit("key:7", DAY, key_allot, Unit.ALLOTMENT),
+            ScopeLimit("project:1", DAY, project_part, Unit.ALLOTMENT),
+            ScopeLimit("tenant", DAY, pool, Unit.POOL))
+
+
+def window_id(engine: QuotaEngine) -> str:
+    return Calendar(UTC_MONTHLY).window(DAY, engine.clock.now_ms()).id
+
+
+def taken(client: redis.Redis, engine: QuotaEngine, tenant: str, scope: str | None) -> int:
+    wid = window_id(engine)
+    key = keys.pool_key(tenant, wid) if scope is None else keys.allotment_key(tenant, scope, wid)
+    return int(client.hget(key, "taken") or 0)
+
+
+def reserve(engine: QuotaEngine, tenant: str, rid: str, amount: int,
+            limits: tuple[ScopeLimit, ...], min_amount: int | None = None):
+    return engine.reserve(ReserveRequest(tenant, rid, amount, limits, min_amount=min_amount))
+
+
+def test_the_pool_lends_only_what_is_not_allotted(engine, client, tenant) -> None:
+    other = reserve(engine, tenant, "b1", 40, unprotected())
+    assert other.admitted
+    refused = reserve(engine, tenant, "b2", 1, unprotected())
+    assert not refused.admitted
+    assert refused.refused.unit is Unit.POOL and refused.refused.remaining == 0
+    # The tenant counter still has 60 left: they are project 1's, and project 1 gets them.
+    assert engine.counter(tenant, "tenant", DAY).pending == 40
+    mine = reserve(engine, tenant, "a1", 60, protected())
+    assert mine.admitted and mine.granted == 60
+    assert taken(client, engine, tenant, "project:1") == 60
+    assert taken(client, engine, tenant, None) == 40
+    assert not reserve(engine, tenant, "a2", 1, protected()).admitted
+
+
+def test_a_protected_project_borrows_beyond_its_allotment(engine, client, tenant) -> None:
+    hold = reserve(engine, tenant, "a", 70, protected()).hold
+    assert taken(client, engine, tenant, "project:1") == 70  # 60 own, 10 borrowed
+    assert taken(client, engine, tenant, None) == 10
+    # The others have 30 left in the pool.
+    assert reserve(engine, tenant, "b", 30, unprotected()).admitted
+    assert not reserve(engine, tenant, "c", 1, unprotected()).admitted
+    # Settling below the hold gives back to the pool first.
+    engine.settle(hold, 55)
+    assert taken(client, engine, tenant, "project:1") == 55
+    assert taken(client, engine, tenant, None) == 30
+    assert engine.counter(tenant, "tenant", DAY).used == 55
+
+
+def test_the_chain_shrinks_a_hold_to_its_room(engine, client, tenant) -> None:
+    assert reserve(engine, tenant, "b", 35, unprotected()).admitted
+    result = reserve(engine, tenant, "a", 90, protected(), min_amount=10)
+    assert result.admitted and result.granted == 65  # 60 allotted + 5 left in the pool
+    assert taken(client, engine, tenant, None) == 40
+
+
+def test_release_and_sweep_give_back_where_taken(engine, client, tenant) -> None:
+    hold = reserve(engine, tenant, "a", 80, protected()).hold
+    engine.release(hold)
+    assert taken(client, engine, tenant, "project:1") == 0
+    assert taken(client, engine, tenant, None) == 0
+    stale = reserve(engine, tenant, "s", 80, protected()).hold
+    engine.progress(stale, Phase.FORWARDED)
+    swept = engine.sweep(tenant, stale_s=0)
+    assert [s.request_id for s in swept.swept] == ["s"]
+    # A forwarded call is charged its hold: 60 of its allotment and 20 borrowed, kept.
+    assert taken(client, engine, tenant, "project:1") == 80
+    assert taken(client, engine, tenant, None) == 20
+    # Its late settle corrects to the real usage: the borrowed part goes back first.
+    engine.settle(stale, 50)
+    assert taken(client, engine, tenant, "project:1") == 50
+    assert taken(client, engine, tenant, None) == 0
+    assert engine.counter(tenant, "tenant", DAY).used == 50
+
+
+def test_a_key_allotment_inside_its_projects(engine, client, tenant) -> None:
+    # Project 1 is allotted 60, 20 of them to key 7: its own part is 40; the pool is 40.
+    hold = reserve(engine, tenant, "k", 70, keyed(20, 40, 40)).hold
+    assert taken(client, engine, tenant, "key:7") == 70
+    assert taken(client, engine, tenant, "project:1") == 50  # 40 of its part, 10 borrowed
+    assert taken(client, engine, tenant, None) == 10
+    engine.settle(hold, 15)
+    assert taken(client, engine, tenant, "key:7") == 15
+    assert taken(client, engine, tenant, "project:1") == 0
+    assert taken(client, engine, tenant, None) == 0
+
+
+def test_an_allotment_change_moves_what_was_borrowed(engine, client, tenant) -> None:
+    hold = reserve(engine, tenant, "a", 50, protected()).hold
+    engine.settle(hold, 50)
+    assert taken(client, engine, tenant, None) == 0
+    # The allotment drops to 30 (the pool grows to 70): 20 of the 50 are now borrowed.
+    assert reserve(engine, tenant, "a2", 1, protected(allot=30, pool=70)).admitted
+    assert taken(client, engine, tenant, "project:1") == 51
+    assert taken(client, engine, tenant, None) == 21
+    assert client.hget(keys.allotment_key(tenant, "project:1", window_id(engine)), "allot") == "30"
+
+
+def test_a_lost_hold_record_is_still_charged_to_the_chain(engine, client, tenant) -> None:
+    hold = reserve(engine, tenant, "a", 70, protected()).hold
+    client.delete(keys.hold_key(tenant, "a"))
+    client.hset(keys.allotment_key(tenant, "project:1", window_id(engine)), "taken", 0)
+    client.hset(keys.pool_key(tenant, window_id(engine)), "taken", 0)
+    result = engine.settle(hold, 65)
+    assert result.outcome == "settled"
+    assert taken(client, engine, tenant, "project:1") == 65
+    assert taken(client, engine, tenant, None) == 5
