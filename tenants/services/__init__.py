@@ -11,6 +11,8 @@ The submodules are the homes, one per entity:
 - `plans`: create_plan, update_plan, delete_plan
 - `management_tokens`: issue_management_token, revoke_management_token
 - `limits`: check_project_limits, check_key_limits (sub-limits only narrow)
+- `allotments`: check_allotments, lock_tenant (allotments fit the tenant's quota and nest:
+  tenants/allotments.py)
 - `audit`: record_audit_event (the other apps' services record through it too)
 - `_base`: what they share: `update` (lock, diff, save, audit, publish) and `record_change`.
 

@@ -1,5 +1,6 @@
 """API keys: issuing one (its plaintext exists once, in the IssuedKey returned), rotating its
-secret, revoking it, changing its sub-limits and models, and recording when keys were used.
+secret, revoking it, changing its sub-limits, allotments and models, and recording when keys
+were used.
 
 Whether a key may authenticate is decided by tenants.key_usability, the same rule the gateway
 applies; these services refuse to rotate or change a key it says is revoked or expired.
@@ -17,11 +18,19 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from tenants import invalidation
 from tenants.api_key_format import generate_key, mask_plaintext
 from tenants.exceptions import ApiKeyNotFound, KeyExpired, KeyRevoked
 from tenants.key_usability import key_usability
 from tenants.models import ApiKey, ApiKeySecret, Project
 from tenants.services._base import Entity, check_field_names, clean, record_change, update
+from tenants.allotments import ALLOTMENT_FIELDS
+from tenants.services.allotments import (
+    check_allotments,
+    lock_tenant,
+    own_limit_errors,
+    touches_allotments,
+)
 from tenants.services.limits import check_key_limits
 
 KEY_EDIT_FIELDS: tuple[str, ...] = (
@@ -33,6 +42,8 @@ KEY_EDIT_FIELDS: tuple[str, ...] = (
     "allowed_models",
     "pace_share_percent",
     "pace_spend_micros",
+    "allotment_tokens_per_day",
+    "allotment_tokens_per_month",
 )
 
 
@@ -66,11 +77,15 @@ def _lock_unrevoked_key(api_key: ApiKey) -> ApiKey:
     return locked
 
 
+def _one_key(api_key: ApiKey) -> tuple[invalidation.Kind, int]:
+    return ("api_key", api_key.pk)  # gateways cache keys by secret
+
+
 API_KEY: Entity[ApiKey] = Entity(
     lock=_lock_api_key,
     tenant=lambda api_key: api_key.project.tenant,
     target=lambda api_key: api_key.public_id,
-    invalidation=lambda api_key: ("api_key", api_key.pk),  # gateways cache keys by secret
+    invalidation=_one_key,
 )
 
 
@@ -80,12 +95,22 @@ def _new_secret(api_key: ApiKey) -> tuple[str, ApiKeySecret]:
     return plaintext, secret
 
 
+def _tenant_wide(api_key: ApiKey) -> tuple[invalidation.Kind, int]:
+    # An allotment of a key changes its tenant's shared pool (or its project's reserve), which
+    # every key of the tenant is admitted against: all of them must be dropped, not this one.
+    return ("tenant", api_key.project.tenant_id)
+
+
 def _check_within_project(api_key: ApiKey) -> None:
     check_key_limits(
         api_key.project, tokens_per_day=api_key.tokens_per_day,
         tokens_per_month=api_key.tokens_per_month,
         requests_per_minute=api_key.requests_per_minute, allowed_models=api_key.allowed_models,
     )
+    # Row-local: lowering the key's own limit below its allotment is refused too.
+    errors = own_limit_errors(api_key)
+    if errors:
+        raise ValidationError(errors)
 
 
 def issue_key(
@@ -101,10 +126,13 @@ def issue_key(
     expires_at: datetime | None = None,
     pace_share_percent: int | None = None,
     pace_spend_micros: int | None = None,
+    allotment_tokens_per_day: int | None = None,
+    allotment_tokens_per_month: int | None = None,
     within_limits: bool = False,
 ) -> IssuedKey:
     """With within_limits=True (the console and the API), sub-limits beyond the project's or the
-    tenant's and models outside the plan are refused with a ValidationError naming the field."""
+    tenant's and models outside the plan are refused with a ValidationError naming the field.
+    Allotments are always checked (tenants/services/allotments.py), under the tenant's lock."""
     if expires_at is not None and expires_at <= timezone.now():
         raise ValueError("expires_at must be in the future")
     if within_limits:
@@ -112,7 +140,9 @@ def issue_key(
             project, tokens_per_day=tokens_per_day, tokens_per_month=tokens_per_month,
             requests_per_minute=requests_per_minute, allowed_models=allowed_models or [],
         )
+    allotting = allotment_tokens_per_day is not None or allotment_tokens_per_month is not None
     with transaction.atomic():
+        locked_tenant = lock_tenant(project.tenant_id) if allotting else None
         api_key = ApiKey(
             project=project,
             name=name,
@@ -124,9 +154,13 @@ def issue_key(
             expires_at=expires_at,
             pace_share_percent=pace_share_percent,
             pace_spend_micros=pace_spend_micros,
+            allotment_tokens_per_day=allotment_tokens_per_day,
+            allotment_tokens_per_month=allotment_tokens_per_month,
             created_by=actor,
         )
         clean(api_key)
+        if locked_tenant is not None:
+            check_allotments(locked_tenant, api_key)
         api_key.save(force_insert=True)
         plaintext, secret = _new_secret(api_key)
         record_change(
@@ -143,8 +177,15 @@ def issue_key(
                 "expires_at": expires_at.isoformat() if expires_at else None,
                 **({"pace_share_percent": pace_share_percent} if pace_share_percent else {}),
                 **({"pace_spend_micros": pace_spend_micros} if pace_spend_micros else {}),
+                **({"allotment_tokens_per_day": allotment_tokens_per_day}
+                   if allotment_tokens_per_day is not None else {}),
+                **({"allotment_tokens_per_month": allotment_tokens_per_month}
+                   if allotment_tokens_per_month is not None else {}),
             },
         )
+        if locked_tenant is not None:
+            # Its allotment shrinks the shared pool the tenant's other keys draw on.
+            invalidation.publish(*_tenant_wide(api_key))
     return IssuedKey(api_key=api_key, plaintext=plaintext)
 
 
@@ -200,21 +241,50 @@ def revoke_key(api_key: ApiKey, *, actor: str) -> bool:
         locked.revoked_at = now
         locked.save(update_fields=["revoked_at"])
         secrets_revoked = locked.secrets.filter(revoked_at__isnull=True).update(revoked_at=now)
+        # A revoked key's allotment goes back to the shared pool (tenants/allotments.py).
+        allotted = any(getattr(locked, name) is not None for name in ALLOTMENT_FIELDS)
         record_change(
-            API_KEY, locked, actor=actor, action="key.revoked",
-            data={"secrets_revoked": secrets_revoked},
+            replace(API_KEY, invalidation=_tenant_wide) if allotted else API_KEY, locked,
+            actor=actor, action="key.revoked", data={"secrets_revoked": secrets_revoked},
         )
     api_key.revoked_at = now
     return True
 
 
+def _lock_unrevoked_key_and_tenant(api_key: ApiKey) -> ApiKey:
+    # The tenant first, as every writer of allotments does (no lock-order cycle), then the key.
+    tenant_id = (ApiKey.objects.filter(pk=api_key.pk)
+                 .values_list("project__tenant_id", flat=True).first())
+    if tenant_id is None:
+        raise ApiKeyNotFound(api_key.public_id)
+    lock_tenant(tenant_id)
+    return _lock_unrevoked_key(api_key)
+
+
 def update_key(api_key: ApiKey, *, actor: str, **changes: Any) -> ApiKey:
-    """Rename a key or change its sub-limits and models (None removes a sub-limit), within its
-    project's and tenant's limits. A revoked key cannot be changed."""
+    """Rename a key or change its sub-limits, allotments and models (None removes a sub-limit
+    or an allotment), within its project's and tenant's limits and quota. A revoked key cannot
+    be changed."""
     check_field_names(changes, KEY_EDIT_FIELDS, "API key")
+    if not touches_allotments(changes):
+        return update(
+            replace(API_KEY, lock=_lock_unrevoked_key), api_key, changes, actor=actor,
+            action="key.updated", check=_check_within_project, refresh=KEY_EDIT_FIELDS,
+        )
+    pool_changed = False
+
+    def check(locked: ApiKey) -> None:
+        nonlocal pool_changed
+        _check_within_project(locked)
+        pool_changed = check_allotments(locked.project.tenant, locked)
+
+    def drop(locked: ApiKey) -> tuple[invalidation.Kind, int]:
+        # Called after check(), when the change is saved.
+        return _tenant_wide(locked) if pool_changed else _one_key(locked)
+
     return update(
-        replace(API_KEY, lock=_lock_unrevoked_key), api_key, changes, actor=actor,
-        action="key.updated", check=_check_within_project, refresh=KEY_EDIT_FIELDS,
+        replace(API_KEY, lock=_lock_unrevoked_key_and_tenant, invalidation=drop), api_key,
+        changes, actor=actor, action="key.updated", check=check, refresh=KEY_EDIT_FIELDS,
     )
 
 

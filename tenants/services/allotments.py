@@ -1,0 +1,177 @@
+"""The rules a project's or a key's allotment must respect (tenants/allotments.py explains what
+an allotment is). create_project, update_project, issue_key and update_key check them, so the
+console, the API, the CLI and Django admin all refuse the same values with the same messages:
+
+- per window, the top-level allotments must fit in the tenant's quota of the window, and a
+  window without a quota has nothing to allot from;
+- the allotments of a project's keys must fit in the project's allotment of the window;
+- an allotment above the scope's own limit of the window (a key's: or its project's) could never
+  be used and is refused.
+
+A change that does not add to an excess is never refused for the totals: once a plan change or
+an override has lowered the quota below the allotments, an admin can still lower (or remove) an
+allotment, though the total stays above the quota until enough of them are lowered.
+
+Concurrency: a change of an allotment locks the tenant's row first (`lock_tenant`), so two
+admins allotting at once are serialised and cannot together exceed the quota; the check reads
+the other allotments after the lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.core.exceptions import ValidationError
+
+from tenants.allotments import (
+    ALLOTMENT_FIELDS,
+    WINDOWS,
+    AllotmentWindow,
+    Holder,
+    holder_of,
+    stored_holders,
+    window_allotments,
+)
+from tenants.exceptions import TenantNotFound
+from tenants.models import UNLIMITED, ApiKey, Project, Tenant
+from tenants.selectors import effective_limits
+
+_NO_QUOTA = {
+    "day": "The tenant has no daily quota to allot from: its tokens per day are unlimited.",
+    "month": "The tenant has no cycle token budget to allot from: it has no monthly token "
+             "budget.",
+}
+_OWN_LIMIT = {"day": "tokens per day", "month": "tokens per month"}
+
+
+def touches_allotments(changes: Mapping[str, Any] | Iterable[str]) -> bool:
+    """Whether a change names an allotment field (then it must lock the tenant first)."""
+    return any(name in ALLOTMENT_FIELDS for name in changes)
+
+
+def lock_tenant(tenant_id: int) -> Tenant:
+    """The tenant's row, locked until the transaction ends, with its plan.
+
+    FOR NO KEY UPDATE: two writers of a tenant's allotments wait for each other, and for a
+    change of its quota (set_tenant_limits and change_plan lock the row FOR UPDATE), but the
+    inserts of projects and keys that merely reference the row are not blocked."""
+    try:
+        return (
+            Tenant.objects.select_for_update(no_key=True, of=("self",)).select_related("plan")
+            .get(pk=tenant_id)
+        )
+    except Tenant.DoesNotExist:
+        raise TenantNotFound(str(tenant_id)) from None
+
+
+def _own_limit_error(
+    window: AllotmentWindow, value: int, bounds: list[tuple[int | None, str]]
+) -> str | None:
+    for bound, whose in bounds:
+        if bound is not None and value > bound:
+            return (f"Must be at most {bound:,}, {whose} own {_OWN_LIMIT[window.name]}: tokens "
+                    "allotted above it could never be used.")
+    return None
+
+
+def own_limit_errors(row: Project | ApiKey) -> dict[str, str]:
+    """Per field: an allotment above the scope's own limit of its window (for a key, above its
+    own or its project's). Reads only the row (and a key's project)."""
+    errors: dict[str, str] = {}
+    for window in WINDOWS:
+        value = getattr(row, window.field)
+        if value is None:
+            continue
+        if isinstance(row, Project):
+            bounds = [(getattr(row, window.own_limit), "the project's")]
+        else:
+            bounds = [(getattr(row, window.own_limit), "the key's"),
+                      (getattr(row.project, window.own_limit), "its project's")]
+        error = _own_limit_error(window, value, bounds)
+        if error:
+            errors[window.field] = error
+    return errors
+
+
+def _replace(holders: list[Holder], new: Holder) -> tuple[list[Holder], Holder | None]:
+    """`holders` with `new` in place of the stored row of the same pk (appended if unsaved),
+    and the stored one (None for a new row)."""
+    if new.pk is not None:
+        for i, holder in enumerate(holders):
+            if holder.pk == new.pk:
+                return [*holders[:i], new, *holders[i + 1:]], holder
+    return [*holders, new], None
+
+
+def check_allotments(tenant: Tenant, row: Project | ApiKey) -> bool:
+    """ValidationError (per allotment field) if `row`'s allotments, as they would be once saved,
+    break a rule of this module; otherwise whether they differ from the stored ones (then the
+    shared pool changes and every gateway must drop the tenant's cached keys).
+
+    `tenant` is read for its quota: pass the row locked by `lock_tenant` when saving."""
+    errors = own_limit_errors(row)
+    projects, keys = stored_holders(tenant)
+    new = holder_of(row)
+    if isinstance(row, Project):
+        new_projects, old = _replace(projects, new)
+        new_keys = keys
+    else:
+        new_keys, old = _replace(keys, new)
+        new_projects = projects
+    limits = effective_limits(tenant)
+    changed = False
+    for window in WINDOWS:
+        value = new.of(window)
+        previous = old.of(window) if old is not None else None
+        changed = changed or value != previous
+        if window.field in errors:
+            continue
+        error = _window_error(window, getattr(limits, window.quota), row, value, previous,
+                              (projects, keys), (new_projects, new_keys))
+        if error:
+            errors[window.field] = error
+    if errors:
+        raise ValidationError(errors)
+    return changed
+
+
+def _window_error(
+    window: AllotmentWindow,
+    quota: int,
+    row: Project | ApiKey,
+    value: int | None,
+    previous: int | None,
+    before: tuple[list[Holder], list[Holder]],
+    after: tuple[list[Holder], list[Holder]],
+) -> str | None:
+    raised = value is not None and (previous is None or value > previous)
+    if quota == UNLIMITED:
+        # Nothing to carve; removing or lowering an allotment left from a quota that has since
+        # been lifted is still allowed.
+        return _NO_QUOTA[window.name] if raised else None
+    then = window_allotments(window, quota, *before)
+    now = window_allotments(window, quota, *after)
+    if now.over and now.allotted > then.allotted:
+        return (f"Allotments would total {now.allotted:,} tokens {window.per}; the tenant's "
+                f"{window.quota_name} is {quota:,}.")
+    if isinstance(row, Project):
+        if value is None or row.pk is None:
+            return None
+        keys_total = now.keys_allotted.get(row.pk, 0)
+        excess = keys_total - value
+        if excess > 0 and (previous is None
+                           or excess > then.keys_allotted.get(row.pk, 0) - previous):
+            return (f"The project's keys have allotments totalling {keys_total:,} tokens "
+                    f"{window.per}, more than {value:,}: lower theirs first.")
+        return None
+    # The project's allotment as stored (read after the tenant's lock, like the others).
+    project_allotment = next((p.of(window) for p in before[0] if p.pk == row.project_id), None)
+    if value is None or project_allotment is None:
+        return None
+    keys_total = now.keys_allotted.get(row.project_id, 0)
+    if keys_total > project_allotment and keys_total > then.keys_allotted.get(row.project_id, 0):
+        return (f"The allotments of project {row.project.slug}'s keys would total "
+                f"{keys_total:,} tokens {window.per}; the project's allotment is "
+                f"{project_allotment:,}.")
+    return None
