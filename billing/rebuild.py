@@ -218,6 +218,46 @@ def _scopes(tenant: Tenant, limits: Any, project: Project | None, api_key: ApiKe
     return tuple(wanted)
 
 
+_Ident = tuple[str, WindowKind, Unit]
+
+
+class _Chains:
+    """The allotment tiers' `taken` from the ledger (lua/lib/tiers.lua): a chain's first tier
+    takes the group's tokens; each tier passes on what it holds above its allotment to the next,
+    so the figures follow the chains, keys before projects before the pool."""
+
+    def __init__(self) -> None:
+        self.direct: dict[_Ident, int] = defaultdict(int)
+        self.feeds: dict[_Ident, set[_Ident]] = defaultdict(set)  # tier -> the tiers it spills to
+        self.limits: dict[_Ident, int] = {}
+
+    def add(self, scopes: tuple[ScopeLimit, ...], tokens: dict[WindowKind, int]) -> None:
+        previous: _Ident | None = None
+        for scope in scopes:
+            if not scope.unit.tiered:
+                previous = None
+                continue
+            ident = (scope.scope, scope.window, scope.unit)
+            self.limits[ident] = scope.limit
+            if previous is None:
+                self.direct[ident] += tokens.get(scope.window, 0)
+            else:
+                self.feeds[previous].add(ident)
+            previous = None if scope.unit is Unit.POOL else ident
+
+    def taken(self) -> list[tuple[_Ident, int, int]]:
+        taken: dict[_Ident, int] = defaultdict(int)
+        for ident, tokens in self.direct.items():
+            taken[ident] += tokens
+        # Keys spill into projects or the pool, projects into the pool: in that order.
+        order = sorted(self.limits, key=lambda i: (i[2] is Unit.POOL, i[0].startswith("project")))
+        for ident in order:
+            spill = max(0, taken[ident] - self.limits[ident]) if ident[2] is Unit.ALLOTMENT else 0
+            for target in self.feeds.get(ident, ()):
+                taken[target] += spill
+        return [(ident, taken[ident], self.limits[ident]) for ident in order]
+
+
 def _counters(tenant: Tenant, sums: dict[_Group, _Sums], windows: dict[WindowKind, Window],
               prices: PriceBook) -> list[RebuildCounter]:
     limits = effective_limits(tenant)
@@ -227,15 +267,23 @@ def _counters(tenant: Tenant, sums: dict[_Group, _Sums], windows: dict[WindowKin
         {g[1] for g in sums if g[1] is not None})
     figures: dict[tuple[str, WindowKind, Unit], int] = defaultdict(int)
     scope_limits: dict[tuple[str, WindowKind, Unit], int] = {}
+    chains = _Chains()
     for (project_id, api_key_id, model), group in sums.items():
         project = projects.get(project_id) if project_id is not None else None
         api_key = api_keys.get(api_key_id) if api_key_id is not None else None
         # The gateway counts a dated snapshot under its catalog model (gateway/admission.py).
-        for scope in _scopes(tenant, limits, project, api_key, prices.canonical(model)):
+        scopes = _scopes(tenant, limits, project, api_key, prices.canonical(model))
+        chains.add(scopes, group.tokens)
+        for scope in scopes:
+            if scope.unit.tiered:
+                continue  # not a sum: tiers pass on only what they take above their allotment
             ident = (scope.scope, scope.window, scope.unit)
             per_unit = group.micros if scope.unit is Unit.MICROS else group.tokens
             figures[ident] += per_unit.get(scope.window, 0)
             scope_limits[ident] = scope.limit
+    for ident, taken, limit in chains.taken():
+        figures[ident] = taken
+        scope_limits[ident] = limit
     # A counter with nothing to restore is left to the next reserve, which creates it at 0.
     return [RebuildCounter(scope=scope, window=windows[kind], used=used,
                            limit=scope_limits[(scope, kind, unit)], unit=unit)

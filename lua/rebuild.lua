@@ -17,9 +17,12 @@ KEYS (one tenant, one hash tag)
 ARGV
   ARGV[1]  N        number of counters, >= 0
   ARGV[2]  epoch    the marker's value (opaque: when and by whom it was rebuilt)
-  then for counter i, three values: used (integer >= 0, tokens or micro-dollars),
-                                    limit (-1 unlimited, stored for readers),
-                                    expire_at (unix s, the counter's expiry)
+  then for counter i, four values:  used (integer >= 0, tokens or micro-dollars; for an
+                                    allotment tier or the pool: its `taken`),
+                                    limit (-1 unlimited, stored for readers; a tier's allotment),
+                                    expire_at (unix s, the counter's expiry),
+                                    unit (0 tokens, 1 micro-dollars, 2 allotment tier, 3 pool:
+                                    lua/lib/tiers.lua; tiers keep `taken` and `allot`)
 
 Return table
   { raised, now_ms }   raised = counters whose `used` this call set or raised
@@ -29,25 +32,32 @@ has no TTL.
 ]]
 
 local n = tonumber(ARGV[1])
-if not n or n < 0 or #KEYS ~= n + 1 or #ARGV ~= 2 + 3 * n then
-  return redis.error_reply('rebuild: expected KEYS = epoch, N counters; ARGV = N, epoch, 3N values')
+if not n or n < 0 or #KEYS ~= n + 1 or #ARGV ~= 2 + 4 * n then
+  return redis.error_reply('rebuild: expected KEYS = epoch, N counters; ARGV = N, epoch, 4N values')
 end
 
 local raised = 0
 for i = 1, n do
   local key = KEYS[i + 1]
-  local base = 2 + 3 * (i - 1)
-  local used, limit, expire_at = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]),
-    tonumber(ARGV[base + 3])
-  if not used or used < 0 or not limit or not expire_at then
-    return redis.error_reply('rebuild: used >= 0, limit and expire_at must be integers')
+  local base = 2 + 4 * (i - 1)
+  local used, limit, expire_at, unit = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]),
+    tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
+  if not used or used < 0 or not limit or not expire_at or not unit then
+    return redis.error_reply('rebuild: used >= 0, limit, expire_at and unit must be integers')
   end
+  local field = unit >= 2 and 'taken' or 'used'
   if redis.call('EXISTS', key) == 0 then
-    redis.call('HSET', key, 'used', used, 'pending', 0, 'limit', limit)
+    if unit == 2 then
+      redis.call('HSET', key, 'taken', used, 'allot', limit)
+    elseif unit == 3 then
+      redis.call('HSET', key, 'taken', used, 'limit', limit)
+    else
+      redis.call('HSET', key, 'used', used, 'pending', 0, 'limit', limit)
+    end
     redis.call('EXPIREAT', key, expire_at)
     raised = raised + 1
-  elseif (tonumber(redis.call('HGET', key, 'used')) or 0) < used then
-    redis.call('HSET', key, 'used', used)
+  elseif (tonumber(redis.call('HGET', key, field)) or 0) < used then
+    redis.call('HSET', key, field, used)
     raised = raised + 1
   end
 end

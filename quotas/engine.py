@@ -772,7 +772,7 @@ class _Calls:
         for c in counters:
             call_keys.append(_counter_key(tenant, ScopeLimit(c.scope, c.window.kind, c.limit,
                                                              c.unit), c.window))
-            args += [c.used, c.limit, self.expire_at(c.window)]
+            args += [c.used, c.limit, self.expire_at(c.window), _unit_code(c.unit)]
         return call_keys, args
 
     def counter_key_now(self, tenant: str, scope: str, kind: WindowKind, schedule: CycleSchedule,

@@ -214,10 +214,13 @@ def _allotment_sum_columns(tenant_path: str, project_path: str) -> dict[str, Coa
     columns = {}
     for window, name in _ALLOTMENT_FIELDS.items():
         projects = Project.objects.filter(tenant=OuterRef(tenant_path)).annotate(_g=Value(1))
+        # A revoked key's allotment is freed (tenants/allotments.py: the same totals).
         top_keys = ApiKey.objects.filter(
-            project__tenant=OuterRef(tenant_path), **{f"project__{name}__isnull": True}
+            project__tenant=OuterRef(tenant_path), revoked_at__isnull=True,
+            **{f"project__{name}__isnull": True},
         ).annotate(_g=Value(1))
-        own_keys = ApiKey.objects.filter(project=OuterRef(project_path)).annotate(_g=Value(1))
+        own_keys = ApiKey.objects.filter(
+            project=OuterRef(project_path), revoked_at__isnull=True).annotate(_g=Value(1))
         columns[f"_al_tenant_projects_{window}"] = _sum(projects, name)
         columns[f"_al_tenant_keys_{window}"] = _sum(top_keys, name)
         columns[f"_al_project_keys_{window}"] = _sum(own_keys, name)
