@@ -245,11 +245,11 @@ def tenant_window_limit(limits: EffectiveLimits, window: WindowKind) -> int:
     return limits.tokens_per_day if window is WindowKind.DAY else limits.monthly_token_budget
 
 
-def own_allotment(scope: Project | ApiKey, window: WindowKind) -> int:
-    """A project's or key's allotment in a window; 0 when it has none."""
-    value = (scope.allotment_tokens_per_day if window is WindowKind.DAY
-             else scope.allotment_tokens_per_month)
-    return value or 0
+def own_allotment(scope: Project | ApiKey, window: WindowKind) -> int | None:
+    """A project's or key's allotment in a window; None when it has none (0 is an allotment:
+    a project allotted 0 still nests its keys, tenants/allotments.py)."""
+    return (scope.allotment_tokens_per_day if window is WindowKind.DAY
+            else scope.allotment_tokens_per_month)
 
 
 def allotment_chain(tenant: Tenant, limits: EffectiveLimits, project: Project, api_key: ApiKey,
@@ -264,12 +264,12 @@ def allotment_chain(tenant: Tenant, limits: EffectiveLimits, project: Project, a
         return ()
     chain = []
     key_allotment = own_allotment(api_key, window)
-    if key_allotment:
+    if key_allotment is not None and api_key.revoked_at is None:
         chain.append(_counter(KEY, api_key.public_id, api_key.name or api_key.public_id,
                               keys.api_key_scope(api_key.pk), window, key_allotment,
                               Unit.ALLOTMENT))
     project_allotment = own_allotment(project, window)
-    if project_allotment:
+    if project_allotment is not None:
         to_keys = sums.project_keys_day if window is WindowKind.DAY else sums.project_keys_month
         chain.append(_counter(PROJECT, project.public_id, project.slug,
                               keys.project_scope(project.pk), window,

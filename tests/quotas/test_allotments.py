@@ -3,9 +3,16 @@
 a hold gives back to the pool first; the pool never lends what is allotted to others."""
 from __future__ import annotations
 
+import pytest
 import redis
 
 from quotas import keys
+from quotas.allotments import allotment_standing
+from quotas.keys import tenant_tag
+from quotas.limits import request_limits
+from quotas.runtime import get_engine
+from tenants.selectors import allotment_sums, effective_limits
+from tenants.services import create_project, create_tenant, issue_key
 from quotas.engine import Phase, QuotaEngine, ReserveRequest, ScopeLimit, Unit
 from quotas.windows import UTC_MONTHLY, Calendar, WindowKind
 
@@ -133,3 +140,34 @@ def test_a_lost_hold_record_is_still_charged_to_the_chain(engine, client, tenant
     assert result.outcome == "settled"
     assert taken(client, engine, tenant, "project:1") == 65
     assert taken(client, engine, tenant, None) == 5
+
+
+# -- the live picture (quotas/allotments.py) through the real services ---------------------------
+
+
+@pytest.mark.django_db
+def test_allotment_standing_shows_used_borrowed_and_the_pool() -> None:
+    tenant = create_tenant("allotted", plan_name="standard", actor="test")
+    quota = effective_limits(tenant).tokens_per_day
+    web = create_project(tenant, "web", actor="test", allotment_tokens_per_day=quota // 4)
+    batch = create_project(tenant, "batch", actor="test")
+    mine, theirs = issue_key(web, actor="test").api_key, issue_key(batch, actor="test").api_key
+    limits = effective_limits(tenant)
+    engine, tag = get_engine(), tenant_tag(tenant.pk)
+    engine.set_epoch(tag)
+    for_web = request_limits(tenant, limits, web, mine, "gpt-4o", allotment_sums(web))
+    for_batch = request_limits(tenant, limits, batch, theirs, "gpt-4o", allotment_sums(batch))
+    assert [s.unit for s in for_web if s.unit.tiered] == [Unit.ALLOTMENT, Unit.POOL]
+    held = engine.reserve(ReserveRequest(tag, "w1", quota // 4 + 100, for_web)).hold
+    engine.settle(held, quota // 4 + 50)
+    assert engine.reserve(ReserveRequest(tag, "b1", 1000, for_batch)).admitted
+
+    standing = allotment_standing(tenant)
+    (pool,) = standing.pools  # the day: the tenant has no cycle budget to allot from
+    assert (pool.window, pool.quota, pool.allotted, pool.size) == (
+        "day", quota, quota // 4, quota - quota // 4)
+    assert (pool.borrowed, pool.left) == (1050, pool.size - 1050)
+    (figures,) = standing.for_window("day")
+    assert (figures.kind, figures.label, figures.allotment, figures.used, figures.borrowed) == (
+        "project", "web", quota // 4, quota // 4, 50)
+    assert standing.as_dict()["allotments"][0]["used_from_allotment"] == quota // 4
