@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from billing.models import AlertState, WebhookDelivery
+from billing.forecast import Forecast, ScopeForecast, scope_forecasts
+from billing.models import AlertState, ForecastAlert, WebhookDelivery
 from billing.usage import total_tokens, usage_totals
 from quotas.engine import QuotaStoreUnavailable
+from quotas.keys import api_key_scope
 from quotas.status import (
     QuotaStatus,
     RefusedCount,
@@ -24,7 +26,7 @@ from quotas.status import (
     quota_status,
     refused_today,
 )
-from tenants.models import Project, Tenant
+from tenants.models import ApiKey, Project, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class Gauge:
     # "live": the Redis counter; "ledger": a scope without a live counter (a project's month
     # when it has no monthly limit), read from the usage ledger, a few seconds behind.
     source: str = "live"
+    # Where the window is heading (billing/forecast.py): drawn as a dashed mark on the bar.
+    forecast: Forecast | None = None
 
     @property
     def level(self) -> str:
@@ -62,6 +66,22 @@ class Gauge:
         """The bar's CSS width (a dot, not a comma, whatever the locale)."""
         return "0%" if self.percent is None else f"{self.percent:.1f}%"
 
+    @property
+    def forecast_left(self) -> str:
+        """Where the dashed forecast mark stands on the bar (CSS left; the bar's end when the
+        forecast goes past the limit)."""
+        if self.forecast is None:
+            return "0%"
+        return f"{min(max(self.forecast.percent, 0.0), 100.0):.1f}%"
+
+    @property
+    def forecast_over(self) -> bool:
+        return self.forecast is not None and self.forecast.tokens > self.forecast.capacity
+
+    @property
+    def forecast_text(self) -> str:
+        return "" if self.forecast is None else self.forecast.summary()
+
 
 @dataclass(frozen=True)
 class ScopeGauges:
@@ -77,6 +97,8 @@ class LiveStatus:
     scopes: list[ScopeGauges]
     open_holds: int
     refused: list[RefusedCount]
+    # The tenant's own limited windows (day, cycle) with their forecasts, for the charts.
+    forecasts: list[ScopeForecast] = field(default_factory=list)
 
     @property
     def refused_total(self) -> int:
@@ -96,20 +118,34 @@ class Dashboard:
     month_tokens: int  # from the ledger
     today: date
     project_labels: dict[str, str] = field(default_factory=dict)
+    key_labels: dict[str, str] = field(default_factory=dict)  # "key:<pk>" -> name
+    forecast_alerts: list[ForecastAlert] = field(default_factory=list)
 
 
-def _gauge(status: ScopeStatus, label: str) -> Gauge:
+ForecastIndex = dict[tuple[str, str, str], Forecast]
+
+
+def forecast_index(forecasts: list[ScopeForecast]) -> ForecastIndex:
+    """Forecasts by (scope kind, public id, window: "day" / "month"), as ScopeStatus names
+    them."""
+    return {(f.kind, f.ref, f.window_kind.value): f.forecast for f in forecasts}
+
+
+def _gauge(status: ScopeStatus, label: str, forecasts: ForecastIndex | None = None) -> Gauge:
+    forecast = (forecasts or {}).get((status.kind, status.ref, status.window))
     return Gauge(label=label, window=status.window, used=status.used, pending=status.pending,
                  limit=status.limit if status.limited else None,
                  remaining=status.remaining if status.limited else None,
-                 percent=status.percent_used)
+                 percent=status.percent_used,
+                 forecast=forecast if status.limited else None)
 
 
 def scope_gauges(status: QuotaStatus, tenant: Tenant,
-                 ledger_month: dict[str, int] | None = None) -> list[ScopeGauges]:
+                 ledger_month: dict[str, int] | None = None,
+                 forecasts: ForecastIndex | None = None) -> list[ScopeGauges]:
     """The tenant's gauges first, then one per project (with its own limits or not).
     `ledger_month` (project public id -> tokens this month) stands in for month counters
-    that do not exist live."""
+    that do not exist live; `forecasts` (forecast_index) put a forecast on limited gauges."""
     out = []
     for kind in ("tenant", "project"):
         days = {s.ref: s for s in status.of(kind, "day")}
@@ -117,12 +153,12 @@ def scope_gauges(status: QuotaStatus, tenant: Tenant,
         for ref, day in days.items():
             label = tenant.name if kind == "tenant" else day.label
             live_month = months.get(ref)
-            month = (_gauge(live_month, "This month") if live_month is not None else
+            month = (_gauge(live_month, "This month", forecasts) if live_month is not None else
                      Gauge(label="This month", window="month",
                            used=(ledger_month or {}).get(ref, 0), pending=0, limit=None,
                            remaining=None, percent=None, source="ledger"))
             out.append(ScopeGauges(label=label, kind=kind, ref=ref,
-                                   day=_gauge(day, "Today"), month=month))
+                                   day=_gauge(day, "Today", forecasts), month=month))
     return out
 
 
@@ -131,10 +167,13 @@ def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None
     try:
         status = quota_status(tenant)
         refused = refused_today(tenant)
+        forecasts = scope_forecasts(tenant)
     except QuotaStoreUnavailable as exc:
         log.warning("dashboard of %s without live counters: %s", tenant.public_id, exc)
         return None
-    return LiveStatus(scope_gauges(status, tenant, ledger_month), status.open_holds, refused)
+    return LiveStatus(scope_gauges(status, tenant, ledger_month, forecast_index(forecasts)),
+                      status.open_holds, refused,
+                      [f for f in forecasts if f.kind == "tenant"])
 
 
 def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
@@ -144,17 +183,23 @@ def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
     month_start = today.replace(day=1)
     month_tokens = total_tokens(tenant, month_start, today)
     alerts = list(AlertState.objects.filter(tenant=tenant).order_by("-fired_at", "-id")[:10])
+    forecast_alerts = list(ForecastAlert.objects.filter(tenant=tenant)
+                           .order_by("-fired_at", "-id")[:10])
     deliveries = list(WebhookDelivery.objects.filter(endpoint__tenant=tenant)
                       .select_related("endpoint").order_by("-created_at", "-id")[:10])
     projects = {f"project:{pk}": slug for pk, slug in
                 Project.objects.filter(tenant=tenant).values_list("pk", "slug")}
+    key_labels = {api_key_scope(pk): name or public_id for pk, name, public_id in
+                  ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
+                  .values_list("pk", "name", "public_id")} if forecast_alerts else {}
     ledger_month = {row["project"]: row["total_tokens"]
                     for row in usage_totals(tenant, month_start, today, ("project",))
                     if row["project"]}
     return Dashboard(tenant=tenant, live=live_status(tenant, ledger_month),
                      daily_usage=daily_usage, chart_first_day=chart_first_day, alerts=alerts,
                      deliveries=deliveries, month_tokens=month_tokens, today=today,
-                     project_labels=projects)
+                     project_labels=projects, forecast_alerts=forecast_alerts,
+                     key_labels=key_labels)
 
 
 def alert_rows(dashboard: Dashboard) -> list[dict[str, object]]:
@@ -170,4 +215,25 @@ def alert_rows(dashboard: Dashboard) -> list[dict[str, object]]:
                   else f"month {window[1:]}" if window.startswith("m") else window)
         rows.append({"scope": scope, "what": what, "window": period, "fired_at": alert.fired_at,
                      "exhausted": alert.threshold == AlertState.EXHAUSTED})
-    return rows
+    for warning in dashboard.forecast_alerts:
+        percent = 100 * warning.forecast / warning.limit if warning.limit > 0 else 100.0
+        rows.append({"scope": _scope_words(warning.scope, dashboard),
+                     "what": f"forecast {percent:.0f}% of the limit",
+                     "window": _period(warning.window), "fired_at": warning.fired_at,
+                     "exhausted": False})
+    rows.sort(key=lambda row: row["fired_at"], reverse=True)
+    return rows[:10]
+
+
+def _scope_words(scope: str, dashboard: Dashboard) -> str:
+    if scope == "tenant":
+        return "Tenant"
+    if scope.startswith("project:"):
+        return f"Project {dashboard.project_labels.get(scope, '(deleted)')}"
+    return f"Key {dashboard.key_labels.get(scope, '(revoked or deleted)')}"
+
+
+def _period(window: str) -> str:
+    return (f"day {window[1:]}" if window.startswith("d")
+            else f"month {window[1:]}" if window.startswith("m")
+            else f"cycle from {window[1:]}" if window.startswith("c") else window)

@@ -201,6 +201,7 @@ class Forecast:
     inputs: dict[str, Any] = field(default_factory=dict)
     # The projection from now to the window's end: (instant ms, cumulative tokens) points.
     path: tuple[tuple[int, int], ...] = ()
+    zone: str = "UTC"  # the tenant's time zone, to show instants in
 
     @property
     def so_far(self) -> int:
@@ -220,6 +221,20 @@ class Forecast:
     @property
     def reaches_limit(self) -> bool:
         return self.reach_ms is not None
+
+    def local(self, ms: int, fmt: str = "%b %d, %H:%M %Z") -> str:
+        """An instant in the tenant's time zone, for people."""
+        return datetime.fromtimestamp(ms / 1000, _zone(self.zone)).strftime(fmt)
+
+    def summary(self) -> str:
+        """Tokens and percent at the window's end, and when the limit would be reached."""
+        text = (f"Forecast {self.tokens:,} tokens ({self.percent:g}% of the limit) by "
+                f"{self.local(self.window.end_ms)}")
+        if self.reach_ms is not None and self.reach_ms <= self.now_ms:
+            return f"{text}; the limit is reached."
+        if self.reach_ms is not None:
+            return f"{text}; the limit would be reached around {self.local(self.reach_ms)}."
+        return f"{text}."
 
     def explanation(self) -> str:
         """The method and its figures in one sentence (console, email)."""
@@ -319,7 +334,7 @@ def forecast(*, window: Window, today: Window, now_ms: int, used: int, pending: 
                         "rate_per_hour": _round(rate),
                         "remaining_hours": remaining_hours,
                         "why": reason,
-                    }, ((now_ms, so_far), (end, _round(total))))
+                    }, ((now_ms, so_far), (end, _round(total))), zone)
 
 
 def _shaped(window: Window, now_ms: int, used: int, pending: int, limit: int, credit: int,
@@ -337,7 +352,7 @@ def _shaped(window: Window, now_ms: int, used: int, pending: int, limit: int, cr
         if after == bucket + HOUR_MS or after == end:
             points.append((after, _round(cumulative)))
     return Forecast(window, now_ms, used, pending, limit, credit, _round(cumulative), reach,
-                    DAILY_SHAPE, inputs, _thin(points))
+                    DAILY_SHAPE, inputs, _thin(points), shape.zone)
 
 
 # -- the reader: counters from Redis, history from the ledger -----------------------------------

@@ -99,6 +99,28 @@ class UsageResponseSerializer(serializers.Serializer):
         self.fields["from"] = self.fields.pop("from_")
 
 
+class ForecastSerializer(serializers.Serializer):
+    """Where a limited scope's window will end at the current pace (billing/forecast.py)."""
+
+    window = serializers.CharField(help_text="The window's id, e.g. d2026-11-30, m2026-11, "
+                                   "c2026-11-15.")
+    window_start = serializers.DateTimeField()
+    window_end = serializers.DateTimeField()
+    used = serializers.IntegerField()
+    pending = serializers.IntegerField()
+    limit = serializers.IntegerField()
+    credit = serializers.IntegerField()
+    forecast = serializers.IntegerField(help_text="Tokens forecast at the window's end (used and "
+                                        "held included).")
+    percent = serializers.FloatField(help_text="The forecast as a percentage of limit + credit.")
+    would_reach_limit_at = serializers.DateTimeField(
+        allow_null=True, help_text="When the limit would be reached at this pace; null: not in "
+        "this window.")
+    method = serializers.ChoiceField(choices=["trailing_rate", "daily_shape"])
+    inputs = serializers.DictField(help_text="The figures the method used (trailing_hours, "
+                                   "rate_per_hour, ... or history_days, ratio, ...).")
+
+
 class ScopeStatusSerializer(serializers.Serializer):
     scope = serializers.ChoiceField(choices=["tenant", "project", "key", "model"])
     id = serializers.CharField(help_text="Tenant slug, project or key public id, model name.")
@@ -109,6 +131,8 @@ class ScopeStatusSerializer(serializers.Serializer):
     pending = serializers.IntegerField(help_text="Held by requests in flight.")
     credit = serializers.IntegerField()
     remaining = serializers.IntegerField(allow_null=True, help_text="null: unlimited.")
+    forecast = ForecastSerializer(allow_null=True, help_text="Tenant, project and key scopes "
+                                  "with a limit; null otherwise.")
 
 
 class RefusedSerializer(serializers.Serializer):

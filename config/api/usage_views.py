@@ -9,6 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.access import can_read_costs
+from billing.forecast import scope_forecasts
 from billing.usage import usage_totals
 from config.api.billing_serializers import (
     ErrorSerializer,
@@ -76,8 +77,8 @@ class UsageView(TenantScopedAPIView):
 
 class QuotaView(TenantScopedAPIView):
     """GET /api/tenants/<tenant_id>/quota: live counters (today's and this month's used, held and
-    remaining per scope), open holds, and today's refused requests by reason. 503 when Redis is
-    unreachable."""
+    remaining per scope, and each limited tenant, project and key window's forecast), open
+    holds, and today's refused requests by reason. 503 when Redis is unreachable."""
 
     @extend_schema(responses={200: QuotaResponseSerializer, 503: ErrorSerializer})
     def get(self, request: Request, tenant_id: str) -> Response:
@@ -85,10 +86,13 @@ class QuotaView(TenantScopedAPIView):
         try:
             status = quota_status(tenant)
             refused = refused_today(tenant)
+            forecasts = {(f.kind, f.ref, f.window_kind.value): f.forecast.as_dict()
+                         for f in scope_forecasts(tenant)}
         except QuotaStoreUnavailable:
             return Response({"detail": LIVE_UNAVAILABLE}, status=503)
         return Response({
-            "scopes": [s.as_dict() for s in status.scopes],
+            "scopes": [{**s.as_dict(), "forecast": forecasts.get((s.kind, s.ref, s.window))}
+                       for s in status.scopes],
             "open_holds": status.open_holds,
             "refused_today": {
                 "day": utc_day_id(), "total": sum(r.count for r in refused),

@@ -1,4 +1,5 @@
-"""A server-rendered SVG chart: tokens per day, stacked by model (the dashboard's 30-day picture).
+"""Server-rendered SVG charts: tokens per day, stacked by model (the dashboard's 30-day picture),
+and a window's usage so far with its forecast (a dashed line to the window's end).
 
 Only geometry is computed here; templates/console/dashboard_chart.html draws it. No JavaScript:
 every bar segment carries a <title>, which browsers show as a tooltip and screen readers read.
@@ -8,8 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
+
+from billing.forecast import Forecast, ScopeForecast
 
 # Colour-blind-safe categorical palette (Okabe-Ito, black dropped for the "other" grey).
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442")
@@ -153,3 +157,132 @@ def stacked_by_model(rows: list[dict[str, Any]], first_day: date, last_day: date
                          sum(v for (_, n), v in cells.items() if n == name)) for name in series]
     return StackedChart(WIDTH, HEIGHT, LEFT, plot_right, TOP, plot_bottom, segments, y_ticks,
                         x_ticks, legend, sum(day_totals.values()), first_day, last_day)
+
+
+# -- a window's usage and its forecast (the dashboard's forecast charts) -------------------------
+
+FORECAST_WIDTH, FORECAST_HEIGHT = 720, 240
+# The right margin leaves room for the limit's label.
+F_LEFT, F_RIGHT, F_TOP, F_BOTTOM = 64, 16, 16, 40
+_MAX_USED_POINTS = 240
+
+
+@dataclass(frozen=True)
+class ForecastChart:
+    """A window from its start to its end: the tokens used so far (a solid line, from the
+    ledger's hours, ending at the live counter), the forecast from now to the window's end (a
+    dashed line: billing/forecast.py's path), and the limit (a horizontal line)."""
+
+    title: str
+    width: int
+    height: int
+    plot_left: int
+    plot_right: int
+    plot_top: int
+    plot_bottom: int
+    used_points: str  # SVG polyline points
+    forecast_points: str
+    limit_y: float
+    now_x: float
+    reach_x: float | None
+    reach_y: float | None
+    y_ticks: list[Tick]
+    x_ticks: list[Tick]
+    description: str
+    forecast: Forecast
+    window_kind: str  # day / month
+
+    @property
+    def limit_label_y(self) -> float:
+        return round(self.limit_y - 5, 2)
+
+    @property
+    def summary(self) -> str:
+        return self.forecast.summary()
+
+    @property
+    def reach_text(self) -> str:
+        reach = self.forecast.reach_ms
+        return "" if reach is None else f"The limit would be reached around " \
+            f"{self.forecast.local(reach)}"
+
+
+def _axis_ticks(start_ms: int, end_ms: int, zone: str) -> list[tuple[int, str]]:
+    """Local instants to label: every 3 hours in a window of a day or less, else every few
+    days (at most 8 labels)."""
+    tz = ZoneInfo(zone)
+    start = datetime.fromtimestamp(start_ms / 1000, tz)
+    if end_ms - start_ms <= 26 * 3_600_000:
+        first = start.replace(minute=0, second=0, microsecond=0)
+        hours = [first + timedelta(hours=h) for h in range(0, 27)]
+        return [(int(h.timestamp() * 1000), h.strftime("%H:%M")) for h in hours
+                if h.hour % 3 == 0 and start_ms <= h.timestamp() * 1000 <= end_ms]
+    days = (end_ms - start_ms) // 86_400_000 + 1
+    step = max(1, math.ceil(days / 8))
+    out = []
+    day = start.date()
+    while True:
+        moment = datetime.combine(day, datetime.min.time(), tzinfo=tz)
+        at = int(moment.timestamp() * 1000)
+        if at > end_ms:
+            break
+        if at >= start_ms:
+            out.append((at, moment.strftime("%b %d")))
+        day += timedelta(days=step)
+    return out
+
+
+def forecast_chart(item: ScopeForecast, title: str) -> ForecastChart:
+    """The geometry of one window's forecast chart (templates/console/dashboard_forecast.html
+    draws it)."""
+    fc = item.forecast
+    window = fc.window
+    start, end = window.start_ms, max(window.end_ms, fc.now_ms + 1)
+    top = nice_ceiling(max(fc.capacity, fc.tokens, fc.so_far, 1))
+    plot_right, plot_bottom = FORECAST_WIDTH - F_RIGHT, FORECAST_HEIGHT - F_BOTTOM
+    plot_w, plot_h = plot_right - F_LEFT, plot_bottom - F_TOP
+
+    def x(ms: int) -> float:
+        return round(F_LEFT + plot_w * (min(max(ms, start), end) - start) / (end - start), 2)
+
+    def y(tokens: float) -> float:
+        return round(plot_bottom - plot_h * min(max(tokens, 0), top) / top, 2)
+
+    # Used so far: the ledger's hours of the window, ending at the live counter (which also
+    # counts what is held and what the ledger has not drained yet).
+    used: list[tuple[int, float]] = [(start, 0.0)]
+    cumulative = 0.0
+    moment = start
+    while moment < fc.now_ms:
+        after = min(moment - moment % 3_600_000 + 3_600_000, fc.now_ms)
+        cumulative += item.history.tokens(moment, after)
+        used.append((after, cumulative))
+        moment = after
+    if len(used) > _MAX_USED_POINTS:
+        stride = math.ceil(len(used) / _MAX_USED_POINTS)
+        used = used[::stride] + [used[-1]]
+    used.append((fc.now_ms, float(fc.so_far)))
+    used_points = " ".join(f"{x(t)},{y(v)}" for t, v in used)
+    forecast_points = " ".join(f"{x(t)},{y(v)}" for t, v in fc.path)
+    reach = fc.reach_ms if fc.reach_ms is not None and fc.reach_ms < window.end_ms else None
+    y_ticks = [Tick(y(top * f), short(int(top * f))) for f in (0, 0.25, 0.5, 0.75, 1)]
+    x_ticks = [Tick(x(at), label) for at, label in _axis_ticks(start, window.end_ms, fc.zone)]
+    reach_words = ("" if reach is None else
+                   f" The limit would be reached around {fc.local(reach)}.")
+    description = (f"{title}: {fc.so_far:,} tokens used so far of a {fc.capacity:,}-token "
+                   f"limit; forecast {fc.tokens:,} tokens ({fc.percent:g}%) by "
+                   f"{fc.local(window.end_ms)} (dashed line).{reach_words}")
+    return ForecastChart(
+        title=title, width=FORECAST_WIDTH, height=FORECAST_HEIGHT, plot_left=F_LEFT,
+        plot_right=plot_right, plot_top=F_TOP, plot_bottom=plot_bottom,
+        used_points=used_points, forecast_points=forecast_points, limit_y=y(fc.capacity),
+        now_x=x(fc.now_ms), reach_x=None if reach is None else x(reach),
+        reach_y=None if reach is None else y(fc.capacity), y_ticks=y_ticks, x_ticks=x_ticks,
+        description=description, forecast=fc, window_kind=item.window_kind.value)
+
+
+def forecast_charts(forecasts: list[ScopeForecast]) -> list[ForecastChart]:
+    """The tenant's day and cycle charts, day first."""
+    titles = {"day": "Today", "month": "This cycle"}
+    ordered = sorted(forecasts, key=lambda f: f.window_kind.value)
+    return [forecast_chart(f, titles[f.window_kind.value]) for f in ordered]
