@@ -7,6 +7,9 @@ Purpose
 
 KEYS
   KEYS[1]  counter   tg:{t<id>}:q:<scope>:<window>
+  KEYS[2]  optional: the tenant's shared pool of the same window, tg:{t<id>}:pool:<window>
+           (a tenant with allotments, lua/lib/tiers.lua): it gets the same credit, so the
+           top-up can be lent to every scope rather than sit behind the allotments
 
 ARGV
   ARGV[1]  tokens        integer >= 1 to add to `credit`
@@ -20,8 +23,8 @@ Return table
   { -1, 0, 0, now_ms }              the Redis clock is outside the window: resync and retry
 ]]
 
-if #KEYS ~= 1 or #ARGV ~= 5 then
-  return redis.error_reply('recharge: expected 1 key and ARGV = tokens, limit, window_start, window_end, expire_at')
+if (#KEYS ~= 1 and #KEYS ~= 2) or #ARGV ~= 5 then
+  return redis.error_reply('recharge: expected 1 key (2 with the pool) and ARGV = tokens, limit, window_start, window_end, expire_at')
 end
 local tokens = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
@@ -42,6 +45,13 @@ if redis.call('EXISTS', key) == 0 then
 end
 redis.call('HSET', key, 'limit', limit)
 local credit = redis.call('HINCRBY', key, 'credit', tokens)
+if #KEYS == 2 then
+  if redis.call('EXISTS', KEYS[2]) == 0 then
+    redis.call('HSET', KEYS[2], 'taken', 0)
+    redis.call('EXPIREAT', KEYS[2], tonumber(ARGV[5]))
+  end
+  redis.call('HINCRBY', KEYS[2], 'credit', tokens)
+end
 if limit < 0 then
   return { 1, credit, -1, now_ms }
 end

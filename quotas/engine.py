@@ -1004,11 +1004,16 @@ class QuotaEngine:
         return SweepResult(tenant, tuple(swept), dropped, fresh)
 
     def recharge(
-        self, tenant: str, limit: ScopeLimit, tokens: int, *, schedule: CycleSchedule = UTC_MONTHLY
+        self, tenant: str, limit: ScopeLimit, tokens: int, *, schedule: CycleSchedule = UTC_MONTHLY,
+        pool: bool = False,
     ) -> RechargeResult:
+        """Add credit to a counter of the current window; `pool`: a tenant counter whose
+        tenant has allotments in that window credits its shared pool too (lua/recharge.lua)."""
         for _ in range(_MAX_CLOCK_RETRIES):
             window, key, args = self._calls.recharge_call(tenant, limit, tokens, schedule)
-            code, credit, remaining, now_ms = (int(x) for x in self._run("recharge", [key], args))
+            call_keys = [key, keys.pool_key(tenant, window.id)] if pool else [key]
+            code, credit, remaining, now_ms = (int(x) for x in self._run("recharge", call_keys,
+                                                                          args))
             self.clock.observe(now_ms)
             if code == 1:
                 return RechargeResult(limit.scope, window, credit, remaining)

@@ -171,3 +171,13 @@ def test_allotment_standing_shows_used_borrowed_and_the_pool() -> None:
     assert (figures.kind, figures.label, figures.allotment, figures.used, figures.borrowed) == (
         "project", "web", quota // 4, quota // 4, 50)
     assert standing.as_dict()["allotments"][0]["used_from_allotment"] == quota // 4
+
+
+def test_a_recharge_of_the_tenant_credits_its_pool(engine, client, tenant) -> None:
+    assert reserve(engine, tenant, "b", 40, unprotected()).admitted
+    assert not reserve(engine, tenant, "c", 10, unprotected()).admitted
+    engine.recharge(tenant, TENANT, 10, pool=True)
+    assert client.hget(keys.pool_key(tenant, window_id(engine)), "credit") == "10"
+    assert reserve(engine, tenant, "c", 10, unprotected()).admitted
+    # The protected project's 60 are still there.
+    assert reserve(engine, tenant, "a", 60, protected()).admitted

@@ -9,6 +9,7 @@ from quotas.limits import project_counter, tenant_counter
 from quotas.management.commands._base import QuotaCommand
 from quotas.runtime import get_engine
 from quotas.windows import WindowKind
+from tenants.allotments import tenant_allotments
 from tenants.selectors import effective_limits, project_by_slug, tenant_by_slug
 from tenants.services import record_audit_event
 
@@ -30,13 +31,16 @@ class Command(QuotaCommand):
         tenant = tenant_by_slug(options["tenant"])
         window = WindowKind(options["window"])
         limits = effective_limits(tenant)
+        pool = False
         if options["project"]:
             counter = project_counter(project_by_slug(tenant, options["project"]), window)
         else:
             counter = tenant_counter(tenant, limits, window)
+            # With allotments, the top-up goes to the shared pool too: every scope may use it.
+            pool = tenant_allotments(tenant, limits=limits)[window.value].allotted > 0
         scope = counter.scope
         result = get_engine().recharge(tenant_tag(tenant.pk), counter.scope_limit,
-                                       options["tokens"])
+                                       options["tokens"], pool=pool)
         record_audit_event(
             tenant=tenant, actor="cli", action="quota.recharged", target=tenant.public_id,
             data={"scope": scope, "window": result.window.id, "tokens": options["tokens"]},
