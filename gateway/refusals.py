@@ -1,4 +1,4 @@
-"""Count the requests the gateway refuses, per tenant, UTC day and reason, for the console's
+"""Count the requests the gateway refuses, per tenant, day (the tenant's) and reason, for the console's
 "refused today and why" (read by quotas.status.refused_today).
 
 Only the refusal path pays for it (one pipelined HINCRBY + EXPIRE, in the tenant's hash slot);
@@ -13,7 +13,8 @@ from typing import Any
 
 from quotas import keys
 from quotas.limits import REFUSAL_REASONS
-from quotas.status import REFUSED_TTL_SECONDS, utc_day_id
+from quotas.status import REFUSED_TTL_SECONDS, day_id
+from quotas.windows import UTC_MONTHLY, CycleSchedule
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +23,16 @@ _COUNT_TIMEOUT_S = 0.5
 
 
 async def count_refusal(client: Any, tenant_tag: str, reason: str,
-                        now_s: float | None = None) -> None:
+                        now_s: float | None = None,
+                        schedule: CycleSchedule = UTC_MONTHLY) -> None:
     """HINCRBY the tenant's refused-today hash for `reason` (never raises). `now_s` is the
     gateway's estimate of the Redis clock (one clock, DESIGN.md invariant 6), so a host whose
-    clock is off still counts into the day the quota counters are in."""
+    clock is off still counts into the day the quota counters are in; `schedule` is the
+    tenant's (its day in its time zone: KeyContext.schedule)."""
     if reason not in REFUSAL_REASONS:
         log.warning("not counting a refusal with unknown reason %r", reason)
         return
-    key = keys.refused_key(tenant_tag, utc_day_id(now_s))
+    key = keys.refused_key(tenant_tag, day_id(schedule, now_s))
     try:
         pipe = client.pipeline(transaction=False)
         pipe.hincrby(key, reason, 1)

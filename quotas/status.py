@@ -10,11 +10,12 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from quotas import keys
+from quotas.cycles import calendar_for, calendar_of, schedule_for
 from quotas.engine import UNLIMITED, QuotaStoreUnavailable
 from quotas.keys import tenant_tag
 from quotas.limits import REFUSAL_REASONS, standing_counters
 from quotas.runtime import get_engine
-from quotas.windows import Calendar, WindowKind
+from quotas.windows import UTC_MONTHLY, CycleSchedule, WindowKind
 from tenants.models import ApiKey, Project, Tenant
 from tenants.selectors import effective_limits
 
@@ -79,7 +80,9 @@ def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
 
     engine = engine or get_engine()
     tag = tenant_tag(tenant.pk)
-    snaps = engine.counters(tag, [(c.scope, c.window) for c in wanted])
+    # In the tenant's windows (its day and cycle, quotas/cycles.py), as the gateway counts.
+    snaps = engine.counters(tag, [(c.scope, c.window) for c in wanted],
+                            schedule=schedule_for(tenant))
     statuses = []
     for c, snap in zip(wanted, snaps, strict=True):
         remaining = (UNLIMITED if c.limit == UNLIMITED
@@ -98,10 +101,16 @@ def quota_status(tenant: Tenant, *, engine: Any = None) -> QuotaStatus:
 REFUSED_TTL_SECONDS = 3 * 86400
 
 
-def utc_day_id(now_s: float | None = None) -> str:
-    """The UTC day's window id (d2026-11-30), as the quota counters name their day."""
+def day_id(schedule: CycleSchedule = UTC_MONTHLY, now_s: float | None = None) -> str:
+    """The id of the day window (d2026-11-30) at `now_s` (default: this host's clock) under a
+    tenant's schedule (quotas.cycles.schedule_for), as its quota counters name their day."""
     moment = time.time() if now_s is None else now_s
-    return Calendar(0).window(WindowKind.DAY, int(moment * 1000)).id
+    return calendar_of(schedule).window(WindowKind.DAY, int(moment * 1000)).id
+
+
+def utc_day_id(now_s: float | None = None) -> str:
+    """The UTC day's window id: the day of a tenant whose time zone is UTC."""
+    return day_id(UTC_MONTHLY, now_s)
 
 
 @dataclass(frozen=True)
@@ -113,12 +122,14 @@ class RefusedCount:
 
 def refused_today(tenant: Tenant, *, engine: Any = None,
                   now_s: float | None = None) -> list[RefusedCount]:
-    """The tenant's requests refused today (UTC) per reason, most frequent first. Raises
-    QuotaStoreUnavailable when Redis is down."""
+    """The tenant's requests refused today (its day, in its time zone) per reason, most frequent
+    first. Raises QuotaStoreUnavailable when Redis is down."""
     engine = engine or get_engine()
     try:
         # Today on the Redis clock, as the gateway counts it (one clock: DESIGN.md invariant 6).
-        day = utc_day_id(now_s) if now_s is not None else engine.current_window(WindowKind.DAY).id
+        day = (calendar_for(tenant).window(WindowKind.DAY, int(now_s * 1000)).id
+               if now_s is not None
+               else engine.current_window(WindowKind.DAY, schedule_for(tenant)).id)
         raw = engine.client.hgetall(keys.refused_key(tenant_tag(tenant.pk), day))
     except RedisError as exc:
         raise QuotaStoreUnavailable(f"quota store unreachable: {exc}") from exc

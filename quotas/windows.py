@@ -164,13 +164,20 @@ class CycleSchedule:
 
     current: Cycle = MONTHLY
     next: Cycle | None = None
+    # When `next` takes over; without `next`, where `current` ends (a past cycle's span, as
+    # quotas/cycles.py rebuilds it for a report).
     switch_ms: int | None = None
+    # When `current` took over, if that was a change whose first windows may still run (a
+    # change asked during the first window of the previous one): windows that began before it
+    # start at it, with the same "@" ids as when it was the `next`.
+    since_ms: int | None = None
 
     def cycle_at(self, now_ms: int) -> tuple[Cycle, int | None]:
-        """The cycle in force at `now_ms`, and the switch instant when it is the new one."""
+        """The cycle in force at `now_ms`, and the instant it took over when windows that
+        began earlier must be cut there (the switch, or `since_ms`)."""
         if self.next is not None and self.switch_ms is not None and now_ms >= self.switch_ms:
             return self.next, self.switch_ms
-        return self.current, None
+        return self.current, self.since_ms
 
 
 UTC_MONTHLY = CycleSchedule()
@@ -205,6 +212,9 @@ class Calendar:
             moment = datetime.fromtimestamp(start // 1000, UTC)
             return Window(kind, f"n{moment:%Y-%m-%dT%H:%M}", start, start + 60_000)
         cycle, switched_at = self.schedule.cycle_at(now_ms)
+        ends_at = self.schedule.switch_ms
+        if ends_at is not None and now_ms >= ends_at:
+            ends_at = None  # in force after the switch: the new cycle's windows run on
         zone = ZoneInfo(cycle.zone)
         today = datetime.fromtimestamp(now_ms / 1000, zone).date()
         if kind is WindowKind.DAY:
@@ -219,8 +229,8 @@ class Calendar:
             # shares a counter with the old cycle's last window.
             start_ms = switched_at
             window_id = f"{window_id}@{switched_at // 1000}"
-        if self.schedule.switch_ms is not None and switched_at is None:
-            end_ms = min(end_ms, self.schedule.switch_ms)
+        if ends_at is not None:
+            end_ms = min(end_ms, ends_at)
         return Window(kind=kind, id=window_id, start_ms=start_ms, end_ms=end_ms)
 
 

@@ -43,7 +43,13 @@ from tenants.selectors import masked_key
 from tenants.services.api_keys import KEY_EDIT_FIELDS, revoke_key, update_key
 from tenants.services.limits import check_key_limits, check_project_limits
 from tenants.services.management_tokens import revoke_management_token
-from tenants.services.plans import PLAN_FIELDS, create_plan, delete_plan, update_plan
+from tenants.services.plans import (
+    PLAN_CREATE_FIELDS,
+    PLAN_FIELDS,
+    create_plan,
+    delete_plan,
+    update_plan,
+)
 from tenants.services.projects import PROJECT_EDIT_FIELDS, create_project, update_project
 from tenants.services.tenants import (
     TENANT_OVERRIDE_FIELDS,
@@ -83,15 +89,18 @@ class PlanAdmin(admin.ModelAdmin):
     readonly_fields = ("created_at", "updated_at")
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
-        # The API names plans by name: it stays what it was created as.
-        return (*self.readonly_fields, "name") if obj is not None else self.readonly_fields
+        # The API names plans by name: it stays what it was created as; its cycle is its
+        # tenants' windows, fixed once created too (tenants.services.plans.PLAN_CREATE_FIELDS).
+        if obj is None:
+            return self.readonly_fields
+        return (*self.readonly_fields, "name", "reset_cycle", "allows_custom_cycle")
 
     def save_model(self, request: HttpRequest, obj: Plan, form: ModelForm, change: bool) -> None:
         if change:
             # Audited, and every gateway applies it to the next request.
             update_plan(obj, actor=_actor(request), **_changes(form, PLAN_FIELDS))
             return
-        fields = {n: form.cleaned_data[n] for n in PLAN_FIELDS if n in form.cleaned_data}
+        fields = {n: form.cleaned_data[n] for n in PLAN_CREATE_FIELDS if n in form.cleaned_data}
         created = create_plan(obj.name, actor=_actor(request), **fields)
         obj.pk, obj.created_at, obj.updated_at = created.pk, created.created_at, created.updated_at
 

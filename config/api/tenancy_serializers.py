@@ -243,16 +243,28 @@ class PlanSerializer(StrictJSONTypes, serializers.ModelSerializer):
             "over_quota_policy", "queue_timeout_seconds", "queue_priority", "soft_limit_percent",
             "fallback_model", "safety_factor", "allowed_models", "shrink_hold_to_headroom",
             "pace_share_percent", "pace_spend_micros", "pace_period_seconds",
-            "pace_cooldown_seconds", "responses_context_allowance_tokens", "created_at",
-            "updated_at",
+            "pace_cooldown_seconds", "responses_context_allowance_tokens", "reset_cycle",
+            "allows_custom_cycle", "created_at", "updated_at",
         ]
         read_only_fields = ["created_at", "updated_at"]
         extra_kwargs = {"display_name": {"required": False}}
 
 
 class PlanUpdateSerializer(PlanSerializer):
+    # A plan's cycle is fixed once created (tenants.services.plans.PLAN_CREATE_FIELDS).
     class Meta(PlanSerializer.Meta):
-        read_only_fields = ["name", "created_at", "updated_at"]
+        read_only_fields = ["name", "reset_cycle", "allows_custom_cycle", "created_at",
+                            "updated_at"]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # Read-only fields would be dropped without a word: say why instead.
+        fixed = [name for name in ("reset_cycle", "allows_custom_cycle")
+                 if isinstance(self.initial_data, dict) and name in self.initial_data]
+        if fixed:
+            raise serializers.ValidationError({name: [
+                "Fixed once the plan is created: it is its tenants' windows. Move tenants to "
+                "another plan, or change a tenant's own cycle."] for name in fixed})
+        return super().validate(attrs)
 
 
 class PlanNameField(serializers.SlugRelatedField):

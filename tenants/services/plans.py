@@ -37,6 +37,10 @@ PLAN_FIELDS: tuple[str, ...] = (
     "pace_cooldown_seconds",
     "responses_context_allowance_tokens",
 )
+# Set when a plan is created, fixed after: a plan's cycle is its tenants' windows, and changing it
+# under them would cut every tenant's current window at once. Tenants move to another cycle one
+# by one, by the change rule: a change of plan or of their own cycle (quotas.cycles).
+PLAN_CREATE_FIELDS: tuple[str, ...] = (*PLAN_FIELDS, "reset_cycle", "allows_custom_cycle")
 
 PLAN: Entity[Plan] = Entity(
     lock=lambda plan: Plan.objects.select_for_update().get(pk=plan.pk),
@@ -49,11 +53,11 @@ PLAN: Entity[Plan] = Entity(
 def _plan_data(plan: Plan) -> dict[str, Any]:
     # JSON-safe, for the audit trail.
     return {name: str(value) if name == "safety_factor" else value
-            for name, value in ((n, getattr(plan, n)) for n in PLAN_FIELDS)}
+            for name, value in ((n, getattr(plan, n)) for n in PLAN_CREATE_FIELDS)}
 
 
 def create_plan(name: str, *, actor: str, **fields: Any) -> Plan:
-    check_field_names(fields, PLAN_FIELDS, "plan")
+    check_field_names(fields, PLAN_CREATE_FIELDS, "plan")
     with transaction.atomic():
         plan = Plan(name=name, **fields)
         if not plan.display_name:

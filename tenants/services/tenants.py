@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from tenants.exceptions import TenantNotFound
-from tenants.models import Tenant
+from tenants.models import Plan, Tenant
 from tenants.selectors import plan_by_name
 from tenants.services._base import (
     Entity,
     check_field_names,
     clean,
+    Diff,
     from_to,
     insert_with_slug,
     record_change,
@@ -72,12 +74,42 @@ def create_tenant(
     return tenant
 
 
+# A plan decides its tenants' cycle (Plan.reset_cycle, allows_custom_cycle), so a move to another
+# plan may move the tenant's windows. The rule that schedules that (the current window finishes
+# first) needs the quota engine's calendar and the Redis clock, which tenants/ cannot import:
+# quotas.apps installs quotas.cycles.plan_cycle_rule here. It gets the locked tenant (still on its
+# old plan) and the new plan, and returns the cycle fields to save with the plan.
+PlanCycleRule = Callable[[Tenant, Plan], dict[str, Any]]
+_plan_cycle_rule: PlanCycleRule | None = None
+
+
+def set_plan_cycle_rule(rule: PlanCycleRule) -> None:
+    global _plan_cycle_rule
+    _plan_cycle_rule = rule
+
+
+def _plan_change_data(diff: Diff) -> dict[str, Any]:
+    data = from_to("plan", show=lambda plan: plan.name)(diff)
+    switch = diff.get("cycle_changes_at")
+    if switch is not None:
+        # The plan's cycle takes over when the tenant's current window ends (quotas.cycles).
+        moment = switch["to"]
+        data["cycle_changes_at"] = moment.isoformat(timespec="seconds") if moment else None
+    return data
+
+
 def change_plan(tenant: Tenant, plan_name: str, *, actor: str) -> Tenant:
+    """Move the tenant to another plan: its limits apply from the next request; a different
+    reset cycle takes over when the tenant's current cycle window ends (quotas.cycles)."""
     plan = plan_by_name(plan_name)
-    return update(
-        TENANT, tenant, {"plan": plan}, actor=actor, action="tenant.plan_changed",
-        data=from_to("plan", show=lambda plan: plan.name),
-    )
+    with transaction.atomic():
+        locked = _lock_tenant(tenant)
+        cycle = (_plan_cycle_rule(locked, plan)
+                 if _plan_cycle_rule is not None and locked.plan_id != plan.pk else {})
+        return update(
+            TENANT, tenant, {"plan": plan, **cycle}, actor=actor, action="tenant.plan_changed",
+            data=_plan_change_data,
+        )
 
 
 def set_tenant_limits(tenant: Tenant, *, actor: str, **overrides: Any) -> Tenant:

@@ -41,7 +41,7 @@ from quotas.engine import (
     ScopeLimit,
     Unit,
 )
-from quotas.windows import WindowKind
+from quotas.windows import DAILY, UTC_MONTHLY, CycleSchedule, WindowKind
 
 SCOPES = ["tenant", "project:p1", "project:p2", "key:k1", "model:m1"]
 limit_values = st.one_of(st.just(UNLIMITED), st.integers(min_value=0, max_value=400))
@@ -95,9 +95,11 @@ class QuotaMachine(RuleBasedStateMachine):
         super().__init__()
         self.tenant = uuid.uuid4().hex[:12]
         self.engine = QuotaEngine(self.client, EngineSettings(tombstone_s=600, sweep_batch=7))
-        # Moving the calendar by whole days is how a test makes "tomorrow" arrive on a Redis
-        # clock it cannot set: the windows move, exactly as they do at a real midnight.
-        self.day_shift = 0
+        # A change of cycle that took effect a moment ago is how a test makes "tomorrow" arrive
+        # on a Redis clock it cannot set: every window ends there and new ones (ids of their own)
+        # start, exactly as at a real midnight (next_day).
+        self.schedule = UTC_MONTHLY
+        self.days = 0
         self.counters: dict[str, Expected] = {}
         self.open: dict[str, OpenHold] = {}
         self.n = 0
@@ -136,7 +138,7 @@ class QuotaMachine(RuleBasedStateMachine):
         money = -(-amount * max(price_in, price_out) // 1_000_000)
         request = ReserveRequest(
             self.tenant, f"r{self.n}", amount, self._limits(scopes), min_amount=min_amount,
-            dry_run=dry_run, utc_offset_s=self.day_shift, money_amount=money,
+            dry_run=dry_run, schedule=self.schedule, money_amount=money,
             input_tokens=input_tokens, price_in=price_in, price_out=price_out,
         )
         result = self.engine.reserve(request)
@@ -244,15 +246,21 @@ class QuotaMachine(RuleBasedStateMachine):
     @rule(amount=st.integers(min_value=1, max_value=100))
     def recharge_tenant(self, amount: int) -> None:
         limit = ScopeLimit("tenant", WindowKind.DAY, self.day_limits["tenant"])
-        result = self.engine.recharge(self.tenant, limit, amount, utc_offset_s=self.day_shift)
-        key = self.engine._calls.counter_key_now(self.tenant, "tenant", WindowKind.DAY, self.day_shift)
+        result = self.engine.recharge(self.tenant, limit, amount, schedule=self.schedule)
+        key = self.engine._calls.counter_key_now(self.tenant, "tenant", WindowKind.DAY,
+                                                 self.schedule)
         e = self.counters.setdefault(key, Expected(limit.limit))
         e.credit += amount
         assert result.credit == e.credit
 
     @rule()
     def next_day(self) -> None:
-        self.day_shift += 86400
+        # Switched a whole number of seconds ago, one second earlier each time: every switch
+        # names its first windows differently (their ids carry the switch's second).
+        self.days += 1
+        seconds, _ = self.client.time()
+        switch_ms = (int(seconds) - self.days) * 1000
+        self.schedule = CycleSchedule(UTC_MONTHLY.current, DAILY, switch_ms)
 
     @invariant()
     def counters_match_the_model_and_never_overdraw(self) -> None:

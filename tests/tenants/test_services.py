@@ -109,7 +109,12 @@ def test_every_service_writes_exactly_one_event(
 def test_event_data_describes_the_change(tenant: Tenant, issued: IssuedKey) -> None:
     before = _event_ids()
     change_plan(tenant, "free", actor="cli")
-    assert _only_new_event(before).data == {"from": "standard", "to": "free"}
+    # The free plan resets daily: the move changes the tenant's cycle too, and says when the
+    # daily cycle takes over (at once here: the tenant never called, quotas.cycles).
+    data = _only_new_event(before).data
+    assert {k: data[k] for k in ("from", "to")} == {"from": "standard", "to": "free"}
+    assert tenant.cycle_changes_at is not None
+    assert data["cycle_changes_at"] == tenant.cycle_changes_at.isoformat(timespec="seconds")
 
     before = _event_ids()
     set_tenant_limits(tenant, actor="cli", tokens_per_day=UNLIMITED, requests_per_second=None)
