@@ -23,6 +23,21 @@ def _sub_limit(label: str) -> forms.IntegerField:
     return forms.IntegerField(label=label, required=False, min_value=0, help_text=_SUB_LIMIT_HELP)
 
 
+def _allotment(label: str, window: str) -> forms.IntegerField:
+    return forms.IntegerField(
+        label=label, required=False, min_value=0,
+        help_text=f"Tokens {window} reserved for it alone out of the tenant's quota; what it "
+        "needs beyond them is borrowed from the shared pool. Empty: none.")
+
+
+def _day_allotment() -> forms.IntegerField:
+    return _allotment("Allotment per day", "per day")
+
+
+def _cycle_allotment() -> forms.IntegerField:
+    return _allotment("Allotment per cycle", "per cycle (the tenant's month)")
+
+
 def _pace_share() -> forms.IntegerField:
     return forms.IntegerField(
         label="Pace share (%)", required=False, min_value=1, max_value=100,
@@ -52,6 +67,8 @@ class ProjectForm(forms.Form):
     name = forms.CharField(max_length=200, required=False)
     tokens_per_day = _sub_limit("Tokens per day")
     tokens_per_month = _sub_limit("Tokens per month")
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
 
 
 class ProjectLimitsForm(forms.Form):
@@ -59,15 +76,20 @@ class ProjectLimitsForm(forms.Form):
     tokens_per_month = _sub_limit("Tokens per month")
     pace_share_percent = _pace_share()
     pace_spend_micros = _pace_spend()
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
 
 
 class KeySubLimitsForm(forms.Form):
-    """A key's token sub-limits, as the limits page sets them (the key page has every field)."""
+    """A key's token sub-limits and allotments, as the limits page sets them (the key page has
+    every field)."""
 
     tokens_per_day = _sub_limit("Tokens per day")
     tokens_per_month = _sub_limit("Tokens per month")
     pace_share_percent = _pace_share()
     pace_spend_micros = _pace_spend()
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
 
 
 class IssueKeyForm(forms.Form):
@@ -82,6 +104,8 @@ class KeyLimitsForm(forms.Form):
     tokens_per_month = _sub_limit("Tokens per month")
     requests_per_minute = _sub_limit("Requests per minute")
     max_concurrency = _sub_limit("Concurrent requests")
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
     allowed_models = forms.CharField(
         required=False,
         label="Allowed models",
@@ -102,6 +126,8 @@ class KeyLimitsForm(forms.Form):
             "tokens_per_month": api_key.tokens_per_month,
             "requests_per_minute": api_key.requests_per_minute,
             "max_concurrency": api_key.max_concurrency,
+            "allotment_tokens_per_day": api_key.allotment_tokens_per_day,
+            "allotment_tokens_per_month": api_key.allotment_tokens_per_month,
             "allowed_models": ", ".join(api_key.allowed_models),
         }
 

@@ -101,6 +101,8 @@ def projects_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
             project = services.create_project(
                 tenant, data["slug"], actor=actor(request), name=data["name"],
                 tokens_per_day=data["tokens_per_day"], tokens_per_month=data["tokens_per_month"],
+                allotment_tokens_per_day=data["allotment_tokens_per_day"],
+                allotment_tokens_per_month=data["allotment_tokens_per_month"],
                 within_limits=True,
             )
         except SlugTaken:
