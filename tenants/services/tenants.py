@@ -31,6 +31,8 @@ TENANT_OVERRIDE_FIELDS: tuple[str, ...] = (
     "monthly_spend_budget_micros",
     "model_tokens_per_day",
     "alert_thresholds",
+    # quota.forecast warnings (billing/forecast_alerts.py): percent of a limit; 0 is off.
+    "forecast_threshold_percent",
     # The burn-rate breaker (quotas/pace.py): None inherits the plan's, -1 switches share or
     # spend off.
     "pace_share_percent",
