@@ -94,6 +94,14 @@ class WindowAllotments:
         quota can make it positive; the services refuse to add to it."""
         return max(0, self.allotted - self.quota) if self.limited else 0
 
+    def as_dict(self) -> dict[str, object]:
+        """The management API's form (null: no quota in the window)."""
+        return {"window": self.window.name,
+                "quota": self.quota if self.limited else None,
+                "allotted": self.allotted,
+                "pool": self.pool if self.limited else None,
+                "over": self.over, "warning": self.warning()}
+
     def warning(self) -> str:
         """What the console and the API say when the allotments exceed the quota ("" if not)."""
         if not self.over:

@@ -44,6 +44,7 @@ from quotas.engine import UNLIMITED, QuotaStoreUnavailable
 from quotas.pace import Trip, resume_trip, tenant_trips
 from quotas.status import quota_status
 from tenants import selectors, services
+from tenants.allotments import tenant_allotments
 from tenants.exceptions import SlugTaken
 from tenants.models import Plan, Tenant
 
@@ -157,6 +158,10 @@ def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
         },
         "overrides": {name: getattr(tenant, name) for name in OPERATOR_OVERRIDES},
         "alert_thresholds": tenant.alert_thresholds,
+        # Per window: the quota, the allotments and the shared pool (the live standing of each
+        # allotment is at /quota).
+        "allotments": [window.as_dict()
+                       for window in tenant_allotments(tenant, limits=limits).values()],
         "live": live,
     }
     return document, live is not None

@@ -87,7 +87,10 @@ class ProjectListView(TenantScopedAPIView, GenericAPIView):
                 tokens_per_day=data.get("tokens_per_day"),
                 tokens_per_month=data.get("tokens_per_month"),
                 pace_share_percent=data.get("pace_share_percent"),
-                pace_spend_micros=data.get("pace_spend_micros"), within_limits=True,
+                pace_spend_micros=data.get("pace_spend_micros"),
+                allotment_tokens_per_day=data.get("allotment_tokens_per_day"),
+                allotment_tokens_per_month=data.get("allotment_tokens_per_month"),
+                within_limits=True,
             )
         except SlugTaken:
             raise ValidationError(

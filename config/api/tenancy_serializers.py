@@ -86,6 +86,22 @@ def _pace_spend() -> serializers.IntegerField:
         help_text="Burn-rate breaker: micro-dollars per pace period; null: none of its own.")
 
 
+def _allotment(window: str) -> serializers.IntegerField:
+    return serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_QUANTITY,
+        help_text=f"Tokens {window} reserved for it alone out of the tenant's quota (its calls "
+        "borrow beyond it from the shared pool); null: none. Refused when the allotments would "
+        "exceed the tenant's quota of the window, or its project's allotment.")
+
+
+def _day_allotment() -> serializers.IntegerField:
+    return _allotment("per day")
+
+
+def _cycle_allotment() -> serializers.IntegerField:
+    return _allotment("per cycle (the tenant's month)")
+
+
 class UsageSerializer(serializers.Serializer):
     today = serializers.IntegerField(help_text="Tokens used today (UTC), from the ledger.")
     month = serializers.IntegerField(help_text="Tokens used this month (UTC), from the ledger.")
@@ -103,7 +119,8 @@ class ProjectSerializer(serializers.ModelSerializer):
     class Meta:
         model = Project
         fields = ["id", "slug", "name", "tokens_per_day", "tokens_per_month",
-                  "pace_share_percent", "pace_spend_micros", "usage", "created_at"]
+                  "pace_share_percent", "pace_spend_micros", "allotment_tokens_per_day",
+                  "allotment_tokens_per_month", "usage", "created_at"]
         read_only_fields = fields
 
     @extend_schema_field(UsageSerializer)
@@ -118,6 +135,8 @@ class ProjectCreateSerializer(StrictJSONTypes):
     tokens_per_month = _sub_limit()
     pace_share_percent = _pace_share()
     pace_spend_micros = _pace_spend()
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
 
 
 class ProjectUpdateSerializer(StrictJSONTypes):
@@ -126,6 +145,8 @@ class ProjectUpdateSerializer(StrictJSONTypes):
     tokens_per_month = _sub_limit()
     pace_share_percent = _pace_share()
     pace_spend_micros = _pace_spend()
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         # The slug names the project in scripts and the CLI; silently ignoring it would hide a typo.
@@ -146,7 +167,8 @@ class ApiKeySerializer(serializers.ModelSerializer):
         fields = [
             "id", "project", "name", "masked", "status", "tokens_per_day", "tokens_per_month",
             "requests_per_minute", "max_concurrency", "allowed_models", "pace_share_percent",
-            "pace_spend_micros", "expires_at",
+            "pace_spend_micros", "allotment_tokens_per_day", "allotment_tokens_per_month",
+            "expires_at",
             "revoked_at", "last_used_at", "created_at", "created_by", "usage",
         ]
         read_only_fields = fields
@@ -187,6 +209,8 @@ class _KeyLimitFields(StrictJSONTypes):
     max_concurrency = _sub_limit("Requests in flight at once; null: no sub-limit.")
     pace_share_percent = _pace_share()
     pace_spend_micros = _pace_spend()
+    allotment_tokens_per_day = _day_allotment()
+    allotment_tokens_per_month = _cycle_allotment()
     allowed_models = serializers.ListField(
         child=serializers.CharField(max_length=200), required=False, allow_empty=True,
         help_text="Narrows the plan's models; empty: every model the plan allows.",
@@ -373,11 +397,29 @@ class LiveStatusSerializer(serializers.Serializer):
     scopes = LimitScopeStatusSerializer(many=True)
 
 
+class AllotmentWindowSerializer(serializers.Serializer):
+    """A window's allotments: the tenant's quota, what projects and keys reserved of it, and
+    the shared pool left for everyone to borrow from."""
+
+    window = serializers.ChoiceField(choices=["day", "month"],
+                                     help_text="day, or month: the tenant's cycle.")
+    quota = serializers.IntegerField(allow_null=True, help_text="The tenant's quota of the "
+                                     "window; null: none, so nothing can be allotted.")
+    allotted = serializers.IntegerField(help_text="The top-level allotments: every project's, "
+                                        "and those of keys whose project has none.")
+    pool = serializers.IntegerField(allow_null=True, help_text="The shared pool: the quota minus "
+                                    "the allotments, never below 0; null: no quota.")
+    over = serializers.IntegerField(help_text="By how many tokens the allotments exceed the "
+                                    "quota (after the quota was lowered); 0: they fit.")
+    warning = serializers.CharField(allow_blank=True, help_text="What to do when `over` > 0.")
+
+
 class TenantLimitsSerializer(serializers.Serializer):
     plan = PlanSerializer()
     effective = EffectiveLimitsSerializer()
     overrides = TenantOverridesSerializer()
     alert_thresholds = serializers.ListField(child=serializers.IntegerField())
+    allotments = AllotmentWindowSerializer(many=True)
     live = LiveStatusSerializer(allow_null=True, help_text="null when the quota store is down.")
 
 

@@ -1,0 +1,135 @@
+"""Management API: projects' and keys' allotments, read and written through the services; the
+refusals in the API's error shape ({"field": ["message"]}, 400, nothing changed); the limits
+document's per-window allotments, pool and over-quota warning."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenants.models import ApiKey, AuditEvent, Project
+from tenants.services import issue_management_token, set_tenant_limits, update_project
+from tests.support.api_clients import bearer
+from tests.world import World
+
+pytestmark = pytest.mark.django_db
+
+
+def base(world: World) -> str:
+    return f"/api/tenants/{world.acme.public_id}"
+
+
+@pytest.fixture
+def quota(world: World) -> World:
+    set_tenant_limits(world.acme, actor="test", tokens_per_day=1000, monthly_token_budget=20_000)
+    return world
+
+
+def test_a_project_allotment_is_written_and_read(quota: World) -> None:
+    url = f"{base(quota)}/projects/{quota.web.public_id}/"
+    owner = quota.client(quota.owner)
+    response = owner.patch(url, {"allotment_tokens_per_day": 600,
+                                 "allotment_tokens_per_month": 5000}, format="json")
+    assert response.status_code == 200, response.json()
+    body = response.json()
+    assert (body["allotment_tokens_per_day"], body["allotment_tokens_per_month"]) == (600, 5000)
+    assert owner.get(url).json()["allotment_tokens_per_day"] == 600
+    listed = owner.get(f"{base(quota)}/projects/").json()["results"]
+    assert listed[0]["allotment_tokens_per_month"] == 5000
+    # A PATCH that leaves them out keeps them; null removes one.
+    owner.patch(url, {"name": "Web"}, format="json")
+    assert owner.get(url).json()["allotment_tokens_per_day"] == 600
+    cleared = owner.patch(url, {"allotment_tokens_per_month": None}, format="json").json()
+    assert (cleared["allotment_tokens_per_day"], cleared["allotment_tokens_per_month"]) == (
+        600, None)
+    assert AuditEvent.objects.filter(action="project.updated", actor="user:owner").count() == 3
+
+
+def test_allotments_over_the_quota_are_refused_in_the_api_shape(quota: World) -> None:
+    owner = quota.client(quota.owner)
+    created = owner.post(f"{base(quota)}/projects/", {
+        "slug": "batch", "allotment_tokens_per_day": 700}, format="json")
+    assert created.status_code == 201 and created.json()["allotment_tokens_per_day"] == 700
+    before = (AuditEvent.objects.count(), Project.objects.count())
+    url = f"{base(quota)}/projects/{quota.web.public_id}/"
+    response = owner.patch(url, {"allotment_tokens_per_day": 301}, format="json")
+    assert response.status_code == 400
+    assert response.json() == {"allotment_tokens_per_day": [
+        "Allotments would total 1,001 tokens per day; the tenant's daily quota is 1,000."]}
+    refused = owner.post(f"{base(quota)}/projects/", {
+        "slug": "late", "allotment_tokens_per_day": 301}, format="json")
+    assert refused.status_code == 400 and "allotment_tokens_per_day" in refused.json()
+    assert (AuditEvent.objects.count(), Project.objects.count()) == before
+    quota.web.refresh_from_db()
+    assert quota.web.allotment_tokens_per_day is None
+
+
+def test_a_key_allotment_is_written_read_and_nested_in_its_project(quota: World) -> None:
+    update_project(quota.web, actor="test", allotment_tokens_per_day=500)
+    owner = quota.client(quota.owner)
+    issued = owner.post(f"{base(quota)}/keys/", {
+        "project": quota.web.public_id, "name": "batch", "allotment_tokens_per_day": 300},
+        format="json")
+    assert issued.status_code == 201, issued.json()
+    assert issued.json()["allotment_tokens_per_day"] == 300
+    key = quota.issued.api_key
+    url = f"{base(quota)}/keys/{key.public_id}/"
+    response = owner.patch(url, {"allotment_tokens_per_day": 201}, format="json")
+    assert response.status_code == 400
+    assert response.json() == {"allotment_tokens_per_day": [
+        "The allotments of project web's keys would total 501 tokens per day; the project's "
+        "allotment is 500."]}
+    ok = owner.patch(url, {"allotment_tokens_per_day": 200}, format="json")
+    assert ok.status_code == 200 and ok.json()["allotment_tokens_per_day"] == 200
+    assert owner.get(url).json()["allotment_tokens_per_day"] == 200
+
+
+def test_other_refusals_name_their_field(world: World) -> None:
+    owner = world.client(world.owner)
+    url = f"{base(world)}/keys/{world.issued.api_key.public_id}/"
+    no_budget = owner.patch(url, {"allotment_tokens_per_month": 10}, format="json")
+    assert no_budget.status_code == 400
+    assert no_budget.json() == {"allotment_tokens_per_month": [
+        "The tenant has no cycle token budget to allot from: it has no monthly token budget."]}
+    own_limit = owner.patch(url, {"tokens_per_day": 100, "allotment_tokens_per_day": 101},
+                            format="json")
+    assert own_limit.status_code == 400
+    assert own_limit.json()["allotment_tokens_per_day"][0].startswith(
+        "Must be at most 100, the key's own tokens per day")
+    wrong_type = owner.patch(url, {"allotment_tokens_per_day": "100"}, format="json")
+    assert wrong_type.status_code == 400
+    assert wrong_type.json() == {"allotment_tokens_per_day": ["Must be a whole number."]}
+    negative = owner.patch(url, {"allotment_tokens_per_day": -1}, format="json")
+    assert negative.status_code == 400
+    key = ApiKey.objects.get(pk=world.issued.api_key.pk)
+    assert (key.tokens_per_day, key.allotment_tokens_per_day) == (None, None)
+
+
+def test_who_may_set_allotments(quota: World) -> None:
+    url = f"{base(quota)}/projects/{quota.web.public_id}/"
+    body = {"allotment_tokens_per_day": 10}
+    assert quota.client(quota.member).patch(url, body, format="json").status_code == 403
+    assert quota.client(quota.outsider).patch(url, body, format="json").status_code == 404
+    reader = issue_management_token(quota.acme, name="r", actor="test", scope="read")
+    assert bearer(reader.plaintext).patch(url, body, format="json").status_code == 403
+    keys_token = issue_management_token(quota.acme, name="k", actor="test", scope="keys")
+    response = bearer(keys_token.plaintext).patch(url, body, format="json")
+    assert response.status_code == 200 and response.json()["allotment_tokens_per_day"] == 10
+
+
+def test_the_limits_document_carries_the_pool_and_the_warning(quota: World) -> None:
+    update_project(quota.web, actor="test", allotment_tokens_per_day=800)
+    url = f"{base(quota)}/limits"
+    body = quota.client(quota.member).get(url).json()
+    assert body["allotments"] == [
+        {"window": "day", "quota": 1000, "allotted": 800, "pool": 200, "over": 0, "warning": ""},
+        {"window": "month", "quota": 20_000, "allotted": 0, "pool": 20_000, "over": 0,
+         "warning": ""},
+    ]
+    # An operator lowers the quota below the allotments: allowed, and the document says so.
+    operator = issue_management_token(None, name="ops", actor="test")
+    lowered = bearer(operator.plaintext).patch(url, {"tokens_per_day": 600}, format="json")
+    assert lowered.status_code == 200
+    day = lowered.json()["allotments"][0]
+    assert (day["quota"], day["allotted"], day["pool"], day["over"]) == (600, 800, 0, 200)
+    assert day["warning"].startswith("Allotments total 800 tokens per day, more than the "
+                                     "tenant's daily quota of 600")
