@@ -67,6 +67,7 @@ def test_tenant_admin_add_and_plan_change_are_audited(
         "name": "Umbrella",
         "plan": standard.pk,
         "alert_thresholds": "[10, 5]",
+        "forecast_threshold_percent": "80",  # the admin shows the default
         "status": "active",
         "projects-TOTAL_FORMS": "0",
         "projects-INITIAL_FORMS": "0",
