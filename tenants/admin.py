@@ -11,6 +11,7 @@ exactly once to the person who asked for it. Digests are never displayed.
 
 from __future__ import annotations
 
+from copy import copy
 from typing import Any
 
 from django.contrib import admin, messages
@@ -19,6 +20,7 @@ from django.db.models import QuerySet
 from django.forms import BaseInlineFormSet, ModelForm
 from django.http import HttpRequest
 
+from tenants.allotments import ALLOTMENT_FIELDS, over_quota_warnings
 from tenants.key_usability import key_usability
 from tenants.management_tokens import masked_token
 from tenants.membership import (
@@ -40,6 +42,7 @@ from tenants.models import (
     Tenant,
 )
 from tenants.selectors import masked_key
+from tenants.services.allotments import check_allotments
 from tenants.services.api_keys import KEY_EDIT_FIELDS, revoke_key, update_key
 from tenants.services.limits import check_key_limits, check_project_limits
 from tenants.services.management_tokens import revoke_management_token
@@ -114,7 +117,8 @@ class PlanAdmin(admin.ModelAdmin):
 
 class ProjectInline(admin.TabularInline):
     model = Project
-    fields = ("public_id", "slug", "name", "tokens_per_day", "tokens_per_month", "created_at")
+    fields = ("public_id", "slug", "name", "tokens_per_day", "tokens_per_month",
+              "allotment_tokens_per_day", "allotment_tokens_per_month", "created_at")
     readonly_fields = fields
     extra = 0
     show_change_link = True
@@ -206,6 +210,11 @@ class TenantAdmin(admin.ModelAdmin):
             set_tenant_limits(obj, actor=actor, **changed_limits)
         if "status" in changed:
             set_tenant_status(obj, obj.status, actor=actor)
+        if changed & {"plan", *TENANT_OVERRIDE_FIELDS}:
+            # A lower quota is not refused for the allotments it leaves above it (the pool is
+            # then empty); say so, with what to lower.
+            for warning in over_quota_warnings(obj):
+                messages.warning(request, warning)
 
     def save_formset(
         self, request: HttpRequest, form: ModelForm, formset: Any, change: bool
@@ -226,6 +235,21 @@ class TenantAdmin(admin.ModelAdmin):
             remove_member(membership, actor=actor, by_role=Membership.Role.OWNER)
 
 
+def _check_allotments_on(form: ModelForm, tenant: Tenant) -> None:
+    """The allotment rules on the row as the form would save it, so that a refusal lands on its
+    field (the services check again under the tenant's lock)."""
+    if not any(name in form.changed_data for name in (*ALLOTMENT_FIELDS, "tokens_per_day",
+                                                      "tokens_per_month")):
+        return
+    row = copy(form.instance)
+    for name, value in form.cleaned_data.items():
+        if name in ALLOTMENT_FIELDS or name in ("tokens_per_day", "tokens_per_month"):
+            setattr(row, name, value)
+    if isinstance(row, Project):
+        row.tenant = tenant
+    check_allotments(tenant, row)
+
+
 class ProjectAdminForm(ModelForm):
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
@@ -235,6 +259,7 @@ class ProjectAdminForm(ModelForm):
             # again under its lock); here so that a refusal lands on the field.
             check_project_limits(tenant, tokens_per_day=cleaned.get("tokens_per_day"),
                                  tokens_per_month=cleaned.get("tokens_per_month"))
+            _check_allotments_on(self, tenant)
         return cleaned
 
 
@@ -267,6 +292,8 @@ class ProjectAdmin(admin.ModelAdmin):
             tokens_per_month=obj.tokens_per_month,
             pace_share_percent=obj.pace_share_percent,
             pace_spend_micros=obj.pace_spend_micros,
+            allotment_tokens_per_day=obj.allotment_tokens_per_day,
+            allotment_tokens_per_month=obj.allotment_tokens_per_month,
             within_limits=True,
         )
         obj.pk, obj.public_id, obj.created_at = created.pk, created.public_id, created.created_at
@@ -298,6 +325,7 @@ class ApiKeyAdminForm(ModelForm):
                          tokens_per_month=value["tokens_per_month"],
                          requests_per_minute=value["requests_per_minute"],
                          allowed_models=value["allowed_models"])
+        _check_allotments_on(self, key.project.tenant)
         return cleaned
 
 
@@ -334,6 +362,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "allowed_models",
         "pace_share_percent",
         "pace_spend_micros",
+        "allotment_tokens_per_day",
+        "allotment_tokens_per_month",
         "expires_at",
         "revoked_at",
         "last_used_at",

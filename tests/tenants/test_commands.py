@@ -90,6 +90,8 @@ def test_project_create(tenant: Tenant) -> None:
         "name": "Mobile",
         "tokens_per_day": 1000,
         "tokens_per_month": None,
+        "allotment_tokens_per_day": None,
+        "allotment_tokens_per_month": None,
     }
     assert "acme/desktop" in run_text("project_create", "acme", "desktop")
 

@@ -19,6 +19,15 @@ class Command(TenantsCommand):
         parser.add_argument(
             "--tokens-per-day", type=int, help="Daily token sub-limit inside the tenant's."
         )
+        parser.add_argument(
+            "--allotment-tokens-per-day", type=int,
+            help="Tokens per day reserved for the project alone out of the tenant's daily quota.",
+        )
+        parser.add_argument(
+            "--allotment-tokens-per-month", type=int,
+            help="Tokens per cycle (the tenant's month) reserved for the project alone out of "
+            "the tenant's cycle token budget.",
+        )
 
     def run(self, **options: Any) -> tuple[dict[str, Any], str]:
         tenant = tenant_by_slug(options["tenant_slug"])
@@ -28,6 +37,8 @@ class Command(TenantsCommand):
             actor=ACTOR,
             name=options["name"],
             tokens_per_day=options["tokens_per_day"],
+            allotment_tokens_per_day=options["allotment_tokens_per_day"],
+            allotment_tokens_per_month=options["allotment_tokens_per_month"],
         )
         data = {
             "public_id": project.public_id,
@@ -36,11 +47,18 @@ class Command(TenantsCommand):
             "name": project.name,
             "tokens_per_day": project.tokens_per_day,
             "tokens_per_month": project.tokens_per_month,
+            "allotment_tokens_per_day": project.allotment_tokens_per_day,
+            "allotment_tokens_per_month": project.allotment_tokens_per_month,
         }
         sub_limit = (
             "no daily sub-limit"
             if project.tokens_per_day is None
             else f"{project.tokens_per_day} tokens/day"
         )
-        text = f"Created project {tenant.slug}/{project.slug} ({project.public_id}), {sub_limit}."
+        allotments = [f"{value:,} tokens {per} allotted"
+                      for value, per in ((project.allotment_tokens_per_day, "a day"),
+                                         (project.allotment_tokens_per_month, "a cycle"))
+                      if value is not None]
+        text = (f"Created project {tenant.slug}/{project.slug} ({project.public_id}), "
+                f"{', '.join([sub_limit, *allotments])}.")
         return data, text

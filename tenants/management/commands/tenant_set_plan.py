@@ -3,6 +3,7 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
+from tenants.allotments import over_quota_warnings
 from tenants.management.commands._base import ACTOR, TenantsCommand, tenant_as_dict
 from tenants.selectors import tenant_by_slug
 from tenants.services.tenants import change_plan
@@ -20,10 +21,13 @@ class Command(TenantsCommand):
         tenant = tenant_by_slug(options["tenant_slug"])
         previous = tenant.plan.name
         change_plan(tenant, options["plan"], actor=ACTOR)
-        data = {**tenant_as_dict(tenant), "previous_plan": previous}
+        # A lower quota is not refused for the allotments it leaves above it: say so.
+        warnings = over_quota_warnings(tenant)
+        data = {**tenant_as_dict(tenant), "previous_plan": previous,
+                "allotment_warnings": warnings}
         text = (
             f"Tenant {tenant.slug} moved from plan {previous} to {tenant.plan.name}."
             if previous != tenant.plan.name
             else f"Tenant {tenant.slug} is already on plan {previous}; nothing changed."
         )
-        return data, text
+        return data, "\n".join([text, *(f"Warning: {w}" for w in warnings)])
