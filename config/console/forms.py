@@ -165,6 +165,16 @@ class AlertThresholdsForm(forms.Form):
             raise ValidationError("Enter whole numbers separated by commas.") from None
         return sorted(values, reverse=True)
 
+    forecast_threshold_percent = forms.IntegerField(
+        label="Forecast warning (percent of a limit)",
+        min_value=0,
+        max_value=100,
+        required=False,  # left out: unchanged
+        help_text="Warn (email and the quota.forecast webhook, once per window) when a quota's "
+        "forecast for the end of its window reaches this percent of its limit. 0: no forecast "
+        "warnings.",
+    )
+
 
 class ManagementTokenForm(forms.Form):
     name = forms.CharField(max_length=200, help_text="What the token is for, e.g. terraform.")

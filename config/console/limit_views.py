@@ -176,7 +176,8 @@ def _limits_page(
         "allotments": allotments,
         "alerts_form": bound.get("alerts") or AlertThresholdsForm(
             prefix="alerts",
-            initial={"alert_thresholds": ", ".join(map(str, tenant.alert_thresholds))},
+            initial={"alert_thresholds": ", ".join(map(str, tenant.alert_thresholds)),
+                     "forecast_threshold_percent": tenant.forecast_threshold_percent},
         ),
     }
     return render_page(request, tenant, "console/limits.html", context,
@@ -196,8 +197,11 @@ def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         alerts = AlertThresholdsForm(request.POST, prefix="alerts")
         if alerts.is_valid():
             try:
-                services.set_tenant_limits(tenant, actor=actor(request),
-                                           alert_thresholds=alerts.cleaned_data["alert_thresholds"])
+                forecast = alerts.cleaned_data["forecast_threshold_percent"]
+                services.set_tenant_limits(
+                    tenant, actor=actor(request),
+                    alert_thresholds=alerts.cleaned_data["alert_thresholds"],
+                    **({} if forecast is None else {"forecast_threshold_percent": forecast}))
             except ValidationError as exc:
                 add_service_errors(alerts, exc)
             else:

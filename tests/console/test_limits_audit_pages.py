@@ -253,3 +253,30 @@ def test_audit_details_read_as_changes() -> None:
     assert audit_details({"name": "ci", "expires_at": None, "allowed_models": [],
                           "changes": {"tokens_per_day": {"from": None, "to": 500}}}) == [
         ("name", "ci"), ("tokens_per_day", "— → 500")]
+
+
+def test_set_the_forecast_threshold_beside_the_alert_thresholds(world: World) -> None:
+    page = login(world.owner).get(url(world, "limits")).content.decode()
+    assert '<label for="id_alerts-forecast_threshold_percent">' in page
+    assert 'name="alerts-forecast_threshold_percent" value="80"' in page
+    response = login(world.owner).post(url(world, "limits"), {
+        "form": "alerts", "alerts-alert_thresholds": "10, 5",
+        "alerts-forecast_threshold_percent": "0"})
+    assert response.status_code == 302
+    world.acme.refresh_from_db()
+    assert world.acme.forecast_threshold_percent == 0
+    event = AuditEvent.objects.filter(action="tenant.limits_changed").latest("pk")
+    assert event.data["changes"]["forecast_threshold_percent"] == {"from": 80, "to": 0}
+    shown = login(world.member).get(url(world, "limits")).content.decode()
+    assert "No forecast warnings." in shown
+
+
+@pytest.mark.parametrize("value", ["101", "-1", "eighty"])
+def test_a_bad_forecast_threshold_rerenders_and_changes_nothing(world: World, value: str) -> None:
+    before = AuditEvent.objects.count()
+    response = login(world.owner).post(url(world, "limits"), {
+        "form": "alerts", "alerts-alert_thresholds": "10, 5",
+        "alerts-forecast_threshold_percent": value})
+    assert response.status_code == 400
+    world.acme.refresh_from_db()
+    assert world.acme.forecast_threshold_percent == 80 and AuditEvent.objects.count() == before
