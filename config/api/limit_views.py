@@ -52,8 +52,10 @@ LIVE_UNAVAILABLE = (
     "Live quota counters are unavailable: the quota store (Redis) cannot be reached. The plan "
     "and limits in this response are current; used and remaining figures are not."
 )
+# What tenant admins may change themselves; every other override is for operators.
+TENANT_ADMIN_FIELDS = ("alert_thresholds", "forecast_threshold_percent")
 OPERATOR_OVERRIDES = tuple(
-    name for name in services.TENANT_OVERRIDE_FIELDS if name != "alert_thresholds"
+    name for name in services.TENANT_OVERRIDE_FIELDS if name not in TENANT_ADMIN_FIELDS
 )
 PLAN_NAME = OpenApiParameter("name", OpenApiTypes.STR, OpenApiParameter.PATH,
                              description="The plan's name (e.g. standard).")
@@ -158,6 +160,7 @@ def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
         },
         "overrides": {name: getattr(tenant, name) for name in OPERATOR_OVERRIDES},
         "alert_thresholds": tenant.alert_thresholds,
+        "forecast_threshold_percent": tenant.forecast_threshold_percent,
         # Per window: the quota, the allotments and the shared pool (the live standing of each
         # allotment is at /quota).
         "allotments": [window.as_dict()
@@ -169,8 +172,8 @@ def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
 
 @extend_schema(parameters=[TENANT_ID])
 class TenantLimitsView(TenantScopedAPIView):
-    """GET: plan, effective limits, overrides, alert thresholds and live per-scope status.
-    PATCH: overrides (operators) and alert thresholds (tenant admins)."""
+    """GET: plan, effective limits, overrides, alert and forecast thresholds and live per-scope
+    status. PATCH: overrides (operators), alert and forecast thresholds (tenant admins)."""
 
     def _respond(self, tenant: Tenant, *, changed: bool = False) -> Response:
         document, live = limits_representation(tenant)

@@ -419,6 +419,9 @@ class TenantLimitsSerializer(serializers.Serializer):
     effective = EffectiveLimitsSerializer()
     overrides = TenantOverridesSerializer()
     alert_thresholds = serializers.ListField(child=serializers.IntegerField())
+    forecast_threshold_percent = serializers.IntegerField(
+        help_text="quota.forecast warns when a window's forecast reaches this percent of its "
+        "limit; 0: off.")
     allotments = AllotmentWindowSerializer(many=True)
     live = LiveStatusSerializer(allow_null=True, help_text="null when the quota store is down.")
 
@@ -449,6 +452,12 @@ class TenantLimitsUpdateSerializer(TenantOverridesSerializer):
         help_text="Percentages of a quota or budget remaining that raise an alert. Tenant admins "
         "may change these; every other field is for operators.",
     )
+
+    forecast_threshold_percent = serializers.IntegerField(
+        min_value=0, max_value=100, required=False,
+        help_text="Warn (quota.forecast webhook and email, once per window) when a window's "
+        "forecast reaches this percent of its limit; 0: no forecast warnings. Tenant admins may "
+        "change it.")
 
     def validate_alert_thresholds(self, value: list[int]) -> list[int]:
         if len(set(value)) != len(value):

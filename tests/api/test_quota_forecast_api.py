@@ -56,3 +56,27 @@ def test_quota_lists_the_forecast_of_each_limited_scope(world: World) -> None:
         assert tenant_day["limit"] == 50_000 and project_day["limit"] == 20_000
         # 600 tokens an hour, within a row of the three hours' sum.
         assert abs(tenant_day["inputs"]["rate_per_hour"] - 600) <= 20
+
+
+def test_tenant_admins_set_the_forecast_threshold_through_the_limits_api(world: World) -> None:
+    from tenants.models import AuditEvent
+
+    url = f"/api/tenants/{world.acme.public_id}/limits"
+    owner = world.client(world.owner)
+    assert owner.get(url).json()["forecast_threshold_percent"] == 80
+    changed = owner.patch(url, {"forecast_threshold_percent": 0}, format="json")
+    assert changed.status_code == 200 and changed.json()["forecast_threshold_percent"] == 0
+    assert "forecast_threshold_percent" not in changed.json()["overrides"]  # not an operator's
+    world.acme.refresh_from_db()
+    assert world.acme.forecast_threshold_percent == 0
+    event = AuditEvent.objects.filter(action="tenant.limits_changed").latest("pk")
+    assert event.data["changes"]["forecast_threshold_percent"] == {"from": 80, "to": 0}
+
+    before = AuditEvent.objects.count()
+    for bad in (101, -1, "high", None):
+        refused = owner.patch(url, {"forecast_threshold_percent": bad}, format="json")
+        assert refused.status_code == 400 and "forecast_threshold_percent" in refused.json()
+    assert world.client(world.member).patch(url, {"forecast_threshold_percent": 50},
+                                            format="json").status_code == 403
+    world.acme.refresh_from_db()
+    assert world.acme.forecast_threshold_percent == 0 and AuditEvent.objects.count() == before
