@@ -75,7 +75,7 @@ def test_an_owner_allots_to_a_project_and_a_key_on_the_limits_page(quota: World)
     assert [line.split('data-ref="')[0].split('"')[1] for line in lines] == [
         "pool", "project", "key", "pool", "project"]
     assert 'data-window="day"' in lines[0] and ">400<" in lines[0]
-    assert "project web" in lines[1] and "key ci" in lines[2]
+    assert "project</span> web" in lines[1] and "key</span> ci" in lines[2]
     assert ">600<" in lines[1] and ">250<" in lines[2] and ">15,000<" in lines[3]
     assert "600 / 5,000" in html  # the projects table
 
