@@ -227,3 +227,27 @@ def test_idle_tenants_cost_no_ledger_query() -> None:
     assert not [q for q in queries.captured_queries
                 if UsageRecord._meta.db_table in q["sql"]]
     assert scope_forecasts(idle, engine=at(NOON), active_only=True) == []
+
+
+def test_the_beat_runs_the_check_for_every_tenant_with_a_threshold(settings: Any) -> None:
+    """The beat entry, and the task on the live clock: a tenant at 90 % of its day is forecast
+    at 90 % or more whatever the hour, so it is warned once."""
+    from billing.tasks import check_quota_forecasts
+    from config.celery import app
+    from quotas.engine import ReserveRequest, ScopeLimit
+    from quotas.windows import WindowKind
+
+    entry = settings.CELERY_BEAT_SCHEDULE["check-quota-forecasts"]
+    assert entry == {"task": "billing.tasks.check_quota_forecasts",
+                     "schedule": settings.TOLLGATE_FORECAST_INTERVAL_SECONDS}
+    assert entry["task"] in app.tasks
+    live = create_tenant("live", plan_name="standard", actor="test", tokens_per_day=10_000)
+    add_person(live, "olga")
+    engine = get_engine()
+    hold = engine.reserve(ReserveRequest(tenant_tag(live.pk), "live-1", 9_000,
+                                         (ScopeLimit("tenant", WindowKind.DAY, 10_000),))).hold
+    engine.settle(hold, 9_000)
+    assert check_quota_forecasts() == 1
+    assert check_quota_forecasts() == 0
+    [message] = mail.outbox
+    assert "live" in message.subject and "forecast" in message.subject
