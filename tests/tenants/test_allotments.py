@@ -274,3 +274,30 @@ def test_two_admins_allotting_at_once_cannot_exceed_the_quota() -> None:
     assert outcome["waited"] >= 0.4  # B waited for A's transaction to end
     assert tenant_allotments(tenant)["day"].allotted == 600
     assert _stored(Project.objects.get(pk=second.pk)) == (None, None)
+
+
+def test_the_services_and_the_key_lookup_count_the_same_totals(small: Tenant) -> None:
+    """What the services check (tenants.allotments, in Python) and what the gateway's key lookup
+    reads for the pool (tenants.selectors.allotment_sums, in SQL) are the same sums: projects'
+    allotments, keys of projects without one at the top level, keys of a project with one
+    inside it, revoked keys freed."""
+    from tenants.selectors import allotment_sums
+
+    web = create_project(small, "web", actor="test", allotment_tokens_per_day=500,
+                         allotment_tokens_per_month=4000)
+    issue_key(web, actor="test", allotment_tokens_per_day=200)
+    issue_key(web, actor="test", allotment_tokens_per_month=1000)
+    bare = create_project(small, "bare", actor="test")
+    issue_key(bare, actor="test", allotment_tokens_per_day=100, allotment_tokens_per_month=300)
+    gone = issue_key(bare, actor="test", allotment_tokens_per_day=50).api_key
+    revoke_key(gone, actor="test")
+    totals = tenant_allotments(small)
+    for project in (web, bare):
+        sums = allotment_sums(project)
+        assert (sums.tenant_day, sums.tenant_month) == (
+            totals["day"].allotted, totals["month"].allotted) == (600, 4300)
+    # Inside a project with an allotment (the only place the lookup's project sums are used).
+    sums = allotment_sums(web)
+    assert (sums.project_keys_day, sums.project_keys_month) == (
+        totals["day"].keys_allotted[web.pk], totals["month"].keys_allotted[web.pk]) == (200, 1000)
+    assert bare.pk not in totals["day"].keys_allotted
