@@ -32,6 +32,7 @@ hour of the day is the local hour of the middle of that UTC hour.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -218,10 +219,6 @@ class Forecast:
             return 100.0
         return round(100.0 * self.tokens / self.capacity, 1)
 
-    @property
-    def reaches_limit(self) -> bool:
-        return self.reach_ms is not None
-
     def local(self, ms: int, fmt: str = "%b %d, %H:%M %Z") -> str:
         """An instant in the tenant's time zone, for people."""
         return datetime.fromtimestamp(ms / 1000, _zone(self.zone)).strftime(fmt)
@@ -324,7 +321,7 @@ def forecast(*, window: Window, today: Window, now_ms: int, used: int, pending: 
         reach: int | None = now_ms
     elif rate > 0:
         at = now_ms + (capacity - so_far) / rate * HOUR_MS
-        reach = int(at) + (0 if at == int(at) else 1) if at < end else None
+        reach = math.ceil(at) if at < end else None
     else:
         reach = None
     return Forecast(window, now_ms, used, pending, limit, credit, _round(total), reach,
@@ -431,18 +428,18 @@ def load_history(tenant: Tenant, counter: Counter, where: Q, today: Window, now_
     return History({**past, **recent}, since, now_ms)
 
 
-def forecast_counters(tenant: Tenant, *, projects: Sequence[Project] | None = None,
-                      api_keys: Sequence[ApiKey] | None = None) -> list[Counter]:
+def _limited(tenant: Tenant) -> tuple[list[Project], list[ApiKey]]:
+    """The tenant's projects and live keys with a day or month limit of their own."""
+    own = Q(tokens_per_day__isnull=False) | Q(tokens_per_month__isnull=False)
+    return (list(Project.objects.filter(own, tenant=tenant)),
+            list(ApiKey.objects.filter(own, project__tenant=tenant, revoked_at__isnull=True)))
+
+
+def forecast_counters(tenant: Tenant, projects: Sequence[Project],
+                      api_keys: Sequence[ApiKey]) -> list[Counter]:
     """The counters forecasts are made for: the limited tenant day and cycle counters, and the
-    limited day and month counters of these projects and keys (default: all of the tenant's,
-    live keys only), as quotas.limits.standing_counters defines them."""
-    if projects is None:
-        projects = list(Project.objects.filter(tenant=tenant).filter(
-            Q(tokens_per_day__isnull=False) | Q(tokens_per_month__isnull=False)))
-    if api_keys is None:
-        api_keys = list(ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
-                        .filter(Q(tokens_per_day__isnull=False)
-                                | Q(tokens_per_month__isnull=False)))
+    limited day and month counters of these projects and keys, as
+    quotas.limits.standing_counters defines them (not the models' daily limits)."""
     counters = standing_counters(tenant, effective_limits(tenant), projects, api_keys)
     return [c for c in counters if c.kind in (TENANT, PROJECT, KEY) and c.limit > 0
             and c.window in (WindowKind.DAY, WindowKind.MONTH)]
@@ -458,11 +455,8 @@ def scope_forecasts(tenant: Tenant, *, engine: Any = None, active_only: bool = F
     Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
     settings = settings or ForecastSettings.from_django()
     engine = engine or get_engine()
-    projects = list(Project.objects.filter(tenant=tenant).filter(
-        Q(tokens_per_day__isnull=False) | Q(tokens_per_month__isnull=False)))
-    api_keys = list(ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
-                    .filter(Q(tokens_per_day__isnull=False) | Q(tokens_per_month__isnull=False)))
-    counters = forecast_counters(tenant, projects=projects, api_keys=api_keys)
+    projects, api_keys = _limited(tenant)
+    counters = forecast_counters(tenant, projects, api_keys)
     if not counters:
         return []
     calendar = calendar or calendar_for(tenant)

@@ -130,7 +130,8 @@ def shaped_history(zone: str, start: datetime, now: datetime, end: datetime,
     bucket = start_ms
     while bucket < end_ms:
         factor = today_factor if bucket >= today_ms else 1.0
-        every[bucket] = PROFILE[local_hour(bucket, zone)] * factor * rng.uniform(1 - noise, 1 + noise)
+        wobble = rng.uniform(1 - noise, 1 + noise)
+        every[bucket] = PROFILE[local_hour(bucket, zone)] * factor * wobble
         bucket += HOUR_MS
     past = {b: round(t) for b, t in every.items() if b + HOUR_MS <= now_ms}
     current = now_ms - now_ms % HOUR_MS
