@@ -41,6 +41,7 @@ from billing import webhooks
 from billing.ledger import usage_backlog
 from billing.models import AlertState, PaceTrip, WebhookEvent
 from quotas import keys
+from quotas.cycles import Span, calendar_for
 from quotas.keys import tenant_tag
 from quotas.limits import (
     QUOTA_PROJECT,
@@ -61,7 +62,9 @@ log = logging.getLogger(__name__)
 _CHUNK = 200
 # The counter hash layout documented in quotas/keys.py.
 _FIELDS = ("limit", "used", "pending", "credit")
-_KIND_NAMES = {WindowKind.DAY: "daily", WindowKind.MONTH: "monthly"}
+# The 'month' counters are the tenant's cycle's (quotas/cycles.py: a day, a week, a month from
+# its billing day...); the email says which window in dates.
+_KIND_NAMES = {WindowKind.DAY: "daily", WindowKind.MONTH: "cycle"}
 # The refusal reasons (quotas.limits) of the counters watched here: the tenant's and projects'.
 _QUOTA_REFUSALS = (QUOTA_TENANT, QUOTA_PROJECT)
 # A tenant without thresholds: a project counts as refusing when this little is left.
@@ -212,17 +215,20 @@ def _mail_owners(subject: str, body: str, recipients: list[str], what: str) -> t
     return tuple(recipients)
 
 
-def _email(alert: Alert, kind: WindowKind, recipients: list[str]) -> tuple[str, ...]:
+def _email(alert: Alert, kind: WindowKind, span: Span, recipients: list[str]
+           ) -> tuple[str, ...]:
     subject = f"[Tollgate] {_describe(alert, kind)}"
     body = (f"{_describe(alert, kind)}.\n\n"
-            f"Window: {alert.window}\nLimit: {alert.limit} tokens\nUsed: {alert.used}\n"
+            f"Window: {span.label} [{alert.window}]\nLimit: {alert.limit} tokens\n"
+            f"Used: {alert.used}\n"
             f"In flight: {alert.pending}\nRemaining: {max(alert.remaining, 0)}\n")
     return _mail_owners(subject, body, recipients,
                         f"the {alert.window} alert of {alert.tenant}")
 
 
-def _fire(item: _Watched, window: str, threshold: int, limit: int, used: int, pending: int,
+def _fire(item: _Watched, span: Span, threshold: int, limit: int, used: int, pending: int,
           credit: int, remaining: int) -> Alert | None:
+    window = span.id
     tenant = item.tenant
     alert = Alert(tenant_id=tenant.pk, tenant=tenant.slug, scope=item.scope, label=item.label,
                   window=window, threshold=threshold, limit=limit, used=used,
@@ -235,7 +241,7 @@ def _fire(item: _Watched, window: str, threshold: int, limit: int, used: int, pe
             used=used, pending=pending, remaining=max(remaining, 0), threshold=threshold)
         deliveries = webhooks.create_deliveries(tenant, alert.event_type, payload)
     log.info("alert: %s (%s)", _describe(alert, item.kind), window)
-    emailed = _email(alert, item.kind, _owner_emails(tenant))
+    emailed = _email(alert, item.kind, span, _owner_emails(tenant))
     return dataclasses.replace(alert, delivery_ids=tuple(d.pk for d in deliveries),
                                emailed=emailed)
 
@@ -424,7 +430,6 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
     ids = list(dict.fromkeys(int(i) for i in tenant_ids))
     if windows is not None:
         ids = [i for i in ids if windows.get(i)]
-    calendar = Calendar(0)  # the gateway's windows are UTC (quotas.limits passes no offset)
     fired: list[Alert | TripAlert] = []
     for chunk in _chunks(ids):
         tenants = list(Tenant.objects.select_related("plan").filter(pk__in=chunk).order_by("pk"))
@@ -432,17 +437,21 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
         watched = _watched(tenants)
         if not watched:
             continue
+        # Each tenant's windows: its day and cycle in its time zone (quotas/cycles.py), as the
+        # gateway counted them.
+        calendars = {tenant.pk: calendar_for(tenant) for tenant in tenants}
         now_ms = engine.clock.now_ms()
-        moments = {tenant_id: sorted(_moments(calendar, now_ms,
-                                              None if windows is None else windows[tenant_id]),
+        moments = {tenant.pk: sorted(_moments(calendars[tenant.pk], now_ms,
+                                              None if windows is None else windows[tenant.pk]),
                                      reverse=True)
-                   for tenant_id in chunk}
+                   for tenant in tenants}
         slots: list[tuple[_Watched, Window, int]] = []
         for item in watched:
+            calendar = calendars[item.tenant.pk]
             for moment in moments[item.tenant.pk]:
                 slots.append((item, calendar.window(item.kind, moment), moment))
-        refusal_days = sorted({(tenant_id, calendar.window(WindowKind.DAY, moment).id)
-                               for tenant_id in chunk for moment in moments[tenant_id]})
+        refusal_days = sorted({(tenant_id, calendars[tenant_id].window(WindowKind.DAY, moment).id)
+                               for tenant_id in moments for moment in moments[tenant_id]})
         rows, refusals = _read(engine.client, [
             keys.counter_key(tenant_tag(item.tenant.pk), item.scope, window.id)
             for item, window, _ in slots], refusal_days)
@@ -465,7 +474,7 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
             candidates += [(reading, threshold) for threshold in crossed]
         for (tenant_id, day_id), refused in zip(refusal_days, refusals, strict=True):
             at = [r for r in readings if r.item.tenant.pk == tenant_id
-                  and calendar.window(WindowKind.DAY, r.moment).id == day_id]
+                  and calendars[tenant_id].window(WindowKind.DAY, r.moment).id == day_id]
             candidates += [(r, AlertState.EXHAUSTED) for r in _refusal_exhausted(at, refused)]
         if not candidates:
             continue
@@ -479,7 +488,8 @@ def check_thresholds(tenant_ids: Iterable[int], *, engine: Any = None,
             if state in done:
                 continue
             done.add(state)  # the same alert may be a candidate twice (exhausted, refusals)
-            alert = _fire(reading.item, reading.window.id, threshold, reading.limit,
+            zone = calendars[reading.item.tenant.pk].schedule.cycle_at(reading.moment)[0].zone
+            alert = _fire(reading.item, Span.of(reading.window, zone), threshold, reading.limit,
                           reading.used, reading.pending, reading.credit, reading.remaining)
             if alert is not None:
                 fired.append(alert)
@@ -514,16 +524,18 @@ def check_pending_health(*, now: float | None = None, engine: Any = None) -> lis
     percent = int(getattr(settings, "TOLLGATE_PENDING_ALERT_PERCENT", 20))
     # Refreshed on every check while high; lapses only when no check runs for this long.
     ttl = alert_after + 1800
-    calendar = Calendar(0)
     raised: list[PendingAlert] = []
     for chunk in _chunks(all_tenant_ids()):
         tenants = list(Tenant.objects.select_related("plan").filter(pk__in=chunk).order_by("pk"))
-        day = calendar.window(WindowKind.DAY, engine.clock.now_ms()).id
+        now_ms = engine.clock.now_ms()
         counters = [(t, tenant_counter(t, effective_limits(t), WindowKind.DAY)) for t in tenants]
         counters = [(t, c) for t, c in counters if c.limit > 0]
         limited = [(t, c.limit) for t, c in counters]
-        rows = _read_counters(client, [keys.counter_key(tenant_tag(t.pk), c.scope, day)
-                                       for t, c in counters])
+        # Each tenant's today, in its time zone (quotas/cycles.py).
+        rows = _read_counters(client, [
+            keys.counter_key(tenant_tag(t.pk), c.scope,
+                             calendar_for(t).window(WindowKind.DAY, now_ms).id)
+            for t, c in counters])
         high, low = [], []
         for (tenant, limit), row in zip(limited, rows, strict=True):
             pending = _as_int(row[2])

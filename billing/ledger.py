@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -50,6 +50,7 @@ from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from gateway.usage import Usage
 from quotas import keys
+from quotas.cycles import calendar_for
 from quotas.keys import tenant_tag
 from quotas.windows import Calendar, Window, WindowKind
 from tenants.models import ApiKey, Project, Tenant
@@ -265,11 +266,13 @@ class _Batch:
 
 
 def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
-                 calendar: Calendar) -> _Batch:
+                 calendar_of_tenant: Callable[[], Calendar]) -> _Batch:
     stream = keys.usage_stream_key(tenant_tag(tenant_id))
     entries = client.xrange(stream, count=batch)
     if not entries:
         return _Batch()
+    # The tenant's windows (its day and cycle: quotas.cycles), read only when it has events.
+    calendar = calendar_of_tenant()
     out = _Batch(events=len(entries))
     records: list[UsageRecord] = []
     corrections: list[UsageRecord] = []
@@ -294,21 +297,35 @@ def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
     return out
 
 
+def _calendar_of(tenant_id: int) -> Callable[[], Calendar]:
+    """The tenant's Calendar, loaded (one query) on first use and kept for the drain run."""
+    loaded: list[Calendar] = []
+
+    def calendar() -> Calendar:
+        if not loaded:
+            loaded.append(calendar_for(Tenant.objects.select_related("plan").get(pk=tenant_id)))
+        return loaded[0]
+
+    return calendar
+
+
 def drain_tenant(client: Any, tenant_id: int, *, batch: int = 500,
                  prices: PriceBook | None = None) -> int:
     """Move one batch of a tenant's usage events into the ledger; returns how many."""
-    return _drain_batch(client, tenant_id, batch, prices or PriceBook.load(), Calendar(0)).events
+    return _drain_batch(client, tenant_id, batch, prices or PriceBook.load(),
+                        _calendar_of(tenant_id)).events
 
 
 def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20) -> DrainResult:
     """Drain every tenant's stream (bounded work per run: the next run continues)."""
     prices = PriceBook.load()
-    calendar = Calendar(0)  # the gateway's windows are UTC (quotas.limits passes no offset)
     total = tenants = corrected = 0
     windows: dict[int, frozenset[Window]] = {}
     for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
         moved = 0
         seen: set[Window] = set()
+        # The windows the events were charged to, in the tenant's own (the gateway's) calendar.
+        calendar = _calendar_of(tenant_id)
         for _ in range(max_batches_per_tenant):
             done = _drain_batch(client, tenant_id, batch, prices, calendar)
             moved += done.events

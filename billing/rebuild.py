@@ -12,7 +12,8 @@ restarted from zero. This module puts the current windows' counters back:
 counter the gateway checks (`quotas.limits.request_counters`: the tenant, its project,
 its key and the model per day; the tenant per month, and the project and key per month where
 they have a monthly limit; the tenant per minute under a tokens-per-minute limit), and the
-monthly spend counter in micro-dollars from the rows' cost. Windows come from the Redis clock
+monthly spend counter in micro-dollars from the rows' cost. Windows are the tenant's (its day
+and cycle in its time zone, quotas.cycles.schedule_for) on the Redis clock
 (`QuotaEngine.current_window`). `QuotaEngine.rebuild` then sets used = max(existing, figure) on
 each and sets the epoch, in one script, so admission resumes.
 
@@ -46,6 +47,7 @@ from billing.ledger import record_from_event
 from billing.models import UsageRecord
 from billing.prices import PriceBook
 from quotas import keys
+from quotas.cycles import schedule_for
 from quotas.engine import QuotaEngine, RebuildCounter, ScopeLimit, Unit
 from quotas.keys import tenant_tag
 from quotas.limits import KEY, MODEL, PROJECT, request_counters
@@ -72,7 +74,7 @@ class RebuildResult:
     rebuilt: bool
     counters: int = 0  # counters passed to the rebuild script
     raised: int = 0  # counters whose `used` it created or raised
-    ledger_rows: int = 0  # ledger rows read (made in the current month)
+    ledger_rows: int = 0  # ledger rows read (made in the current windows: the cycle's at the most)
     pending_events: int = 0  # undrained usage events read from the tenant's stream
     already_intact: bool = False  # the epoch was present: nothing to do (not forced)
 
@@ -90,10 +92,11 @@ class _Sums:
     micros: dict[WindowKind, int] = field(default_factory=lambda: defaultdict(int))
 
 
-def _windows(engine: QuotaEngine) -> dict[WindowKind, Window]:
-    # The gateway reserves in UTC windows (ReserveRequest.utc_offset_s defaults to 0 and the
-    # gateway sets no other), on the Redis clock.
-    return {kind: engine.current_window(kind) for kind in _KINDS}
+def _windows(engine: QuotaEngine, tenant: Tenant) -> dict[WindowKind, Window]:
+    # The tenant's windows, as the gateway reserves in them (KeyContext.schedule), on the Redis
+    # clock.
+    schedule = schedule_for(tenant)
+    return {kind: engine.current_window(kind, schedule) for kind in _KINDS}
 
 
 def _moment(ms: int) -> datetime:
@@ -321,7 +324,7 @@ def rebuild_tenant(tenant: str, *, force: bool = False,
         if not force and engine.has_epoch(tenant):
             return RebuildResult(tenant, rebuilt=True, already_intact=True)
         record = Tenant.objects.select_related("plan").get(pk=int(tenant))
-        windows = _windows(engine)
+        windows = _windows(engine, record)
         # The stream before the ledger: an event the drain moves in between is then seen in
         # both (and counted once), never in neither.
         pending: dict[_Group, _Sums] = defaultdict(_Sums)

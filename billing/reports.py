@@ -1,13 +1,21 @@
 """Cost reports for finance, straight from the ledger (billing.UsageRecord).
 
-Per tenant and month: one row per (day, project, API key, model) with requests, input tokens,
-output tokens and cost, then a total row. Platform-wide (for operators): one row per tenant.
+Per tenant and period: one row per (day, project, API key, model) with requests, input tokens,
+output tokens and cost, then a total row. The period is one of the tenant's cycle windows (as its
+quota counters name them: "m2026-12" a calendar month, "c2026-12-15" a month from the billing day
+or a week or N days, "c2026-12-15@1765843200" the first window after a change of cycle, cut at
+the change), or a calendar month "YYYY-MM" in the tenant's time zone (quotas.cycles.report_span).
+Rows are the calls that ended in [start, end) of the period; days are the tenant's local days;
+every row states the period's start, end and time zone (window_start, window_end, time_zone),
+so a row read alone still says which window it belongs to. Platform-wide (for operators): one row
+per tenant over a calendar month in UTC (tenants' cycles differ; the platform's month is UTC's).
 Figures are sums of the ledger's integers, so the totals equal the ledger to the micro-dollar;
 money is printed in US dollars with six decimals (exact: micro-dollars / 10^6).
 
 Columns (tenant report): day, project, api_key, model, requests, input_tokens, output_tokens,
 cached_input_tokens, cache_write_tokens, reasoning_tokens, cost_usd, then the sweep and its
-corrections (below). Columns (platform report): tenant, plan, requests, input_tokens,
+corrections (below), then window_start, window_end (ISO 8601 with the zone's offset) and
+time_zone. Columns (platform report): tenant, plan, requests, input_tokens,
 output_tokens, the same three token classes, cost_usd, then the same sweep columns.
 Released requests count as requests with zero tokens and zero cost.
 
@@ -27,7 +35,7 @@ The sweep columns tell finance which figures are not the upstream's own:
                       usage; their tokens and cost_usd are the real ones
   sweep_charged_usd   what the sweep had charged those corrected rows
   correction_usd      cost_usd of those rows minus sweep_charged_usd (negative: charged back)
-A corrected row stays on the day it was swept (the report of a closed month does not move).
+A corrected row stays on the day it was swept (the report of a closed window does not move).
 
 Formula injection (OWASP "CSV injection"): text in these files comes partly from tenants (model
 names, project slugs), and a spreadsheet runs a cell starting with `=`, `+`, `-`, `@`, a tab or a
@@ -45,18 +53,21 @@ import io
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
+from zoneinfo import ZoneInfo
 
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import Coalesce, TruncDate
 
 from billing.models import UsageRecord
 from gateway.usage import TOKEN_CLASSES
+from quotas.cycles import Span, report_span
 from tenants.models import Tenant
 
 SWEEP_COLUMNS = ("swept_requests", "corrected_requests", "sweep_charged_usd", "correction_usd")
 CLASS_COLUMNS = TOKEN_CLASSES
+WINDOW_COLUMNS = ("window_start", "window_end", "time_zone")
 TENANT_COLUMNS = ("day", "project", "api_key", "model", "requests", "input_tokens",
-                  "output_tokens", *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS)
+                  "output_tokens", *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS, *WINDOW_COLUMNS)
 PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens",
                     *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS)
 
@@ -127,26 +138,35 @@ def _sweep_cells(g: dict) -> tuple[object, ...]:
             usd(g["corrected_cost"] - g["sweep_charged"]))
 
 
-def tenant_month(tenant: Tenant, month: Month) -> Report:
+def tenant_report(tenant: Tenant, span: Span) -> Report:
+    """The tenant's calls that ended in the window `span` (quotas.cycles: report_span,
+    recent_cycle_windows), by the tenant's local day, project, key and model."""
+    window = (span.start.isoformat(), span.end.isoformat(), span.zone)
     groups = list(
-        UsageRecord.objects.filter(tenant=tenant, ended_at__gte=month.start, ended_at__lt=month.end)
-        .annotate(day=TruncDate("ended_at", tzinfo=UTC))
+        UsageRecord.objects.filter(tenant=tenant, ended_at__gte=span.start, ended_at__lt=span.end)
+        .annotate(day=TruncDate("ended_at", tzinfo=ZoneInfo(span.zone)))
         .values("day", "project__slug", "api_key__public_id", "served_model")
         .annotate(**_SUMS)
         .order_by("day", "project__slug", "api_key__public_id", "served_model")
     )
     rows = [(g["day"].isoformat(), g["project__slug"] or "(deleted)",
              g["api_key__public_id"] or "(deleted)", g["served_model"], g["requests"],
-             *_token_cells(g), *_sweep_cells(g))
+             *_token_cells(g), *_sweep_cells(g), *window)
             for g in groups]
     t = _totals(groups)
     return Report(
-        title=f"{tenant.slug} {month}",
+        title=f"{tenant.slug} {span.id}",
         columns=TENANT_COLUMNS,
         rows=rows,
-        totals=("total", "", "", "", t["requests"], *_token_cells(t), *_sweep_cells(t)),
+        totals=("total", "", "", "", t["requests"], *_token_cells(t), *_sweep_cells(t), *window),
         cost_micros=t["cost"],
     )
+
+
+def tenant_period(tenant: Tenant, period: str) -> Report:
+    """The report of `period`: a cycle window id or a month YYYY-MM (quotas.cycles.report_span;
+    ValueError for anything else)."""
+    return tenant_report(tenant, report_span(tenant, period))
 
 
 def platform_month(month: Month) -> Report:

@@ -41,6 +41,7 @@ from gateway.tokens import (
     is_large,
     off_loop,
 )
+from quotas.cycles import calendar_of
 from quotas.engine import (
     QUEUE_PRIORITY_BOUND,
     UNLIMITED,
@@ -54,7 +55,7 @@ from quotas.engine import (
 )
 from quotas.limits import CONCURRENCY
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_in_queue
-from quotas.windows import Calendar
+from quotas.windows import WindowKind
 from tenants.models import OverQuotaPolicy
 
 
@@ -208,11 +209,18 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
         input_tokens=est.prompt_tokens, price_in=max(pin, pcached, pwrite),
         price_out=max(pout, preason),
         check_epoch=True,  # refuse (and rebuild) when Redis lost the tenant's data
+        schedule=ctx.schedule,  # the tenant's day and cycle windows
     )
 
 
 def _seconds_until(ms: int) -> int:
     return max(1, -(-ms // 1000))
+
+
+def window_name(kind: WindowKind) -> str:
+    """What a refusal calls a window: the 'month' counters are the tenant's cycle's (a day, a
+    week, a billing-day month: quotas/cycles.py)."""
+    return "cycle" if kind is WindowKind.MONTH else kind.value
 
 
 def refusal_error(reservation: Reservation) -> GatewayError:
@@ -229,7 +237,7 @@ def refusal_error(reservation: Reservation) -> GatewayError:
     assert refused is not None
     # The full counter's refusal reason comes with its definition (quotas/limits.py).
     scope = "tenant's shared pool" if refused.unit is Unit.POOL else refused.scope
-    return insufficient_quota(scope, refused.window.kind.value,
+    return insufficient_quota(scope, window_name(refused.window.kind),
                               _seconds_until(refused.window.end_ms - reservation.server_time_ms),
                               refusal=refused.reason)
 
@@ -266,8 +274,8 @@ def refuse_impossible(ctx: KeyContext, scopes: tuple[ScopeLimit, ...]) -> None:
         if scope.limit == 0 and not scope.unit.tiered:
             # This process's clock, not Redis': only the Retry-After (the window's end) uses it.
             now_ms = int(time.time() * 1000)
-            window = Calendar().window(scope.window, now_ms)
-            raise insufficient_quota(scope.scope, scope.window.value,
+            window = calendar_of(ctx.schedule).window(scope.window, now_ms)
+            raise insufficient_quota(scope.scope, window_name(scope.window),
                                      _seconds_until(window.end_ms - now_ms), refusal=scope.reason)
 
 
@@ -344,7 +352,7 @@ def queue_timed_out(timed_out: QueueTimedOut) -> GatewayError:
     waited_s = timed_out.waited_ms / 1000
     if last.queue_resource is QueueResource.COUNTER and last.refused is not None:
         refused = last.refused
-        what = f"the {refused.scope} {refused.window.kind.value} quota"
+        what = f"the {refused.scope} {window_name(refused.window.kind)} quota"
         retry = _seconds_until(refused.window.end_ms - last.server_time_ms)
     elif last.queue_resource is QueueResource.BUCKET and last.refused_rate is not None:
         what = f"the request rate of {last.refused_rate.scope}"

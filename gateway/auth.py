@@ -28,9 +28,11 @@ from django.conf import settings
 from gateway.client_address import rate_limit_key
 from gateway.errors import rate_limited
 from quotas import keys as quota_keys
+from quotas.cycles import schedule_for
 from quotas.engine import ConcurrencyLimit, RateLimit, ScopeLimit
 from quotas.keys import tenant_tag
 from quotas.limits import request_limits
+from quotas.windows import UTC_MONTHLY, CycleSchedule
 from tenants.api_key_format import digests_match, parse_key
 from tenants.key_usability import key_usability
 from tenants.models import ApiKey, Project
@@ -61,6 +63,10 @@ class KeyContext:
     allowed_models: frozenset[str] | None  # None: every model
     # The tenant's allotment sums, read with the key (quotas.limits.allotment_chain).
     allotments: AllotmentSums = NO_ALLOTMENTS
+    # The tenant's windows (its day and cycle in its time zone, and a pending change):
+    # quotas.cycles.schedule_for at lookup. A change of cycle publishes the tenant's
+    # invalidation, which drops this context on every gateway.
+    schedule: CycleSchedule = UTC_MONTHLY
     _scopes: dict[str, tuple[ScopeLimit, ...]] = field(default_factory=dict, compare=False)
 
     def allows(self, model: str) -> bool:
@@ -133,6 +139,7 @@ def load_key_context(prefix: str) -> KeyContext | None:
         limits=effective_limits(tenant),
         allowed_models=frozenset(allowed) if allowed is not None else None,
         allotments=allotments_of(secret),
+        schedule=schedule_for(tenant),
     )
 
 

@@ -164,7 +164,7 @@ async def _count_if_refusal(runtime: GatewayRuntime, ctx: KeyContext, error: Gat
     waiting for provider capacity). Only refusals pay for the count."""
     if error.refusal is not None:
         await count_refusal(runtime.engine.client, ctx.tenant_tag, error.refusal,
-                            runtime.engine.clock.now_ms() / 1000)
+                            runtime.engine.clock.now_ms() / 1000, ctx.schedule)
 
 
 async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext,

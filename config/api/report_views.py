@@ -1,5 +1,6 @@
-"""Management API: monthly cost reports as CSV or XLSX downloads, a tenant's (owners, admins,
-tenant tokens and operators; billing/access.py) and the whole platform's (operators)."""
+"""Management API: cost reports as CSV or XLSX downloads, a tenant's (owners, admins, tenant tokens
+and operators; billing/access.py) of one of its cycle windows or a calendar month in its time
+zone, and the whole platform's of a UTC calendar month (operators)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.request import Request
 
 from billing.access import can_read_costs
-from billing.reports import Month, Report, platform_month, tenant_month, to_csv, to_xlsx
+from billing.reports import Month, Report, platform_month, tenant_period, to_csv, to_xlsx
 from config.api.tenant_scope import ManagementAPIView, TenantScopedAPIView
 from tenants.models import Tenant
 
@@ -24,7 +25,8 @@ _CONTENT_TYPES = {
 _FILE_RESPONSES: dict[Any, Any] = {
     (200, "text/csv"): OpenApiTypes.BINARY,
     (200, _CONTENT_TYPES["xlsx"]): OpenApiTypes.BINARY,
-    400: OpenApiResponse(description="Not a month (YYYY-MM)."),
+    400: OpenApiResponse(description="Not a month (YYYY-MM), or (a tenant's report) not one of "
+                         "the tenant's cycle windows."),
     403: OpenApiResponse(description="Cost reports are for owners, admins and operators."),
     404: OpenApiResponse(description="No such tenant (or not yours)."),
 }
@@ -57,9 +59,12 @@ def report_response(report: Report, name: str, fmt: str) -> HttpResponse:
 
 
 class TenantCostReportView(TenantScopedAPIView):
-    """GET /api/tenants/<tenant_id>/reports/<YYYY-MM>.<csv|xlsx>: the tenant's month, one row per
-    day, project, key and model. Owners, admins, tenant tokens and operators; a member gets 403
-    (finance data, billing/access.py), anyone outside the tenant 404."""
+    """GET /api/tenants/<tenant_id>/reports/<period>.<csv|xlsx>: one row per day, project, key
+    and model of the period: one of the tenant's cycle windows by id (m2026-12, c2026-12-15,
+    c2026-12-15@1765843200: GET /api/tenants/<tenant_id>/cycle lists the recent ones), or a
+    calendar month YYYY-MM in the tenant's time zone. Every row states the window's start, end
+    and time zone. Owners, admins, tenant tokens and operators; a member gets 403 (finance data,
+    billing/access.py), anyone outside the tenant 404."""
 
     content_negotiation_class = FileDownloadNegotiation
 
@@ -68,8 +73,11 @@ class TenantCostReportView(TenantScopedAPIView):
         tenant: Tenant = self.tenant()
         if not can_read_costs(self.principal, tenant):
             raise PermissionDenied("Cost reports are for the tenant's owners and admins.")
-        return report_response(tenant_month(tenant, _month(month)),
-                               f"{tenant.slug}-{month}", fmt)
+        try:
+            report = tenant_period(tenant, month)
+        except ValueError as exc:
+            raise ValidationError({"month": [str(exc)]}) from exc
+        return report_response(report, f"{tenant.slug}-{month}", fmt)
 
 
 class PlatformCostReportView(ManagementAPIView):

@@ -32,6 +32,8 @@ _TENANT = "tenants/<str:tenant_id>/"
 _TENANT_RE = r"^tenants/(?P<tenant_id>[^/]+)"
 _HOOK = f"{_TENANT}webhooks/<str:webhook_id>/"
 _MONTH_FILE = r"(?P<month>\d{4}-\d{2})\.(?P<fmt>csv|xlsx)"
+# A tenant's report: a month, or one of its cycle windows by id (quotas.cycles.report_span).
+_PERIOD_FILE = r"(?P<month>\d{4}-\d{2}|[mc]\d{4}-\d{2}(?:-\d{2})?(?:@\d{1,12})?)\.(?P<fmt>csv|xlsx)"
 
 
 
@@ -92,7 +94,7 @@ urlpatterns: list[URLPattern] = [
     path(f"{_HOOK}deliveries/<str:delivery_id>/redeliver",
          webhook_views.RedeliverView.as_view(), name="api-webhook-redeliver"),
     # cost reports
-    re_path(rf"{_TENANT_RE}/reports/{_MONTH_FILE}$",
+    re_path(rf"{_TENANT_RE}/reports/{_PERIOD_FILE}$",
             report_views.TenantCostReportView.as_view(), name="api-tenant-cost-report"),
     re_path(rf"^reports/{_MONTH_FILE}$", report_views.PlatformCostReportView.as_view(),
             name="platform-cost-report"),

@@ -27,6 +27,7 @@ from quotas import keys
 from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
+from quotas.cycles import calendar_for, schedule_for
 from quotas.windows import Calendar, WindowKind
 from tenants.models import Membership, Tenant
 from tenants.services import create_project, create_tenant
@@ -49,8 +50,8 @@ def allow_private(settings: Any) -> Any:
     return settings
 
 
-def make_tenant(slug: str, **overrides: Any) -> Tenant:
-    tenant = create_tenant(slug, plan_name="free", actor="test",
+def make_tenant(slug: str, plan: str = "free", **overrides: Any) -> Tenant:
+    tenant = create_tenant(slug, plan_name=plan, actor="test",
                            **{"tokens_per_day": LIMIT, **overrides})
     return Tenant.objects.select_related("plan").get(pk=tenant.pk)
 
@@ -62,20 +63,24 @@ def add_owner(tenant: Tenant, username: str, email: str, role: str = "owner") ->
 
 def spend(engine: QuotaEngine, tenant: Tenant, tokens: int, rid: str, *,
           scopes: tuple[ScopeLimit, ...] | None = None, settle: bool = True) -> None:
-    """What the gateway does: reserve, then settle with the actual tokens (or keep the hold)."""
+    """What the gateway does: reserve in the tenant's windows, then settle with the actual
+    tokens (or keep the hold)."""
     scopes = scopes or (ScopeLimit("tenant", DAY, LIMIT),)
-    hold = engine.reserve(ReserveRequest(tenant_tag(tenant.pk), rid, tokens, scopes)).hold
+    hold = engine.reserve(ReserveRequest(tenant_tag(tenant.pk), rid, tokens, scopes,
+                                         schedule=schedule_for(tenant))).hold
     assert hold is not None, f"{rid} refused"
     if settle:
         engine.settle(hold, tokens)
 
 
 def today() -> str:
-    return Calendar(0).window(DAY, get_engine().clock.now_ms()).id
+    """Today's window id: the tenants here are all in UTC."""
+    return Calendar().window(DAY, get_engine().clock.now_ms()).id
 
 
-def this_month() -> str:
-    return Calendar(0).window(MONTH, get_engine().clock.now_ms()).id
+def this_cycle(tenant: Tenant) -> str:
+    """The tenant's current cycle window: the free plan's resets daily (c2026-12-01)."""
+    return calendar_for(tenant).window(MONTH, get_engine().clock.now_ms()).id
 
 
 def fired(tenant: Tenant) -> list[tuple[str, str, int]]:
@@ -171,7 +176,8 @@ def test_projects_with_their_own_limit_and_monthly_budgets(engine: QuotaEngine) 
     spend(engine, acme, 18_040, "p2", scopes=scopes)
     alerts = check_thresholds([acme.pk])
     assert [(a.scope, a.window, a.threshold) for a in alerts] == [
-        ("tenant", this_month(), 10), ("tenant", this_month(), 5)]
+        ("tenant", this_cycle(acme), 10), ("tenant", this_cycle(acme), 5)]
+    assert this_cycle(acme) == f"c{today()[1:]}"  # the free plan's cycle is the day
     delivery_free = [a for a in alerts if a.delivery_ids]
     assert delivery_free == []  # no endpoint configured
 
@@ -181,8 +187,8 @@ def test_projects_with_their_own_limit_and_monthly_budgets(engine: QuotaEngine) 
 
 def yesterday() -> Any:
     """Yesterday's day window (UTC), on the Redis clock."""
-    today_window = Calendar(0).window(DAY, get_engine().clock.now_ms())
-    return Calendar(0).window(DAY, today_window.start_ms - 1)
+    today_window = Calendar().window(DAY, get_engine().clock.now_ms())
+    return Calendar().window(DAY, today_window.start_ms - 1)
 
 
 def counter_in(engine: QuotaEngine, tenant: Tenant, window_id: str, *, limit: int, used: int,
@@ -236,7 +242,8 @@ def test_on_the_first_of_the_month_the_previous_month_is_checked(engine: QuotaEn
 
     from quotas.windows import RedisClock
 
-    acme = make_tenant("acme", monthly_token_budget=100_000)
+    # A plan whose cycle is the calendar month (the free plan's is the day).
+    acme = make_tenant("acme", plan="standard", monthly_token_budget=100_000)
     first = datetime(2026, 12, 1, 0, 0, 5, tzinfo=UTC).timestamp()
     at_midnight = QuotaEngine(engine.client, clock=RedisClock(lambda: first))
     counter_in(engine, acme, "m2026-11", limit=100_000, used=95_500)
@@ -353,16 +360,16 @@ def test_a_hundred_concurrent_settles_and_racing_detectors_fire_each_alert_once(
 
     slug = f"race-{os.getpid()}-{time.monotonic_ns()}"
 
-    def setup() -> tuple[int, list[int]]:
+    def setup() -> tuple[Tenant, list[int]]:
         tenant = make_tenant(slug)
         add_owner(tenant, f"owner-{slug}", "owner@race.test")
         endpoints = [create_endpoint(tenant, "http://127.0.0.1:9/hook",
                                      ["quota.threshold", "quota.exhausted"], actor="t")[0].pk
                      for _ in range(2)]
-        return tenant.pk, endpoints
+        return tenant, endpoints
 
-    tenant_id, endpoint_ids = committed(django_db_blocker, setup)
-    tenant = Tenant(pk=tenant_id, slug=slug)
+    tenant, endpoint_ids = committed(django_db_blocker, setup)  # with its plan: its windows
+    tenant_id = tenant.pk
     spend(engine, tenant, 8_000, "warmup")  # 20% left: nothing due yet
     # Tiny holds that settle bigger (the upstream's usage may exceed the hold): every mark is
     # crossed by the settles themselves, not by the reservations.
@@ -509,13 +516,13 @@ def test_worker_detects_at_drain_time_and_delivers_the_signed_webhook_with_a_ret
 
     slug = f"celery-alerts-{os.getpid()}"
     with Receiver([500, 200]) as receiver:
-        def setup() -> tuple[int, str]:
+        def setup() -> tuple[Tenant, str]:
             tenant = make_tenant(slug)
             _, secret = create_endpoint(tenant, receiver.url, ["quota.threshold"], actor="t")
-            return tenant.pk, secret
+            return tenant, secret
 
-        tenant_id, secret = committed(django_db_blocker, setup)
-        tenant = Tenant(pk=tenant_id, slug=slug)
+        tenant, secret = committed(django_db_blocker, setup)  # with its plan: its windows
+        tenant_id = tenant.pk
         spend(engine, tenant, 9_100, "w1")
 
         assert wait_until(lambda: len(receiver.requests) >= 2, timeout=30), (

@@ -29,7 +29,7 @@ from quotas.engine import (
 )
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
-from quotas.windows import WindowKind
+from quotas.windows import Window, WindowKind
 from tenants.api_key_format import parse_key
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant, issue_key
@@ -62,7 +62,11 @@ class Caller:
                            "served": model, "ep": "chat/completions"})
         return ReserveRequest(tenant=self.ctx.tenant_tag, request_id=request_id, amount=amount,
                               limits=self.ctx.scopes(model), meta=meta, money_amount=10_000,
-                              check_epoch=True)
+                              check_epoch=True, schedule=self.ctx.schedule)
+
+    def window(self, kind: WindowKind) -> Window:
+        """The current window of `kind` in the tenant's windows, on the Redis clock."""
+        return self.engine.current_window(kind, self.ctx.schedule)
 
     def settle(self, hold: Hold, input_tokens: int, output_tokens: int,
                model: str = MODEL) -> None:
@@ -102,7 +106,7 @@ def counters(engine: QuotaEngine, caller: Caller, model: str = MODEL) -> dict[tu
     found = {}
     for scope in caller.ctx.scopes(model):
         snapshot = engine.counter(caller.ctx.tenant_tag, scope.scope, scope.window,
-                                  unit=scope.unit)
+                                  unit=scope.unit, schedule=caller.ctx.schedule)
         found[(scope.scope, scope.window.value, scope.unit.value)] = snapshot.used
     return found
 
@@ -114,7 +118,9 @@ def ledger_tokens(tenant: Tenant, since: datetime) -> int:
 
 @pytest.fixture
 def acme() -> Tenant:
-    return create_tenant("acme", plan_name="free", actor="test", tokens_per_day=100_000,
+    # A plan whose cycle is the calendar month, so that day and month windows differ (the free
+    # plan's cycle is the day).
+    return create_tenant("acme", plan_name="standard", actor="test", tokens_per_day=100_000,
                          monthly_spend_budget_micros=50_000_000)
 
 
@@ -169,7 +175,7 @@ def test_flushall_then_rebuild_restores_every_counter_from_the_ledger(
         before_mini[("model:gpt-4o-mini", "day", "tokens")])
     # Once drained, the ledger says what the counters say.
     assert drain_tenant(client, acme.pk) == 1
-    month = engine.current_window(WindowKind.MONTH)
+    month = web.window(WindowKind.MONTH)
     assert ledger_tokens(acme, datetime.fromtimestamp(month.start_ms / 1000, UTC)) == (
         counters(engine, web)[("tenant", "month", "tokens")])
     assert engine.reserve(web.request("after-rebuild", 100)).admitted
@@ -206,7 +212,7 @@ def test_surviving_usage_events_count_once(
 
     lost = [keys.epoch_key(tag)] + [
         keys.counter_key(tag, s.scope + (":usd" if s.unit is Unit.MICROS else ""),
-                         engine.current_window(s.window).id) for s in web.ctx.scopes(MODEL)]
+                         web.window(s.window).id) for s in web.ctx.scopes(MODEL)]
     assert client.delete(*lost) == len(lost)
     result = rebuild_tenant(tag, engine=engine)
     assert result.pending_events == 4
@@ -215,8 +221,8 @@ def test_surviving_usage_events_count_once(
 
 def test_only_rows_of_the_current_windows_count(engine: QuotaEngine, acme: Tenant) -> None:
     caller = make_caller(engine, acme)
-    day = engine.current_window(WindowKind.DAY)
-    month = engine.current_window(WindowKind.MONTH)
+    day = caller.window(WindowKind.DAY)
+    month = caller.window(WindowKind.MONTH)
 
     def row(request_id: str, started_ms: int, tokens: int) -> None:
         started = datetime.fromtimestamp(started_ms / 1000, UTC)
@@ -268,7 +274,7 @@ def test_quota_rebuild_command_and_beat_job_rebuild_lost_tenants(acme: Tenant) -
     call_command("quota_rebuild", "--tenant", "acme", "--json", stdout=io.StringIO())
     caller.call(40, 2)
     assert drain_tenant(engine.client, acme.pk) == 1
-    counter = keys.counter_key(tag, "tenant", engine.current_window(WindowKind.DAY).id)
+    counter = keys.counter_key(tag, "tenant", caller.window(WindowKind.DAY).id)
 
     engine.client.delete(keys.epoch_key(tag), counter)
     out = io.StringIO()
@@ -298,7 +304,7 @@ def test_the_spend_counter_is_rebuilt_only_where_reserve_uses_it(
     result = rebuild_tenant(caller.ctx.tenant_tag, engine=engine)
     assert result.counters == len(caller.ctx.scopes(MODEL))
     money_key = keys.counter_key(caller.ctx.tenant_tag, "tenant:usd",
-                                 engine.current_window(WindowKind.MONTH).id)
+                                 caller.window(WindowKind.MONTH).id)
     assert not client.exists(money_key)
 
 
@@ -320,7 +326,7 @@ def test_rebuild_on_a_redis_cluster(redis_cluster_url: str, acme: Tenant) -> Non
     # tests, so the tenant's keys are deleted rather than the whole cluster flushed).
     lost = [keys.epoch_key(tag)] + [
         keys.counter_key(tag, s.scope + (":usd" if s.unit is Unit.MICROS else ""),
-                         engine.current_window(s.window).id) for s in caller.ctx.scopes(MODEL)]
+                         caller.window(s.window).id) for s in caller.ctx.scopes(MODEL)]
     assert cluster.delete(*lost) == len(lost)
     assert lost_tenants(engine, [acme.pk]) == [acme.pk]
     with pytest.raises(QuotaEpochLost):

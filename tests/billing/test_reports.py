@@ -14,7 +14,7 @@ from django.db.models import Count, Sum
 from openpyxl import load_workbook
 
 from billing.models import UsageRecord
-from billing.reports import Month, platform_month, tenant_month, to_csv, to_xlsx, usd
+from billing.reports import Month, platform_month, tenant_period, to_csv, to_xlsx, usd
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant, issue_key
 
@@ -58,7 +58,7 @@ def ledger_sums(**filters) -> dict:
 
 def test_tenant_month_groups_by_day_project_key_model_and_totals_match_the_ledger(ledger) -> None:
     acme, _ = ledger
-    report = tenant_month(acme, Month.parse("2026-11"))
+    report = tenant_period(acme, "2026-11")
     assert [r[:4] for r in report.rows] == [
         ("2026-11-01", "web", acme.projects.get(slug="web").api_keys.get().public_id, "gpt-4o"),
         ("2026-11-01", "web", acme.projects.get(slug="web").api_keys.get().public_id, "gpt-4o-mini"),
@@ -82,7 +82,7 @@ def test_platform_report_has_one_row_per_tenant(ledger) -> None:
 
 def test_csv_and_xlsx_carry_the_same_figures(ledger, tmp_path: Path) -> None:
     acme, _ = ledger
-    report = tenant_month(acme, Month.parse("2026-11"))
+    report = tenant_period(acme, "2026-11")
     rows = list(csv.reader(io.StringIO(to_csv(report).decode())))
     assert rows[0] == list(report.columns)
     assert rows[-1][10] == "1.523712" and len(rows) == len(report.rows) + 2
@@ -139,7 +139,7 @@ def test_report_downloads_are_scoped_to_the_callers_tenant(ledger, client) -> No
     response = client.get(url)
     assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
     assert 'filename="acme-2026-11.csv"' in response["Content-Disposition"]
-    assert response.content == to_csv(tenant_month(acme, Month.parse("2026-11")))
+    assert response.content == to_csv(tenant_period(acme, "2026-11"))
     xlsx = client.get(f"{base}/2026-11.xlsx")
     assert load_workbook(io.BytesIO(xlsx.content)).active.max_row == 6
     assert client.get(f"{base}/2026-13.csv").status_code == 400
@@ -180,13 +180,15 @@ def test_reports_show_swept_rows_and_the_corrections_of_late_settles(ledger) -> 
         corrected_at=moment, started_at=moment, ended_at=moment)
     record(acme, "still-swept", 1, "gpt-4o", 100, 900, 9_250, web, key, status="swept")
 
-    report = tenant_month(acme, Month.parse("2026-11"))
+    report = tenant_period(acme, "2026-11")
+    # The sweep's columns, then the window's (every row states the period it belongs to).
     assert report.columns[11:] == ("swept_requests", "corrected_requests", "sweep_charged_usd",
-                                  "correction_usd")
+                                  "correction_usd", "window_start", "window_end", "time_zone")
+    window = ("2026-11-01T00:00:00+00:00", "2026-12-01T00:00:00+00:00", "UTC")
     [row] = [r for r in report.rows if r[0] == "2026-11-01" and r[3] == "gpt-4o"]
     assert row[4:] == (5, 1210, 1655, 0, 0, 0, Decimal("0.019575"), 1, 2, Decimal("0.009900"),
-                       Decimal("-0.007150"))
-    assert report.totals[11:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"))
+                       Decimal("-0.007150"), *window)
+    assert report.totals[11:] == (1, 2, Decimal("0.009900"), Decimal("-0.007150"), *window)
     assert report.cost_micros == ledger_sums(tenant=acme)["c"]
 
     platform = platform_month(Month.parse("2026-11"))
@@ -219,7 +221,7 @@ def test_reports_show_the_token_classes_with_totals(ledger) -> None:
         input_tokens=100, output_tokens=10, cached_input_tokens=64, cost_micros=290,
         status="settled", started_at=moment, ended_at=moment)
 
-    report = tenant_month(acme, Month.parse("2026-11"))
+    report = tenant_period(acme, "2026-11")
     assert report.columns[4:11] == ("requests", "input_tokens", "output_tokens",
                                     "cached_input_tokens", "cache_write_tokens",
                                     "reasoning_tokens", "cost_usd")

@@ -34,16 +34,22 @@ def _reports(world: World) -> str:
     return reverse("console-reports", args=[world.acme.public_id])
 
 
-def test_reports_page_links_the_current_months_csv_and_the_link_downloads(world: World) -> None:
+def test_reports_page_links_the_current_cycle_windows_csv_and_the_link_downloads(
+        world: World) -> None:
     client = _client(world.owner)
     html = client.get(_reports(world)).content.decode()
+    # Acme is on the standard plan: its cycle is the calendar month (UTC), whose window id is
+    # "m" and the month. The picker offers its cycle windows since the tenant was created (one:
+    # it was created just now).
     month = datetime.now(UTC).strftime("%Y-%m")
     csv_link = re.search(r'<a [^>]*href="([^"]+)"[^>]*>Download CSV</a>', html).group(1)
-    assert csv_link == f"/api/tenants/{world.acme.public_id}/reports/{month}.csv"
-    assert f"/reports/{month}.xlsx" in html
-    select = html[html.index('id="report-month"'):]
-    assert '<label for="report-month">' in html
-    assert select[:select.index("</select>")].count("<option") == 12
+    assert csv_link == f"/api/tenants/{world.acme.public_id}/reports/m{month}.csv"
+    assert f"/reports/m{month}.xlsx" in html
+    select = html[html.index('id="report-period"'):]
+    assert '<label for="report-period">' in html
+    options = select[:select.index("</select>")]
+    assert options.count("<option") == 1
+    assert f'value="m{month}" selected>{month}-01 – ' in options and "(UTC)" in options
     download = client.get(csv_link)  # the session is enough
     assert download.status_code == 200 and download["Content-Type"].startswith("text/csv")
 
@@ -51,7 +57,7 @@ def test_reports_page_links_the_current_months_csv_and_the_link_downloads(world:
 def test_reports_page_for_another_month_and_a_bad_month(world: World) -> None:
     client = _client(world.owner)
     html = client.get(_reports(world), {"month": "2025-02"}).content.decode()
-    assert "/reports/2025-02.csv" in html and "Report for 2025-02" in html
+    assert "/reports/2025-02.csv" in html and "Report for 2025-02-01 – 2025-02-28 (UTC)" in html
     bad = client.get(_reports(world), {"month": "2025-13"})
     assert bad.status_code == 400 and "YYYY-MM" in bad.content.decode()
 

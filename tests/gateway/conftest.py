@@ -26,9 +26,11 @@ from django.conf import settings
 
 from config.embedded import embedded_database_url, free_port
 from gateway.mock_upstream import MockUpstream, start_subprocess
+from quotas.cycles import schedule_for
 from quotas.engine import QuotaEngine
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
+from quotas.windows import UTC_MONTHLY, CycleSchedule
 
 ROOT = Path(__file__).resolve().parents[2]
 # The mock provider key's default price (micro-dollars per million tokens), for unpriced models.
@@ -157,6 +159,9 @@ class TenantKey:
     api_key_id: int
     api_key_public_id: str
     plaintext: str
+    # The tenant's windows as created (quotas.cycles.schedule_for): the free plan resets its
+    # 'month' counters daily, so a test reading a cycle counter reads it in these windows.
+    schedule: CycleSchedule = UTC_MONTHLY
 
     @property
     def tag(self) -> str:
@@ -185,7 +190,7 @@ def make_tenant(django_db_blocker: Any, provider_key: str) -> MakeTenant:
 
         tenant, project, issued = committed(django_db_blocker, create)
         return TenantKey(tenant.pk, slug, project.pk, issued.api_key.pk,
-                         issued.api_key.public_id, issued.plaintext)
+                         issued.api_key.public_id, issued.plaintext, schedule_for(tenant))
 
     return make
 

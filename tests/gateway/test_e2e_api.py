@@ -218,7 +218,9 @@ def test_monthly_spend_budget_holds_the_worst_case_cost(
         client.chat.completions.create(model="gpt-4o", max_tokens=10,
                                        messages=[{"role": "user", "content": "hi there"}])
     assert info.value.code == "insufficient_quota"
-    spend = engine.counter(t.tag, "tenant", WindowKind.MONTH, unit=Unit.MICROS)
+    # The budget's window is the tenant's cycle (the free plan's: a day).
+    spend = engine.counter(t.tag, "tenant", WindowKind.MONTH, unit=Unit.MICROS,
+                           schedule=t.schedule)
     assert (spend.limit, spend.used, spend.pending) == (400, sum(costs), 0)
 
 

@@ -54,6 +54,7 @@ from tests.gateway.conftest import (
     MOCK_DEFAULT_OUTPUT_PRICE,
     GatewayServer,
     MakeTenant,
+    TenantKey,
     client_for,
     committed,
     start_gateway,
@@ -386,8 +387,10 @@ def priced_gateway(models: Models,
     server.stop()
 
 
-def _spend(engine: QuotaEngine, tag: str) -> Any:
-    return engine.counter(tag, quota_keys.tenant_scope(), WindowKind.MONTH, unit=Unit.MICROS)
+def _spend(engine: QuotaEngine, t: TenantKey) -> Any:
+    # The spend budget's window is the tenant's cycle (daily on the free plan).
+    return engine.counter(t.tag, quota_keys.tenant_scope(), WindowKind.MONTH, unit=Unit.MICROS,
+                          schedule=t.schedule)
 
 
 @pytest.mark.e2e
@@ -401,21 +404,21 @@ def test_a_price_period_three_times_the_list_price_is_what_the_budget_and_the_le
     expected = TRIPLE.cost(completion.usage.prompt_tokens, completion.usage.completion_tokens)
     assert expected == 3 * LIST.cost(completion.usage.prompt_tokens,
                                      completion.usage.completion_tokens) > 0
-    spend = _spend(engine, t.tag)
+    spend = _spend(engine, t)
     assert (spend.used, spend.pending) == (expected, 0)
     committed(django_db_blocker, lambda: drain_tenant(engine.client, t.tenant_id))
     row = committed(django_db_blocker, lambda: UsageRecord.objects.get(tenant_id=t.tenant_id))
     assert row.cost_micros == expected
 
 
-def _exhaust_spend_budget(engine: QuotaEngine, tag: str, budget: int) -> None:
-    """Spend the tenant's whole monthly budget, as calls before this one would have."""
+def _exhaust_spend_budget(engine: QuotaEngine, t: TenantKey, budget: int) -> None:
+    """Spend the tenant's whole budget of its cycle, as calls before this one would have."""
     limit = ScopeLimit(quota_keys.tenant_scope(), WindowKind.MONTH, budget, Unit.MICROS)
-    hold = engine.reserve(ReserveRequest(tag, f"req_spent_{uuid.uuid4().hex}", 1, (limit,),
-                                         money_amount=budget)).hold
+    hold = engine.reserve(ReserveRequest(t.tag, f"req_spent_{uuid.uuid4().hex}", 1, (limit,),
+                                         money_amount=budget, schedule=t.schedule)).hold
     assert hold is not None
     engine.settle(hold, 1, "", budget)
-    spend = _spend(engine, tag)
+    spend = _spend(engine, t)
     assert (spend.limit, spend.used, spend.pending) == (budget, budget, 0)
 
 
@@ -424,7 +427,7 @@ def test_an_unknown_dated_model_or_an_alias_cannot_pass_an_exhausted_spend_budge
     priced_gateway: GatewayServer, models: Models, make_tenant: MakeTenant, engine: QuotaEngine,
 ) -> None:
     t = make_tenant(monthly_spend_budget_micros=1_000)
-    _exhaust_spend_budget(engine, t.tag, 1_000)
+    _exhaust_spend_budget(engine, t, 1_000)
     client = client_for(priced_gateway, t.plaintext)
     # Not in the catalog, no alias: priced by the mock provider key's default price.
     for model in ("gpt-4o-2099-12-31", models.snapshot):
@@ -432,7 +435,7 @@ def test_an_unknown_dated_model_or_an_alias_cannot_pass_an_exhausted_spend_budge
             client.chat.completions.create(model=model, max_tokens=1, messages=HI)
         assert info.value.code == "insufficient_quota", model
     assert engine.open_hold_ids(t.tag) == []
-    assert _spend(engine, t.tag).used == 1_000
+    assert _spend(engine, t).used == 1_000
 
 
 @pytest.mark.e2e
@@ -450,7 +453,7 @@ def test_a_spend_budget_of_zero_refuses_even_a_call_priced_zero(
     t = make_tenant(monthly_spend_budget_micros=1_000)
     client_for(priced_gateway, t.plaintext).chat.completions.create(
         model=models.free, max_tokens=1, messages=HI)
-    assert (_spend(engine, t.tag).used, _spend(engine, t.tag).pending) == (0, 0)
+    assert (_spend(engine, t).used, _spend(engine, t).pending) == (0, 0)
 
 
 @pytest.mark.e2e
@@ -511,4 +514,4 @@ def test_the_mock_provider_keys_default_price_meters_fault_injection_models(
         model="gpt-4o@output_tokens=7", max_tokens=20, messages=HI)
     default = Price(MOCK_DEFAULT_INPUT_PRICE, MOCK_DEFAULT_OUTPUT_PRICE)
     expected = default.cost(completion.usage.prompt_tokens, completion.usage.completion_tokens)
-    assert _spend(engine, t.tag).used == expected > 0
+    assert _spend(engine, t).used == expected > 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
+from quotas.cycles import schedule_for
 from quotas.engine import UNLIMITED
 from quotas.keys import tenant_tag
 from quotas.limits import project_counter, tenant_counter
@@ -16,8 +17,9 @@ from tenants.services import record_audit_event
 
 class Command(QuotaCommand):
     help = (
-        "Top up a tenant's (or one project's) quota for the current day or month. The credit "
-        "belongs to that window only and goes away with it."
+        "Top up a tenant's (or one project's) quota for the current day or cycle ('month': the "
+        "tenant's cycle window, e.g. a calendar month, a day on the free plan, a month from its "
+        "billing day). The credit belongs to that window only and goes away with it."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -39,8 +41,10 @@ class Command(QuotaCommand):
             # With allotments, the top-up goes to the shared pool too: every scope may use it.
             pool = tenant_allotments(tenant, limits=limits)[window.value].allotted > 0
         scope = counter.scope
+        # In the tenant's windows (its day and cycle in its time zone), as the gateway counts.
         result = get_engine().recharge(tenant_tag(tenant.pk), counter.scope_limit,
-                                       options["tokens"], pool=pool)
+                                       options["tokens"], pool=pool,
+                                       schedule=schedule_for(tenant))
         record_audit_event(
             tenant=tenant, actor="cli", action="quota.recharged", target=tenant.public_id,
             data={"scope": scope, "window": result.window.id, "tokens": options["tokens"]},

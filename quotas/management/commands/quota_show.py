@@ -3,6 +3,7 @@ from __future__ import annotations
 from argparse import ArgumentParser
 from typing import Any
 
+from quotas.cycles import cycle_standing
 from quotas.engine import UNLIMITED
 from quotas.management.commands._base import QuotaCommand
 from quotas.status import quota_status
@@ -10,7 +11,8 @@ from tenants.selectors import effective_limits, tenant_by_slug
 
 
 class Command(QuotaCommand):
-    help = "Show a tenant's live quota counters (today and this month) and its open holds."
+    help = ("Show a tenant's live quota counters (today and its current cycle window) and its "
+            "open holds, with its cycle and any pending change.")
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         super().add_arguments(parser)
@@ -30,11 +32,19 @@ class Command(QuotaCommand):
             }
             for s in status.scopes
         ]
-        data = {"tenant": tenant.slug, "counters": rows, "open_holds": status.open_holds}
+        cycle = cycle_standing(tenant)
+        data = {"tenant": tenant.slug, "cycle": cycle.as_dict(), "counters": rows,
+                "open_holds": status.open_holds}
         header = (f"{'scope':<14} {'name':<22} {'window':<6} {'limit':>14} {'used':>14} "
                   f"{'pending':>10} {'remaining':>14}")
         plan_name = effective_limits(tenant).plan_name
-        lines = [f"Tenant {tenant.slug} ({plan_name}); open holds: {status.open_holds}", header]
+        lines = [f"Tenant {tenant.slug} ({plan_name}); open holds: {status.open_holds}",
+                 f"Cycle: {cycle.description}; day {cycle.day.label}; 'month' window "
+                 f"{cycle.window.label}"]
+        if cycle.pending is not None and cycle.changes_at is not None:
+            lines.append(f"Pending: {cycle.pending_description} ({cycle.pending.zone}) from "
+                         f"{cycle.changes_at:%Y-%m-%d %H:%M %Z}")
+        lines.append(header)
         for r in rows:
             limit = "unlimited" if r["limit"] == UNLIMITED else r["limit"]
             remaining = "-" if r["remaining"] == UNLIMITED else r["remaining"]
