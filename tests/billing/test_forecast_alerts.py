@@ -37,9 +37,10 @@ NOON = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)  # 13:00 in Paris
 _ids = itertools.count()
 
 
-def at(moment: datetime) -> QuotaEngine:
-    """The session's Redis, read at a fixed instant (the forecasts' "now")."""
-    return QuotaEngine(get_engine().client, clock=RedisClock(lambda: moment.timestamp()))
+def at(moment: datetime, client: Any = None) -> QuotaEngine:
+    """The session's Redis (or `client`), read at a fixed instant (the forecasts' "now")."""
+    return QuotaEngine(client or get_engine().client,
+                       clock=RedisClock(lambda: moment.timestamp()))
 
 
 def make_tenant(slug: str, *, day_limit: int = 10_000, **fields: Any) -> Tenant:
@@ -55,12 +56,13 @@ def add_person(tenant: Tenant, username: str, role: str = "owner") -> None:
 
 
 def counter(tenant: Tenant, scope: str, window_id: str, *, limit: int, used: int,
-            pending: int = 0, credit: int = 0) -> None:
+            pending: int = 0, credit: int = 0, client: Any = None) -> None:
     """A counter as the reserve and settle scripts leave it (quotas/keys.py layout)."""
+    client = client or get_engine().client
     key = keys.counter_key(tenant_tag(tenant.pk), scope, window_id)
-    get_engine().client.hset(key, mapping={"limit": limit, "used": used, "pending": pending,
-                                           "credit": credit})
-    get_engine().client.expire(key, 3 * 86400)
+    client.hset(key, mapping={"limit": limit, "used": used, "pending": pending,
+                              "credit": credit})
+    client.expire(key, 3 * 86400)
 
 
 def record(tenant: Tenant, when: datetime, tokens: int, *, project: Project | None = None,
@@ -80,7 +82,7 @@ def burn(tenant: Tenant, start: datetime, hours: int, per_hour: int, *, every: i
                    per_hour // every, project=project, api_key=api_key)
 
 
-def busy_tenant(slug: str = "acme") -> tuple[Tenant, Project]:
+def busy_tenant(slug: str = "acme", client: Any = None) -> tuple[Tenant, Project]:
     """A tenant (10,000 tokens a day) at 6,000 used and held at 13:00 Paris time, burning 400
     tokens an hour over the last three hours (100 of them in project web, 4,000 a day)."""
     acme = make_tenant(slug)
@@ -88,8 +90,9 @@ def busy_tenant(slug: str = "acme") -> tuple[Tenant, Project]:
     batch = create_project(acme, "batch", actor="test")
     burn(acme, NOON - timedelta(hours=3), 3, 300, every=3, project=batch)
     burn(acme, NOON - timedelta(hours=3), 3, 100, every=1, project=web)
-    counter(acme, "tenant", "d2026-12-01", limit=10_000, used=5_500, pending=500)
-    counter(acme, keys.project_scope(web.pk), "d2026-12-01", limit=4_000, used=1_000)
+    counter(acme, "tenant", "d2026-12-01", limit=10_000, used=5_500, pending=500, client=client)
+    counter(acme, keys.project_scope(web.pk), "d2026-12-01", limit=4_000, used=1_000,
+            client=client)
     return acme, web
 
 
@@ -251,3 +254,20 @@ def test_the_beat_runs_the_check_for_every_tenant_with_a_threshold(settings: Any
     assert check_quota_forecasts() == 0
     [message] = mail.outbox
     assert "live" in message.subject and "forecast" in message.subject
+
+
+@pytest.mark.cluster
+def test_forecast_warnings_on_a_redis_cluster(redis_cluster_url: str) -> None:
+    """The counters read in one pipelined round trip from the tenant's slot of a 3-node
+    Cluster: the same warning, once."""
+    import redis
+
+    cluster = redis.RedisCluster.from_url(redis_cluster_url, decode_responses=True)
+    try:
+        acme, _ = busy_tenant("clustered", client=cluster)
+        [warning] = check_forecasts([acme.pk], engine=at(NOON, cluster))
+        assert (warning.scope.who, warning.scope.forecast.tokens) == ("tenant", 10_400)
+        assert check_forecasts([acme.pk], engine=at(NOON, cluster)) == []
+        assert ForecastAlert.objects.filter(tenant=acme).count() == 1
+    finally:
+        cluster.close()
