@@ -4,19 +4,21 @@ config/console/dashboard_views.py only draws them).
 Live figures (gauges, open holds, refused today) come from the Redis counters, so a /v1 call
 shows at once; the 30-day usage per day and model (the chart's data) comes from the ledger, a few
 seconds behind. When Redis is down the live part is None and the page says so; the ledger part
-still renders.
+still renders. Days and the "month" are the tenant's: its local days and its cycle window
+(quotas.cycles), the windows its counters count in.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any
 
 from billing.forecast import Forecast, ScopeForecast, scope_forecasts
 from billing.models import AlertState, ForecastAlert, WebhookDelivery
-from billing.usage import total_tokens, usage_totals
+from billing.usage import total_tokens, usage_totals, window_totals
+from quotas.cycles import Span, current_windows, cycle_standing
 from quotas.engine import QuotaStoreUnavailable
 from quotas.keys import api_key_scope
 from quotas.status import (
@@ -115,11 +117,19 @@ class Dashboard:
     chart_first_day: date
     alerts: list[AlertState]
     deliveries: list[WebhookDelivery]
-    month_tokens: int  # from the ledger
-    today: date
+    month_tokens: int  # from the ledger, in the current cycle window
+    today: date  # the tenant's local day
     project_labels: dict[str, str] = field(default_factory=dict)
     key_labels: dict[str, str] = field(default_factory=dict)  # "key:<pk>" -> name
     forecast_alerts: list[ForecastAlert] = field(default_factory=list)
+    cycle: Span | None = None  # the current cycle window ("this month")
+    cycle_description: str = ""  # e.g. "monthly from the 15th"
+
+
+def cycle_label(span: Span | None) -> str:
+    """What the gauges call the 'month' window: "This month" for a calendar month, else
+    "This cycle" (a day, a week, a month from a billing day...)."""
+    return "This month" if span is None or span.id.startswith("m") else "This cycle"
 
 
 ForecastIndex = dict[tuple[str, str, str], Forecast]
@@ -142,7 +152,8 @@ def _gauge(status: ScopeStatus, label: str, forecasts: ForecastIndex | None = No
 
 def scope_gauges(status: QuotaStatus, tenant: Tenant,
                  ledger_month: dict[str, int] | None = None,
-                 forecasts: ForecastIndex | None = None) -> list[ScopeGauges]:
+                 forecasts: ForecastIndex | None = None,
+                 month_label: str = "This month") -> list[ScopeGauges]:
     """The tenant's gauges first, then one per project (with its own limits or not).
     `ledger_month` (project public id -> tokens this month) stands in for month counters
     that do not exist live; `forecasts` (forecast_index) put a forecast on limited gauges."""
@@ -153,8 +164,8 @@ def scope_gauges(status: QuotaStatus, tenant: Tenant,
         for ref, day in days.items():
             label = tenant.name if kind == "tenant" else day.label
             live_month = months.get(ref)
-            month = (_gauge(live_month, "This month", forecasts) if live_month is not None else
-                     Gauge(label="This month", window="month",
+            month = (_gauge(live_month, month_label, forecasts) if live_month is not None else
+                     Gauge(label=month_label, window="month",
                            used=(ledger_month or {}).get(ref, 0), pending=0, limit=None,
                            remaining=None, percent=None, source="ledger"))
             out.append(ScopeGauges(label=label, kind=kind, ref=ref,
@@ -162,8 +173,8 @@ def scope_gauges(status: QuotaStatus, tenant: Tenant,
     return out
 
 
-def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None
-                ) -> LiveStatus | None:
+def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None,
+                month_label: str = "This month") -> LiveStatus | None:
     try:
         status = quota_status(tenant)
         refused = refused_today(tenant)
@@ -171,17 +182,20 @@ def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None
     except QuotaStoreUnavailable as exc:
         log.warning("dashboard of %s without live counters: %s", tenant.public_id, exc)
         return None
-    return LiveStatus(scope_gauges(status, tenant, ledger_month, forecast_index(forecasts)),
+    return LiveStatus(scope_gauges(status, tenant, ledger_month, forecast_index(forecasts),
+                                   month_label),
                       status.open_holds, refused,
                       [f for f in forecasts if f.kind == "tenant"])
 
 
 def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
-    today = (now or datetime.now(UTC)).astimezone(UTC).date()
+    # The tenant's day and cycle window now (on the Redis clock unless `now` is given).
+    at_ms = int(now.timestamp() * 1000) if now is not None else None
+    day, cycle = current_windows(tenant, at_ms)
+    today = day.start.date()
     chart_first_day = today - timedelta(days=CHART_DAYS - 1)
     daily_usage = usage_totals(tenant, chart_first_day, today, ("day", "model"))
-    month_start = today.replace(day=1)
-    month_tokens = total_tokens(tenant, month_start, today)
+    month_tokens = total_tokens(tenant, cycle.start, cycle.end)
     alerts = list(AlertState.objects.filter(tenant=tenant).order_by("-fired_at", "-id")[:10])
     forecast_alerts = list(ForecastAlert.objects.filter(tenant=tenant)
                            .order_by("-fired_at", "-id")[:10])
@@ -193,13 +207,14 @@ def build(tenant: Tenant, *, now: datetime | None = None) -> Dashboard:
                   ApiKey.objects.filter(project__tenant=tenant, revoked_at__isnull=True)
                   .values_list("pk", "name", "public_id")} if forecast_alerts else {}
     ledger_month = {row["project"]: row["total_tokens"]
-                    for row in usage_totals(tenant, month_start, today, ("project",))
+                    for row in window_totals(tenant, cycle.start, cycle.end, ("project",))
                     if row["project"]}
-    return Dashboard(tenant=tenant, live=live_status(tenant, ledger_month),
+    return Dashboard(tenant=tenant, live=live_status(tenant, ledger_month, cycle_label(cycle)),
                      daily_usage=daily_usage, chart_first_day=chart_first_day, alerts=alerts,
                      deliveries=deliveries, month_tokens=month_tokens, today=today,
                      project_labels=projects, forecast_alerts=forecast_alerts,
-                     key_labels=key_labels)
+                     key_labels=key_labels, cycle=cycle,
+                     cycle_description=cycle_standing(tenant, at_ms).description)
 
 
 def alert_rows(dashboard: Dashboard) -> list[dict[str, object]]:
@@ -210,10 +225,8 @@ def alert_rows(dashboard: Dashboard) -> list[dict[str, object]]:
                  else f"Project {dashboard.project_labels.get(alert.scope, '(deleted)')}")
         what = ("exhausted" if alert.threshold == AlertState.EXHAUSTED
                 else f"{alert.threshold}% or less left")
-        window = alert.window
-        period = (f"day {window[1:]}" if window.startswith("d")
-                  else f"month {window[1:]}" if window.startswith("m") else window)
-        rows.append({"scope": scope, "what": what, "window": period, "fired_at": alert.fired_at,
+        rows.append({"scope": scope, "what": what, "window": _period(alert.window),
+                     "fired_at": alert.fired_at,
                      "exhausted": alert.threshold == AlertState.EXHAUSTED})
     for warning in dashboard.forecast_alerts:
         percent = 100 * warning.forecast / warning.limit if warning.limit > 0 else 100.0
@@ -234,6 +247,9 @@ def _scope_words(scope: str, dashboard: Dashboard) -> str:
 
 
 def _period(window: str) -> str:
-    return (f"day {window[1:]}" if window.startswith("d")
-            else f"month {window[1:]}" if window.startswith("m")
-            else f"cycle from {window[1:]}" if window.startswith("c") else window)
+    # A first window after a change of cycle ends in "@<switch, epoch seconds>".
+    base, _, switch = window.partition("@")
+    words = (f"day {base[1:]}" if base.startswith("d")
+             else f"month {base[1:]}" if base.startswith("m")
+             else f"cycle from {base[1:]}" if base.startswith("c") else base)
+    return f"{words} (after a change of cycle)" if switch else words

@@ -1,20 +1,24 @@
 """A tenant's usage from the ledger, grouped for the console and the management API.
 
-The ledger is a few seconds behind the Redis counters (it is drained every 5 s); live
-"remaining" figures come from the quota counters instead (quotas/status.py).
+Days are the tenant's local days, in the time zone of its days now (quotas.cycles.time_zone_of);
+"this month" figures are of its current cycle window (a calendar month, a day on the free plan, a
+month from its billing day...), as its quota counters count them. The ledger is a few seconds
+behind the Redis counters (it is drained every 5 s); live "remaining" figures come from the quota
+counters instead (quotas/status.py).
 """
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any, Literal
+from zoneinfo import ZoneInfo
 
 from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import TruncDate
-from django.utils import timezone
 
 from billing.models import UsageRecord
 from gateway.usage import TOKEN_CLASSES
+from quotas.cycles import current_windows, time_zone_of
 from tenants.models import Tenant
 
 GroupBy = Literal["day", "project", "key", "model"]
@@ -35,18 +39,29 @@ _SUMS = {
 }
 
 
-def day_start(day: date) -> datetime:
-    return datetime.combine(day, time.min, tzinfo=UTC)
+def day_start(day: date, zone: tzinfo = UTC) -> datetime:
+    """The instant the local day starts (a day over a daylight-saving change is 23 or 25 h)."""
+    return datetime.combine(day, time.min, tzinfo=zone)
+
+
+def tenant_zone(tenant: Tenant) -> ZoneInfo:
+    """The zone of the tenant's days now (quotas.cycles)."""
+    return ZoneInfo(time_zone_of(tenant))
 
 
 def records(tenant: Tenant, start: date, end: date, *, project: str | None = None,
-            key: str | None = None) -> QuerySet[UsageRecord]:
-    """The tenant's ledger rows that ended on days start..end (inclusive, UTC), optionally of one
-    project or API key (public ids; looked up through the tenant, so another tenant's id simply
-    matches nothing)."""
-    rows = UsageRecord.objects.filter(
-        tenant=tenant, ended_at__gte=day_start(start), ended_at__lt=day_start(end + timedelta(days=1))
-    )
+            key: str | None = None, zone: tzinfo | None = None) -> QuerySet[UsageRecord]:
+    """The tenant's ledger rows that ended on days start..end (inclusive, the tenant's local
+    days: `zone`, default its time zone), optionally of one project or API key (public ids;
+    looked up through the tenant, so another tenant's id simply matches nothing)."""
+    zone = zone or tenant_zone(tenant)
+    return _between(tenant, day_start(start, zone), day_start(end + timedelta(days=1), zone),
+                    project=project, key=key)
+
+
+def _between(tenant: Tenant, start: datetime, end: datetime, *, project: str | None = None,
+             key: str | None = None) -> QuerySet[UsageRecord]:
+    rows = UsageRecord.objects.filter(tenant=tenant, ended_at__gte=start, ended_at__lt=end)
     if project is not None:
         rows = rows.filter(project__public_id=project)
     if key is not None:
@@ -64,13 +79,26 @@ def usage_totals(
     group_by names from GROUPINGS, combined (("day", "model") is a row per day and model);
     project / key (public ids) narrow the rows to one project or API key.
     """
+    zone = tenant_zone(tenant)
+    return _totals(records(tenant, start, end, project=project, key=key, zone=zone), group_by,
+                   zone)
+
+
+def window_totals(tenant: Tenant, start: datetime, end: datetime,
+                  group_by: tuple[str, ...] = ("project",)) -> list[dict[str, Any]]:
+    """usage_totals over the calls that ended in [start, end) (a cycle window)."""
+    return _totals(_between(tenant, start, end), group_by, start.tzinfo or UTC)
+
+
+def _totals(found: QuerySet[UsageRecord], group_by: tuple[str, ...],
+            zone: tzinfo) -> list[dict[str, Any]]:
     unknown = [name for name in group_by if name not in GROUPINGS]
     if unknown:
         raise ValueError(f"Unknown grouping {unknown[0]!r}; known: {', '.join(GROUPINGS)}")
     fields = [field for name in group_by for field in GROUPINGS[name]]
     rows = (
-        records(tenant, start, end, project=project, key=key)
-        .annotate(day=TruncDate("ended_at", tzinfo=UTC))
+        found
+        .annotate(day=TruncDate("ended_at", tzinfo=zone))
         .values(*fields)
         .annotate(**_SUMS)
         .order_by(*fields)
@@ -100,20 +128,21 @@ def usage_totals(
     return out
 
 
-def total_tokens(tenant: Tenant, start: date, end: date) -> int:
-    """Input + output tokens of the tenant over days start..end."""
-    sums = records(tenant, start, end).aggregate(i=Sum("input_tokens"), o=Sum("output_tokens"))
+def total_tokens(tenant: Tenant, start: datetime, end: datetime) -> int:
+    """Input + output tokens of the tenant's calls that ended in [start, end)."""
+    sums = _between(tenant, start, end).aggregate(i=Sum("input_tokens"), o=Sum("output_tokens"))
     return (sums["i"] or 0) + (sums["o"] or 0)
 
 
 def usage_today_and_month(tenant: Tenant, by: str) -> dict[str, dict[str, int]]:
-    """Tokens per project or key public id (`by` = "project" / "key") today and this month
-    (UTC), from the usage ledger: {"prj_...": {"today": n, "month": n}}. Ids without usage are
-    absent. The ledger trails the live counters by a few seconds."""
-    today = timezone.now().date()
+    """Tokens per project or key public id (`by` = "project" / "key") today and in the current
+    cycle window ("month": the tenant's cycle, quotas.cycles), in the tenant's windows on the
+    Redis clock, from the usage ledger: {"prj_...": {"today": n, "month": n}}. Ids without usage
+    are absent. The ledger trails the live counters by a few seconds."""
+    day, cycle = current_windows(tenant)
     out: dict[str, dict[str, int]] = {}
-    for window, start in (("today", today), ("month", today.replace(day=1))):
-        for row in usage_totals(tenant, start, today, (by,)):
+    for window, span in (("today", day), ("month", cycle)):
+        for row in window_totals(tenant, span.start, span.end, (by,)):
             ref = row.get(by)
             if ref:
                 out.setdefault(ref, {"today": 0, "month": 0})[window] = row["total_tokens"]

@@ -186,6 +186,21 @@ def calendar_for(tenant: Tenant) -> Calendar:
     return calendar_of(schedule_for(tenant))
 
 
+def time_zone_of(tenant: Tenant, at_ms: int | None = None) -> str:
+    """The time zone of the tenant's days now (or at `at_ms`): its cycle's in force."""
+    at = now_ms() if at_ms is None else at_ms
+    return schedule_for(tenant).cycle_at(at)[0].zone
+
+
+def current_windows(tenant: Tenant, at_ms: int | None = None) -> tuple[Span, Span]:
+    """The tenant's day and cycle windows now (or at `at_ms`), as spans in their zone."""
+    at = now_ms() if at_ms is None else at_ms
+    cal = calendar_for(tenant)
+    zone = cal.schedule.cycle_at(at)[0].zone
+    return (Span.of(cal.window(WindowKind.DAY, at), zone),
+            Span.of(cal.window(WindowKind.MONTH, at), zone))
+
+
 def now_ms() -> int:
     """This process's estimate of the Redis clock (no round trip; quotas.windows.RedisClock)."""
     return get_engine().clock.now_ms()

@@ -24,10 +24,10 @@ def today_utc() -> date:
 class UsageQuerySerializer(serializers.Serializer):
     """?from=YYYY-MM-DD&to=YYYY-MM-DD&group_by=day,model&project=prj_..&key=key_.."""
 
-    from_ = serializers.DateField(required=False, help_text="First UTC day (default: 29 days "
-                                  "before `to`).")
-    to = serializers.DateField(required=False, help_text="Last UTC day, inclusive (default: "
-                               "today).")
+    from_ = serializers.DateField(required=False, help_text="First day, the tenant's local day "
+                                  "(default: 29 days before `to`).")
+    to = serializers.DateField(required=False, help_text="Last day, inclusive, the tenant's "
+                               "local day (default: today in the tenant's time zone).")
     group_by = serializers.CharField(required=False, default="day",
                                      help_text="Comma-separated, of: " + ", ".join(GROUPINGS))
     project = serializers.CharField(required=False, max_length=64,
@@ -51,7 +51,8 @@ class UsageQuerySerializer(serializers.Serializer):
         return list(dict.fromkeys(names))
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        end = attrs.get("to") or today_utc()
+        # Today: the tenant's local day when the view gives it (context "today").
+        end = attrs.get("to") or self.context.get("today") or today_utc()
         # The renamed field keeps its first binding's source: validated data calls it from_.
         start = attrs.pop("from_", None) or end - timedelta(days=DEFAULT_USAGE_DAYS - 1)
         if start > end:
@@ -142,7 +143,7 @@ class RefusedSerializer(serializers.Serializer):
 
 
 class RefusedTodaySerializer(serializers.Serializer):
-    day = serializers.CharField(help_text="The UTC day, e.g. d2026-11-30.")
+    day = serializers.CharField(help_text="The tenant's day in its time zone, e.g. d2026-11-30.")
     total = serializers.IntegerField()
     by_reason = RefusedSerializer(many=True)
 

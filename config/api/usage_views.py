@@ -1,5 +1,6 @@
 """Management API: a tenant's usage from the ledger (requests, tokens and, for owners and
-admins, cost, grouped by day, project, key or model) and its live quota counters."""
+admins, cost, grouped by day, project, key or model) and its live quota counters. Days are the
+tenant's local days (its time zone), the "month" its cycle window (quotas.cycles)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from config.api.tenant_scope import (
     get_in_tenant,
 )
 from quotas.engine import QuotaStoreUnavailable
-from quotas.status import quota_status, refused_today, utc_day_id
+from quotas.cycles import current_windows
+from quotas.status import quota_status, refused_today
 from tenants import selectors
 from tenants.models import Tenant
 
@@ -39,10 +41,11 @@ class UsageView(TenantScopedAPIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("from", OpenApiTypes.DATE, description="First UTC day (default: "
-                             "29 days before `to`)."),
-            OpenApiParameter("to", OpenApiTypes.DATE, description="Last UTC day, inclusive "
-                             "(default: today). At most 366 days in all."),
+            OpenApiParameter("from", OpenApiTypes.DATE, description="First day, the tenant's "
+                             "local day (default: 29 days before `to`)."),
+            OpenApiParameter("to", OpenApiTypes.DATE, description="Last day, inclusive "
+                             "(default: today in the tenant's time zone). At most 366 days in "
+                             "all."),
             OpenApiParameter("group_by", OpenApiTypes.STR, description="Comma-separated: day, "
                              "project, key, model (default: day)."),
             OpenApiParameter("project", {"type": "string", "maxLength": 64},
@@ -56,7 +59,9 @@ class UsageView(TenantScopedAPIView):
     def get(self, request: Request, tenant_id: str) -> Response:
         tenant: Tenant = self.tenant()
         check_date_params(request.query_params, "from", "to")
-        query = UsageQuerySerializer(data=request.query_params)
+        day, _ = current_windows(tenant)
+        query = UsageQuerySerializer(data=request.query_params,
+                                     context={"today": day.start.date()})
         query.is_valid(raise_exception=True)
         params = query.validated_data
         project = key = None
@@ -76,7 +81,7 @@ class UsageView(TenantScopedAPIView):
 
 
 class QuotaView(TenantScopedAPIView):
-    """GET /api/tenants/<tenant_id>/quota: live counters (today's and this month's used, held and
+    """GET /api/tenants/<tenant_id>/quota: live counters (today's and this cycle's used, held and
     remaining per scope, and each limited tenant, project and key window's forecast), open
     holds, and today's refused requests by reason. 503 when Redis is unreachable."""
 
@@ -86,6 +91,7 @@ class QuotaView(TenantScopedAPIView):
         try:
             status = quota_status(tenant)
             refused = refused_today(tenant)
+            day, _ = current_windows(tenant)
             forecasts = {(f.kind, f.ref, f.window_kind.value): f.forecast.as_dict()
                          for f in scope_forecasts(tenant)}
         except QuotaStoreUnavailable:
@@ -95,7 +101,7 @@ class QuotaView(TenantScopedAPIView):
                        for s in status.scopes],
             "open_holds": status.open_holds,
             "refused_today": {
-                "day": utc_day_id(), "total": sum(r.count for r in refused),
+                "day": day.id, "total": sum(r.count for r in refused),
                 "by_reason": [{"reason": r.reason, "label": r.label, "count": r.count}
                               for r in refused],
             },
