@@ -501,12 +501,19 @@ for i = 1, n do
       redis.call('HSET', key, 'used', 0)
       redis.call('EXPIREAT', key, expire_ats[i])
     end
-  elseif units[i] == 3 and stored_limit[i] ~= limits[i] then
-    redis.call('HSET', key, 'limit', limits[i])  -- the pool's size, for readers
   end
   if expire_ats[i] > hold_expire_at then hold_expire_at = expire_ats[i] end
 end
-if tiered then tiers_move(ckeys, units, granted, limits, expire_ats) end
+if tiered then
+  -- tiers_move creates a missing tier or pool with its expiry, so the pool's size is written
+  -- after it: written first, it would create the pool without one (a key never expiring).
+  tiers_move(ckeys, units, granted, limits, expire_ats)
+  for i = 1, n do
+    if units[i] == 3 and stored_limit[i] ~= limits[i] then
+      redis.call('HSET', KEYS[i + 2], 'limit', limits[i])  -- the pool's size, for readers
+    end
+  end
+end
 
 local counter_keys = {}
 for i = 1, n do counter_keys[i] = KEYS[i + 2] end

@@ -365,6 +365,9 @@ def assert_ended_exactly(client: redis.Redis | redis.RedisCluster, slot: Slot,
     charge = defaultdict(int)
     for row in admitted:
         charge[row["caller"]] += final_charge(row, swept)
+    # Every counter, tier and pool expires (with its window and grace): none is left forever.
+    for key in slot.all_keys():
+        assert client.ttl(key) > 0, (key, client.ttl(key))
     snap = slot.read(client)
     assert inconsistencies(slot, snap) == []
     for w in WINDOWS:
