@@ -584,6 +584,46 @@ def _record_spans(tenant: Tenant, done: Rescheduled, at_ms: int) -> None:
         ends_at=_moment(done.changes_at))
 
 
+def asked_spec(tenant: Tenant) -> CycleSpec:
+    """What the tenant last asked for: the pending change if one is recorded, else its fields
+    (what a change of one field keeps of the others)."""
+    record = tenant.next_cycle or {}
+    if "cycle" in record and tenant.cycle_changes_at is not None:
+        return CycleSpec.from_json(record, tenant.time_zone)
+    return CycleSpec.of(tenant)
+
+
+def merged_spec(tenant: Tenant, *, cycle: str | None = None, anchor: date | None = None,
+                every_days: int | None = None, time_zone: str | None = None,
+                given: frozenset[str] = frozenset()) -> CycleSpec:
+    """A change of some fields (`given` names the ones the caller set, None included): the
+    others are what the tenant last asked for; a new kind of cycle starts without the old
+    anchor and number of days (a monthly anchor means nothing to every N days)."""
+    base = asked_spec(tenant)
+    new_kind = "cycle" in given and cycle != base.cycle
+    return CycleSpec(
+        cycle if "cycle" in given and cycle is not None else base.cycle,
+        anchor if "anchor" in given else (None if new_kind else base.anchor),
+        every_days if "every_days" in given else (None if new_kind else base.every_days),
+        time_zone if "time_zone" in given and time_zone else base.time_zone)
+
+
+def describe_change(done: Rescheduled) -> str:
+    """A change's outcome in words (the CLI, the API, the admin's message)."""
+    target = f"{describe_cycle(done.target)} ({done.target.zone})"
+    if not done.writes:
+        return f"Nothing to change: the cycle is {target}."
+    if done.changes_at is None:
+        return f"The pending change is cancelled: the cycle stays {target}."
+    when = _moment(done.changes_at).astimezone(ZoneInfo(done.in_force.zone))
+    moment = f"{when:%Y-%m-%d %H:%M %Z}"
+    if done.at_once:
+        return (f"The cycle is {target} from {moment}: nothing was counted in the current "
+                "window, so the change takes effect at once.")
+    return (f"The cycle becomes {target} at {moment}, when the current window (on "
+            f"{describe_cycle(done.in_force)}, {done.in_force.zone}) ends.")
+
+
 def change_cycle(tenant: Tenant, *, cycle: str, anchor: date | None = None,
                  every_days: int | None = None, time_zone: str | None = None,
                  actor: str) -> Rescheduled:

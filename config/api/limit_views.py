@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import transaction
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -40,6 +41,15 @@ from config.api.tenant_scope import (
     TenantScopedAPIView,
     get_in_tenant,
 )
+from quotas.cycles import (
+    Span,
+    asked_spec,
+    change_cycle,
+    cycle_standing,
+    describe_change,
+    merged_spec,
+    recent_cycle_windows,
+)
 from quotas.engine import UNLIMITED, QuotaStoreUnavailable
 from quotas.pace import Trip, resume_trip, tenant_trips
 from quotas.status import quota_status
@@ -57,6 +67,10 @@ TENANT_ADMIN_FIELDS = ("alert_thresholds", "forecast_threshold_percent")
 OPERATOR_OVERRIDES = tuple(
     name for name in services.TENANT_OVERRIDE_FIELDS if name not in TENANT_ADMIN_FIELDS
 )
+# The PATCH fields of the reset cycle (operators), and the names quotas.cycles.change_cycle's
+# errors give them.
+CYCLE_FIELDS = {"cycle": "cycle", "cycle_anchor": "anchor", "cycle_every_days": "every_days",
+                "time_zone": "time_zone"}
 PLAN_NAME = OpenApiParameter("name", OpenApiTypes.STR, OpenApiParameter.PATH,
                              description="The plan's name (e.g. standard).")
 
@@ -132,6 +146,41 @@ def _or_none(value: int) -> int | None:
     return None if value == UNLIMITED else value
 
 
+def _span(span: Span) -> dict[str, Any]:
+    return {"id": span.id, "start": span.start.isoformat(), "end": span.end.isoformat(),
+            "label": span.label}
+
+
+def cycle_document(tenant: Tenant) -> dict[str, Any]:
+    """The tenant's reset cycle: in force now, its windows, a pending change, what was asked."""
+    standing = cycle_standing(tenant)
+    return {
+        "cycle": standing.description, "time_zone": standing.cycle.zone,
+        "window": _span(standing.window), "day": _span(standing.day),
+        "pending": None if standing.pending is None or standing.changes_at is None else {
+            "cycle": standing.pending_description, "time_zone": standing.pending.zone,
+            "changes_at": standing.changes_at.isoformat()},
+        "asked": asked_spec(tenant).to_json(),
+        "windows": [_span(span) for span in recent_cycle_windows(tenant)],
+    }
+
+
+def _change_cycle(tenant: Tenant, changes: dict[str, Any], actor: str) -> str:
+    """Apply the cycle fields of a PATCH (quotas.cycles.change_cycle); the change in words."""
+    asked = {CYCLE_FIELDS[name]: value for name, value in changes.items()}
+    spec = merged_spec(tenant, cycle=asked.get("cycle"), anchor=asked.get("anchor"),
+                       every_days=asked.get("every_days"), time_zone=asked.get("time_zone"),
+                       given=frozenset(asked))
+    try:
+        done = change_cycle(tenant, cycle=spec.cycle, anchor=spec.anchor,
+                            every_days=spec.every_days, time_zone=spec.time_zone, actor=actor)
+    except DjangoValidationError as exc:
+        by_service = {service: api for api, service in CYCLE_FIELDS.items()}
+        raise ValidationError({by_service.get(field, field): messages
+                               for field, messages in exc.message_dict.items()}) from None
+    return describe_change(done)
+
+
 def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
     """The limits document of a tenant and whether its live part could be read."""
     limits = selectors.effective_limits(tenant)
@@ -165,6 +214,7 @@ def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
         # allotment is at /quota).
         "allotments": [window.as_dict()
                        for window in tenant_allotments(tenant, limits=limits).values()],
+        "cycle": cycle_document(tenant),
         "live": live,
     }
     return document, live is not None
@@ -172,11 +222,15 @@ def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
 
 @extend_schema(parameters=[TENANT_ID])
 class TenantLimitsView(TenantScopedAPIView):
-    """GET: plan, effective limits, overrides, alert and forecast thresholds and live per-scope
-    status. PATCH: overrides (operators), alert and forecast thresholds (tenant admins)."""
+    """GET: plan, effective limits, overrides, alert and forecast thresholds, the reset cycle and
+    live per-scope status. PATCH: overrides and the reset cycle (operators), alert and forecast
+    thresholds (tenant admins)."""
 
-    def _respond(self, tenant: Tenant, *, changed: bool = False) -> Response:
+    def _respond(self, tenant: Tenant, *, changed: bool = False, cycle_change: str = ""
+                 ) -> Response:
         document, live = limits_representation(tenant)
+        if cycle_change:
+            document["cycle"]["change"] = cycle_change
         if live:
             return Response(document)
         # A change that was saved answers 200 even without the live part, so that a client
@@ -195,15 +249,21 @@ class TenantLimitsView(TenantScopedAPIView):
         body = TenantLimitsUpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         changes = dict(body.validated_data)
+        cycle = {name: changes.pop(name) for name in CYCLE_FIELDS if name in changes}
         if set(changes) & set(OPERATOR_OVERRIDES):
             _require_operator(self.principal, "change a tenant's limits")
-        if not changes:
+        if cycle:
+            _require_operator(self.principal, "change a tenant's reset cycle")
+        if not changes and not cycle:
             raise ValidationError({"non_field_errors": ["Nothing to change."]})
-        try:
-            services.set_tenant_limits(tenant, actor=self.actor, **changes)
-        except DjangoValidationError as exc:
-            raise service_error(exc) from None
-        return self._respond(tenant, changed=True)
+        with transaction.atomic():  # all of it or nothing (a refused cycle undoes the limits)
+            if changes:
+                try:
+                    services.set_tenant_limits(tenant, actor=self.actor, **changes)
+                except DjangoValidationError as exc:
+                    raise service_error(exc) from None
+            said = _change_cycle(tenant, cycle, self.actor) if cycle else ""
+        return self._respond(tenant, changed=True, cycle_change=said)
 
 
 def _moment(ms: int) -> datetime:

@@ -414,6 +414,45 @@ class AllotmentWindowSerializer(serializers.Serializer):
     warning = serializers.CharField(allow_blank=True, help_text="What to do when `over` > 0.")
 
 
+class CycleWindowSerializer(serializers.Serializer):
+    id = serializers.CharField(help_text="As the window's counters and cost reports name it "
+                               "(m2026-12, c2026-12-15, c2026-12-15@<switch>, d2026-12-01).")
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    label = serializers.CharField()
+
+
+class PendingCycleSerializer(serializers.Serializer):
+    cycle = serializers.CharField()
+    time_zone = serializers.CharField()
+    changes_at = serializers.DateTimeField(help_text="When it takes over: the end of the "
+                                           "current cycle window.")
+
+
+class AskedCycleSerializer(serializers.Serializer):
+    cycle = serializers.CharField(help_text='"" (the plan\'s), monthly, weekly or days.')
+    anchor = serializers.DateField(allow_null=True)
+    every_days = serializers.IntegerField(allow_null=True)
+    time_zone = serializers.CharField()
+
+
+class TenantCycleSerializer(serializers.Serializer):
+    """The tenant's reset cycle (quotas/cycles.py): the window of its 'month' quotas."""
+
+    cycle = serializers.CharField(help_text='In words, e.g. "monthly from the 15th", "daily".')
+    time_zone = serializers.CharField(help_text="The zone of its days and cycle.")
+    window = CycleWindowSerializer(help_text="The current cycle window.")
+    day = CycleWindowSerializer(help_text="Today, in the tenant's time zone.")
+    pending = PendingCycleSerializer(allow_null=True, help_text="A change waiting for the "
+                                     "current window to end.")
+    asked = AskedCycleSerializer(help_text="The cycle fields as last asked for.")
+    windows = CycleWindowSerializer(many=True, help_text="Its cycle windows since it was "
+                                    "created (at most 12), newest first: the periods of its "
+                                    "cost reports.")
+    change = serializers.CharField(required=False, help_text="After a PATCH of the cycle: "
+                                   "what the change does, in words.")
+
+
 class TenantLimitsSerializer(serializers.Serializer):
     plan = PlanSerializer()
     effective = EffectiveLimitsSerializer()
@@ -423,6 +462,7 @@ class TenantLimitsSerializer(serializers.Serializer):
         help_text="quota.forecast warns when a window's forecast reaches this percent of its "
         "limit; 0: off.")
     allotments = AllotmentWindowSerializer(many=True)
+    cycle = TenantCycleSerializer()
     live = LiveStatusSerializer(allow_null=True, help_text="null when the quota store is down.")
 
 
@@ -458,6 +498,23 @@ class TenantLimitsUpdateSerializer(TenantOverridesSerializer):
         help_text="Warn (quota.forecast webhook and email, once per window) when a window's "
         "forecast reaches this percent of its limit; 0: no forecast warnings. Tenant admins may "
         "change it.")
+
+    # The reset cycle (operators): the current window finishes on the old cycle, unless the
+    # tenant counted nothing in it (quotas.cycles.change_cycle). Fields not given keep what was
+    # last asked for; a new cycle starts without the old anchor and number of days.
+    cycle = serializers.ChoiceField(
+        choices=["", "monthly", "weekly", "days"], required=False, allow_blank=True,
+        help_text='"" follows the plan; monthly from the anchor\'s day of the month (29-31: the '
+        "last day of shorter months), weekly from the anchor's weekday, days: every N days from "
+        "the anchor. Plans that allow a cycle of the tenant's own only. Operators.")
+    cycle_anchor = serializers.DateField(required=False, allow_null=True,
+                                         help_text="The cycle's anchor date. Operators.")
+    cycle_every_days = serializers.IntegerField(required=False, allow_null=True, min_value=1,
+                                                max_value=366,
+                                                help_text="N of every N days. Operators.")
+    time_zone = serializers.CharField(required=False, max_length=64,
+                                      help_text="IANA time zone of the tenant's days and cycle "
+                                      "(e.g. Europe/Paris). Operators.")
 
     def validate_alert_thresholds(self, value: list[int]) -> list[int]:
         if len(set(value)) != len(value):
