@@ -2,7 +2,13 @@
 
 Prints, for each concurrency level: requests per second, p50 / p90 / p99 latency of the
 reserve + settle pair, Redis round trips per request (counted on the client's connections) and
-the server-side microseconds per script call (from INFO commandstats).
+the server-side microseconds per script call (from INFO commandstats); then the server time of
+each script alone (one client: reserves only, then settles only).
+
+`--allotments` adds allotment chains to every request, as the gateway does for a tenant with
+allotments (quotas.limits.allotment_chain), in the day and the cycle window: "project" (the
+project's tier and the tenant's pool) or "key" (the key's tier, its project's, the pool). The
+allotments are tiny, so every call passes through every tier to the pool: the chain's worst case.
 """
 from __future__ import annotations
 
@@ -18,8 +24,30 @@ import redis.asyncio
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from quotas.engine import UNLIMITED, AsyncQuotaEngine, ReserveRequest, ScopeLimit
+from quotas.engine import UNLIMITED, AsyncQuotaEngine, ReserveRequest, ScopeLimit, Unit
 from quotas.windows import WindowKind
+
+ALLOTMENTS = ("none", "project", "key")
+
+
+def request_limits(allotments: str = "none") -> tuple[ScopeLimit, ...]:
+    """A realistic request's counters: tenant day + month, project, key and model scopes; with
+    allotments, a chain per window ending in the pool (tiny allotments: every token spills)."""
+    limits = (
+        ScopeLimit("tenant", WindowKind.DAY, 10**15),
+        ScopeLimit("tenant", WindowKind.MONTH, UNLIMITED),
+        ScopeLimit("project:1", WindowKind.DAY, UNLIMITED),
+        ScopeLimit("key:1", WindowKind.DAY, 10**14),
+        ScopeLimit("model:gpt-4o-mini", WindowKind.DAY, UNLIMITED),
+    )
+    chains: list[ScopeLimit] = []
+    for window in (WindowKind.DAY, WindowKind.MONTH):
+        if allotments == "key":
+            chains.append(ScopeLimit("key:1", window, 1, Unit.ALLOTMENT))
+        if allotments in ("project", "key"):
+            chains += [ScopeLimit("project:1", window, 1, Unit.ALLOTMENT),
+                       ScopeLimit("tenant", window, 10**15, Unit.POOL)]
+    return limits + tuple(chains)
 
 
 class _CountingConnection(redis.asyncio.Connection):
@@ -43,7 +71,8 @@ def _percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[index]
 
 
-async def _run_level(url: str, requests: int, concurrency: int) -> dict[str, Any]:
+async def _run_level(url: str, requests: int, concurrency: int,
+                     allotments: str = "none") -> dict[str, Any]:
     pool = redis.asyncio.ConnectionPool.from_url(url, max_connections=concurrency + 2)
     pool.connection_class = (
         _CountingUnixConnection if url.startswith("unix://") else _CountingConnection
@@ -51,14 +80,7 @@ async def _run_level(url: str, requests: int, concurrency: int) -> dict[str, Any
     client = redis.asyncio.Redis(connection_pool=pool, decode_responses=True)
     engine = AsyncQuotaEngine(client)
     tenant = uuid.uuid4().hex[:12]
-    # A realistic request: tenant day + month, project, key and model scopes.
-    limits = (
-        ScopeLimit("tenant", WindowKind.DAY, 10**15),
-        ScopeLimit("tenant", WindowKind.MONTH, UNLIMITED),
-        ScopeLimit("project:1", WindowKind.DAY, UNLIMITED),
-        ScopeLimit("key:1", WindowKind.DAY, 10**14),
-        ScopeLimit("model:gpt-4o-mini", WindowKind.DAY, UNLIMITED),
-    )
+    limits = request_limits(allotments)
     # Warm up: load the scripts, open the connections, learn the clock offset.
     await asyncio.gather(*(engine.reserve(ReserveRequest(tenant, f"w{i}", 10, limits))
                            for i in range(concurrency)))
@@ -87,19 +109,51 @@ async def _run_level(url: str, requests: int, concurrency: int) -> dict[str, Any
     }
 
 
-def _process_main(url: str, requests: int, concurrency: int) -> dict[str, Any]:
-    return asyncio.run(_run_level(url, requests, concurrency))
+def _process_main(url: str, requests: int, concurrency: int,
+                  allotments: str = "none") -> dict[str, Any]:
+    return asyncio.run(_run_level(url, requests, concurrency, allotments))
 
 
-def measure(url: str, requests: int, concurrency: int, processes: int) -> dict[str, float]:
+async def _script_times(url: str, calls: int, allotments: str) -> dict[str, float]:
+    """Server microseconds per reserve and per settle, apart: one client makes `calls`
+    reserves, then settles them (INFO commandstats counts EVALSHA, whatever the script)."""
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    engine = AsyncQuotaEngine(client)
+    tenant = uuid.uuid4().hex[:12]
+    limits = request_limits(allotments)
+    await engine.settle((await engine.reserve(ReserveRequest(tenant, "warm", 10, limits))).hold, 5)
+
+    async def server_us() -> float:
+        stats = await client.info("commandstats")
+        return float(stats.get("cmdstat_evalsha", {}).get("usec_per_call", 0.0))
+
+    await client.execute_command("CONFIG", "RESETSTAT")
+    holds = [(await engine.reserve(ReserveRequest(tenant, f"r{i}", 1200, limits))).hold
+             for i in range(calls)]
+    reserve_us = await server_us()
+    await client.execute_command("CONFIG", "RESETSTAT")
+    for hold in holds:
+        await engine.settle(hold, 700)
+    settle_us = await server_us()
+    await client.aclose()
+    return {"reserve_us": reserve_us, "settle_us": settle_us}
+
+
+def script_times(url: str, calls: int, allotments: str = "none") -> dict[str, float]:
+    return asyncio.run(_script_times(url, calls, allotments))
+
+
+def measure(url: str, requests: int, concurrency: int, processes: int,
+            allotments: str = "none") -> dict[str, float]:
     """Spread `concurrency` clients over `processes` OS processes and merge their figures."""
     per_process = max(1, concurrency // processes)
     if processes == 1:
-        parts = [_process_main(url, requests, per_process)]
+        parts = [_process_main(url, requests, per_process, allotments)]
     else:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(processes) as pool:
-            parts = pool.starmap(_process_main, [(url, requests // processes, per_process)] * processes)
+            parts = pool.starmap(_process_main, [(url, requests // processes, per_process,
+                                                  allotments)] * processes)
     latencies = sorted(x for p in parts for x in p["latencies"])
     done = len(latencies)
     return {
@@ -120,6 +174,10 @@ class Command(BaseCommand):
         parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 50])
         parser.add_argument("--processes", type=int, default=1,
                             help="Spread the clients of each level over this many processes.")
+        parser.add_argument("--allotments", choices=ALLOTMENTS, nargs="+", default=["none"],
+                            help="Allotment chains in every request: none, the project's tier "
+                                 "and the pool, or the key's, the project's and the pool (one "
+                                 "table per choice).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if settings.REDIS_CLUSTER:
@@ -127,14 +185,22 @@ class Command(BaseCommand):
             return
         url = settings.REDIS_URL
         self.stdout.write(f"Redis: {url}  requests per level: {options['requests']}")
-        self.stdout.write(
-            f"{'clients':>7} {'procs':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-            f"{'RTT/req':>8} {'server us/script':>17}"
-        )
-        for level in options["concurrency"]:
-            processes = min(options["processes"], level)
-            r = measure(url, options["requests"], level, processes)
+        for allotments in options["allotments"]:
+            calls = min(options["requests"], 5000)
+            # First: it also loads both scripts, so no NOSCRIPT reload counts as a round trip.
+            alone = script_times(url, calls, allotments)
+            self.stdout.write(f"allotment chains: {allotments}")
             self.stdout.write(
-                f"{level:>7} {processes:>5} {r['rps']:>9.0f} {r['p50_ms']:>8.3f} {r['p90_ms']:>8.3f} "
-                f"{r['p99_ms']:>8.3f} {r['round_trips']:>8.2f} {r['server_us']:>17.1f}"
+                f"{'clients':>7} {'procs':>5} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} "
+                f"{'p99 ms':>8} {'RTT/req':>8} {'server us/script':>17}"
             )
+            for level in options["concurrency"]:
+                processes = min(options["processes"], level)
+                r = measure(url, options["requests"], level, processes, allotments)
+                self.stdout.write(
+                    f"{level:>7} {processes:>5} {r['rps']:>9.0f} {r['p50_ms']:>8.3f} "
+                    f"{r['p90_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['round_trips']:>8.2f} "
+                    f"{r['server_us']:>17.1f}"
+                )
+            self.stdout.write(f"server us per script alone ({calls} calls, 1 client): reserve "
+                              f"{alone['reserve_us']:.1f}, settle {alone['settle_us']:.1f}")
