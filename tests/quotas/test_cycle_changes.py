@@ -360,3 +360,14 @@ def test_the_admin_changes_the_cycle_through_the_service(admin_client) -> None:
     assert schedule_for(t).next == Cycle(CycleKind.DAYS, date(2026, 1, 1), 14, "UTC")
     assert AuditEvent.objects.filter(action="tenant.cycle_changed", tenant=t,
                                      actor__startswith="user:").exists()
+
+
+def test_tenant_set_plan_says_when_the_new_plans_cycle_takes_over() -> None:
+    t = tenant("free")
+    use(t)
+    out = StringIO()
+    call_command("tenant_set_plan", "acme", "standard", stdout=out)
+    t = reload(t)
+    assert t.cycle_changes_at is not None
+    assert (f"reset cycle from {t.cycle_changes_at:%Y-%m-%d %H:%M}" in out.getvalue()
+            and "current window finishes first" in out.getvalue())

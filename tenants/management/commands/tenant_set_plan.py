@@ -20,14 +20,21 @@ class Command(TenantsCommand):
     def run(self, **options: Any) -> tuple[dict[str, Any], str]:
         tenant = tenant_by_slug(options["tenant_slug"])
         previous = tenant.plan.name
+        switch_before = tenant.cycle_changes_at
         change_plan(tenant, options["plan"], actor=ACTOR)
         # A lower quota is not refused for the allotments it leaves above it: say so.
         warnings = over_quota_warnings(tenant)
+        # A plan with another reset cycle takes over when the current cycle window ends.
+        switch = tenant.cycle_changes_at if tenant.cycle_changes_at != switch_before else None
         data = {**tenant_as_dict(tenant), "previous_plan": previous,
-                "allotment_warnings": warnings}
+                "allotment_warnings": warnings, "cycle_changes_at": switch}
         text = (
             f"Tenant {tenant.slug} moved from plan {previous} to {tenant.plan.name}."
             if previous != tenant.plan.name
             else f"Tenant {tenant.slug} is already on plan {previous}; nothing changed."
         )
-        return data, "\n".join([text, *(f"Warning: {w}" for w in warnings)])
+        lines = [text]
+        if switch is not None:
+            lines.append(f"Its windows follow the new plan's reset cycle from "
+                         f"{switch:%Y-%m-%d %H:%M %Z} (its current window finishes first).")
+        return data, "\n".join([*lines, *(f"Warning: {w}" for w in warnings)])
