@@ -148,10 +148,50 @@ class RefusedTodaySerializer(serializers.Serializer):
     by_reason = RefusedSerializer(many=True)
 
 
+class AllotmentPoolSerializer(serializers.Serializer):
+    """The tenant's shared pool in a window with allotments: its quota minus the allotments."""
+
+    window = serializers.ChoiceField(choices=["day", "month"],
+                                     help_text="day, or month: the tenant's cycle.")
+    quota = serializers.IntegerField(help_text="The tenant's quota of the window.")
+    allotted = serializers.IntegerField(help_text="The top-level allotments: every project's, "
+                                        "and those of keys whose project has none.")
+    pool = serializers.IntegerField(help_text="The pool's size: quota - allotted, never below 0.")
+    credit = serializers.IntegerField(help_text="Recharged on top of the pool.")
+    borrowed = serializers.IntegerField(help_text="Taken from the pool by every scope (calls in "
+                                        "flight included).")
+    left = serializers.IntegerField(help_text="What is left in the pool.")
+    over = serializers.IntegerField(help_text="By how many tokens the allotments exceed a "
+                                    "lowered quota; 0: they fit.")
+
+
+class AllotmentFiguresSerializer(serializers.Serializer):
+    """A project's or key's allotment in a window, and what it took."""
+
+    scope = serializers.ChoiceField(choices=["project", "key"])
+    id = serializers.CharField(help_text="The project's or key's public id.")
+    label = serializers.CharField()
+    window = serializers.ChoiceField(choices=["day", "month"])
+    allotment = serializers.IntegerField(help_text="Tokens reserved for it alone.")
+    used_from_allotment = serializers.IntegerField(help_text="Taken from its allotment (a "
+                                                   "project's: its keys' included).")
+    borrowed = serializers.IntegerField(help_text="Taken beyond its allotment (from its "
+                                        "project's or the shared pool).")
+    left = serializers.IntegerField(help_text="What is left of its allotment.")
+
+
+class AllotmentStandingSerializer(serializers.Serializer):
+    pools = AllotmentPoolSerializer(many=True, help_text="Windows where the tenant has "
+                                    "allotments and a quota.")
+    allotments = AllotmentFiguresSerializer(many=True)
+
+
 class QuotaResponseSerializer(serializers.Serializer):
     scopes = ScopeStatusSerializer(many=True)
     open_holds = serializers.IntegerField()
     refused_today = RefusedTodaySerializer()
+    allotments = AllotmentStandingSerializer(help_text="Allotments and the shared pool per "
+                                             "window (the console's figures).")
 
 
 class ErrorSerializer(serializers.Serializer):

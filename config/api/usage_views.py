@@ -23,6 +23,7 @@ from config.api.tenant_scope import (
     check_date_params,
     get_in_tenant,
 )
+from quotas.allotments import allotment_standing
 from quotas.engine import QuotaStoreUnavailable
 from quotas.cycles import current_windows
 from quotas.status import quota_status, refused_today
@@ -83,7 +84,8 @@ class UsageView(TenantScopedAPIView):
 class QuotaView(TenantScopedAPIView):
     """GET /api/tenants/<tenant_id>/quota: live counters (today's and this cycle's used, held and
     remaining per scope, and each limited tenant, project and key window's forecast), open
-    holds, and today's refused requests by reason. 503 when Redis is unreachable."""
+    holds, today's refused requests by reason, and the allotments: per window the shared pool
+    and each allotment's used, borrowed and left. 503 when Redis is unreachable."""
 
     @extend_schema(responses={200: QuotaResponseSerializer, 503: ErrorSerializer})
     def get(self, request: Request, tenant_id: str) -> Response:
@@ -91,6 +93,7 @@ class QuotaView(TenantScopedAPIView):
         try:
             status = quota_status(tenant)
             refused = refused_today(tenant)
+            allotments = allotment_standing(tenant)
             day, _ = current_windows(tenant)
             forecasts = {(f.kind, f.ref, f.window_kind.value): f.forecast.as_dict()
                          for f in scope_forecasts(tenant)}
@@ -100,6 +103,9 @@ class QuotaView(TenantScopedAPIView):
             "scopes": [{**s.as_dict(), "forecast": forecasts.get((s.kind, s.ref, s.window))}
                        for s in status.scopes],
             "open_holds": status.open_holds,
+            # Per window: the shared pool, and each allotment with what was used of it and
+            # borrowed beyond it (what the console's limits page shows).
+            "allotments": allotments.as_dict(),
             "refused_today": {
                 "day": day.id, "total": sum(r.count for r in refused),
                 "by_reason": [{"reason": r.reason, "label": r.label, "count": r.count}

@@ -3,7 +3,7 @@ tenant, its projects, keys and models, the projects' and keys' own sub-limits an
 alert thresholds (each a form of its own on the page), the burn-rate breaker: the tenant's
 pace rule and the scopes whose breaker is tripped, each with a Resume button (quotas/pace.py),
 and the allotments: per window, the shared pool and each project's and key's allotment, what it
-used of it and what it borrowed from the pool (tenants/allotments.py)."""
+used of it, what it borrowed from the pool and what is left (config/console/allotment_lines.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import ValidationError
-from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
 from django.views.decorators.http import require_http_methods
 
+from config.console.allotment_lines import tenant_allotment_lines
 from config.console.forms import (
     AlertThresholdsForm,
     KeySubLimitsForm,
@@ -36,8 +36,7 @@ from config.console.frame import (
 from quotas.engine import QuotaStoreUnavailable
 from quotas.pace import Trip, resume_trip, tenant_trips
 from tenants import selectors, services
-from tenants.allotments import WINDOWS, WindowAllotments, tenant_allotments
-from tenants.models import ApiKey, Project, Tenant
+from tenants.models import Tenant
 
 
 @dataclass(frozen=True)
@@ -68,49 +67,6 @@ def _trip_rows(tenant: Tenant) -> list[_TripRow] | None:
 
 
 
-@dataclass(frozen=True)
-class _AllotmentLine:
-    """One row of the allotments table: the shared pool of a window, or a scope's allotment."""
-
-    kind: str  # pool / project / key
-    ref: str  # the tenant's, project's or key's public id
-    label: str
-    window: str  # "day" or "month" (the tenant's cycle)
-    per: str  # "per day" / "per cycle"
-    allotment: int  # a scope's allotment; the pool's size (the quota minus the allotments)
-    used: int | None = None  # from the allotment (the pool: taken from it); None: not known
-    borrowed: int | None = None  # a scope's: taken from the pool beyond its allotment
-    left: int | None = None  # of the allotment (the pool: of the pool)
-
-
-def _allotment_lines(
-    totals: dict[str, WindowAllotments], projects: list[Project], keys: list[ApiKey]
-) -> list[_AllotmentLine]:
-    """Per window with a quota and some allotment: the pool, then each project with an
-    allotment followed by its keys with one, then the keys of projects without one."""
-    lines: list[_AllotmentLine] = []
-    for window in WINDOWS:
-        total = totals[window.name]
-        holders = [p for p in projects if getattr(p, window.field) is not None]
-        holders_keys = [k for k in keys if getattr(k, window.field) is not None]
-        if not total.limited or not (holders or holders_keys):
-            continue
-
-        def line(kind: str, ref: str, label: str, allotment: int) -> _AllotmentLine:
-            return _AllotmentLine(kind, ref, label, window.name, window.per, allotment)
-
-        lines.append(line("pool", "", "Shared pool", total.pool))
-        with_allotment = {p.pk for p in holders}
-        for project in holders:
-            lines.append(line("project", project.public_id, project.name,
-                              getattr(project, window.field)))
-            lines.extend(line("key", k.public_id, k.name or k.public_id, getattr(k, window.field))
-                         for k in holders_keys if k.project_id == project.pk)
-        lines.extend(line("key", k.public_id, k.name or k.public_id, getattr(k, window.field))
-                     for k in holders_keys if k.project_id not in with_allotment)
-    return lines
-
-
 def _limits_page(
     request: HttpRequest, tenant: Tenant, *, bound: dict[str, Any] | None = None,
     status: int = 200,
@@ -124,11 +80,7 @@ def _limits_page(
     limits = selectors.effective_limits(tenant)
     tenant_projects = list(selectors.tenant_projects(tenant))
     live_keys = list(selectors.tenant_keys(tenant, status="active"))
-    allotments = tenant_allotments(tenant, limits=limits)
-    # An expired key keeps its allotment until it is revoked (or its allotment removed).
-    allotted_keys = list(selectors.tenant_keys(tenant).filter(
-        Q(allotment_tokens_per_day__isnull=False) | Q(allotment_tokens_per_month__isnull=False),
-        revoked_at__isnull=True).order_by("project__slug", "name", "public_id"))
+    allotments = tenant_allotment_lines(tenant, limits=limits, projects=tenant_projects)
     projects = []
     for project in tenant_projects:
         prefix = f"p-{project.public_id}"
@@ -171,8 +123,6 @@ def _limits_page(
         "projects": projects,
         "keys": keys,
         "trips": _trip_rows(tenant),
-        "allotment_lines": _allotment_lines(allotments, tenant_projects, allotted_keys),
-        "allotment_warnings": [a.warning() for a in allotments.values() if a.over],
         "allotments": allotments,
         "alerts_form": bound.get("alerts") or AlertThresholdsForm(
             prefix="alerts",

@@ -21,6 +21,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
 from billing.usage import usage_today_and_month
+from config.console.allotment_lines import tenant_allotment_lines
 from config.console.forms import (
     IssueKeyForm,
     KeyLimitsForm,
@@ -161,11 +162,20 @@ def _key_page(
         "limits": selectors.effective_limits(tenant),
         "live_available": live is not None,
         "live_scopes": live_scopes,
+        "allotment_lines": _key_allotment_lines(tenant, api_key),
         "limits_form": limits_form or KeyLimitsForm(initial=KeyLimitsForm.initial_for(api_key)),
         "rotate_form": rotate_form or RotateKeyForm(),
     }
     return render_page(request, tenant, "console/key_detail.html", context,
                        nav="console-projects", status=status)
+
+
+def _key_allotment_lines(tenant: Tenant, api_key: ApiKey) -> list[Any]:
+    """The key's own allotment rows (per window), with their live figures when Redis answers."""
+    if api_key.allotment_tokens_per_day is None and api_key.allotment_tokens_per_month is None:
+        return []
+    return [line for line in tenant_allotment_lines(tenant).lines
+            if line.kind == "key" and line.ref == api_key.public_id]
 
 
 @require_http_methods(["GET", "POST"])

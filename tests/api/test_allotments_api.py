@@ -8,6 +8,7 @@ import pytest
 
 from tenants.models import ApiKey, AuditEvent, Project
 from tenants.services import issue_management_token, set_tenant_limits, update_project
+from tests.support.allotments import spend
 from tests.support.api_clients import bearer
 from tests.world import World
 
@@ -133,3 +134,34 @@ def test_the_limits_document_carries_the_pool_and_the_warning(quota: World) -> N
     assert (day["quota"], day["allotted"], day["pool"], day["over"]) == (600, 800, 0, 200)
     assert day["warning"].startswith("Allotments total 800 tokens per day, more than the "
                                      "tenant's daily quota of 600")
+
+
+def test_the_quota_endpoint_returns_the_consoles_allotment_figures(quota: World) -> None:
+    from tenants.services import create_project, issue_key, update_key
+
+    set_tenant_limits(quota.acme, actor="test", tokens_per_day=10_000)
+    update_project(quota.web, actor="test", allotment_tokens_per_day=4000)
+    key = quota.issued.api_key
+    update_key(key, actor="test", allotment_tokens_per_day=1000)
+    batch = create_project(quota.acme, "batch", actor="test")
+    etl = issue_key(batch, actor="test", name="etl").api_key
+    spend(Project.objects.get(pk=quota.web.pk), ApiKey.objects.get(pk=key.pk), 1500, "ci-1")
+    spend(batch, etl, 2000, "etl-1")
+
+    response = quota.client(quota.member).get(f"{base(quota)}/quota")
+    assert response.status_code == 200
+    allotments = response.json()["allotments"]
+    assert allotments["pools"] == [{
+        "window": "day", "quota": 10_000, "allotted": 4000, "pool": 6000, "credit": 0,
+        "borrowed": 2000, "left": 4000, "over": 0}]
+    by_scope = {(a["scope"], a["id"]): a for a in allotments["allotments"]}
+    assert by_scope[("key", key.public_id)] == {
+        "scope": "key", "id": key.public_id, "label": "ci", "window": "day", "allotment": 1000,
+        "used_from_allotment": 1000, "borrowed": 500, "left": 0}
+    project = by_scope[("project", quota.web.public_id)]
+    assert (project["allotment"], project["used_from_allotment"], project["borrowed"],
+            project["left"]) == (4000, 1500, 0, 2500)
+    assert len(by_scope) == 2
+    # No other tenant's allotments, and none for a tenant without any.
+    other = quota.client(quota.outsider).get(f"/api/tenants/{quota.globex.public_id}/quota")
+    assert other.json()["allotments"] == {"pools": [], "allotments": []}

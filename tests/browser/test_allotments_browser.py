@@ -18,9 +18,11 @@ pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 def _setup(django_db_blocker: Any, tenant_public_id: str) -> dict[str, str]:
     """A tenant with 10,000 tokens a day and 200,000 a cycle; project "web" with 4,000 a day
-    and its key "prod" with 1,500 of them; project "batch" without, and its key "etl"."""
+    and its key "prod" with 1,500 of them; project "batch" without, and its key "etl". prod has
+    spent 2,000 (its 1,500, then 500 of web's own part), etl 1,000 (from the pool)."""
     from tenants.models import Tenant
     from tenants.services import create_project, issue_key, set_tenant_limits
+    from tests.support.allotments import spend
 
     def setup() -> dict[str, str]:
         tenant = Tenant.objects.get(public_id=tenant_public_id)
@@ -32,6 +34,8 @@ def _setup(django_db_blocker: Any, tenant_public_id: str) -> dict[str, str]:
         prod = issue_key(web, actor="test", name="prod", allotment_tokens_per_day=1_500).api_key
         batch = create_project(tenant, "batch", actor="test", name="Nightly batch")
         etl = issue_key(batch, actor="test", name="etl").api_key
+        spend(web, prod, 2000, f"prod-{prod.public_id}")
+        spend(batch, etl, 1000, f"etl-{etl.public_id}")
         return {"web": web.public_id, "prod": prod.public_id, "batch": batch.public_id,
                 "etl": etl.public_id}
 
@@ -57,9 +61,18 @@ def test_an_owner_allots_from_the_limits_page(
     log_in(page, owner)
     page.goto(f"/console/t/{owner.tenant_id}/limits/")
     expect(page.get_by_role("heading", name="Allotments and the shared pool")).to_be_visible()
-    expect(_line(page, "pool", "", "day")).to_contain_text("6,000")  # 10,000 - 4,000
-    expect(_line(page, "project", ids["web"], "day")).to_contain_text("4,000")
-    expect(_line(page, "key", ids["prod"], "day")).to_contain_text("1,500")
+    pool = _line(page, "pool", "", "day")
+    expect(pool).to_contain_text("6,000")  # 10,000 - 4,000
+    expect(pool.locator('[data-figure="used"]')).to_have_text("1,000")  # etl borrowed it
+    expect(pool.locator('[data-figure="left"]')).to_have_text("5,000")
+    web = _line(page, "project", ids["web"], "day")
+    expect(web).to_contain_text("4,000")
+    expect(web.locator('[data-figure="used"]')).to_have_text("2,000")
+    expect(web.locator('[data-figure="left"]')).to_have_text("2,000")
+    prod = _line(page, "key", ids["prod"], "day")
+    expect(prod).to_contain_text("1,500")
+    expect(prod.locator('[data-figure="used"]')).to_have_text("1,500")
+    expect(prod.locator('[data-figure="borrowed"]')).to_have_text("500")
     for viewport in (LAPTOP, PHONE):
         page.set_viewport_size(viewport)
         check_layout(page)
@@ -79,7 +92,7 @@ def test_an_owner_allots_from_the_limits_page(
     form.get_by_role("button", name="Save").click()
     expect(page.get_by_text("Limits of project Nightly batch saved.")).to_be_visible()
     expect(_line(page, "project", ids["batch"], "day")).to_contain_text("6,000")
-    expect(_line(page, "pool", "", "day")).to_contain_text("0")
+    expect(_line(page, "pool", "", "day").locator("td").first).to_have_text("0")
     events = committed(django_db_blocker, lambda: list(AuditEvent.objects.filter(
         action="project.updated", target=ids["batch"]).values_list("actor", "data")))
     assert events == [(f"user:{owner.username}", {"changes": {"allotment_tokens_per_day": {

@@ -5,6 +5,7 @@ allotments above it."""
 
 from __future__ import annotations
 
+import re
 from html import unescape
 
 import pytest
@@ -12,6 +13,7 @@ from django.test import Client
 
 from tenants.models import AuditEvent, Project
 from tenants.services import create_project, set_tenant_limits, update_key, update_project
+from tests.support.allotments import spend
 from tests.world import World
 
 pytestmark = pytest.mark.django_db
@@ -163,3 +165,52 @@ def test_a_new_project_with_an_allotment(quota: World) -> None:
     assert Project.objects.get(slug="reports").allotment_tokens_per_day == 1000
     html = text(owner.get(url(quota, "projects")))
     assert 'data-testid="project-allotment">1,000 tokens a day</span>' in html
+
+
+def _figures(html: str, kind: str, ref: str, window: str = "day") -> tuple[str, ...]:
+    row = html.split(f'data-kind="{kind}" data-ref="{ref}" data-window="{window}"')[1]
+    row = row.split("</tr>")[0]
+    return tuple(re.sub(r"<[^>]+>", "", row.split(f'data-figure="{name}">')[1].split("</td>")[0])
+                 for name in ("used", "borrowed", "left"))
+
+
+def test_the_limits_and_key_pages_show_used_borrowed_and_the_pool(quota: World) -> None:
+    from tenants.services import issue_key
+
+    set_tenant_limits(quota.acme, actor="test", tokens_per_day=10_000)
+    update_project(quota.web, actor="test", allotment_tokens_per_day=4000)
+    key = quota.issued.api_key
+    update_key(key, actor="test", allotment_tokens_per_day=1000)
+    key.refresh_from_db()
+    quota.web.refresh_from_db()
+    batch = create_project(quota.acme, "batch", actor="test")
+    etl = issue_key(batch, actor="test", name="etl").api_key
+    # ci takes its 1,000, then 500 of web's own part; etl has no allotment: the pool lends it.
+    spend(quota.web, key, 1500, "ci-1")
+    spend(batch, etl, 2000, "etl-1")
+
+    owner = login(quota.owner)
+    html = text(owner.get(url(quota, "limits")))
+    assert _figures(html, "key", key.public_id) == ("1,000", "500", "0")
+    assert _figures(html, "project", quota.web.public_id) == ("1,500", "0", "2,500")
+    pool = html.split('data-kind="pool" data-ref="" data-window="day"')[1].split("</tr>")[0]
+    assert ">6,000<" in pool  # its size: 10,000 - 4,000
+    assert _figures(html, "pool", "") == ("2,000", "—", "4,000")
+
+    page = text(owner.get(url(quota, f"keys/{key.public_id}")))
+    assert ('data-testid="key-allotment" data-window="day">Allotment per day: 1,000 tokens, '
+            "1,000 used of it, 0 left; 500 borrowed beyond it</p>") in page
+
+
+def test_the_allotments_show_without_redis(quota: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quotas.engine import QuotaStoreUnavailable
+
+    def down(tenant: object, **kwargs: object) -> None:
+        raise QuotaStoreUnavailable("down")
+
+    update_project(quota.web, actor="test", allotment_tokens_per_day=300)
+    monkeypatch.setattr("config.console.allotment_lines.allotment_standing", down)
+    html = text(login(quota.owner).get(url(quota, "limits")))
+    assert _figures(html, "project", quota.web.public_id) == ("—", "—", "—")
+    assert "Used, borrowed and left are unavailable: the quota store cannot be reached." in html
+    assert ">300<" in html.split(f'data-ref="{quota.web.public_id}"')[1].split("</tr>")[0]
