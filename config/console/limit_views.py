@@ -33,6 +33,7 @@ from config.console.frame import (
     tenant_page,
     tenant_project,
 )
+from quotas.cycles import cycle_standing
 from quotas.engine import QuotaStoreUnavailable
 from quotas.pace import Trip, resume_trip, tenant_trips
 from tenants import selectors, services
@@ -112,8 +113,14 @@ def _limits_page(
                 "allotment_tokens_per_month": api_key.allotment_tokens_per_month,
             }),
         })
+    # The tenant's reset cycle (quotas.cycles): read-only here, as the tenant's limits are
+    # (operators change it: admin, API, manage.py tenant_cycle).
+    cycle = cycle_standing(tenant)
     context = {
         "plan": tenant.plan,
+        "cycle": cycle,
+        "cycle_changes_at": (f"{cycle.changes_at:%Y-%m-%d %H:%M} ({cycle.changes_at:%Z})"
+                             if cycle.changes_at is not None else ""),
         "limits": limits,
         "live_available": live is not None,
         "open_holds": live.open_holds if live is not None else None,
