@@ -47,7 +47,9 @@ redis.call('HSET', key, 'limit', limit)
 local credit = redis.call('HINCRBY', key, 'credit', tokens)
 if #KEYS == 2 then
   if redis.call('EXISTS', KEYS[2]) == 0 then
-    redis.call('HSET', KEYS[2], 'taken', 0)
+    -- a new pool starts from what the tenant took in the window (lua/lib/tiers.lua)
+    local u = redis.call('HMGET', key, 'used', 'pending')
+    redis.call('HSET', KEYS[2], 'taken', (tonumber(u[1]) or 0) + (tonumber(u[2]) or 0))
     redis.call('EXPIREAT', KEYS[2], tonumber(ARGV[5]))
   end
   redis.call('HINCRBY', KEYS[2], 'credit', tokens)

@@ -48,9 +48,10 @@ ARGV
   then for counter i, five values:  limit (-1 unlimited, 0 refuse all), window_start ms
                                     (inclusive), window_end ms (exclusive), expire_at unix s,
                                     unit (0: tokens, held `granted`; 1: micro-dollars, held `money`;
-                                    2: an allotment tier, limit = its allotment; 3: the shared
-                                    pool ending a chain of tiers, limit = the pool's size >= 0;
-                                    see "Allotments")
+                                    2: an allotment tier, limit = its allotment; 3 + 8j: the
+                                    shared pool ending a chain of tiers, limit = the pool's size
+                                    >= 0, j = the index of the tenant counter of its window whose
+                                    used + pending seeds a new pool (0: none); see "Allotments")
   then for bucket j, two values:    capacity (requests), period_ms (refills capacity per period)
   then, under the queue policy only (their presence is the flag: 6 + N more values):
     order        the waiter's place, "" before it has one (then -priority * 2^32 + arrival)
@@ -160,12 +161,14 @@ end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local limits, expire_ats, units, ckeys = {}, {}, {}, {}
+local limits, expire_ats, units, ckeys, seeds = {}, {}, {}, {}, {}
 for i = 1, n do
   local base = 14 + 5 * (i - 1)
   limits[i] = tonumber(ARGV[base + 1])
   expire_ats[i] = tonumber(ARGV[base + 4])
-  units[i] = tonumber(ARGV[base + 5])
+  local code = tonumber(ARGV[base + 5]) or 0
+  units[i] = code % 8
+  seeds[i] = math.floor(code / 8)
   ckeys[i] = KEYS[i + 2]
   if now_ms < tonumber(ARGV[base + 2]) or now_ms >= tonumber(ARGV[base + 3]) then
     return { -1, i, now_ms }
@@ -415,6 +418,14 @@ end
 local headroom, exists, stored_limit = {}, {}, {}
 local tightest = nil
 local tiered = false
+-- A new pool starts from its tenant counter's used + pending, read before this call holds.
+local seed_taken = {}
+for i = 1, n do
+  if units[i] == 3 and seeds[i] > 0 then
+    local f = redis.call('HMGET', KEYS[seeds[i] + 2], 'used', 'pending')
+    seed_taken[i] = (tonumber(f[1]) or 0) + (tonumber(f[2]) or 0)
+  end
+end
 for i = 1, n do
   local f = redis.call('HMGET', KEYS[i + 2], 'used', 'pending', 'credit', 'limit')
   exists[i] = f[1] ~= false
@@ -422,7 +433,7 @@ for i = 1, n do
   if units[i] >= 2 then
     tiered = true
     if i == 1 or units[i - 1] < 2 or units[i - 1] == 3 then  -- a chain starts here
-      local room, pool = tiers_room(ckeys, units, limits, limits, i)
+      local room, pool = tiers_room(ckeys, units, limits, limits, i, seed_taken)
       headroom[pool] = room
       if tightest == nil or room < tightest then tightest = room end
     end
@@ -507,7 +518,7 @@ end
 if tiered then
   -- tiers_move creates a missing tier or pool with its expiry, so the pool's size is written
   -- after it: written first, it would create the pool without one (a key never expiring).
-  tiers_move(ckeys, units, granted, limits, expire_ats)
+  tiers_move(ckeys, units, granted, limits, expire_ats, seed_taken)
   for i = 1, n do
     if units[i] == 3 and stored_limit[i] ~= limits[i] then
       redis.call('HSET', KEYS[i + 2], 'limit', limits[i])  -- the pool's size, for readers

@@ -511,6 +511,18 @@ def _unit_code(unit: Unit) -> int:
     return _UNIT_CODES[unit]
 
 
+def _pool_seed(limits: tuple[ScopeLimit, ...], limit: ScopeLimit) -> int:
+    """For a pool: the 1-based index of its scope's token counter of the same window, whose
+    used + pending a new pool starts from (lua/reserve.lua); 0 otherwise or when absent."""
+    if limit.unit is not Unit.POOL:
+        return 0
+    for index, other in enumerate(limits, 1):
+        if (other.unit is Unit.TOKENS and other.scope == limit.scope
+                and other.window is limit.window):
+            return index
+    return 0
+
+
 def _fallback(hold: Hold) -> str:
     """What settle / release need when Redis lost the hold record (see lua/settle.lua). Numbers
     travel as strings: cjson would turn a 13-digit millisecond time into a float."""
@@ -600,7 +612,7 @@ class _Calls:
             key = _counter_key(req.tenant, limit, window)
             counters.append((limit, window, key))
             args += [limit.limit, window.start_ms, window.end_ms, self.expire_at(window),
-                     _unit_code(limit.unit)]
+                     _unit_code(limit.unit) + 8 * _pool_seed(req.limits, limit)]
         call_keys = [keys.hold_key(req.tenant, req.request_id), keys.hold_index_key(req.tenant)]
         call_keys += [c[2] for c in counters]
         for rate in req.rates:

@@ -14,9 +14,13 @@ When an allotment changes (the reserve passes the new one), the same formula mov
 scope borrowed: spill_new(x') - spill_old(x).
 ]]
 
+-- A pool that does not exist yet starts from seed_taken[i] (the reserve passes the tenant
+-- counter's used + pending of the same window): what the tenant took in the window before its
+-- first allotment is the pool's, so an allotment made mid-window is not lent out twice.
+
 -- The room a chain starting at counter `first` offers: the allotments' unused parts plus what
 -- the pool has left (given each tier's new allotment `allots[i]`), and the pool's index.
-local function tiers_room(keys, units, allots, pool_limits, first)
+local function tiers_room(keys, units, allots, pool_limits, first, seed_taken)
   local carry, room, i = 0, 0, first
   while true do
     local key = keys[i]
@@ -30,7 +34,9 @@ local function tiers_room(keys, units, allots, pool_limits, first)
       carry = math.max(0, x2 - new) - math.max(0, x - old)
     else  -- 3: the pool ends the chain
       local f = redis.call('HMGET', key, 'taken', 'credit')
-      local x = (tonumber(f[1]) or 0) + carry
+      local x = tonumber(f[1])
+      if x == nil then x = (seed_taken and seed_taken[i]) or 0 end
+      x = x + carry
       return room + math.max(0, pool_limits[i] + (tonumber(f[2]) or 0) - x), i
     end
     i = i + 1
@@ -40,7 +46,7 @@ end
 -- Move `delta` tokens (negative: give back) into every chain of `keys`; allots[i] (optional)
 -- is tier i's allotment now. expire_ats (optional) creates missing tiers with that expiry;
 -- without it a missing tier (its window expired) is left alone.
-local function tiers_move(keys, units, delta, allots, expire_ats)
+local function tiers_move(keys, units, delta, allots, expire_ats, seed_taken)
   local carry = nil
   for i = 1, #keys do
     local u = units[i]
@@ -50,7 +56,8 @@ local function tiers_move(keys, units, delta, allots, expire_ats)
       local exists = redis.call('EXISTS', key) == 1
       if exists or expire_ats then
         local f = redis.call('HMGET', key, 'taken', 'allot')
-        local x = tonumber(f[1]) or 0
+        local x = tonumber(f[1])
+        if x == nil then x = (not exists and seed_taken and seed_taken[i]) or 0 end
         local x2 = math.max(0, x + carry)
         if x2 ~= x or not exists then redis.call('HSET', key, 'taken', x2) end
         if not exists then redis.call('EXPIREAT', key, expire_ats[i]) end

@@ -181,3 +181,13 @@ def test_a_recharge_of_the_tenant_credits_its_pool(engine, client, tenant) -> No
     assert reserve(engine, tenant, "c", 10, unprotected()).admitted
     # The protected project's 60 are still there.
     assert reserve(engine, tenant, "a", 60, protected()).admitted
+
+
+def test_an_allotment_made_mid_window_is_not_lent_twice(engine, client, tenant) -> None:
+    # 30 used before any allotment existed in the window: they were the pool's.
+    before = engine.reserve(ReserveRequest(tenant, "early", 30, (TENANT,))).hold
+    engine.settle(before, 30)
+    assert reserve(engine, tenant, "b", 10, unprotected()).admitted
+    assert taken(client, engine, tenant, None) == 40  # seeded with the 30, then the call's 10
+    assert not reserve(engine, tenant, "b2", 1, unprotected()).admitted
+    assert reserve(engine, tenant, "a", 60, protected()).admitted  # the allotment is whole
