@@ -232,7 +232,7 @@ def test_changes_are_audited_and_drop_every_key_of_the_tenant(
     assert published == [("tenant", small.pk)]  # its allotment went back to the pool
 
 
-@pytest.mark.django_db(transaction=True)
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_two_admins_allotting_at_once_cannot_exceed_the_quota() -> None:
     """Admin A sets 600 of 1,000 and holds its transaction open; admin B then asks for 600 for
     another project. B must wait for A's commit (the tenant's row lock) and then be refused:
