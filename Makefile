@@ -58,7 +58,7 @@ bench-abuse: $(STAMP)
 
 bench-quota: $(STAMP)
 	$(PY) -m config.embedded start
-	$(PY) manage.py bench_quota
+	$(PY) manage.py bench_quota $(ARGS)
 
 down: $(STAMP)
 	$(PY) -m config.embedded stop
