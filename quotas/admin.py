@@ -5,6 +5,12 @@ quotas.cycles.change_cycle (the change rule needs the quota engine's calendar an
 the tenants app cannot import), so the page is registered again here, with the cycle fields
 validated against the plan on the form and saved through that service, after the tenant's own
 services (tenants.admin.TenantAdmin.save_model) ran.
+
+The form starts from what the tenant last asked for (quotas.cycles.asked_spec: a pending or
+already switched change recorded in next_cycle, else its own fields), as the API and
+`manage.py tenant_cycle` do: the tenant's own columns keep the cycle before a change until the
+next change folds it, so a form filled from them would show a stale cycle and, saved with only a
+new time zone, would ask the service to go back to it (cancelling or undoing the change).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 from django.utils.html import format_html
 
-from quotas.cycles import CycleSpec, change_cycle, check_cycle, cycle_standing
+from quotas.cycles import CycleSpec, asked_spec, change_cycle, check_cycle, cycle_standing
 from tenants.admin import TenantAdmin
 from tenants.models import Tenant, TenantCycle
 
@@ -26,7 +32,8 @@ _CYCLE_FIELDS = ("time_zone", "cycle", "cycle_anchor", "cycle_every_days")
 
 
 class TenantCycleForm(forms.ModelForm):
-    """The tenant's fields, with the cycle's optional: a blank time zone keeps the tenant's."""
+    """The tenant's fields, with the cycle's optional: a blank time zone keeps the one last
+    asked for. The cycle fields show what the tenant last asked for (`asked_spec`)."""
 
     time_zone = forms.CharField(
         required=False, max_length=64,
@@ -48,20 +55,30 @@ class TenantCycleForm(forms.ModelForm):
 
     # What the cycle fields ask for, read by clean() (None until then).
     cycle_spec: CycleSpec | None = None
+    # What the tenant last asked for when the form was built: the fields start from it, and
+    # saving asks the service for a change only if they differ from it.
     _before: CycleSpec | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            self._before = asked_spec(self.instance)
+            self.initial.update(self._before.fields())
+        else:
+            self._before = CycleSpec("", None, None, "UTC")
+
     def cycle_changed(self) -> bool:
-        """Whether the cycle fields differ from the tenant's (a blank time zone does not)."""
+        """Whether the cycle fields differ from what the tenant last asked for (a blank time zone
+        does not)."""
         return self.cycle_spec is not None and self.cycle_spec != self._before
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
-        zone = (cleaned.get("time_zone") or "").strip() or self.instance.time_zone or "UTC"
+        before = self._before or CycleSpec("", None, None, "UTC")
+        zone = (cleaned.get("time_zone") or "").strip() or before.time_zone or "UTC"
         anchor: date | None = cleaned.get("cycle_anchor")
         self.cycle_spec = CycleSpec(cleaned.get("cycle") or "", anchor,
                                     cleaned.get("cycle_every_days"), zone)
-        self._before = (CycleSpec.of(self.instance) if self.instance.pk is not None
-                        else CycleSpec("", None, None, "UTC"))
         plan = cleaned.get("plan") or getattr(self.instance, "plan", None)
         if plan is not None and not self.errors and self.cycle_changed():
             try:
