@@ -287,10 +287,13 @@ def _counters(tenant: Tenant, sums: dict[_Group, _Sums], windows: dict[WindowKin
     for ident, taken, limit in chains.taken():
         figures[ident] = taken
         scope_limits[ident] = limit
-    # A counter with nothing to restore is left to the next reserve, which creates it at 0.
+    # A counter with nothing to restore is left to the next reserve, which creates it at 0; not
+    # a tier or a pool: a missing pool is seeded from the tenant counter (lua/reserve.lua), which
+    # would count the allotments' own use as borrowed.
     return [RebuildCounter(scope=scope, window=windows[kind], used=used,
                            limit=scope_limits[(scope, kind, unit)], unit=unit)
-            for (scope, kind, unit), used in sorted(figures.items()) if used > 0]
+            for (scope, kind, unit), used in sorted(figures.items())
+            if used > 0 or unit.tiered]
 
 
 # -- the rebuild --------------------------------------------------------------------------------

@@ -89,6 +89,43 @@ class AllotmentStanding:
                 "allotments": [s.as_dict() for s in self.scopes]}
 
 
+def apply_allotments(tenant_id: int, *, engine: Any = None) -> dict[str, int]:
+    """After a change of the tenant's allotments (installed by quotas.apps into
+    tenants.services.allotments, run after the change commits): every tier of the current day
+    and cycle windows takes its allotment now, so what a scope took above a lowered, removed or
+    revoked allotment is in the pool at once rather than lent again until its next call
+    (lua/allotments_set.lua). A window left without allotments drops its pool. Returns the
+    tokens moved into each window's pool. QuotaStoreUnavailable without Redis."""
+    tenant = Tenant.objects.select_related("plan").get(pk=tenant_id)
+    limits = effective_limits(tenant)
+    by_window = tenant_allotments(tenant, limits=limits)
+    engine = engine or get_engine()
+    tag = tenant_tag(tenant.pk)
+    calendar = calendar_for(tenant)
+    now_ms = engine.clock.now_ms()
+    fields = [w.field for w in (a.window for a in by_window.values())]
+    projects = list(Project.objects.filter(tenant=tenant).values_list("pk", *fields))
+    api_keys = list(ApiKey.objects.filter(project__tenant=tenant)
+                    .values_list("pk", "project_id", "revoked_at", *fields))
+    moved = {}
+    for position, (name, allotments) in enumerate(by_window.items()):
+        live = allotments.limited and bool(allotments.allotted or allotments.keys_allotted)
+        nested = {pk for pk, *values in projects if values[position] is not None}
+        project_index = {pk: len(api_keys) + i + 1 for i, (pk, *_) in enumerate(projects)}
+        tiers: list[tuple[str, int, int]] = []
+        for pk, project_id, revoked_at, *values in api_keys:
+            allotment = values[position] if live and revoked_at is None else None
+            parent = project_index[project_id] if project_id in nested else 0
+            tiers.append((keys.api_key_scope(pk), allotment or 0, parent))
+        for pk, *values in projects:
+            own = values[position] if live else None
+            part = max(0, own - allotments.keys_allotted.get(pk, 0)) if own is not None else 0
+            tiers.append((keys.project_scope(pk), part, 0))
+        window = calendar.window(_WINDOWS[name], now_ms)
+        moved[name] = engine.set_allotments(tag, window, tiers, drop_pool=not live)
+    return moved
+
+
 def _int(value: Any) -> int:
     return int(value) if value is not None else 0
 

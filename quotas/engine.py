@@ -961,6 +961,19 @@ class QuotaEngine:
         self.clock.observe(int(now_ms))
         return int(raised)
 
+    def set_allotments(self, tenant: str, window: Window,
+                       tiers: Sequence[tuple[str, int, int]], drop_pool: bool) -> int:
+        """Give the tenant's tiers of `window` their allotments now (lua/allotments_set.lua):
+        `tiers` are (scope, allotment, parent) with keys before projects, parent 0 for the pool
+        or the 1-based index of a later tier. Returns the tokens moved into the pool."""
+        call_keys = [keys.pool_key(tenant, window.id),
+                     *(keys.allotment_key(tenant, scope, window.id) for scope, _, _ in tiers)]
+        args: list[Any] = [len(tiers), 1 if drop_pool else 0]
+        for _, allotment, parent in tiers:
+            args += [allotment, parent]
+        (moved,) = self._run("allotments_set", call_keys, args)
+        return int(moved)
+
     def set_epoch(self, tenant: str, epoch: str = "") -> None:
         """Mark the tenant's data as present (a new tenant, or after a rebuild)."""
         self.rebuild(tenant, (), epoch)

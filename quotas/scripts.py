@@ -56,5 +56,9 @@ PACE_RESUME = _read("pace_resume")
 # The waiting queue (quotas/waiting.py): a waiter that gives up (timeout, client gone) leaves.
 QUEUE_LEAVE = _read("queue_leave")
 
+# Off the hot path: after a change of allotments, the tiers take the new ones at once
+# (quotas/allotments.py apply_allotments).
+ALLOTMENTS_SET = _read("allotments_set")
+
 ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD,
-       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME, QUEUE_LEAVE)
+       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME, QUEUE_LEAVE, ALLOTMENTS_SET)

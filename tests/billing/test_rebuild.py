@@ -334,3 +334,21 @@ def test_rebuild_on_a_redis_cluster(redis_cluster_url: str, acme: Tenant) -> Non
     assert rebuild_tenant(tag, engine=engine).ledger_rows == 2
     assert counters(engine, caller) == before
     cluster.close()
+
+
+def test_a_pool_nobody_borrowed_from_is_rebuilt_at_zero(engine: Any, client: Any) -> None:
+    """A protected project used only its allotment: the pool holds 0. The rebuild must write it
+    (at 0): missing, the next reserve would seed it from the tenant counter and count the
+    allotment's own use as borrowed, refusing the other project its untouched pool."""
+    tenant = create_tenant("pooled", plan_name="standard", actor="test", tokens_per_day=1000)
+    prot = make_caller(engine, tenant, "prot", allotment_tokens_per_day=600)
+    other = make_caller(engine, tenant, "other")
+    tag = prot.ctx.tenant_tag
+    rebuild_tenant(tag, engine=engine)
+    prot.settle(prot.reserve(amount=500), 400, 100)
+    drain_tenant(client, tenant.pk)
+    client.flushall()
+    rebuild_tenant(tag, engine=engine)
+    day = prot.window(WindowKind.DAY).id
+    assert client.hget(keys.pool_key(tag, day), "taken") == "0"
+    assert engine.reserve(other.request("o1", 400)).admitted

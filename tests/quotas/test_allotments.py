@@ -191,3 +191,61 @@ def test_an_allotment_made_mid_window_is_not_lent_twice(engine, client, tenant) 
     assert taken(client, engine, tenant, None) == 40  # seeded with the 30, then the call's 10
     assert not reserve(engine, tenant, "b2", 1, unprotected()).admitted
     assert reserve(engine, tenant, "a", 60, protected()).admitted  # the allotment is whole
+
+
+# -- a change of allotments applied at once (lua/allotments_set.lua) -------------------------------
+
+
+def day_window(engine: QuotaEngine):
+    return Calendar(UTC_MONTHLY).window(DAY, engine.clock.now_ms())
+
+
+def test_a_removed_allotment_is_not_lent_again(engine, client, tenant) -> None:
+    # A allotted 40 and C 30: the pool is 30. A uses its 40, then loses its allotment.
+    a_chain = (TENANT, ScopeLimit("project:1", DAY, 40, Unit.ALLOTMENT),
+               ScopeLimit("tenant", DAY, 30, Unit.POOL))
+    engine.settle(reserve(engine, tenant, "a1", 40, a_chain).hold, 40)
+    moved = engine.set_allotments(tenant, day_window(engine),
+                                  [("project:1", 0, 0), ("project:2", 30, 0)], drop_pool=False)
+    assert moved == 40 and taken(client, engine, tenant, None) == 40
+    pool_70 = (TENANT, ScopeLimit("tenant", DAY, 70, Unit.POOL))
+    second = reserve(engine, tenant, "a2", 60, pool_70, min_amount=1)
+    assert second.granted == 30  # the pool of 70 minus the 40 A took
+    c_chain = (TENANT, ScopeLimit("project:2", DAY, 30, Unit.ALLOTMENT),
+               ScopeLimit("tenant", DAY, 70, Unit.POOL))
+    assert reserve(engine, tenant, "c1", 30, c_chain).admitted  # C's guarantee holds
+
+
+def test_a_revoked_keys_allotment_moves_what_it_took(engine, client, tenant) -> None:
+    quota = ScopeLimit("tenant", DAY, 200)
+    k7 = (quota, ScopeLimit("key:7", DAY, 50, Unit.ALLOTMENT),
+          ScopeLimit("project:1", DAY, 50, Unit.ALLOTMENT), ScopeLimit("tenant", DAY, 50, Unit.POOL))
+    engine.settle(reserve(engine, tenant, "k1", 50, k7).hold, 50)
+    engine.settle(reserve(engine, tenant, "b1", 50, (quota, ScopeLimit("tenant", DAY, 50,
+                                                                        Unit.POOL))).hold, 50)
+    # Key 7 revoked: P's own part grows to 100, and what key 7 took is now P's.
+    engine.set_allotments(tenant, day_window(engine),
+                          [("key:7", 0, 2), ("project:1", 100, 0), ("project:2", 50, 0)],
+                          drop_pool=False)
+    assert taken(client, engine, tenant, "project:1") == 50
+    p8 = (quota, ScopeLimit("project:1", DAY, 100, Unit.ALLOTMENT),
+          ScopeLimit("tenant", DAY, 50, Unit.POOL))
+    assert reserve(engine, tenant, "k8", 100, p8, min_amount=1).granted == 50
+    c = (quota, ScopeLimit("project:2", DAY, 50, Unit.ALLOTMENT),
+         ScopeLimit("tenant", DAY, 50, Unit.POOL))
+    assert reserve(engine, tenant, "c1", 50, c).admitted
+    # Idempotent: run again, nothing moves.
+    assert engine.set_allotments(tenant, day_window(engine),
+                                 [("key:7", 0, 2), ("project:1", 100, 0), ("project:2", 50, 0)],
+                                 drop_pool=False) == 0
+
+
+def test_a_window_left_without_allotments_drops_its_pool(engine, client, tenant) -> None:
+    engine.settle(reserve(engine, tenant, "a", 50, protected()).hold, 50)
+    engine.set_allotments(tenant, day_window(engine), [("project:1", 0, 0)], drop_pool=True)
+    assert not client.exists(keys.pool_key(tenant, window_id(engine)))
+    # An allotment back in the window: the new pool starts from the tenant's 50, the tier's 50
+    # count in its allotment again, so the pool holds nothing of them twice.
+    assert reserve(engine, tenant, "a2", 10, protected()).admitted
+    assert taken(client, engine, tenant, "project:1") == 60
+    assert taken(client, engine, tenant, None) == 0
