@@ -42,7 +42,7 @@ from tenants.models import (
     Tenant,
 )
 from tenants.selectors import masked_key
-from tenants.services.allotments import check_allotments
+from tenants.services.allotments import check_allotments, keys_above_project_limit_errors
 from tenants.services.api_keys import KEY_EDIT_FIELDS, revoke_key, update_key
 from tenants.services.limits import check_key_limits, check_project_limits
 from tenants.services.management_tokens import revoke_management_token
@@ -247,6 +247,10 @@ def _check_allotments_on(form: ModelForm, tenant: Tenant) -> None:
             setattr(row, name, value)
     if isinstance(row, Project):
         row.tenant = tenant
+        # Its own limits cannot go below its keys' allotments either (update_project refuses).
+        errors = keys_above_project_limit_errors(row)
+        if errors:
+            raise ValidationError(errors)
     check_allotments(tenant, row)
 
 

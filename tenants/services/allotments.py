@@ -6,7 +6,8 @@ console, the API, the CLI and Django admin all refuse the same values with the s
   window without a quota has nothing to allot from;
 - the allotments of a project's keys must fit in the project's allotment of the window;
 - an allotment above the scope's own limit of the window (a key's: or its project's) could never
-  be used and is refused.
+  be used and is refused; so is lowering a scope's own limit below its allotment, or a
+  project's own limit below an allotment of one of its keys (keys_above_project_limit_errors).
 
 A change that does not add to an excess is never refused for the totals: once a plan change or
 an override has lowered the quota below the allotments, an admin can still lower (or remove) an
@@ -91,6 +92,40 @@ def own_limit_errors(row: Project | ApiKey) -> dict[str, str]:
         error = _own_limit_error(window, value, bounds)
         if error:
             errors[window.field] = error
+    return errors
+
+
+def keys_above_project_limit_errors(project: Project) -> dict[str, str]:
+    """Per own-limit field of a project (tokens_per_day, tokens_per_month): the limit is below
+    the allotment of one of its unrevoked keys in that window. Such an allotment could never be
+    used, and the key could not be saved again (its allotment is checked against its project's
+    limit), so the project's limit is refused, as a scope's own limit below its own allotment
+    is. The error names the key with the largest allotment. One query; none for a new project
+    or one without own token limits."""
+    limited = [w for w in WINDOWS if getattr(project, w.own_limit) is not None]
+    if project.pk is None or not limited:
+        return {}
+    rows = list(
+        ApiKey.objects.filter(project_id=project.pk, revoked_at__isnull=True)
+        .exclude(allotment_tokens_per_day__isnull=True, allotment_tokens_per_month__isnull=True)
+        .order_by("pk")
+        .values_list("public_id", "name", *ALLOTMENT_FIELDS)
+    )
+    errors: dict[str, str] = {}
+    for window in limited:
+        limit = getattr(project, window.own_limit)
+        index = 2 + ALLOTMENT_FIELDS.index(window.field)
+        above = [row for row in rows if row[index] is not None and row[index] > limit]
+        if not above:
+            continue
+        public_id, name, *_ = top = max(above, key=lambda row: row[index])
+        who = f"key {name} ({public_id})" if name else f"key {public_id}"
+        others = len(above) - 1
+        also = f" (and {others} other key{'s' if others > 1 else ''})" if others else ""
+        errors[window.own_limit] = (
+            f"Must be at least {top[index]:,}, the allotment {window.per} of {who}{also}: "
+            "tokens allotted above the project's own limit could never be used. Lower the "
+            "key's allotment first.")
     return errors
 
 

@@ -19,6 +19,7 @@ from tenants.services._base import (
 )
 from tenants.services.allotments import (
     check_allotments,
+    keys_above_project_limit_errors,
     lock_tenant,
     own_limit_errors,
     touches_allotments,
@@ -46,6 +47,12 @@ PROJECT: Entity[Project] = Entity(
 )
 
 
+# A project's own token limits bound its keys' allotments: a change of one locks the tenant
+# first, as a change of an allotment does, so a key's allotment raised at the same time is
+# checked against the new limit (or this one against the raised allotment).
+_OWN_TOKEN_LIMITS = ("tokens_per_day", "tokens_per_month")
+
+
 def _lock_project_and_tenant(project: Project) -> Project:
     # The tenant first, as every writer of allotments does (no lock-order cycle), then the row.
     lock_tenant(project.tenant_id)
@@ -57,8 +64,9 @@ def _check_within_tenant(project: Project) -> None:
         project.tenant, tokens_per_day=project.tokens_per_day,
         tokens_per_month=project.tokens_per_month,
     )
-    # Row-local: lowering the project's own limit below its allotment is refused too.
-    errors = own_limit_errors(project)
+    # Lowering the project's own limit below its allotment, or below an allotment of one of
+    # its keys, is refused too (the key could not be saved again otherwise).
+    errors = {**keys_above_project_limit_errors(project), **own_limit_errors(project)}
     if errors:
         raise ValidationError(errors)
 
@@ -127,9 +135,12 @@ def create_project(
 
 def update_project(project: Project, *, actor: str, **changes: Any) -> Project:
     """Rename a project or change its sub-limits or allotments (None removes one), within the
-    tenant's limits and quota (a change of an allotment locks the tenant first)."""
+    tenant's limits and quota (a change of an allotment or of an own token limit locks the
+    tenant first). Its own token limits cannot go below its own allotments nor below its
+    unrevoked keys' allotments."""
     check_field_names(changes, PROJECT_EDIT_FIELDS, "project")
-    if not touches_allotments(changes):
+    allotting = touches_allotments(changes)
+    if not allotting and not any(name in _OWN_TOKEN_LIMITS for name in changes):
         return update(
             PROJECT, project, changes, actor=actor, action="project.updated",
             check=_check_within_tenant, refresh=PROJECT_EDIT_FIELDS,
@@ -137,7 +148,8 @@ def update_project(project: Project, *, actor: str, **changes: Any) -> Project:
 
     def check(locked: Project) -> None:
         _check_within_tenant(locked)
-        check_allotments(locked.tenant, locked)
+        if allotting:
+            check_allotments(locked.tenant, locked)
 
     # PROJECT already tells the gateways to drop the whole tenant's keys (the pool changes).
     return update(

@@ -156,6 +156,51 @@ def test_an_allotment_above_the_scopes_own_limit_is_refused(small: Tenant) -> No
     assert Project.objects.get(pk=web.pk).tokens_per_day == 300
 
 
+def test_a_project_limit_below_a_keys_allotment_is_refused(small: Tenant) -> None:
+    # Accepted before, it left the key unsavable: every later update_key (even a rename, and the
+    # console's key forms always send the allotments) was refused against the project's limit.
+    set_tenant_limits(small, actor="test", tokens_per_day=10_000, monthly_token_budget=50_000)
+    web = create_project(small, "web", actor="test", tokens_per_day=1000, tokens_per_month=5000)
+    key = issue_key(web, actor="test", name="batch", allotment_tokens_per_day=800,
+                    allotment_tokens_per_month=3000).api_key
+    issue_key(web, actor="test", name="small", allotment_tokens_per_day=600)
+    issue_key(web, actor="test", allotment_tokens_per_month=4500)  # unnamed
+    gone = issue_key(web, actor="test", allotment_tokens_per_day=900).api_key
+    revoke_key(gone, actor="test")  # a revoked key holds no allotment: it bounds nothing
+    events = AuditEvent.objects.count()
+    message = _refused(lambda: update_project(web, actor="user:a", tokens_per_day=500),
+                       "tokens_per_day")
+    assert message == (f"Must be at least 800, the allotment per day of key batch "
+                       f"({key.public_id}) (and 1 other key): tokens allotted above the "
+                       "project's own limit could never be used. Lower the key's allotment "
+                       "first.")
+    # Per window, each on its own field; a rename in the same change is not saved either.
+    with pytest.raises(ValidationError) as excinfo:
+        update_project(web, actor="user:a", name="Web", tokens_per_day=799,
+                       tokens_per_month=4499)
+    errors = excinfo.value.message_dict
+    assert sorted(errors) == ["tokens_per_day", "tokens_per_month"], errors
+    assert errors["tokens_per_day"][0].startswith("Must be at least 800, the allotment per day")
+    unnamed = ApiKey.objects.get(project=web, name="", allotment_tokens_per_month=4500)
+    assert errors["tokens_per_month"][0].startswith(
+        f"Must be at least 4,500, the allotment per cycle of key {unnamed.public_id}: ")
+    fresh = Project.objects.get(pk=web.pk)
+    assert (fresh.name, fresh.tokens_per_day, fresh.tokens_per_month) == ("web", 1000, 5000)
+    assert AuditEvent.objects.count() == events
+    # Down to the largest allotment is allowed, and the key can still be edited.
+    update_project(web, actor="user:a", tokens_per_day=800, tokens_per_month=4500)
+    update_key(key, actor="user:a", name="renamed", allotment_tokens_per_day=800,
+               allotment_tokens_per_month=3000)
+    assert ApiKey.objects.get(pk=key.pk).name == "renamed"
+    # Lowering the key's allotment first lets the project's limit follow.
+    update_key(key, actor="user:a", allotment_tokens_per_day=500)
+    _refused(lambda: update_project(web, actor="user:a", tokens_per_day=500), "tokens_per_day")
+    update_key(ApiKey.objects.get(project=web, name="small"), actor="user:a",
+               allotment_tokens_per_day=None)
+    update_project(web, actor="user:a", tokens_per_day=500)
+    assert Project.objects.get(pk=web.pk).tokens_per_day == 500
+
+
 def test_a_lowered_quota_is_allowed_reported_and_only_lowering_follows(small: Tenant) -> None:
     web = create_project(small, "web", actor="test", allotment_tokens_per_day=600)
     batch = create_project(small, "batch", actor="test", allotment_tokens_per_day=400)

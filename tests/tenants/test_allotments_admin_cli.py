@@ -77,6 +77,23 @@ def test_admin_refuses_allotments_on_the_field_as_the_api_does(
     assert Project.objects.get(slug="late").allotment_tokens_per_day == 200
 
 
+def test_admin_refuses_a_project_limit_below_a_keys_allotment_on_the_field(
+    quota: World, operator: Any, admin_client: Client
+) -> None:
+    key = quota.issued.api_key
+    update_key(key, actor="test", allotment_tokens_per_day=300)
+    page = admin_client.post(_change_url(quota.web),
+                             _form_data(quota.web, operator, tokens_per_day=299))
+    assert page.status_code == 200
+    assert (f"Must be at least 300, the allotment per day of key {key.name} ({key.public_id})"
+            in page.content.decode())
+    assert Project.objects.get(pk=quota.web.pk).tokens_per_day is None
+    saved = admin_client.post(_change_url(quota.web),
+                              _form_data(quota.web, operator, tokens_per_day=300))
+    assert saved.status_code == 302
+    assert Project.objects.get(pk=quota.web.pk).tokens_per_day == 300
+
+
 def test_lowering_the_quota_in_admin_is_allowed_and_warned(
     quota: World, operator: Any, admin_client: Client
 ) -> None:
