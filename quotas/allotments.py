@@ -149,6 +149,8 @@ def allotment_standing(tenant: Tenant, *, engine: Any = None) -> AllotmentStandi
     for name, allotments in by_window.items():
         window = calendar.window(_WINDOWS[name], now_ms)
         reads.append((name, "pool", window, keys.pool_key(tag, window.id)))
+        # A pool not made yet starts from the tenant counter (lua/reserve.lua): read it too.
+        reads.append((name, "seed", window, keys.counter_key(tag, keys.tenant_scope(), window.id)))
         for project in projects:
             if getattr(project, allotments.window.field) is not None:
                 reads.append((name, "project", project,
@@ -159,20 +161,23 @@ def allotment_standing(tenant: Tenant, *, engine: Any = None) -> AllotmentStandi
                               keys.allotment_key(tag, keys.api_key_scope(api_key.pk), window.id)))
     try:
         pipe = engine.client.pipeline(transaction=False)
-        for _, _, _, key in reads:
-            pipe.hmget(key, "taken", "credit")
+        for _, role, _, key in reads:
+            pipe.hmget(key, *(("used", "pending") if role == "seed" else ("taken", "credit")))
         replies = pipe.execute()
     except RedisError as exc:
         raise QuotaStoreUnavailable(str(exc)) from exc
     taken = {key: _int(reply[0]) for (_, _, _, key), reply in zip(reads, replies, strict=True)}
+    seeds = {name: _int(reply[0]) + _int(reply[1])
+             for (name, role, _, _), reply in zip(reads, replies, strict=True) if role == "seed"}
     pools, scopes = [], []
     key_used: dict[tuple[str, int], int] = {}  # (window, project pk) -> its keys' own use
     for (name, role, row, key), reply in zip(reads, replies, strict=True):
         allotments = by_window[name]
         if role == "pool":
+            borrowed = taken[key] if reply[0] is not None else seeds[name]
             pools.append(PoolFigures(name, row.start_ms, row.end_ms, allotments.quota,
                                      allotments.allotted, allotments.pool, _int(reply[1]),
-                                     taken[key]))
+                                     borrowed))
         elif role == "key":
             allot = getattr(row, allotments.window.field)
             used = min(taken[key], allot)
