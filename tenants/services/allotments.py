@@ -20,10 +20,13 @@ the other allotments after the lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.db import transaction
 
 from tenants.allotments import (
     ALLOTMENT_FIELDS,
@@ -37,6 +40,8 @@ from tenants.allotments import (
 from tenants.exceptions import TenantNotFound
 from tenants.models import UNLIMITED, ApiKey, Project, Tenant
 from tenants.selectors import effective_limits
+
+log = logging.getLogger(__name__)
 
 _NO_QUOTA = {
     "day": "The tenant has no daily quota to allot from: its tokens per day are unlimited.",
@@ -139,6 +144,34 @@ def _replace(holders: list[Holder], new: Holder) -> tuple[list[Holder], Holder |
     return [*holders, new], None
 
 
+# quotas.apps installs quotas.allotments.apply_allotments here (tenants cannot import quotas):
+# after a change of allotments commits, the tiers in Redis take the new allotments at once, so
+# what a scope took above a lowered, removed or revoked allotment is not lent out again.
+_applier: Callable[[int], Any] | None = None
+
+
+def set_allotments_applier(applier: Callable[[int], Any]) -> None:
+    global _applier
+    _applier = applier
+
+
+def allotments_changed(tenant_id: int) -> None:
+    """Apply the tenant's allotments to its live tiers once the current transaction commits.
+    A failure (Redis away) is logged: the tier takes its allotment at the scope's next call."""
+    applier = _applier
+    if applier is None:
+        return
+
+    def apply() -> None:
+        try:
+            applier(tenant_id)
+        except Exception:  # noqa: BLE001 - the change is committed; Redis catches up later
+            log.warning("could not apply the allotments of tenant %s to Redis now; each tier "
+                        "takes its allotment at its scope's next call", tenant_id, exc_info=True)
+
+    transaction.on_commit(apply)
+
+
 def check_allotments(tenant: Tenant, row: Project | ApiKey) -> bool:
     """ValidationError (per allotment field) if `row`'s allotments, as they would be once saved,
     break a rule of this module; otherwise whether they differ from the stored ones (then the
@@ -168,6 +201,8 @@ def check_allotments(tenant: Tenant, row: Project | ApiKey) -> bool:
             errors[window.field] = error
     if errors:
         raise ValidationError(errors)
+    if changed:
+        allotments_changed(tenant.pk)
     return changed
 
 

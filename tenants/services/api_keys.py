@@ -26,6 +26,7 @@ from tenants.models import ApiKey, ApiKeySecret, Project
 from tenants.services._base import Entity, check_field_names, clean, record_change, update
 from tenants.allotments import ALLOTMENT_FIELDS
 from tenants.services.allotments import (
+    allotments_changed,
     check_allotments,
     lock_tenant,
     own_limit_errors,
@@ -243,6 +244,8 @@ def revoke_key(api_key: ApiKey, *, actor: str) -> bool:
         secrets_revoked = locked.secrets.filter(revoked_at__isnull=True).update(revoked_at=now)
         # A revoked key's allotment goes back to the shared pool (tenants/allotments.py).
         allotted = any(getattr(locked, name) is not None for name in ALLOTMENT_FIELDS)
+        if allotted:
+            allotments_changed(locked.project.tenant_id)
         record_change(
             replace(API_KEY, invalidation=_tenant_wide) if allotted else API_KEY, locked,
             actor=actor, action="key.revoked", data={"secrets_revoked": secrets_revoked},

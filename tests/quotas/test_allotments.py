@@ -249,3 +249,29 @@ def test_a_window_left_without_allotments_drops_its_pool(engine, client, tenant)
     assert reserve(engine, tenant, "a2", 10, protected()).admitted
     assert taken(client, engine, tenant, "project:1") == 60
     assert taken(client, engine, tenant, None) == 0
+
+
+@pytest.mark.django_db
+def test_the_services_apply_a_removed_allotment_at_once(django_capture_on_commit_callbacks) -> None:
+    """Through the real services: A (allotted 400) uses its 400 and loses its allotment; the
+    pool grows, but what A took moves into it at once, so C's allotment stays whole."""
+    from tenants.services import update_project
+
+    tenant = create_tenant("relend", plan_name="standard", actor="test", tokens_per_day=1000)
+    a = create_project(tenant, "a", actor="test", allotment_tokens_per_day=400)
+    c = create_project(tenant, "c", actor="test", allotment_tokens_per_day=300)
+    key_a, key_c = issue_key(a, actor="test").api_key, issue_key(c, actor="test").api_key
+    engine, tag = get_engine(), tenant_tag(tenant.pk)
+    engine.set_epoch(tag)
+
+    def chain(project, api_key):
+        project.refresh_from_db()
+        return request_limits(tenant, effective_limits(tenant), project, api_key, "gpt-4o",
+                              allotment_sums(project))
+
+    engine.settle(engine.reserve(ReserveRequest(tag, "a1", 400, chain(a, key_a))).hold, 400)
+    with django_capture_on_commit_callbacks(execute=True):
+        update_project(a, actor="test", allotment_tokens_per_day=None)
+    second = engine.reserve(ReserveRequest(tag, "a2", 700, chain(a, key_a), min_amount=1))
+    assert second.granted == 300  # the pool is 700, of which A's 400 are taken
+    assert engine.reserve(ReserveRequest(tag, "c1", 300, chain(c, key_c))).admitted
