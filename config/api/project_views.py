@@ -19,7 +19,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.usage import usage_today_and_month
-from config.api.scopes import KEYS, READS_AND_FULL_WRITES
+from config.api.scopes import FULL, KEYS, READS_AND_FULL_WRITES, require_scope_for
 from config.api.service_errors import service_error
 from config.api.tenancy_serializers import (
     ApiKeySerializer,
@@ -38,8 +38,9 @@ from config.api.tenant_scope import (
     secret_response,
 )
 from tenants import selectors, services
+from tenants.allotments import ALLOTMENT_FIELDS
 from tenants.exceptions import KeyExpired, KeyRevoked, SlugTaken
-from tenants.models import ApiKey, Project, Tenant
+from tenants.models import ApiKey, ManagementToken, Project, Tenant
 
 PROJECT_ID = OpenApiParameter("project_id", OpenApiTypes.STR, OpenApiParameter.PATH,
                               description="The project's id (prj_...).")
@@ -47,8 +48,31 @@ KEY_ID = OpenApiParameter("key_id", OpenApiTypes.STR, OpenApiParameter.PATH,
                           description="The key's id (key_...).")
 
 
-# Projects and keys are what a `keys` token may change (issue, rotate, revoke, sub-limits).
+# Projects and keys are what a `keys` token may change (issue, rotate, revoke, sub-limits),
+# except their allotments (_allotments_in_scope).
 KEYS_WRITES = {**READS_AND_FULL_WRITES, "POST": KEYS, "PATCH": KEYS}
+
+
+def _allotments_in_scope(
+    request: Request, data: dict[str, Any], current: Project | ApiKey | None
+) -> dict[str, Any]:
+    """`data` (a create or update body) if the caller may change what it asks of the allotment
+    fields. An allotment carves the tenant's shared pool, which every project and key draws on:
+    more than managing keys, so only full-scope tokens (and console owners and admins) change
+    one; a `keys` token gets a 403 when the body would set or change one (`current`: the row as
+    stored, None for a new one). An allotment it sends back unchanged (a PATCH of a document it
+    read) is dropped from the body, so the service never writes an allotment for it, even one
+    another admin changed in the meantime."""
+    token = request.auth
+    if not isinstance(token, ManagementToken) or token.allows(FULL):
+        return data
+    changed = [name for name in ALLOTMENT_FIELDS if name in data
+               and data[name] != (getattr(current, name) if current is not None else None)]
+    if changed:
+        require_scope_for(
+            request, FULL, f"changing {' and '.join(changed)}",
+            "an allotment carves the tenant's shared pool for every project and key.")
+    return {name: value for name, value in data.items() if name not in ALLOTMENT_FIELDS}
 
 
 def _project_context(tenant: Tenant) -> dict[str, Any]:
@@ -80,7 +104,7 @@ class ProjectListView(TenantScopedAPIView, GenericAPIView):
         tenant = self.tenant(manage=True)
         body = ProjectCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        data = body.validated_data
+        data = _allotments_in_scope(request, dict(body.validated_data), None)
         try:
             project = services.create_project(
                 tenant, data["slug"], actor=self.actor, name=data["name"],
@@ -121,8 +145,9 @@ class ProjectDetailView(TenantScopedAPIView):
         project = self._project(manage=True)
         body = ProjectUpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        changes = _allotments_in_scope(request, dict(body.validated_data), project)
         try:
-            services.update_project(project, actor=self.actor, **body.validated_data)
+            services.update_project(project, actor=self.actor, **changes)
         except DjangoValidationError as exc:
             raise service_error(exc) from None
         return Response(ProjectSerializer(project, context=_project_context(project.tenant)).data)
@@ -165,7 +190,7 @@ class KeyListView(TenantScopedAPIView, GenericAPIView):
         tenant = self.tenant(manage=True)
         body = KeyIssueSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        data = dict(body.validated_data)
+        data = _allotments_in_scope(request, dict(body.validated_data), None)
         project_id = data.pop("project")
         # Looked up through the caller's tenant: a project of another tenant is "no such project".
         project = selectors.tenant_projects(tenant).filter(public_id=project_id).first()
@@ -202,8 +227,9 @@ class KeyDetailView(_KeyView):
         api_key = self._key(manage=True)
         body = KeyUpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
+        changes = _allotments_in_scope(request, dict(body.validated_data), api_key)
         try:
-            services.update_key(api_key, actor=self.actor, **body.validated_data)
+            services.update_key(api_key, actor=self.actor, **changes)
         except DjangoValidationError as exc:
             raise service_error(exc) from None
         return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)

@@ -4,7 +4,8 @@ classes, after IsAuthenticated) refuses a token without it with a 403 in the API
 
 Scopes rank read < keys < full (tenants.models.SCOPE_ORDER):
 - read: every GET (what a tenant admin may read);
-- keys: read, plus creating and changing projects and API keys (issue, rotate, revoke);
+- keys: read, plus creating and changing projects and API keys (issue, rotate, revoke), but
+  not their allotments (`require_scope_for`: an allotment carves the tenant's shared pool);
 - full: everything a tenant admin may do (members, invitations, tokens, limits, webhooks...).
 
 Console sessions are not tokens: their role in the tenant decides (tenants.access), not this.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.request import Request
 
@@ -55,3 +57,13 @@ class TokenScopeRequired(BasePermission):
         self.message = (f"This management token's scope is '{token.scope}'; this request needs "
                         f"'{needed}'.")
         return False
+
+
+def require_scope_for(request: Request, needed: str, what: str, why: str) -> None:
+    """403 (PermissionDenied, the API's error shape) when a management token's scope does not
+    cover `needed` for part of a request its view lets a narrower token make: `what` the request
+    does, `why` it needs more. Console sessions pass: their role was checked by the view."""
+    token = request.auth
+    if isinstance(token, ManagementToken) and not token.allows(needed):
+        raise PermissionDenied(f"This management token's scope is '{token.scope}'; {what} "
+                               f"needs '{needed}': {why}")

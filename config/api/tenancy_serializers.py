@@ -91,7 +91,9 @@ def _allotment(window: str) -> serializers.IntegerField:
         required=False, allow_null=True, min_value=0, max_value=MAX_QUANTITY,
         help_text=f"Tokens {window} reserved for it alone out of the tenant's quota (its calls "
         "borrow beyond it from the shared pool); null: none. Refused when the allotments would "
-        "exceed the tenant's quota of the window, or its project's allotment.")
+        "exceed the tenant's quota of the window, or its project's allotment. Needs a full-scope "
+        "token: a keys-scope token gets a 403 when it would set or change one (it may send the "
+        "stored value back).")
 
 
 def _day_allotment() -> serializers.IntegerField:
@@ -569,7 +571,8 @@ class ManagementTokenIssueSerializer(StrictJSONTypes):
     name = serializers.CharField(max_length=200, help_text="What the token is for.")
     scope = serializers.ChoiceField(
         choices=ManagementToken.Scope.choices, default=ManagementToken.Scope.FULL,
-        help_text="read: read only; keys: read, and manage projects and API keys; full: "
+        help_text="read: read only; keys: read, and manage projects and API keys (not their "
+        "allotments); full: "
         "everything a tenant admin may do (the default). A token issuing a token cannot give it "
         "a wider scope than its own.")
     expires_at = RFC3339DateTimeField(

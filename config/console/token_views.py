@@ -42,8 +42,8 @@ class TokenIssueForm(ManagementTokenForm):
     scope = forms.ChoiceField(
         choices=ManagementToken.Scope.choices, required=False,
         initial=ManagementToken.Scope.FULL,
-        help_text="read: read only; keys: also projects and API keys; full: everything an admin "
-        "may do.",
+        help_text="read: read only; keys: also projects and API keys (not their allotments); "
+        "full: everything an admin may do.",
     )
     lifetime = forms.ChoiceField(
         choices=[*((str(days), f"{days} days") for days in LIFETIME_DAYS),

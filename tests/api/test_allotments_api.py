@@ -106,15 +106,72 @@ def test_other_refusals_name_their_field(world: World) -> None:
 
 
 def test_who_may_set_allotments(quota: World) -> None:
+    # Owners, admins and full-scope tokens only: an allotment carves the tenant's shared pool for
+    # every project and key, which is more than managing keys (a keys-scope token was allowed).
     url = f"{base(quota)}/projects/{quota.web.public_id}/"
     body = {"allotment_tokens_per_day": 10}
     assert quota.client(quota.member).patch(url, body, format="json").status_code == 403
     assert quota.client(quota.outsider).patch(url, body, format="json").status_code == 404
     reader = issue_management_token(quota.acme, name="r", actor="test", scope="read")
     assert bearer(reader.plaintext).patch(url, body, format="json").status_code == 403
-    keys_token = issue_management_token(quota.acme, name="k", actor="test", scope="keys")
-    response = bearer(keys_token.plaintext).patch(url, body, format="json")
+    full = issue_management_token(quota.acme, name="f", actor="test", scope="full")
+    response = bearer(full.plaintext).patch(url, body, format="json")
     assert response.status_code == 200 and response.json()["allotment_tokens_per_day"] == 10
+    response = quota.client(quota.owner).patch(url, {"allotment_tokens_per_day": 20},
+                                               format="json")
+    assert response.status_code == 200 and response.json()["allotment_tokens_per_day"] == 20
+
+
+def test_a_keys_token_cannot_change_allotments(quota: World) -> None:
+    keys_token = bearer(issue_management_token(quota.acme, name="k", actor="test",
+                                               scope="keys").plaintext)
+    project_url = f"{base(quota)}/projects/{quota.web.public_id}/"
+    key = quota.issued.api_key
+    key_url = f"{base(quota)}/keys/{key.public_id}/"
+    update_project(quota.web, actor="test", allotment_tokens_per_day=300)
+    events = AuditEvent.objects.count()
+    refusals = [
+        (project_url, "patch", {"name": "Web", "allotment_tokens_per_day": 301},
+         "allotment_tokens_per_day"),
+        (project_url, "patch", {"allotment_tokens_per_day": None}, "allotment_tokens_per_day"),
+        (key_url, "patch", {"allotment_tokens_per_month": 5}, "allotment_tokens_per_month"),
+        (f"{base(quota)}/projects/", "post",
+         {"slug": "batch", "allotment_tokens_per_day": 1, "allotment_tokens_per_month": 1},
+         "allotment_tokens_per_day and allotment_tokens_per_month"),
+        (f"{base(quota)}/keys/", "post",
+         {"project": quota.web.public_id, "name": "deploy", "allotment_tokens_per_day": 1},
+         "allotment_tokens_per_day"),
+    ]
+    for url, method, body, fields in refusals:
+        response = getattr(keys_token, method)(url, body, format="json")
+        assert response.status_code == 403, (url, body, response.content)
+        assert response.json() == {"detail": (
+            f"This management token's scope is 'keys'; changing {fields} needs 'full': an "
+            "allotment carves the tenant's shared pool for every project and key.")}
+    # Nothing changed: no rename with the refused allotment, no project or key created.
+    assert AuditEvent.objects.count() == events
+    web = Project.objects.get(pk=quota.web.pk)
+    assert (web.name, web.allotment_tokens_per_day) == ("web", 300)
+    assert not Project.objects.filter(slug="batch").exists()
+    assert not ApiKey.objects.filter(name="deploy").exists()
+    # Everything else it still may: the stored allotment sent back (a PATCH of the document it
+    # read), null allotments on a new key, other fields.
+    document = keys_token.get(project_url).json()
+    response = keys_token.patch(project_url, {
+        "name": "Web", "tokens_per_day": 900,
+        "allotment_tokens_per_day": document["allotment_tokens_per_day"],
+        "allotment_tokens_per_month": document["allotment_tokens_per_month"]}, format="json")
+    assert response.status_code == 200, response.json()
+    web = Project.objects.get(pk=quota.web.pk)
+    assert (web.name, web.tokens_per_day, web.allotment_tokens_per_day) == ("Web", 900, 300)
+    issued = keys_token.post(f"{base(quota)}/keys/", {
+        "project": quota.web.public_id, "name": "deploy", "allotment_tokens_per_day": None},
+        format="json")
+    assert issued.status_code == 201, issued.json()
+    assert issued.json()["allotment_tokens_per_day"] is None
+    renamed = keys_token.patch(key_url, {"name": "renamed", "allotment_tokens_per_day": None},
+                               format="json")
+    assert renamed.status_code == 200 and renamed.json()["name"] == "renamed"
 
 
 def test_the_limits_document_carries_the_pool_and_the_warning(quota: World) -> None:

@@ -49,7 +49,8 @@ class Command(TenantsCommand):
         parser.add_argument("--name", required=True, help="What the token is for.")
         parser.add_argument(
             "--scope", choices=SCOPE_ORDER, default=ManagementToken.Scope.FULL,
-            help="read: read only; keys: read, and manage projects and API keys; full (default): "
+            help="read: read only; keys: read, and manage projects and API keys (not their "
+            "allotments); full (default): "
             "everything a tenant admin (or, with --operator, an operator) may do.")
         life = parser.add_mutually_exclusive_group()
         life.add_argument(
