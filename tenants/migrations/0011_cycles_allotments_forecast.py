@@ -8,6 +8,18 @@ from django.db import migrations, models
 def seed_cycles(apps, schema_editor):
     # The seeded plans: free resets daily, standard and enterprise monthly; enterprise tenants
     # may have a cycle of their own. An operator's own plans keep the defaults (monthly).
+    #
+    # The plans are found by name, which no operator can change (Plan.name is the plan's key,
+    # read-only once created): "free" is the plan 0002 seeded, or one the operator created under
+    # that name, and either way the plan the issue asks to reset daily. Nothing an operator chose
+    # is overwritten: reset_cycle and allows_custom_cycle are added by this migration, so no plan
+    # had a value of its own for them yet (its limits, which an operator may have edited, are not
+    # touched). Both fields are read-only once a plan exists (a plan's tenants' windows must not
+    # move under them); an operator who wants a monthly free tier creates a plan with
+    # reset_cycle monthly and moves the tenants to it (the change rule applies).
+    #
+    # The free plan's existing tenants do not switch here: quotas 0002 applies the change rule to
+    # them (their calendar month finishes first, and its span is recorded for reports).
     Plan = apps.get_model("tenants", "Plan")
     Plan.objects.filter(name="free").update(reset_cycle="daily")
     Plan.objects.filter(name="enterprise").update(allows_custom_cycle=True)
