@@ -21,6 +21,7 @@ from billing.usage import total_tokens, usage_totals, window_totals
 from quotas.cycles import Span, current_windows, cycle_standing
 from quotas.engine import QuotaStoreUnavailable
 from quotas.keys import api_key_scope
+from quotas.limits import PROJECT, TENANT
 from quotas.status import (
     QuotaStatus,
     RefusedCount,
@@ -178,7 +179,8 @@ def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None,
     try:
         status = quota_status(tenant)
         refused = refused_today(tenant)
-        forecasts = scope_forecasts(tenant)
+        # Only the scopes the dashboard draws gauges for: the tenant and its projects.
+        forecasts = scope_forecasts(tenant, kinds=(TENANT, PROJECT))
     except QuotaStoreUnavailable as exc:
         log.warning("dashboard of %s without live counters: %s", tenant.public_id, exc)
         return None

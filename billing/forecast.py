@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -383,56 +383,97 @@ class ScopeForecast:
 _HISTORY_CACHE_S = 3600
 
 
-def _ledger_hours(tenant: Tenant, where: Q, start_ms: int, end_ms: int) -> dict[int, int]:
-    rows = (UsageRecord.objects
-            .filter(where, tenant=tenant, ended_at__gte=_moment(start_ms),
-                    ended_at__lt=_moment(end_ms))
-            .annotate(hour=Trunc("ended_at", "hour", tzinfo=UTC)).values("hour")
-            .annotate(tokens=Sum(F("input_tokens") + F("output_tokens"))).order_by())
-    return {int(row["hour"].timestamp() * 1000): int(row["tokens"])
-            for row in rows if row["tokens"]}
-
-
 def _moment(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
-def _scope_filter(counter: Counter, projects: Mapping[str, Project],
-                  api_keys: Mapping[str, ApiKey]) -> Q:
+# UsageRecord columns a scope's history is summed by (the tenant's: no column, every row).
+_COLUMN = {PROJECT: "project_id", KEY: "api_key_id"}
+
+
+def _ledger_hours(tenant: Tenant, kinds: Collection[str], start_ms: int, end_ms: int,
+                  ) -> dict[tuple[str, int | None], dict[int, int]]:
+    """Tokens per UTC hour in [start_ms, end_ms) of the tenant and, for `kinds` (project, key),
+    of each of its projects or keys, in ONE grouped query: {(kind, pk): {hour ms: tokens}}, the
+    tenant's under (TENANT, None) as the sum of every row. A query per scope was an N+1 on the
+    dashboard and GET /quota (one per limited project and key)."""
+    columns = [_COLUMN[kind] for kind in (PROJECT, KEY) if kind in kinds]
+    rows = (UsageRecord.objects
+            .filter(tenant=tenant, ended_at__gte=_moment(start_ms), ended_at__lt=_moment(end_ms))
+            .annotate(hour=Trunc("ended_at", "hour", tzinfo=UTC)).values("hour", *columns)
+            .annotate(tokens=Sum(F("input_tokens") + F("output_tokens"))).order_by())
+    out: dict[tuple[str, int | None], dict[int, int]] = {}
+    for row in rows:
+        tokens = int(row["tokens"] or 0)
+        if not tokens:
+            continue
+        hour = int(row["hour"].timestamp() * 1000)
+        for kind in (TENANT, *(k for k in (PROJECT, KEY) if k in kinds)):
+            pk = None if kind == TENANT else row[_COLUMN[kind]]
+            if kind != TENANT and pk is None:
+                continue
+            hours = out.setdefault((kind, pk), {})
+            hours[hour] = hours.get(hour, 0) + tokens
+    return out
+
+
+def _scope_pk(counter: Counter, projects: Mapping[str, Project],
+              api_keys: Mapping[str, ApiKey]) -> tuple[str, int | None]:
+    """The (kind, pk) a counter's history is grouped under in _ledger_hours."""
     if counter.kind == PROJECT:
-        return Q(project=projects[counter.ref])
+        return PROJECT, projects[counter.ref].pk
     if counter.kind == KEY:
-        return Q(api_key=api_keys[counter.ref])
-    return Q()
+        return KEY, api_keys[counter.ref].pk
+    return TENANT, None
 
 
-def load_history(tenant: Tenant, counter: Counter, where: Q, today: Window, now_ms: int,
-                 settings: ForecastSettings) -> History:
-    """The counter's tokens per UTC hour from `history_days` before today up to now: the past
-    days from the shared cache (computed at most once an hour), today's hours live."""
+def load_histories(tenant: Tenant, counters: Sequence[Counter], projects: Mapping[str, Project],
+                   api_keys: Mapping[str, ApiKey], today: Window, now_ms: int,
+                   settings: ForecastSettings) -> dict[str, History]:
+    """Per counter scope: its tokens per UTC hour from `history_days` before today up to now.
+
+    The past days come from the shared cache (one entry per scope, computed at most once an
+    hour), today's hours live. One ledger query per tenant whatever the number of scopes: today
+    only when every scope's past is cached, or since the history's start, split at today, when
+    one is not (then the missing scopes are cached). No counter: no query."""
+    if not counters:
+        return {}
     cut = hour_floor(today.start_ms)
     since = hour_floor(cut - settings.history_days * DAY_MS)
-    key = f"forecast-history:{tenant.pk}:{counter.scope}:{since}:{cut}"
-    past = None
+    scopes = {c.scope: _scope_pk(c, projects, api_keys) for c in counters}
+    keys = {scope: f"forecast-history:{tenant.pk}:{scope}:{since}:{cut}" for scope in scopes}
+    past: dict[str, dict[int, int]] = {}
     try:
-        past = cache.get(key)
+        cached = cache.get_many(list(keys.values()))
+        past = {scope: cached[key] for scope, key in keys.items() if key in cached}
     except Exception:  # noqa: BLE001 - the cache is an optimisation: read the ledger instead
         log.warning("forecast history cache unreadable", exc_info=True)
-    if past is None:
-        past = _ledger_hours(tenant, where, since, cut)
+    missing = [scope for scope in scopes if scope not in past]
+    kinds = {kind for kind, _ in scopes.values()}
+    ledger = _ledger_hours(tenant, kinds, since if missing else cut, now_ms + 1)
+    if missing:
+        for scope in missing:
+            hours = ledger.get(scopes[scope], {})
+            past[scope] = {hour: tokens for hour, tokens in hours.items() if hour < cut}
         try:
-            cache.set(key, past, _HISTORY_CACHE_S)
+            cache.set_many({keys[scope]: past[scope] for scope in missing}, _HISTORY_CACHE_S)
         except Exception:  # noqa: BLE001 - as above
             log.warning("forecast history cache unwritable", exc_info=True)
-    recent = _ledger_hours(tenant, where, cut, now_ms + 1)
-    return History({**past, **recent}, since, now_ms)
+    out = {}
+    for scope, group in scopes.items():
+        recent = {hour: tokens for hour, tokens in ledger.get(group, {}).items() if hour >= cut}
+        out[scope] = History({**past[scope], **recent}, since, now_ms)
+    return out
 
 
-def _limited(tenant: Tenant) -> tuple[list[Project], list[ApiKey]]:
-    """The tenant's projects and live keys with a day or month limit of their own."""
+def _limited(tenant: Tenant, kinds: Collection[str]) -> tuple[list[Project], list[ApiKey]]:
+    """The tenant's projects and live keys with a day or month limit of their own (of `kinds`
+    only: no query for a kind not asked for)."""
     own = Q(tokens_per_day__isnull=False) | Q(tokens_per_month__isnull=False)
-    return (list(Project.objects.filter(own, tenant=tenant)),
-            list(ApiKey.objects.filter(own, project__tenant=tenant, revoked_at__isnull=True)))
+    projects = list(Project.objects.filter(own, tenant=tenant)) if PROJECT in kinds else []
+    api_keys = (list(ApiKey.objects.filter(own, project__tenant=tenant, revoked_at__isnull=True))
+                if KEY in kinds else [])
+    return projects, api_keys
 
 
 def forecast_counters(tenant: Tenant, projects: Sequence[Project],
@@ -445,18 +486,30 @@ def forecast_counters(tenant: Tenant, projects: Sequence[Project],
             and c.window in (WindowKind.DAY, WindowKind.MONTH)]
 
 
+ALL_KINDS: tuple[str, ...] = (TENANT, PROJECT, KEY)
+
+
 def scope_forecasts(tenant: Tenant, *, engine: Any = None, active_only: bool = False,
                     settings: ForecastSettings | None = None,
-                    calendar: Calendar | None = None) -> list[ScopeForecast]:
+                    calendar: Calendar | None = None,
+                    kinds: Collection[str] = ALL_KINDS,
+                    exclude: Callable[[set[str]], Collection[tuple[str, str]]] | None = None,
+                    ) -> list[ScopeForecast]:
     """The forecasts of the tenant's limited counters in their current windows (the tenant's
     calendar, quotas.cycles.calendar_for). Used so far: the live counters, read in one round
-    trip. `active_only`: skip counters that do not exist in their window yet (nothing reserved
+    trip; history: one ledger query for all of them (load_histories).
+
+    `kinds`: only these scopes (the dashboard draws the tenant's and the projects', not the
+    keys'). `active_only`: skip counters that do not exist in their window yet (nothing reserved
     in it: an idle scope; the beat job's way of not reading the ledger for idle tenants).
+    `exclude(window ids)`: the (scope, window id) pairs to leave out before their history is
+    read, asked once with the current windows' ids, and only when a counter is left (the beat:
+    the scopes already warned in these windows). No counter left: no ledger read at all.
     Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
     settings = settings or ForecastSettings.from_django()
     engine = engine or get_engine()
-    projects, api_keys = _limited(tenant)
-    counters = forecast_counters(tenant, projects, api_keys)
+    projects, api_keys = _limited(tenant, kinds)
+    counters = [c for c in forecast_counters(tenant, projects, api_keys) if c.kind in kinds]
     if not counters:
         return []
     calendar = calendar or calendar_for(tenant)
@@ -465,19 +518,19 @@ def scope_forecasts(tenant: Tenant, *, engine: Any = None, active_only: bool = F
     now_ms = engine.clock.now_ms()
     today = calendar.window(WindowKind.DAY, now_ms)
     zone = calendar.schedule.cycle_at(now_ms)[0].zone
-    by_project = {p.public_id: p for p in projects}
-    by_key = {k.public_id: k for k in api_keys}
-    histories: dict[str, History] = {}
+    chosen = [(counter, snap, calendar.window(counter.window, now_ms))
+              for counter, snap in zip(counters, snaps, strict=True)
+              if not (active_only and snap.limit is None)]
+    if exclude is not None and chosen:
+        left_out = set(exclude({window.id for _, _, window in chosen}))
+        chosen = [(counter, snap, window) for counter, snap, window in chosen
+                  if (counter.scope, window.id) not in left_out]
+    histories = load_histories(tenant, [counter for counter, _, _ in chosen],
+                               {p.public_id: p for p in projects},
+                               {k.public_id: k for k in api_keys}, today, now_ms, settings)
     out = []
-    for counter, snap in zip(counters, snaps, strict=True):
-        if active_only and snap.limit is None:
-            continue
-        history = histories.get(counter.scope)
-        if history is None:
-            history = histories[counter.scope] = load_history(
-                tenant, counter, _scope_filter(counter, by_project, by_key), today, now_ms,
-                settings)
-        window = calendar.window(counter.window, now_ms)
+    for counter, snap, window in chosen:
+        history = histories[counter.scope]
         result = forecast(window=window, today=today, now_ms=now_ms, used=snap.used,
                           pending=snap.pending, limit=counter.limit, credit=snap.credit,
                           history=history, zone=zone, settings=settings)

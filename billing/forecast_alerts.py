@@ -3,9 +3,11 @@ forecast (billing/forecast.py) reaches the tenant's forecast_threshold_percent o
 
 Run by the beat (billing.tasks.check_quota_forecasts) for every tenant whose threshold is not 0,
 like the threshold alerts' catch-up (billing/alerts.py), with the same economy: the counters of a
-chunk of tenants are read in one Redis round trip per tenant, and the ledger's history is read
-only for scopes that have a counter in their current window (something was reserved in it: idle
-tenants cost one pipelined read) and have not been warned in that window yet.
+chunk of tenants are read in one Redis round trip per tenant (idle tenants, with no counter in
+their current windows since nothing was reserved in them, cost that pipelined read only); for
+the active scopes, the ForecastAlert rows of the current day and cycle windows are read next, and
+the ledger's history (one grouped query per tenant) only for the active scopes not yet warned in
+their window: a tenant whose active scopes were all warned reads no history.
 
 Exactly once per scope per window: a warning fires when its ForecastAlert row is inserted
 (INSERT ... ON CONFLICT DO NOTHING on the unique (tenant, scope, window)); only the detector whose
@@ -130,16 +132,20 @@ def check_tenant(tenant: Tenant, *, engine: Any = None,
     threshold = int(tenant.forecast_threshold_percent or 0)
     if threshold <= 0:
         return []
-    items = scope_forecasts(tenant, engine=engine, active_only=True, settings=settings)
-    due = [item for item in items if _due(item, threshold)]
-    if not due:
-        return []
-    done = set(ForecastAlert.objects.filter(
-        tenant=tenant, window__in={item.forecast.window.id for item in due},
-    ).values_list("scope", "window"))
+
+    def warned(window_ids: set[str]) -> set[tuple[str, str]]:
+        # The scopes already warned in the current windows, read before any history (asked only
+        # when a scope is active), so a warned scope costs no ledger read. A window that turns
+        # meanwhile is not in it: its scopes are forecast, and the insert's ON CONFLICT still
+        # fires each warning once.
+        return set(ForecastAlert.objects.filter(tenant=tenant, window__in=window_ids)
+                   .values_list("scope", "window"))
+
+    items = scope_forecasts(tenant, engine=engine, active_only=True, settings=settings,
+                            exclude=warned)
     fired = []
-    for item in due:
-        if (item.scope, item.forecast.window.id) in done:
+    for item in items:
+        if not _due(item, threshold):
             continue
         warning = _fire(tenant, item, threshold)
         if warning is not None:

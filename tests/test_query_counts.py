@@ -3,12 +3,12 @@ tenant with three times the data: a query per row (an N+1) fails here.
 
 The routes come from Django's URL resolver (tests/support/routes.py), so a page or an API list
 added later is counted without being listed here. Each is read by acme's owner (the platform
-report by the operator, the login page by a visitor) with N of everything (projects, keys and
-their secrets, members, invitations, management tokens, webhooks and deliveries, usage rows,
-alerts, audit events, the owner's other tenants, plans), then with 3N: the number of queries
-must be the same, and under MAX_QUERIES. Counts are compared between the two sizes rather than
-pinned, so a change that adds one constant query to a page does not break this test; a query
-per row does.
+report by the operator, the login page by a visitor) with N of everything (projects and keys
+with limits of their own, hence forecasts, the keys' secrets, members, invitations, management
+tokens, webhooks and deliveries, usage rows, alerts, audit events, the owner's other tenants,
+plans), then with 3N: the number of queries must be the same, and under MAX_QUERIES. Counts
+are compared between the two sizes rather than pinned, so a change that adds one constant query
+to a page does not break this test; a query per row does.
 """
 
 from __future__ import annotations
@@ -112,8 +112,12 @@ class Scene:
         users = get_user_model()
         statuses = list(WebhookDelivery.Status)
         for i in range(self.grown, self.grown + n):
-            project = create_project(acme, f"p{i}", actor="test")
-            issued = issue_key(project, actor="test", name=f"k{i}")
+            # Limited: each project and key has counters with a forecast (dashboard, /quota),
+            # whose history must not cost a ledger query per scope.
+            project = create_project(acme, f"p{i}", actor="test", tokens_per_day=50_000,
+                                     tokens_per_month=1_000_000)
+            issued = issue_key(project, actor="test", name=f"k{i}", tokens_per_day=10_000,
+                               tokens_per_month=100_000)
             on_web = issue_key(world.web, actor="test", name=f"web-k{i}")
             rotate_key(on_web.api_key, actor="test", grace_seconds=3600)
             if i % 2:

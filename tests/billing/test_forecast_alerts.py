@@ -135,6 +135,85 @@ def test_the_reader_uses_the_days_shape_with_a_week_of_history() -> None:
     assert fc.tokens == 2 * usual_day
 
 
+def _ledger_queries(queries: CaptureQueriesContext) -> list[str]:
+    return [q["sql"] for q in queries.captured_queries
+            if UsageRecord._meta.db_table in q["sql"]]
+
+
+def test_every_scopes_history_comes_from_one_ledger_query() -> None:
+    """Limited projects and keys do not cost a ledger query each (an N+1 on the dashboard and
+    GET /quota): one grouped query per tenant, split per project and key; the tenant's history
+    is the sum of every row. Past days are cached: the next read asks only for today's hours."""
+    acme = make_tenant("grouped", day_limit=100_000)
+    yesterday = NOON - timedelta(days=1)
+    scopes: dict[str, dict[datetime, int]] = {"tenant": {}}
+    for i in range(4):
+        project = create_project(acme, f"p{i}", actor="test", tokens_per_day=50_000)
+        key = issue_key(project, actor="test", name=f"k{i}", tokens_per_day=10_000).api_key
+        other = issue_key(project, actor="test", name=f"o{i}").api_key  # unlimited: no forecast
+        for moment, tokens, api_key in ((yesterday, 100 * (i + 1), key),
+                                        (NOON - timedelta(hours=1), 10 * (i + 1), key),
+                                        (NOON - timedelta(hours=1), 1, other)):
+            record(acme, moment + timedelta(minutes=5), tokens, project=project, api_key=api_key)
+            hour = moment - timedelta(minutes=moment.minute)
+            for scope in ("tenant", keys.project_scope(project.pk), keys.api_key_scope(key.pk)
+                          if api_key == key else None):
+                if scope is not None:
+                    hours = scopes.setdefault(scope, {})
+                    hours[hour] = hours.get(hour, 0) + tokens
+    record(acme, NOON - timedelta(minutes=30), 7)  # no project, no key: the tenant's only
+    scopes["tenant"][NOON - timedelta(hours=1)] += 7
+    expected = {scope: {int(h.timestamp() * 1000): t for h, t in hours.items()}
+                for scope, hours in scopes.items()}
+
+    with CaptureQueriesContext(connection) as cold:
+        found = scope_forecasts(acme, engine=at(NOON))
+    assert {(f.kind, f.window_kind.value) for f in found} == {
+        ("tenant", "day"), *((kind, "day") for kind in ("project", "key"))}
+    assert len(found) == 1 + 4 + 4
+    assert {f.scope: dict(f.history.hours) for f in found} == expected
+    assert len(_ledger_queries(cold)) == 1  # the 28 days and today, split at today
+    key_reads = [q for q in cold.captured_queries
+                 if f'FROM "{ApiKey._meta.db_table}"' in q["sql"]]
+    assert len(key_reads) == 1  # the limited keys, once
+    with CaptureQueriesContext(connection) as warm:
+        again = scope_forecasts(acme, engine=at(NOON))
+    assert len(_ledger_queries(warm)) == 1  # today only: the past days are cached
+    assert {f.scope: dict(f.history.hours) for f in again} == expected
+    assert [f.forecast for f in again] == [f.forecast for f in found]
+    # The dashboard asks for the tenant and its projects only: no key is read or forecast.
+    with CaptureQueriesContext(connection) as drawn:
+        shown = scope_forecasts(acme, engine=at(NOON), kinds=("tenant", "project"))
+    assert {f.kind for f in shown} == {"tenant", "project"} and len(shown) == 5
+    assert not [q for q in drawn.captured_queries
+                if f'FROM "{ApiKey._meta.db_table}"' in q["sql"]]
+    assert len(_ledger_queries(drawn)) == 1
+
+
+def test_a_warned_scope_costs_no_ledger_read() -> None:
+    """The beat reads the warnings of the current windows first: once every active scope was
+    warned, a run reads no history (and an idle tenant not even the warnings)."""
+    hot = make_tenant("hot")
+    burn(hot, NOON - timedelta(hours=3), 3, 400)
+    counter(hot, "tenant", "d2026-12-01", limit=10_000, used=6_000)
+    [warning] = check_forecasts([hot.pk], engine=at(NOON))
+    assert warning.scope.scope == "tenant"
+    with CaptureQueriesContext(connection) as queries:
+        assert check_forecasts([hot.pk], engine=at(NOON + timedelta(minutes=5))) == []
+    assert _ledger_queries(queries) == []
+    assert len([q for q in queries.captured_queries
+                if ForecastAlert._meta.db_table in q["sql"]]) == 1
+    # A project that becomes active is still forecast (one ledger read, for it alone) and warned.
+    web = create_project(hot, "web", actor="test", tokens_per_day=1_000)
+    burn(hot, NOON - timedelta(hours=3), 3, 90, every=1, project=web)
+    counter(hot, keys.project_scope(web.pk), "d2026-12-01", limit=1_000, used=700)
+    with CaptureQueriesContext(connection) as queries:
+        [second] = check_forecasts([hot.pk], engine=at(NOON + timedelta(minutes=10)))
+    assert second.scope.scope == keys.project_scope(web.pk)
+    assert len(_ledger_queries(queries)) == 1
+    assert ForecastAlert.objects.filter(tenant=hot).count() == 2
+
+
 def test_one_warning_per_scope_per_window_and_again_in_the_next(settings: Any) -> None:
     settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = True
     acme, web = busy_tenant()
@@ -228,7 +307,8 @@ def test_idle_tenants_cost_no_ledger_query() -> None:
     with CaptureQueriesContext(connection) as queries:
         assert check_forecasts([idle.pk], engine=at(NOON)) == []
     assert not [q for q in queries.captured_queries
-                if UsageRecord._meta.db_table in q["sql"]]
+                if UsageRecord._meta.db_table in q["sql"]
+                or ForecastAlert._meta.db_table in q["sql"]]
     assert scope_forecasts(idle, engine=at(NOON), active_only=True) == []
 
 
