@@ -277,14 +277,23 @@ def test_changes_are_audited_and_drop_every_key_of_the_tenant(
     assert published == [("tenant", small.pk)]  # its allotment went back to the pool
 
 
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
-def test_two_admins_allotting_at_once_cannot_exceed_the_quota() -> None:
+@pytest.mark.e2e  # commits its tenant (run with the tests that commit, last)
+def test_two_admins_allotting_at_once_cannot_exceed_the_quota(django_db_blocker: Any) -> None:
     """Admin A sets 600 of 1,000 and holds its transaction open; admin B then asks for 600 for
     another project. B must wait for A's commit (the tenant's row lock) and then be refused:
-    without the lock B would read A's project as it was (no allotment) and both would pass."""
-    tenant = create_tenant("race", plan_name="standard", actor="test", tokens_per_day=1000)
-    first = create_project(tenant, "first", actor="test")
-    second = create_project(tenant, "second", actor="test")
+    without the lock B would read A's project as it was (no allotment) and both would pass.
+
+    The tenant is committed for real on a connection of its own and removed afterwards (not a
+    transactional test: its flush would empty the seeded plans for every later test)."""
+    from tests.gateway.conftest import committed
+
+    def setup() -> tuple[Tenant, Project, Project]:
+        tenant = create_tenant(f"race-{time.monotonic_ns()}", plan_name="standard",
+                               actor="test", tokens_per_day=1000)
+        return (tenant, create_project(tenant, "first", actor="test"),
+                create_project(tenant, "second", actor="test"))
+
+    tenant, first, second = committed(django_db_blocker, setup)
     a_saved = threading.Event()
     outcome: dict[str, Any] = {}
 
@@ -309,16 +318,26 @@ def test_two_admins_allotting_at_once_cannot_exceed_the_quota() -> None:
             outcome["waited"] = time.monotonic() - started
             connection.close()
 
-    threads = [threading.Thread(target=admin_a), threading.Thread(target=admin_b)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert outcome["b"] == ("Allotments would total 1,200 tokens per day; the tenant's daily "
-                            "quota is 1,000.")
-    assert outcome["waited"] >= 0.4  # B waited for A's transaction to end
-    assert tenant_allotments(tenant)["day"].allotted == 600
-    assert _stored(Project.objects.get(pk=second.pk)) == (None, None)
+    try:
+        with django_db_blocker.unblock():
+            threads = [threading.Thread(target=admin_a), threading.Thread(target=admin_b)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(10)
+        assert outcome["b"] == ("Allotments would total 1,200 tokens per day; the tenant's "
+                                "daily quota is 1,000.")
+        assert outcome["waited"] >= 0.4  # B waited for A's transaction to end
+        allotted = committed(django_db_blocker, lambda: tenant_allotments(tenant)["day"].allotted)
+        assert allotted == 600
+        stored = committed(django_db_blocker, lambda: _stored(Project.objects.get(pk=second.pk)))
+        assert stored == (None, None)
+    finally:
+        def remove() -> None:
+            AuditEvent.objects.filter(tenant=tenant).delete()
+            Tenant.objects.filter(pk=tenant.pk).delete()
+
+        committed(django_db_blocker, remove)
 
 
 def test_the_services_and_the_key_lookup_count_the_same_totals(small: Tenant) -> None:
