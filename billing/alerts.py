@@ -188,7 +188,7 @@ def _insert_state(tenant_id: int, scope: str, window: str, threshold: int) -> bo
         return cursor.fetchone() is not None
 
 
-def _owner_emails(tenant: Tenant) -> list[str]:
+def owner_emails(tenant: Tenant) -> list[str]:
     emails = (Membership.objects.filter(tenant=tenant, role=Membership.Role.OWNER,
                                         user__is_active=True)
               .exclude(user__email="").values_list("user__email", flat=True))
@@ -203,7 +203,7 @@ def _describe(alert: Alert, kind: WindowKind) -> str:
     return f"{alert.tenant}: {alert.threshold}% or less of {what} remains"
 
 
-def _mail_owners(subject: str, body: str, recipients: list[str], what: str) -> tuple[str, ...]:
+def mail_owners(subject: str, body: str, recipients: list[str], what: str) -> tuple[str, ...]:
     """Mail the owners; the addresses mailed, or () when there are none or the mail failed."""
     if not recipients:
         return ()
@@ -222,7 +222,7 @@ def _email(alert: Alert, kind: WindowKind, span: Span, recipients: list[str]
             f"Window: {span.label} [{alert.window}]\nLimit: {alert.limit} tokens\n"
             f"Used: {alert.used}\n"
             f"In flight: {alert.pending}\nRemaining: {max(alert.remaining, 0)}\n")
-    return _mail_owners(subject, body, recipients,
+    return mail_owners(subject, body, recipients,
                         f"the {alert.window} alert of {alert.tenant}")
 
 
@@ -241,7 +241,7 @@ def _fire(item: _Watched, span: Span, threshold: int, limit: int, used: int, pen
             used=used, pending=pending, remaining=max(remaining, 0), threshold=threshold)
         deliveries = webhooks.create_deliveries(tenant, alert.event_type, payload)
     log.info("alert: %s (%s)", _describe(alert, item.kind), window)
-    emailed = _email(alert, item.kind, span, _owner_emails(tenant))
+    emailed = _email(alert, item.kind, span, owner_emails(tenant))
     return dataclasses.replace(alert, delivery_ids=tuple(d.pk for d in deliveries),
                                emailed=emailed)
 
@@ -360,7 +360,7 @@ def _trip_email(alert: TripAlert, recipients: list[str]) -> tuple[str, ...]:
             "it admits one period's share again, and trips again if the spending goes on.\n"
             "If the spending is expected, an owner or admin can resume it early on the console's "
             "Limits page.\n")
-    return _mail_owners(subject, body, recipients,
+    return mail_owners(subject, body, recipients,
                         f"the trip of {alert.who} of {alert.tenant}")
 
 
@@ -375,7 +375,7 @@ def _announce(tenant: Tenant, trip: Trip) -> TripAlert | None:
         deliveries = webhooks.create_deliveries(tenant, WebhookEvent.BREAKER_TRIPPED, payload)
     log.warning("pace breaker tripped: %s %s (%s) until %s", tenant.slug, alert.who,
                 "; ".join(trip.rules), _iso(trip.until_ms))
-    emailed = _trip_email(alert, _owner_emails(tenant))
+    emailed = _trip_email(alert, owner_emails(tenant))
     return dataclasses.replace(alert, delivery_ids=tuple(d.pk for d in deliveries),
                                emailed=emailed)
 

@@ -26,7 +26,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from billing import webhooks
-from billing.alerts import _mail_owners, _owner_emails
+from billing.alerts import mail_owners, owner_emails
 from billing.forecast import ForecastSettings, ScopeForecast, scope_forecasts
 from billing.models import ForecastAlert, WebhookEvent
 from quotas.engine import QuotaStoreUnavailable
@@ -119,8 +119,8 @@ def _fire(tenant: Tenant, item: ScopeForecast, threshold: int) -> ForecastWarnin
         deliveries = webhooks.create_deliveries(tenant, WebhookEvent.FORECAST, payload)
     log.info("forecast warning: %s %s %s at %s%% (%s)", tenant.slug, item.who,
              item.forecast.window.id, item.forecast.percent, item.forecast.method)
-    emailed = _mail_owners(_subject(tenant, item), _body(tenant, item, threshold),
-                           _owner_emails(tenant),
+    emailed = mail_owners(_subject(tenant, item), _body(tenant, item, threshold),
+                           owner_emails(tenant),
                            f"the {item.forecast.window.id} forecast of {tenant.slug}")
     return ForecastWarning(tenant.pk, tenant.slug, threshold, item,
                            delivery_ids=tuple(d.pk for d in deliveries), emailed=emailed)

@@ -56,6 +56,7 @@ from quotas.windows import (
     CycleSchedule,
     Window,
     WindowKind,
+    calendar_of,
 )
 
 if TYPE_CHECKING:
@@ -63,8 +64,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CALENDARS: dict[CycleSchedule, Calendar] = {}
-_CALENDARS_MAX = 4096
 # The tenant cycle values (tenants.models.TenantCycle), repeated so that this module's rules read
 # without the models: "" follows the plan.
 PLAN, MONTHLY, WEEKLY, DAYS = "", "monthly", "weekly", "days"
@@ -169,16 +168,6 @@ def schedule_for(tenant: Tenant) -> CycleSchedule:
                             PlanTraits.from_json(record, plan))
         return CycleSchedule(current, following, _ms(tenant.cycle_changes_at), since)
     return CycleSchedule(current, since_ms=since)
-
-
-def calendar_of(schedule: CycleSchedule) -> Calendar:
-    """The Calendar of a schedule, shared per schedule (its window cache serves every caller)."""
-    found = _CALENDARS.get(schedule)
-    if found is None:
-        if len(_CALENDARS) > _CALENDARS_MAX:
-            _CALENDARS.clear()
-        found = _CALENDARS[schedule] = Calendar(schedule)
-    return found
 
 
 def calendar_for(tenant: Tenant) -> Calendar:

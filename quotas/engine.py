@@ -29,7 +29,15 @@ from redis.exceptions import (
 )
 
 from quotas import keys, scripts
-from quotas.windows import UTC_MONTHLY, Calendar, CycleSchedule, RedisClock, Window, WindowKind
+from quotas.windows import (
+    UTC_MONTHLY,
+    Calendar,
+    CycleSchedule,
+    RedisClock,
+    Window,
+    WindowKind,
+    calendar_of,
+)
 
 UNLIMITED = -1
 _MAX_CLOCK_RETRIES = 3
@@ -569,15 +577,9 @@ def _unmetered_fields(request_id: str, actual: int, created_ms: int, ended_ms: i
 class _Calls:
     settings: EngineSettings
     clock: RedisClock
-    _calendars: dict[CycleSchedule, Calendar] = field(default_factory=dict)
 
     def calendar(self, schedule: CycleSchedule) -> Calendar:
-        cal = self._calendars.get(schedule)
-        if cal is None:
-            if len(self._calendars) > 4096:  # schedules of tenants long gone: start afresh
-                self._calendars.clear()
-            cal = self._calendars[schedule] = Calendar(schedule)
-        return cal
+        return calendar_of(schedule)
 
     def expire_at(self, window: Window) -> int:
         # Minute and pace-period counters matter only while their window runs (and to the holds

@@ -234,6 +234,21 @@ class Calendar:
         return Window(kind=kind, id=window_id, start_ms=start_ms, end_ms=end_ms)
 
 
+_CALENDARS: dict[CycleSchedule, Calendar] = {}
+_CALENDARS_MAX = 4096  # schedules of tenants long gone: start afresh beyond this
+
+
+def calendar_of(schedule: CycleSchedule) -> Calendar:
+    """The Calendar of a schedule, one per schedule in the process (the engine and every reader
+    share its window cache)."""
+    found = _CALENDARS.get(schedule)
+    if found is None:
+        if len(_CALENDARS) > _CALENDARS_MAX:
+            _CALENDARS.clear()
+        found = _CALENDARS[schedule] = Calendar(schedule)
+    return found
+
+
 def _midnight_ms(day: date, zone: ZoneInfo) -> int:
     # fold=0: where a daylight-saving jump skips midnight, the instant the day really starts.
     return int(datetime.combine(day, time(0), tzinfo=zone).timestamp()) * 1000
