@@ -13,6 +13,7 @@ from typing import Any
 
 from django.http import HttpResponse
 
+from gateway import request_context
 from quotas.limits import (
     MODEL_NOT_ALLOWED,
     MODEL_NOT_PRICED,
@@ -26,8 +27,12 @@ from quotas.limits import (
 
 
 def new_request_id() -> str:
-    """The id of one /v1 request: in its x-request-id, its logs, its hold and its ledger row."""
-    return f"req_{secrets.token_hex(12)}"
+    """The id of one /v1 request: in its x-request-id, its logs, its hold and its ledger row.
+    Bound to the running request's context here (gateway/request_context.py), so its log lines
+    and spans carry it."""
+    rid = f"req_{secrets.token_hex(12)}"
+    request_context.bind_request(rid)
+    return rid
 
 
 class Api(StrEnum):

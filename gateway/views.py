@@ -35,6 +35,7 @@ from gateway.errors import (
 )
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
+from gateway import request_context
 from gateway.refusals import count_refusal
 from gateway.responses_context import held_context, with_context
 from gateway.runtime import GatewayRuntime
@@ -103,6 +104,7 @@ async def _authenticate(runtime: GatewayRuntime, request: HttpRequest,
                            "server_error", "auth_unavailable") from None
     if ctx is None:
         raise invalid_api_key()
+    request_context.bind_caller(ctx.project.tenant.public_id, ctx.api_key.public_id)
     runtime.used_keys.add(ctx.api_key.pk)
     return ctx
 

@@ -1,0 +1,40 @@
+"""Which request the running code serves: its request id, tenant public id and API key public id,
+in context variables, so that every log line (config/logging.py) and span of a request can say
+so without each call passing them along.
+
+Each ASGI request runs in a task of its own, and asyncio copies the context into every task a
+request starts (a stream's drain, a hold's end, a checkpoint), so their lines carry the request
+too. Work handed to a thread pool does not inherit it: only the event loop's code is tagged.
+
+Set in two places, once per request: `gateway.errors.new_request_id` (every /v1 answer makes
+its id there) and `gateway.views._authenticate` (once the key is known). Never a secret: the
+ids are the public ones the console and the ledger show.
+"""
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+request_id: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
+tenant: ContextVar[str | None] = ContextVar("tollgate_tenant", default=None)
+api_key: ContextVar[str | None] = ContextVar("tollgate_api_key", default=None)
+
+
+def bind_request(rid: str) -> None:
+    request_id.set(rid)
+
+
+def bind_caller(tenant_public_id: str, key_public_id: str) -> None:
+    tenant.set(tenant_public_id)
+    api_key.set(key_public_id)
+
+
+def current() -> dict[str, str]:
+    """The ids known so far, for a log line or a span (empty outside a request)."""
+    found: dict[str, str] = {}
+    if (rid := request_id.get()) is not None:
+        found["request_id"] = rid
+    if (tid := tenant.get()) is not None:
+        found["tenant"] = tid
+    if (kid := api_key.get()) is not None:
+        found["api_key"] = kid
+    return found
