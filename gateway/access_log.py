@@ -1,0 +1,30 @@
+"""One log line per /v1 request when asked for (TOLLGATE_ACCESS_LOG, on by default with
+TOLLGATE_LOG_FORMAT=json): what was called, by whom (public ids only, from
+gateway/request_context.py via the log format), how it ended and how long it took. Never a
+secret, a prompt or an answer: only the fields below.
+
+Off by default otherwise: a line per request costs CPU on every call (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+
+log = logging.getLogger("tollgate.access")
+
+
+def enabled() -> bool:
+    return bool(getattr(settings, "TOLLGATE_ACCESS_LOG", False))
+
+
+def log_request(*, endpoint: str, model: str, status: int, refusal: str, duration_ms: float,
+                upstream_ms: float | None, input_tokens: int, output_tokens: int,
+                cost_micros: int, stream: bool) -> None:
+    """The request's line; the request id, tenant and key come from the request context."""
+    log.info("%s %s %s", endpoint, status, model, extra={"access": {
+        "endpoint": endpoint, "model": model, "status": status, "refusal": refusal,
+        "duration_ms": round(duration_ms, 3),
+        "upstream_ms": None if upstream_ms is None else round(upstream_ms, 3),
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "cost_micros": cost_micros, "stream": stream}})
