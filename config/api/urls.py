@@ -89,6 +89,8 @@ urlpatterns: list[URLPattern] = [
          name="api-webhook-list"),
     path(_HOOK, webhook_views.WebhookDetailView.as_view(), name="api-webhook-detail"),
     path(f"{_HOOK}test", webhook_views.WebhookTestView.as_view(), name="api-webhook-test"),
+    re_path(rf"{_TENANT_RE}/webhooks/(?P<webhook_id>[^/]+)/rotate-secret/?$",
+            webhook_views.WebhookRotateSecretView.as_view(), name="api-webhook-rotate-secret"),
     path(f"{_HOOK}deliveries/", webhook_views.DeliveryListView.as_view(),
          name="api-webhook-deliveries"),
     path(f"{_HOOK}deliveries/<str:delivery_id>/redeliver",
