@@ -151,7 +151,9 @@ DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", defau
 
 REDIS_URL = env.str("REDIS_URL", default=embedded_redis_url(DATA_DIR))
 if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
-    raise ImproperlyConfigured(f"REDIS_URL must be redis://, rediss:// or unix://, got {REDIS_URL!r}")
+    # The scheme only: the rest of the URL may hold a password.
+    raise ImproperlyConfigured("REDIS_URL must be redis://, rediss:// or unix://, got "
+                               f"{urlsplit(REDIS_URL).scheme or 'no scheme'}:")
 # A Redis Cluster is addressed by any one node's URL; every tenant's keys share one hash tag.
 REDIS_CLUSTER = _bool("REDIS_CLUSTER", default=False)
 REDIS_SOCKET_TIMEOUT = env.float("REDIS_SOCKET_TIMEOUT", default=2.0)
@@ -199,7 +201,8 @@ else:
         "CACHE_REDIS_URL", default=_with_redis_db(REDIS_URL, 1 if _redis_db(REDIS_URL) == 0 else 0))
 if not CACHE_REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
     raise ImproperlyConfigured(
-        f"CACHE_REDIS_URL must be redis://, rediss:// or unix://, got {CACHE_REDIS_URL!r}")
+        "CACHE_REDIS_URL must be redis://, rediss:// or unix://, got "
+        f"{urlsplit(CACHE_REDIS_URL).scheme or 'no scheme'}:")
 if not REDIS_CLUSTER and _redis_place(CACHE_REDIS_URL) == _redis_place(REDIS_URL):
     raise ImproperlyConfigured(
         "CACHE_REDIS_URL must name another Redis database or server than REDIS_URL: a cache "
@@ -630,12 +633,35 @@ SPECTACULAR_SETTINGS = {
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# Log lines (config/log_format.py): `plain` for a terminal (the request id in brackets inside a
+# request), `json` for a log pipeline (one object per line with the request's public ids).
+TOLLGATE_LOG_FORMAT = env.str("TOLLGATE_LOG_FORMAT", default="plain").strip().lower()
+if TOLLGATE_LOG_FORMAT not in {"plain", "json"}:
+    raise ImproperlyConfigured(
+        f"TOLLGATE_LOG_FORMAT must be plain or json, got {TOLLGATE_LOG_FORMAT!r}")
+# One line per /v1 request (gateway/access_log.py). On by default with json logs, which a
+# pipeline collects; off with plain ones: a line per call costs CPU on every request.
+TOLLGATE_ACCESS_LOG = _bool("TOLLGATE_ACCESS_LOG", default=TOLLGATE_LOG_FORMAT == "json")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {"plain": {"()": "config.log_format.PlainFormatter"},
+                   "json": {"()": "config.log_format.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler",
+                             "formatter": TOLLGATE_LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    # One line per upstream call is noise at thousands of requests per second.
-    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
+    "loggers": {
+        # One line per upstream call is noise at thousands of requests per second.
+        "httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"},
+        # The access log is switched by TOLLGATE_ACCESS_LOG, not by LOG_LEVEL.
+        "tollgate.access": {"level": "INFO"},
+        # uvicorn gives its loggers handlers of its own (its format); in a gateway worker, which
+        # loads these settings, they write through the console handler above instead. Their
+        # level stays uvicorn's --log-level (each named here: dictConfig resets the level of an
+        # unnamed child of a logger it configures).
+        "uvicorn": {"handlers": [], "propagate": True},
+        "uvicorn.error": {"handlers": [], "propagate": True},
+        "uvicorn.access": {"handlers": [], "propagate": True},
+    },
 }
