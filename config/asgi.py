@@ -5,6 +5,12 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 django_application = get_asgi_application()
 
+from config import telemetry  # noqa: E402 - after Django's setup: its line in the log format
+
+# Here, in no module uvicorn's supervisor imports: each worker process imports this one, so each
+# gets its own exporter thread (OTEL_* variables: off without them).
+telemetry.setup()
+
 from gateway.asgi import GatewayRouter  # noqa: E402 - needs the apps loaded above
 from gateway.urls import direct_routes, prefix_routes  # noqa: E402
 

@@ -32,7 +32,12 @@ import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init
+from celery.signals import (
+    setup_logging,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+)
 from django.conf import settings
 from kombu import Queue
 
@@ -104,3 +109,40 @@ def refuse_unsafe_quota_store(**kwargs: Any) -> None:
             log.critical("refusing the quota store: %s", problem)
         raise SystemExit("Tollgate's Celery worker refuses its quota Redis:\n"
                          + "\n".join(f"  {p}" for p in problems))
+
+
+@setup_logging.connect
+def use_tollgate_logging(loglevel: int | str | None = None, logfile: str | None = None,
+                         **kwargs: Any) -> None:
+    """Workers and beat log through settings.LOGGING (TOLLGATE_LOG_FORMAT, as the gateway does)
+    instead of Celery's own format: a receiver of this signal replaces Celery's set-up. `-l`
+    still sets the level and `--logfile` where the lines go."""
+    import logging.config
+
+    logging.config.dictConfig(settings.LOGGING)
+    root = logging.getLogger()
+    if loglevel:
+        root.setLevel(loglevel)
+    if logfile:
+        for handler in list(root.handlers):
+            to_file = logging.FileHandler(logfile)
+            to_file.setFormatter(handler.formatter)
+            root.removeHandler(handler)
+            root.addHandler(to_file)
+
+
+@worker_process_init.connect
+def start_tracing(**kwargs: Any) -> None:
+    """Each pool process traces on its own (config/telemetry.py: off unless OTEL_* asks), after
+    the fork: an exporter thread does not survive one."""
+    from config import telemetry
+
+    telemetry.setup(service_name="tollgate-worker")
+
+
+@worker_process_shutdown.connect
+def flush_spans(**kwargs: Any) -> None:
+    """A pool process ends without running exit hooks: flush its spans here."""
+    from config import telemetry
+
+    telemetry.shutdown()

@@ -15,6 +15,7 @@ from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from config.embedded import embedded_database_url, embedded_redis_url, local_secret
+from config.telemetry import exporters as _trace_exporters
 from gateway.client_address import parse_networks as _parse_networks
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -642,6 +643,10 @@ if TOLLGATE_LOG_FORMAT not in {"plain", "json"}:
 # One line per /v1 request (gateway/access_log.py). On by default with json logs, which a
 # pipeline collects; off with plain ones: a line per call costs CPU on every request.
 TOLLGATE_ACCESS_LOG = _bool("TOLLGATE_ACCESS_LOG", default=TOLLGATE_LOG_FORMAT == "json")
+# The span exporters the OTEL_* variables ask for (config/telemetry.py; () = no tracing). Each
+# process sets tracing up itself after its fork; read here too so that a misspelt exporter or an
+# unsupported OTLP protocol stops every process at start, Celery's included.
+TOLLGATE_TRACE_EXPORTERS = _trace_exporters(env.ENVIRON)
 
 LOGGING = {
     "version": 1,

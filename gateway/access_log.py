@@ -4,6 +4,8 @@ gateway/request_context.py via the log format), how it ended and how long it too
 secret, a prompt or an answer: only the fields below.
 
 Off by default otherwise: a line per request costs CPU on every call (docs/benchmarks.md).
+The line goes to the `tollgate.access` logger at INFO (settings.LOGGING keeps that logger at
+INFO whatever LOG_LEVEL says: TOLLGATE_ACCESS_LOG is the switch).
 """
 from __future__ import annotations
 
@@ -21,10 +23,14 @@ def enabled() -> bool:
 def log_request(*, endpoint: str, model: str, status: int, refusal: str, duration_ms: float,
                 upstream_ms: float | None, input_tokens: int, output_tokens: int,
                 cost_micros: int, stream: bool) -> None:
-    """The request's line; the request id, tenant and key come from the request context."""
-    log.info("%s %s %s", endpoint, status, model, extra={"access": {
-        "endpoint": endpoint, "model": model, "status": status, "refusal": refusal,
-        "duration_ms": round(duration_ms, 3),
-        "upstream_ms": None if upstream_ms is None else round(upstream_ms, 3),
-        "input_tokens": input_tokens, "output_tokens": output_tokens,
-        "cost_micros": cost_micros, "stream": stream}})
+    """The request's line; the request id, tenant and key come from the request context.
+    Call it only when `enabled()`: the caller skips building the arguments otherwise."""
+    # The message is for the plain format; the json one writes the fields below as well.
+    fields = {"endpoint": endpoint, "model": model, "status": status, "refusal": refusal,
+              "duration_ms": round(duration_ms, 3),
+              "upstream_ms": None if upstream_ms is None else round(upstream_ms, 3),
+              "input_tokens": input_tokens, "output_tokens": output_tokens,
+              "cost_micros": cost_micros, "stream": stream}
+    log.info("%s %s %s %.1f ms%s%s", endpoint, status, model, duration_ms,
+             " stream" if stream else "", f" refused: {refusal}" if refusal else "",
+             extra={"access": fields})
