@@ -269,12 +269,13 @@ GATEWAY_CALL_DEADLINE_SECONDS = env.float(
 GATEWAY_CHECKPOINT_SECONDS = env.float("GATEWAY_CHECKPOINT_SECONDS", default=1.0)
 # Upstream connections per worker; a call beyond it waits (up to the read timeout) for one.
 GATEWAY_UPSTREAM_MAX_CONNECTIONS = _positive_int("GATEWAY_UPSTREAM_MAX_CONNECTIONS", 256)
-# "native": the gateway's own HTTP/1.1 keep-alive transport (gateway/upstream_http.py), the
-# fastest; "httpx": httpx's default transport (HTTP proxies and anything else it supports).
+# The upstream HTTP client (gateway/upstream_http.py make_transport): "native", the gateway's
+# own HTTP/1.1 keep-alive transport, the least CPU per call (docs/benchmarks.md, transports);
+# "aiohttp", httpx-aiohttp's transport on aiohttp's client; "httpx", httpx's own (httpcore).
 GATEWAY_UPSTREAM_TRANSPORT = env.str("GATEWAY_UPSTREAM_TRANSPORT", default="native")
-if GATEWAY_UPSTREAM_TRANSPORT not in {"native", "httpx"}:
-    raise ImproperlyConfigured(
-        f"GATEWAY_UPSTREAM_TRANSPORT must be native or httpx, got {GATEWAY_UPSTREAM_TRANSPORT!r}")
+if GATEWAY_UPSTREAM_TRANSPORT not in {"native", "aiohttp", "httpx"}:
+    raise ImproperlyConfigured("GATEWAY_UPSTREAM_TRANSPORT must be native, aiohttp or httpx, got "
+                               f"{GATEWAY_UPSTREAM_TRANSPORT!r}")
 # After a client leaves mid-stream, keep reading the upstream this long for its usage event.
 GATEWAY_STREAM_DRAIN_SECONDS = env.float("GATEWAY_STREAM_DRAIN_SECONDS", default=10.0)
 GATEWAY_MAX_BODY_BYTES = _positive_int("GATEWAY_MAX_BODY_BYTES", 8 * 1024 * 1024)

@@ -10,13 +10,19 @@ uvicorn uses).
 
 Not supported, by design: HTTP/2, proxies, protocol upgrades (a 101 is a RemoteProtocolError;
 interim 1xx answers are skipped), request bodies that are not already in memory being streamed
-lazily (they are read first). Set
-`GATEWAY_UPSTREAM_TRANSPORT=httpx` to use httpx's own transport instead (for an HTTP proxy, say).
+lazily (they are read first).
 
 Errors are httpx's, so callers cannot tell the transports apart: ConnectError / ConnectTimeout
-when no connection could be made, PoolTimeout when every connection stayed busy,
-ReadTimeout between bytes (a failed write surfaces as one of the read errors), RemoteProtocolError when the server hangs up mid-response, ReadError
-when the connection is reset.
+when no connection could be made, PoolTimeout when every connection stayed busy (the gateway
+tries the next provider key on these three only: nothing was sent), ReadTimeout between bytes
+(a failed write surfaces as one of the read errors), RemoteProtocolError when the server hangs
+up mid-response, ReadError when the connection is reset.
+
+GATEWAY_UPSTREAM_TRANSPORT picks the transport (make_transport, at the end, builds each): this
+one ("native", the default), httpx-aiohttp's on aiohttp's client ("aiohttp",
+gateway/upstream_aiohttp.py) or httpx's own ("httpx"). tests/gateway/test_upstream_http.py is
+their common contract and names the cases where the other two behave otherwise; `make bench`
+compares their CPU per call (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -26,7 +32,6 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 import certifi
 import httptools
@@ -353,10 +358,30 @@ def _request_head(request: httpx.Request) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def make_transport(kind: str, *, max_connections: int) -> Any:
-    """The upstream transport named by GATEWAY_UPSTREAM_TRANSPORT ("native" or "httpx")."""
+TRANSPORTS = ("native", "aiohttp", "httpx")
+# Below the 5 s idle timeout of uvicorn, vLLM and many proxies, for every transport (see
+# NativeTransport).
+KEEPALIVE_EXPIRY = 4.0
+
+
+def make_transport(kind: str, *, max_connections: int,
+                   ssl_context: ssl.SSLContext | None = None) -> httpx.AsyncBaseTransport:
+    """The upstream transport named by GATEWAY_UPSTREAM_TRANSPORT, the one place any is built:
+    "native" (NativeTransport), "aiohttp" (httpx-aiohttp's AiohttpTransport: aiohttp's client
+    and its C parser) or "httpx" (httpx's own, on httpcore and h11). Each keeps at most
+    `max_connections` upstream connections, idle ones for KEEPALIVE_EXPIRY seconds, and checks
+    certificates against `ssl_context` (default: certifi's public CAs)."""
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown upstream transport {kind!r}: one of {', '.join(TRANSPORTS)}")
+    tls = ssl_context or default_ssl_context()
+    limits = httpx.Limits(max_connections=max_connections,
+                          max_keepalive_connections=max_connections,
+                          keepalive_expiry=KEEPALIVE_EXPIRY)
     if kind == "httpx":
-        limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
-        return httpx.AsyncHTTPTransport(limits=limits)
-    return NativeTransport(max_connections=max_connections)
+        return httpx.AsyncHTTPTransport(verify=tls, limits=limits)
+    if kind == "aiohttp":
+        from gateway.upstream_aiohttp import aiohttp_transport  # aiohttp loads only if chosen
+
+        return aiohttp_transport(tls, limits)
+    return NativeTransport(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY,
+                           ssl_context=tls)
