@@ -2,6 +2,8 @@
 gateway app (gateway.models.ModelPrice), where the hot path and the ledger both resolve them."""
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.db import models
 
 
@@ -131,7 +133,9 @@ class WebhookEvent(models.TextChoices):
 
 class WebhookEndpoint(models.Model):
     """Where a tenant wants its alerts. The signing secret is stored encrypted (gateway.crypto);
-    its plaintext is shown once, at creation (billing.webhooks.create_endpoint)."""
+    its plaintext is shown once, at creation or rotation (billing.webhooks.create_endpoint,
+    rotate_secret). After a rotation with a grace period the replaced secret, still encrypted,
+    keeps signing until previous_secret_expires_at."""
 
     public_id = models.CharField(max_length=32, unique=True, editable=False,
                                  default=_new_webhook_id)
@@ -139,6 +143,12 @@ class WebhookEndpoint(models.Model):
                                related_name="webhook_endpoints")
     url = models.URLField(max_length=2000)
     secret_encrypted = models.TextField(editable=False, help_text="Fernet ciphertext.")
+    previous_secret_encrypted = models.TextField(
+        blank=True, default="", editable=False,
+        help_text="Fernet ciphertext of the secret replaced by the last rotation; empty if none.")
+    previous_secret_expires_at = models.DateTimeField(
+        null=True, blank=True, editable=False,
+        help_text="Until when the replaced secret also signs deliveries (a rotation's grace).")
     events = models.JSONField(default=list, blank=True,
                               help_text='Event types sent here, e.g. ["quota.threshold"].')
     enabled = models.BooleanField(default=True)
@@ -155,6 +165,13 @@ class WebhookEndpoint(models.Model):
         from gateway.crypto import decrypt_secret
 
         return decrypt_secret(self.secret_encrypted)
+
+    def previous_secret_valid_until(self, now: datetime) -> datetime | None:
+        """The end of the replaced secret's grace period, or None when it no longer signs."""
+        if self.previous_secret_encrypted and self.previous_secret_expires_at is not None \
+                and self.previous_secret_expires_at > now:
+            return self.previous_secret_expires_at
+        return None
 
 
 class WebhookDelivery(models.Model):

@@ -22,11 +22,24 @@ forecast_threshold_percent of its limit; once per scope per window) carries inst
 
 `id` is the event's: the same on every retry and redelivery (receivers dedupe on it).
 
-Headers: `Tollgate-Timestamp: <unix seconds of this attempt>` and
-`Tollgate-Signature: v1=<hex HMAC-SHA256(secret, f"{timestamp}.{raw body}")>`; receivers check
-them with `verify_signature` (or its five lines, in any language).
+Signatures follow Standard Webhooks (https://www.standardwebhooks.com), so receivers verify with
+the `standardwebhooks` library of their language, given the endpoint's secret:
+`webhook-id: <the event's id>` (the same on every retry and redelivery of the event, and the
+same to every endpoint it goes to), `webhook-timestamp: <unix seconds of this attempt>` and
+`webhook-signature: v1,<base64 HMAC-SHA256(key, f"{webhook-id}.{timestamp}.{raw body}")>`, one
+`v1,...` per secret in force, space-separated (two during a rotation's grace period:
+rotate_secret). The key is the bytes the secret's base64 after `whsec_` encodes (signing_key).
+Secrets are `whsec_` + standard base64 of 32 random bytes; an endpoint made before Standard
+Webhooks has `whsec_` + URL-safe base64 without padding of its 32 bytes, the same key written in
+the other alphabet (standard_secret gives its standard form; it is never shown again).
+
+Deprecated, sent alongside until release LEGACY_HEADERS_REMOVED_IN:
+`Tollgate-Timestamp` (the same timestamp) and
+`Tollgate-Signature: v1=<hex HMAC-SHA256(secret, f"{timestamp}.{raw body}")>` (the HMAC key is
+the secret's text, `whsec_` included; one comma-separated `v1=` per secret in force); receivers
+check them with `verify_signature` (or its five lines, in any language).
 `Tollgate-Event: <type>` and `Tollgate-Delivery: dlv_...` (the delivery's public id, as the API
-and the console's delivery log show it) say what it is.
+and the console's delivery log show it) say what it is; they stay.
 
 Delivery: one attempt at a time is claimed with a conditional UPDATE (two workers never send the
 same attempt); a failed attempt is retried after TOLLGATE_WEBHOOK_BACKOFF_SECONDS (10 s, 30 s,
@@ -41,6 +54,8 @@ never inside the web request.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import ipaddress
@@ -54,7 +69,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -63,9 +78,10 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
+from standardwebhooks import Webhook
 
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
-from gateway.crypto import SecretDecryptionError, encrypt_secret
+from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret
 from tenants.access import Principal
 from tenants.ids import random_base62
 from tenants.models import Tenant
@@ -73,10 +89,21 @@ from tenants.services import record_audit_event
 
 log = logging.getLogger(__name__)
 
+# Standard Webhooks' headers (lower case, as the specification writes them).
+ID_HEADER = "webhook-id"
+STANDARD_TIMESTAMP_HEADER = "webhook-timestamp"
+STANDARD_SIGNATURE_HEADER = "webhook-signature"
+# The headers from before Standard Webhooks: deprecated, still sent in this release, removed in
+# LEGACY_HEADERS_REMOVED_IN (the README's webhook section says the same).
 SIGNATURE_HEADER = "Tollgate-Signature"
 TIMESTAMP_HEADER = "Tollgate-Timestamp"
+LEGACY_HEADERS_REMOVED_IN = "0.3.0"
 SIGNATURE_VERSION = "v1"
 SECRET_PREFIX = "whsec_"
+# Random bytes in a new secret (the specification asks for 24 to 64).
+SECRET_BYTES = 32
+# The longest a replaced secret may keep signing after a rotation (as for API keys).
+MAX_GRACE_SECONDS = 7 * 24 * 3600
 # How long a claimed attempt is reserved for the worker sending it. Longer than any attempt can
 # take (the total deadline, at most 60 s: config/settings.py); after it, a worker that died
 # mid-attempt is retried by the beat.
@@ -417,6 +444,50 @@ def verify_signature(secret: str, timestamp: str | int, body: bytes | str, heade
                for candidate in (header or "").split(","))
 
 
+def signing_key(secret: str) -> bytes:
+    """The HMAC key of the Standard Webhooks signature: the bytes that the secret's base64 after
+    `whsec_` encodes. Both alphabets are read, padding or not: new secrets are standard base64
+    (what every standardwebhooks library decodes), secrets made before are URL-safe base64
+    without padding (secrets.token_urlsafe), and the two alphabets differ only in `+/` / `-_`,
+    so an old secret keeps its 32 random bytes as its key. ValueError for anything else."""
+    body = secret.removeprefix(SECRET_PREFIX).rstrip("=").replace("+", "-").replace("/", "_")
+    try:
+        key = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("a webhook secret is whsec_ followed by base64") from None
+    if not key:
+        raise ValueError("a webhook secret is whsec_ followed by base64")
+    return key
+
+
+def standard_secret(secret: str) -> str:
+    """The secret as Standard Webhooks libraries take it: `whsec_` + standard base64 (padded) of
+    signing_key. A new secret is already that; a secret from before Standard Webhooks (URL-safe,
+    unpadded) becomes the same text with `-` -> `+`, `_` -> `/` and `=` appended: what its
+    holder does (the README's webhook section), since Tollgate never shows a secret again."""
+    return SECRET_PREFIX + base64.b64encode(signing_key(secret)).decode("ascii")
+
+
+def signature_headers(secrets_in_force: Sequence[str], message_id: str, timestamp: int,
+                      body: bytes) -> dict[str, str]:
+    """The signature headers of one attempt: Standard Webhooks' three, with one `v1,<base64>`
+    per secret in force (space-separated), and the deprecated Tollgate-Timestamp /
+    Tollgate-Signature with one `v1=<hex>` per secret (comma-separated). The standardwebhooks
+    package signs, so what it verifies is what is sent by construction; it reads the body as
+    text, and encode() makes ASCII JSON."""
+    text = body.decode("utf-8")
+    sent_at = datetime.fromtimestamp(timestamp, UTC)
+    return {
+        ID_HEADER: message_id,
+        STANDARD_TIMESTAMP_HEADER: str(timestamp),
+        STANDARD_SIGNATURE_HEADER: " ".join(
+            Webhook(signing_key(secret)).sign(message_id, sent_at, text)
+            for secret in secrets_in_force),
+        TIMESTAMP_HEADER: str(timestamp),
+        SIGNATURE_HEADER: ",".join(sign(secret, timestamp, body) for secret in secrets_in_force),
+    }
+
+
 # -- endpoints ----------------------------------------------------------------------------------
 
 
@@ -430,7 +501,8 @@ def _check_events(events: Iterable[str]) -> list[str]:
 
 
 def new_secret() -> str:
-    return SECRET_PREFIX + secrets.token_urlsafe(32)
+    """`whsec_` + standard base64 of SECRET_BYTES random bytes (the Standard Webhooks format)."""
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode("ascii")
 
 
 def create_endpoint(tenant: Tenant, url: str, events: Iterable[str], *,
@@ -474,6 +546,44 @@ def update_endpoint(endpoint: WebhookEndpoint, *, actor: str, url: str | None = 
                            target=endpoint.public_id, data=audited)
     endpoint.refresh_from_db()
     return endpoint
+
+
+def rotate_secret(endpoint: WebhookEndpoint, *, actor: str,
+                  grace_seconds: int = 0) -> tuple[WebhookEndpoint, str]:
+    """Give the endpoint a new secret (returned once, stored encrypted); the one it replaces
+    stops signing now, or keeps signing beside it for `grace_seconds` (at most
+    MAX_GRACE_SECONDS) so the receiver can switch without refusing a delivery. A secret replaced
+    by an earlier rotation stops now: at most two secrets sign at once. ValueError for a grace
+    out of range, nothing changed. The replaced secret's ciphertext is moved as it is (it is
+    never decrypted here), and the audit event names the grace period, never a secret."""
+    if not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
+        raise ValueError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS} (7 days)")
+    secret = new_secret()
+    with transaction.atomic():
+        locked = WebhookEndpoint.objects.select_for_update().get(pk=endpoint.pk)
+        now = timezone.now()
+        valid_until = now + timedelta(seconds=grace_seconds) if grace_seconds else None
+        WebhookEndpoint.objects.filter(pk=locked.pk).update(
+            secret_encrypted=encrypt_secret(secret),
+            previous_secret_encrypted=locked.secret_encrypted if valid_until else "",
+            previous_secret_expires_at=valid_until)
+        record_audit_event(tenant=locked.tenant, actor=actor, action="webhook.secret_rotated",
+                           target=locked.public_id,
+                           data={"grace_seconds": grace_seconds,
+                                 "previous_valid_until": valid_until.isoformat()
+                                 if valid_until else None})
+    endpoint.refresh_from_db()
+    return endpoint, secret
+
+
+def secrets_in_force(endpoint: WebhookEndpoint, now: datetime) -> list[str]:
+    """The secrets that sign a delivery now: the endpoint's, then the one a rotation replaced
+    while its grace period lasts. SecretDecryptionError if either cannot be decrypted (the
+    attempt fails: a receiver still on the old secret would refuse a delivery without it)."""
+    in_force = [endpoint.secret]
+    if endpoint.previous_secret_valid_until(now) is not None:
+        in_force.append(decrypt_secret(endpoint.previous_secret_encrypted))
+    return in_force
 
 
 def delete_endpoint(endpoint: WebhookEndpoint, *, actor: str) -> None:
@@ -524,8 +634,8 @@ def _claim(delivery: WebhookDelivery, now: datetime) -> bool:
     return claimed == 1
 
 
-def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
-          delivery_id: str) -> tuple[int | None, str]:
+def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str, delivery_id: str,
+          message_id: str) -> tuple[int | None, str]:
     """POST one attempt within the total deadline; (status code or None, error text)."""
     deadline = Deadline(total_timeout_s())
     try:
@@ -535,7 +645,7 @@ def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
     except WebhookDeadlineExceeded as exc:
         return None, str(exc)
     try:
-        secret = endpoint.secret
+        in_force = secrets_in_force(endpoint, timezone.now())
     except SecretDecryptionError:
         return None, "the endpoint's secret cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"
     timestamp = int(time.time())
@@ -544,8 +654,7 @@ def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str,
         "User-Agent": _USER_AGENT,
         "Tollgate-Event": event_type,
         "Tollgate-Delivery": delivery_id,  # the public id (dlv_...), as the API shows it
-        TIMESTAMP_HEADER: str(timestamp),
-        SIGNATURE_HEADER: sign(secret, timestamp, body),
+        **signature_headers(in_force, message_id, timestamp, body),
     })
     try:
         return post_within(url, body, headers, extensions, deadline), ""
@@ -560,6 +669,13 @@ def _one_attempt_only(delivery: WebhookDelivery) -> bool:
     may be asked for only once this one has finished (request_test_event), which must not
     take the hour of a full retry schedule."""
     return delivery.manual and delivery.event_type == WebhookEvent.TEST
+
+
+def message_id(delivery: WebhookDelivery) -> str:
+    """The delivery's `webhook-id`: its event's id (evt_...), which the payload carries and
+    which stays the same on every retry and redelivery, as Standard Webhooks asks; the
+    delivery's public id for a payload made without one (create_deliveries takes any dict)."""
+    return str((delivery.payload or {}).get("id") or delivery.public_id)
 
 
 def deliver(delivery_id: int) -> WebhookDelivery | None:
@@ -577,7 +693,7 @@ def deliver(delivery_id: int) -> WebhookDelivery | None:
         return delivery
     attempt = delivery.attempts + 1
     code, error = _send(delivery.endpoint, encode(delivery.payload), delivery.event_type,
-                        delivery.public_id)
+                        delivery.public_id, message_id(delivery))
     done = timezone.now()
     ok = code is not None and 200 <= code < 300
     if ok:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
+from django.utils import timezone
 from rest_framework import serializers
 
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 from billing.usage import GROUPINGS
-from billing.webhooks import masked_url, shown_error
+from billing.webhooks import MAX_GRACE_SECONDS, masked_url, shown_error
 from config.api.strict_types import StrictJSONTypes
 
 DEFAULT_USAGE_DAYS = 30
@@ -213,14 +214,21 @@ class WebhookEndpointSerializer(serializers.ModelSerializer):
         'The scheme and the end of the host name only, e.g. "https://…example.com/…".'))
     events = serializers.ListField(child=serializers.ChoiceField(choices=WebhookEvent.choices),
                                    allow_empty=True)
+    previous_secret_valid_until = serializers.SerializerMethodField(help_text=(
+        "After a secret rotation with a grace period: until when the replaced secret also signs "
+        "deliveries (a second v1 signature); null otherwise."))
 
     class Meta:
         model = WebhookEndpoint
-        fields = ["id", "url", "url_masked", "events", "enabled", "created_at"]
-        read_only_fields = ["id", "url_masked", "created_at"]
+        fields = ["id", "url", "url_masked", "events", "enabled", "previous_secret_valid_until",
+                  "created_at"]
+        read_only_fields = ["id", "url_masked", "previous_secret_valid_until", "created_at"]
 
     def get_url_masked(self, endpoint: WebhookEndpoint) -> str:
         return masked_url(endpoint.url)
+
+    def get_previous_secret_valid_until(self, endpoint: WebhookEndpoint) -> datetime | None:
+        return endpoint.previous_secret_valid_until(timezone.now())
 
     def to_representation(self, instance: WebhookEndpoint) -> dict[str, Any]:
         data = super().to_representation(instance)
@@ -237,11 +245,19 @@ class WebhookEndpointCreateSerializer(StrictJSONTypes):
 
 
 class WebhookEndpointCreatedSerializer(WebhookEndpointSerializer):
-    secret = serializers.CharField(read_only=True, help_text="The signing secret: shown in this "
-                                   "response only, never again.")
+    secret = serializers.CharField(read_only=True, help_text=(
+        "The signing secret (whsec_ + base64, the Standard Webhooks format: give it as it is to "
+        "a standardwebhooks library): shown in this response only, never again."))
 
     class Meta(WebhookEndpointSerializer.Meta):
         fields = [*WebhookEndpointSerializer.Meta.fields, "secret"]
+
+
+class WebhookSecretRotateSerializer(StrictJSONTypes):
+    grace_seconds = serializers.IntegerField(
+        min_value=0, max_value=MAX_GRACE_SECONDS, default=0,
+        help_text="How long the replaced secret keeps signing beside the new one (0: it stops "
+        "now; at most 7 days). A secret replaced by an earlier rotation stops now.")
 
 
 class WebhookEndpointUpdateSerializer(StrictJSONTypes):

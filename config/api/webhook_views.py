@@ -1,14 +1,15 @@
-"""Management API: a tenant's webhook endpoints, their test events, delivery log and redelivery.
+"""Management API: a tenant's webhook endpoints, their signing secret's rotation, test events,
+delivery log and redelivery.
 
 Reading is for everyone in the tenant (a member too, who sees each endpoint's URL masked: it can
-carry a receiver's token); every change, a test send and a redelivery are for owners and admins
-(403 for a member). The signing secret is in the creation response only (`Cache-Control:
-no-store`): no other response carries it. Endpoints and deliveries are addressed by public id
-(whk_..., dlv_...) through the tenant, so another tenant's are a 404. A test send and a
-redelivery are queued for a worker and answered at once (202, the delivery pending): the
-delivery log shows the result. Both are bounded (billing.webhooks): 409 while the endpoint's test
-event or the delivery is pending, 429 with Retry-After past the tenant's cap. Members see the
-endpoint's host masked in the delivery log too.
+carry a receiver's token); every change, a rotation, a test send and a redelivery are for owners
+and admins (403 for a member). The signing secret is in the creation and rotation responses only
+(`Cache-Control: no-store`): no other response carries it. Endpoints and deliveries are
+addressed by public id (whk_..., dlv_...) through the tenant, so another tenant's are a 404. A
+test send and a redelivery are queued for a worker and answered at once (202, the delivery
+pending): the delivery log shows the result. Both are bounded (billing.webhooks): 409 while the
+endpoint's test event or the delivery is pending, 429 with Retry-After past the tenant's cap.
+Members see the endpoint's host masked in the delivery log too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from config.api.billing_serializers import (
     WebhookEndpointCreateSerializer,
     WebhookEndpointSerializer,
     WebhookEndpointUpdateSerializer,
+    WebhookSecretRotateSerializer,
 )
 from config.api.pagination import BoundedLimitOffsetPagination
 from config.api.tenant_scope import TenantScopedAPIView, get_in_tenant, secret_response
@@ -158,6 +160,24 @@ class WebhookDetailView(_EndpointView):
     def delete(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
         webhooks.delete_endpoint(self.endpoint(manage=True), actor=self.actor)
         return Response(status=http.HTTP_204_NO_CONTENT)
+
+
+class WebhookRotateSecretView(_EndpointView):
+    """POST /api/tenants/<tenant_id>/webhooks/<id>/rotate-secret {"grace_seconds": 0..604800}:
+    a new signing secret, in this response only; the replaced one keeps signing beside it for
+    the grace period (billing.webhooks.rotate_secret)."""
+
+    @extend_schema(request=WebhookSecretRotateSerializer,
+                   responses={200: WebhookEndpointCreatedSerializer,
+                              400: OpenApiResponse(description="Field messages.")})
+    def post(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
+        endpoint = self.endpoint(manage=True)
+        data = WebhookSecretRotateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        endpoint, secret = webhooks.rotate_secret(
+            endpoint, actor=self.actor, grace_seconds=data.validated_data["grace_seconds"])
+        body = WebhookEndpointSerializer(endpoint, context={"show_url": True}).data
+        return secret_response({**body, "secret": secret})
 
 
 class WebhookTestView(_EndpointView):

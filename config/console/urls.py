@@ -34,6 +34,8 @@ urlpatterns: list[URLPattern] = [
     path(f"{_HOOK}toggle/", webhook_views.webhook_toggle, name="console-webhook-toggle"),
     path(f"{_HOOK}test/", webhook_views.webhook_test, name="console-webhook-test"),
     path(f"{_HOOK}delete/", webhook_views.webhook_delete, name="console-webhook-delete"),
+    path(f"{_HOOK}rotate-secret/", webhook_views.webhook_rotate_secret,
+         name="console-webhook-rotate-secret"),
     path(f"{_HOOK}deliveries/<str:delivery_id>/redeliver/", webhook_views.webhook_redeliver,
          name="console-webhook-redeliver"),
     # projects and keys

@@ -1,10 +1,12 @@
-"""Forms of the console's webhook pages (adding an endpoint, choosing its events)."""
+"""Forms of the console's webhook pages (adding an endpoint, choosing its events, rotating its
+signing secret)."""
 
 from __future__ import annotations
 
 from django import forms
 
 from billing.models import WebhookEvent
+from config.console.forms import GRACE_CHOICES
 
 EVENT_HELP = {
     WebhookEvent.THRESHOLD.value: "a quota crossed one of the tenant's alert thresholds "
@@ -40,3 +42,10 @@ class WebhookCreateForm(WebhookEventsForm):
         if not self.is_bound:
             self.initial.setdefault("events", [WebhookEvent.THRESHOLD.value,
                                                WebhookEvent.EXHAUSTED.value])
+
+
+class WebhookRotateSecretForm(forms.Form):
+    grace_seconds = forms.TypedChoiceField(
+        label="Old secret stops signing", choices=GRACE_CHOICES, coerce=int, initial="86400",
+        help_text="Until then every delivery carries a signature with each secret, so the "
+        "receiver can switch to the new one without refusing an event.")

@@ -1,6 +1,6 @@
 """The console's webhook pages: the tenant's endpoints, adding one (its signing secret shown
 once), an endpoint's events and delivery log, enabling or disabling it, a test event, a
-redelivery and deleting it.
+redelivery, rotating its signing secret (the new one shown once) and deleting it.
 
 Every page resolves its tenant through config.console.frame.tenant_page (outsiders get 404);
 pages that change something are for owners and admins (members get 403), and members see each
@@ -18,6 +18,7 @@ from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect
+from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
 from billing import selectors, tasks, webhooks
@@ -25,7 +26,11 @@ from billing.models import WebhookEndpoint
 from config.celery import app as _celery_app  # noqa: F401 - the web process publishes with it
 from config.console.frame import actor, no_store, render_page, require_manage, tenant_page
 from config.console.one_use_forms import REPEATED_MESSAGE, first_submission
-from config.console.webhook_forms import WebhookCreateForm, WebhookEventsForm
+from config.console.webhook_forms import (
+    WebhookCreateForm,
+    WebhookEventsForm,
+    WebhookRotateSecretForm,
+)
 from tenants.access import principal_for
 from tenants.models import Tenant
 
@@ -58,6 +63,7 @@ def _webhooks_page(request: HttpRequest, tenant: Tenant, form: WebhookCreateForm
     endpoints = _shown(list(selectors.webhook_endpoints(tenant)), request, tenant)
     return render_page(request, tenant, "console/webhooks.html", {
         "endpoints": endpoints, "form": form or WebhookCreateForm(),
+        "legacy_headers_removed_in": webhooks.LEGACY_HEADERS_REMOVED_IN,
     }, nav="console-webhooks", status=status)
 
 
@@ -88,22 +94,11 @@ def webhooks_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
     return _webhooks_page(request, tenant, form, status=400)
 
 
-@require_http_methods(["GET", "POST"])
-@tenant_page()
-def webhook_detail(request: HttpRequest, tenant: Tenant, webhook_id: str) -> HttpResponse:
-    """The endpoint, its events (editable by owners and admins) and its delivery log."""
-    [endpoint] = _shown([_endpoint(tenant, webhook_id)], request, tenant)
-    form = WebhookEventsForm(initial={"events": endpoint.events})
-    status = 200
-    if request.method == "POST":
-        require_manage(request, tenant)
-        form = WebhookEventsForm(request.POST)
-        if form.is_valid():
-            webhooks.update_endpoint(endpoint, actor=actor(request),
-                                     events=form.cleaned_data["events"])
-            messages.success(request, "Events saved.")
-            return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
-        status = 400
+def _detail_page(request: HttpRequest, tenant: Tenant, endpoint: WebhookEndpoint, *,
+                 form: WebhookEventsForm | None = None,
+                 rotate_form: WebhookRotateSecretForm | None = None,
+                 status: int = 200) -> HttpResponse:
+    [endpoint] = _shown([endpoint], request, tenant)
     deliveries = Paginator(selectors.webhook_deliveries(endpoint), DELIVERIES_PER_PAGE)
     page = deliveries.get_page(request.GET.get("page"))
     full = _sees_full_urls(request, tenant)
@@ -111,8 +106,50 @@ def webhook_detail(request: HttpRequest, tenant: Tenant, webhook_id: str) -> Htt
         delivery.shown_error = webhooks.shown_error(delivery, full)
     waiting = any(d.status == d.Status.PENDING for d in page.object_list)
     return render_page(request, tenant, "console/webhook_detail.html", {
-        "endpoint": endpoint, "form": form, "page": page, "waiting": waiting,
+        "endpoint": endpoint, "page": page, "waiting": waiting,
+        "form": form or WebhookEventsForm(initial={"events": endpoint.events}),
+        "rotate_form": rotate_form or WebhookRotateSecretForm(),
+        "previous_valid_until": endpoint.previous_secret_valid_until(timezone.now()),
     }, nav="console-webhooks", status=status)
+
+
+@require_http_methods(["GET", "POST"])
+@tenant_page()
+def webhook_detail(request: HttpRequest, tenant: Tenant, webhook_id: str) -> HttpResponse:
+    """The endpoint, its events (editable by owners and admins), its signing secret's rotation
+    and its delivery log."""
+    endpoint = _endpoint(tenant, webhook_id)
+    if request.method != "POST":
+        return _detail_page(request, tenant, endpoint)
+    require_manage(request, tenant)
+    form = WebhookEventsForm(request.POST)
+    if form.is_valid():
+        webhooks.update_endpoint(endpoint, actor=actor(request),
+                                 events=form.cleaned_data["events"])
+        messages.success(request, "Events saved.")
+        return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
+    return _detail_page(request, tenant, endpoint, form=form, status=400)
+
+
+@require_POST
+@tenant_page(manage=True)
+def webhook_rotate_secret(request: HttpRequest, tenant: Tenant, webhook_id: str) -> HttpResponse:
+    """A new signing secret, shown once in this response; the old one keeps signing for the
+    grace period chosen. A reload of the page does not rotate again (first_submission)."""
+    endpoint = _endpoint(tenant, webhook_id)
+    if not first_submission(request):
+        messages.warning(request, REPEATED_MESSAGE)
+        return redirect("console-webhook-detail", tenant.public_id, endpoint.public_id)
+    form = WebhookRotateSecretForm(request.POST)
+    if not form.is_valid():
+        return _detail_page(request, tenant, endpoint, rotate_form=form, status=400)
+    endpoint, secret = webhooks.rotate_secret(endpoint, actor=actor(request),
+                                              grace_seconds=form.cleaned_data["grace_seconds"])
+    # Rendered straight into this response, as at creation: the plaintext is stored nowhere.
+    return no_store(render_page(request, tenant, "console/webhook_secret.html", {
+        "endpoint": endpoint, "secret": secret, "rotated": True,
+        "previous_valid_until": endpoint.previous_secret_valid_until(timezone.now()),
+    }, nav="console-webhooks"))
 
 
 @require_POST

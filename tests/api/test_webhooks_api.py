@@ -5,13 +5,16 @@ errors that write nothing, updates, test sends, the delivery log and redelivery,
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from standardwebhooks import Webhook
 
 from billing.models import WebhookDelivery, WebhookEndpoint
-from billing.webhooks import create_endpoint, verify_signature
+from billing.webhooks import create_endpoint, send_test_event, verify_signature
 from tenants.models import AuditEvent
 from tests.support.celery_queue import run_queued_deliveries
 from tests.support.webhook_receiver import Receiver
@@ -46,6 +49,60 @@ def test_create_shows_the_secret_once_and_never_again(world: World, receiver: Re
     assert "secret" not in detail.json() and body["secret"] not in detail.content.decode()
     audit = AuditEvent.objects.get(action="webhook.created", target=body["id"])
     assert body["secret"] not in json.dumps(audit.data)
+
+
+def test_the_secret_is_in_the_standard_format_and_verifies_a_delivery(
+        world: World, receiver: Receiver) -> None:
+    created = world.client(world.owner).post(_base(world), {"url": receiver.url},
+                                             format="json").json()
+    secret = created["secret"]
+    assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{43}=", secret)
+    assert created["previous_secret_valid_until"] is None
+    send_test_event(WebhookEndpoint.objects.get(public_id=created["id"]))
+    [request] = receiver.requests
+    assert Webhook(secret).verify(request["body"], request["headers"])["type"] == "test"
+
+
+def test_rotate_secret_shows_the_new_one_once_and_keeps_the_old_one_for_the_grace(
+        world: World, receiver: Receiver) -> None:
+    owner = world.client(world.owner)
+    old = owner.post(_base(world), {"url": receiver.url}, format="json").json()
+    url = f"{_base(world)}{old['id']}/rotate-secret"
+    response = owner.post(url, {"grace_seconds": 3600}, format="json")
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    body = response.json()
+    assert body["id"] == old["id"] and body["secret"] != old["secret"]
+    assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{43}=", body["secret"])
+    until = datetime.fromisoformat(body["previous_secret_valid_until"])
+    assert timedelta(minutes=59) < until - datetime.now(UTC) <= timedelta(hours=1)
+    detail = owner.get(f"{_base(world)}{old['id']}/")
+    assert detail.json()["previous_secret_valid_until"] == body["previous_secret_valid_until"]
+    assert "secret" not in detail.json()
+    assert body["secret"] not in detail.content.decode()
+    assert old["secret"] not in detail.content.decode()
+    audit = AuditEvent.objects.get(action="webhook.secret_rotated", target=old["id"])
+    assert body["secret"] not in json.dumps(audit.data)
+    assert old["secret"] not in json.dumps(audit.data)
+    send_test_event(WebhookEndpoint.objects.get(public_id=old["id"]))
+    [request] = receiver.requests
+    for secret in (old["secret"], body["secret"]):
+        assert Webhook(secret).verify(request["body"], request["headers"])["type"] == "test"
+    # The trailing-slash spelling works too; no grace: the old secret stops now.
+    third = owner.post(f"{url}/", {}, format="json").json()
+    assert third["previous_secret_valid_until"] is None
+
+
+@pytest.mark.parametrize("payload", [{"grace_seconds": -1}, {"grace_seconds": 604801},
+                                     {"grace_seconds": "3600"}, {"grace_seconds": None}])
+def test_rotate_secret_refuses_a_bad_grace_and_changes_nothing(
+        world: World, receiver: Receiver, payload: dict[str, Any]) -> None:
+    endpoint, secret = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    response = world.client(world.owner).post(
+        f"{_base(world)}{endpoint.public_id}/rotate-secret", payload, format="json")
+    assert response.status_code == 400 and "grace_seconds" in response.json()
+    endpoint.refresh_from_db()
+    assert endpoint.secret == secret
+    assert not AuditEvent.objects.filter(action="webhook.secret_rotated").exists()
 
 
 def test_default_events_are_the_two_quota_alerts(world: World, receiver: Receiver) -> None:

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from django.test import Client
 from django.urls import reverse
+from standardwebhooks import Webhook
 
 from billing.models import WebhookDelivery, WebhookEndpoint
-from billing.webhooks import create_endpoint
+from billing.webhooks import create_endpoint, send_test_event
 from tenants.models import AuditEvent
 from tests.support.celery_queue import run_queued_deliveries
 from tests.support.webhook_receiver import Receiver
@@ -112,6 +113,72 @@ def test_adding_an_endpoint_shows_its_secret_once(world: World, receiver: Receiv
     assert all(secret not in str(a.data) for a in AuditEvent.objects.all())
 
 
+def _shown_secret(html: str) -> str:
+    box = html[html.index('class="card secret-once"'):]
+    return re.search(r'id="webhook-secret" value="([^"]+)"', box).group(1)
+
+
+def test_the_secret_shown_is_in_the_standard_format_and_verifies_a_delivery(
+        world: World, receiver: Receiver) -> None:
+    client = _client(world.owner)
+    html = client.post(_hooks(world), {"url": receiver.url,
+                                       "events": ["quota.threshold"]}).content.decode()
+    secret = _shown_secret(html)
+    assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{43}=", secret)
+    assert "standardwebhooks" in html and "webhook-signature" in html
+    endpoint = WebhookEndpoint.objects.get(tenant=world.acme)
+    send_test_event(endpoint)
+    [request] = receiver.requests
+    assert Webhook(secret).verify(request["body"], request["headers"])["type"] == "test"
+    listing = client.get(_hooks(world)).content.decode()
+    assert "deprecated: release 0.3.0 stops sending them" in listing
+
+
+def test_rotating_the_secret_shows_the_new_one_once_and_keeps_the_old_one_for_the_grace(
+        world: World, receiver: Receiver) -> None:
+    endpoint, old = create_endpoint(world.acme, receiver.url, ["quota.threshold"], actor="test")
+    client = _client(world.owner)
+    page = client.get(_hook(world, endpoint)).content.decode()
+    form = page[page.index('id="rotate-secret"'):]
+    assert "Rotate secret" in form and '<option value="86400" selected>' in form
+    form_id = re.search(r'name="form_id" value="([^"]+)"', form).group(1)
+    rotate = _hook(world, endpoint, "console-webhook-rotate-secret")
+    response = client.post(rotate, {"grace_seconds": "3600", "form_id": form_id})
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    html = response.content.decode()
+    new = _shown_secret(html)
+    endpoint.refresh_from_db()
+    assert new != old and endpoint.secret == new and "Signing secret rotated" in html
+    assert "The previous secret also signs every delivery until" in html
+    # A reload sends the same form again: nothing rotates, and the secret is not shown again.
+    again = client.post(rotate, {"grace_seconds": "3600", "form_id": form_id}, follow=True)
+    endpoint.refresh_from_db()
+    assert endpoint.secret == new and new not in again.content.decode()
+    assert "already submitted" in again.content.decode()
+    detail = client.get(_hook(world, endpoint)).content.decode()
+    assert "rotating" in detail and new not in detail and old not in detail
+    assert AuditEvent.objects.filter(action="webhook.secret_rotated").count() == 1
+    assert all(new not in str(a.data) and old not in str(a.data)
+               for a in AuditEvent.objects.all())
+    # Both secrets verify a delivery while the grace period lasts.
+    send_test_event(endpoint)
+    [request] = receiver.requests
+    for secret in (old, new):
+        assert Webhook(secret).verify(request["body"], request["headers"])["type"] == "test"
+
+
+def test_a_bad_grace_is_a_form_error_and_rotates_nothing(world: World,
+                                                         receiver: Receiver) -> None:
+    endpoint, secret = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    response = _client(world.owner).post(_hook(world, endpoint, "console-webhook-rotate-secret"),
+                                         {"grace_seconds": "99"})
+    assert response.status_code == 400 and "secret-once" not in response.content.decode()
+    assert "Select a valid choice" in response.content.decode()
+    endpoint.refresh_from_db()
+    assert endpoint.secret == secret
+    assert not AuditEvent.objects.filter(action="webhook.secret_rotated").exists()
+
+
 def test_refused_url_writes_nothing_and_says_why(world: World, settings: Any) -> None:
     settings.TOLLGATE_WEBHOOK_ALLOW_PRIVATE = False
     audits = AuditEvent.objects.count()
@@ -191,8 +258,9 @@ def test_member_reads_only(world: World, receiver: Receiver) -> None:
     assert "Send test event" not in detail and "Redeliver" not in detail
     assert delivery.public_id in detail
     assert client.post(_hooks(world), {"url": receiver.url, "events": ["test"]}).status_code == 403
+    assert "Rotate secret" not in detail
     for name, extra in (("console-webhook-test", ()), ("console-webhook-toggle", ()),
-                        ("console-webhook-delete", ()),
+                        ("console-webhook-delete", ()), ("console-webhook-rotate-secret", ()),
                         ("console-webhook-redeliver", (delivery.public_id,))):
         assert client.post(_hook(world, endpoint, name, *extra)).status_code == 403
     assert client.post(_hook(world, endpoint), {"events": []}).status_code == 403
