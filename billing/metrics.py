@@ -1,4 +1,6 @@
-"""Prometheus text exposition (format 0.0.4) of the gateway's background health, for /metrics.
+"""/metrics: the request metrics (gateway/metrics.py: every worker's, in multiprocess mode) and
+the gateway's background health below, read from PostgreSQL and Redis at each scrape by a
+prometheus_client Collector, rendered by prometheus_client (text format 0.0.4).
 
     tollgate_open_holds{tenant}                 gauge: holds open now (ZCARD of the hold index)
     tollgate_usage_records_total{status}        counter: ledger rows by the status they were
@@ -49,9 +51,13 @@ from typing import Any
 from django.core.exceptions import FieldError
 from django.db import DatabaseError
 from django.db.models import Count, Sum
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from billing.ledger import usage_backlog
 from billing.models import UsageRecord, WebhookDelivery
+from gateway import metrics as request_metrics
 from gateway.models import ProviderKey
 from quotas import keys
 from quotas.breakers import KEY_LEVEL, BreakerStore
@@ -61,21 +67,29 @@ from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# What generate_latest writes (prometheus_client's CONTENT_TYPE_LATEST names a newer version).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 _CHUNK = 1000
 
-
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+Samples = Iterable[tuple[dict[str, object], float | int]]
 
 
-def _family(name: str, kind: str, help_text: str,
-            samples: Iterable[tuple[dict[str, object], float | int]]) -> Iterator[str]:
-    yield f"# HELP {name} {help_text}"
-    yield f"# TYPE {name} {kind}"
-    for labels, value in samples:
-        inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-        yield f"{name}{{{inner}}} {value}" if inner else f"{name} {value}"
+def _family(kind: type[Metric], name: str, help_text: str, samples: Samples) -> Metric:
+    """A family of samples, each with its own labels (the same label names within a family)."""
+    items = list(samples)
+    labels = list(items[0][0]) if items else []
+    family = kind(name, help_text, labels=labels)
+    for sample_labels, value in items:
+        family.add_metric([str(sample_labels[k]) for k in labels], value)
+    return family
+
+
+def _gauge(name: str, help_text: str, samples: Samples) -> Metric:
+    return _family(GaugeMetricFamily, name, help_text, samples)
+
+
+def _counter(name: str, help_text: str, samples: Samples) -> Metric:
+    return _family(CounterMetricFamily, name, help_text, samples)
 
 
 def open_holds(client: Any) -> list[tuple[str, int]]:
@@ -159,53 +173,76 @@ def breaker_samples(client: Any) -> tuple[list[tuple[dict[str, object], int]],
     return states, transitions
 
 
-def _database_families(client: Any) -> list[str]:
-    lines: list[str] = []
-    lines += _family("tollgate_open_holds", "gauge",
-                     "Quota holds open now, per tenant (requests in flight or leaked).",
-                     (({"tenant": slug}, n) for slug, n in open_holds(client)))
-    lines += _family("tollgate_usage_records_total", "counter",
-                     "Ledger rows by the status they were recorded with (swept: holds the "
-                     "gateway never ended, corrected later or not).",
-                     usage_record_counts())
-    lines += _family("tollgate_usage_corrections_total", "counter",
-                     "Swept ledger rows corrected by a settle or release that came after the "
-                     "sweep.", [({}, corrections())])
+def _database_families(client: Any) -> list[Metric]:
+    """The families read from PostgreSQL (each with Redis figures), all or none: built before
+    any is handed to the scrape, so an outage halfway leaves them all out."""
     over_calls, over_tokens = over_hold()
-    lines += _family("tollgate_over_hold_requests_total", "counter",
-                     "Calls whose actual usage exceeded their hold (token estimate too low).",
-                     [({}, over_calls)])
-    lines += _family("tollgate_over_hold_tokens_total", "counter",
-                     "Tokens used above the holds, summed over those calls.",
-                     [({}, over_tokens)])
-    lines += _family("tollgate_webhook_deliveries_total", "counter",
-                     "Webhook deliveries by status (failed: gave up after every retry).",
-                     _counts(WebhookDelivery, WebhookDelivery.Status.values))
-    lines += _family("tollgate_reconciliation_difference_rate", "gauge",
-                     "Largest difference rate of the latest reconciliation run (0..1).",
-                     [({}, reconciliation_difference_rate())])
     states, transitions = breaker_samples(client)
-    lines += _family("tollgate_provider_breaker_state", "gauge",
-                     "Circuit breaker of an upstream provider key (model *: the key's own): "
-                     "0 closed, 1 half-open, 2 open.", states)
-    lines += _family("tollgate_provider_breaker_transitions_total", "counter",
-                     "Circuit breaker transitions of an upstream provider key, by the state "
-                     "entered.", transitions)
-    return lines
+    return [
+        _gauge("tollgate_open_holds",
+               "Quota holds open now, per tenant (requests in flight or leaked).",
+               (({"tenant": slug}, n) for slug, n in open_holds(client))),
+        _counter("tollgate_usage_records_total",
+                 "Ledger rows by the status they were recorded with (swept: holds the gateway "
+                 "never ended, corrected later or not).", usage_record_counts()),
+        _counter("tollgate_usage_corrections_total",
+                 "Swept ledger rows corrected by a settle or release that came after the sweep.",
+                 [({}, corrections())]),
+        _counter("tollgate_over_hold_requests_total",
+                 "Calls whose actual usage exceeded their hold (token estimate too low).",
+                 [({}, over_calls)]),
+        _counter("tollgate_over_hold_tokens_total",
+                 "Tokens used above the holds, summed over those calls.", [({}, over_tokens)]),
+        _counter("tollgate_webhook_deliveries_total",
+                 "Webhook deliveries by status (failed: gave up after every retry).",
+                 _counts(WebhookDelivery, WebhookDelivery.Status.values)),
+        _gauge("tollgate_reconciliation_difference_rate",
+               "Largest difference rate of the latest reconciliation run (0..1).",
+               [({}, reconciliation_difference_rate())]),
+        _gauge("tollgate_provider_breaker_state",
+               "Circuit breaker of an upstream provider key (model *: the key's own): "
+               "0 closed, 1 half-open, 2 open.", states),
+        _counter("tollgate_provider_breaker_transitions_total",
+                 "Circuit breaker transitions of an upstream provider key, by the state "
+                 "entered.", transitions),
+    ]
+
+
+class BillingCollector:
+    """The families read at scrape time: PostgreSQL's (left out, and logged, while it is
+    down) and the usage backlog from Redis (there during that very outage)."""
+
+    def __init__(self, client: Any = None) -> None:
+        self.client = client
+
+    def collect(self) -> Iterator[Metric]:
+        client = self.client if self.client is not None else get_engine().client
+        try:
+            yield from _database_families(client)
+        except DatabaseError:
+            log.exception("/metrics: PostgreSQL unreadable, its families are left out")
+        backlog = usage_backlog(client)
+        yield _gauge("tollgate_usage_backlog_events",
+                     "Usage events waiting in Redis for the ledger drain, all tenants.",
+                     [({}, backlog.events)])
+        yield _gauge("tollgate_usage_backlog_oldest_seconds",
+                     "Age of the oldest usage event waiting for the ledger drain (0: none).",
+                     [({}, round(backlog.oldest_age_s, 3))])
+
+
+class _RequestCollector:
+    def collect(self) -> Iterator[Metric]:
+        return iter(request_metrics.families())
+
+
+def exposition(*collectors: Any) -> str:
+    """Prometheus' text format of these collectors' families."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
+    return generate_latest(registry).decode()
 
 
 def render(client: Any = None) -> str:
-    client = client if client is not None else get_engine().client
-    lines: list[str] = []
-    try:
-        lines += _database_families(client)
-    except DatabaseError:
-        log.exception("/metrics: PostgreSQL unreadable, its families are left out")
-    backlog = usage_backlog(client)
-    lines += _family("tollgate_usage_backlog_events", "gauge",
-                     "Usage events waiting in Redis for the ledger drain, all tenants.",
-                     [({}, backlog.events)])
-    lines += _family("tollgate_usage_backlog_oldest_seconds", "gauge",
-                     "Age of the oldest usage event waiting for the ledger drain (0: none).",
-                     [({}, round(backlog.oldest_age_s, 3))])
-    return "\n".join(lines) + "\n"
+    """The whole /metrics page: the request metrics, then the families read now."""
+    return exposition(_RequestCollector(), BillingCollector(client))

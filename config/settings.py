@@ -6,6 +6,7 @@ With `DATABASE_URL` and `REDIS_URL` unset, Tollgate uses the embedded services t
 """
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -481,6 +482,35 @@ CELERY_BEAT_SCHEDULE["check-quota-forecasts"] = {
     "task": "billing.tasks.check_quota_forecasts", "schedule": TOLLGATE_FORECAST_INTERVAL_SECONDS}
 # Bearer token for GET /metrics (Prometheus); empty: /metrics answers 403.
 TOLLGATE_METRICS_TOKEN = env.str("TOLLGATE_METRICS_TOKEN", default="")
+# Tenants whose calls and tokens /metrics also counts per tenant (label `tenant`: the entry as
+# written), by public id or slug, comma-separated. Opt-in, so the label's cardinality is the
+# operator's choice; empty (the default): no tenant-labelled family at all.
+_METRICS_TENANTS_MAX = 100
+
+
+def _metrics_tenants() -> tuple[str, ...]:
+    raw = env.str("TOLLGATE_METRICS_TENANTS", default="")
+    entries = tuple(part.strip() for part in raw.split(",")) if raw.strip() else ()
+    for entry in entries:
+        if not re.fullmatch(r"[-a-zA-Z0-9_]{1,63}", entry):
+            raise ImproperlyConfigured(
+                f"TOLLGATE_METRICS_TENANTS: {entry!r} is not a tenant public id or slug "
+                "(comma-separated, letters, digits, - and _)")
+    if len(set(entries)) != len(entries):
+        raise ImproperlyConfigured("TOLLGATE_METRICS_TENANTS lists a tenant twice")
+    if len(entries) > _METRICS_TENANTS_MAX:
+        raise ImproperlyConfigured(f"TOLLGATE_METRICS_TENANTS lists {len(entries)} tenants; at "
+                                   f"most {_METRICS_TENANTS_MAX} (each is a set of series)")
+    return entries
+
+
+TOLLGATE_METRICS_TENANTS = _metrics_tenants()
+# How often a process writes its tallied request metrics where /metrics reads them
+# (gateway/metrics.py): a scrape sees other workers' calls at most this late.
+TOLLGATE_METRICS_FLUSH_SECONDS = env.float("TOLLGATE_METRICS_FLUSH_SECONDS", default=1.0)
+if not 0 < TOLLGATE_METRICS_FLUSH_SECONDS <= 60:
+    raise ImproperlyConfigured("TOLLGATE_METRICS_FLUSH_SECONDS must be > 0 and <= 60, got "
+                               f"{TOLLGATE_METRICS_FLUSH_SECONDS}")
 # Daily reconciliation against the upstream bill: "mock", "openai" or "" (off).
 TOLLGATE_RECONCILE_SOURCE = env.str("TOLLGATE_RECONCILE_SOURCE", default="")
 if TOLLGATE_RECONCILE_SOURCE not in {"", "mock", "openai"}:

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from typing import IO, Any
 
@@ -73,6 +74,7 @@ class GatewayRouter:
                 await self.django_app(scope, receive, send)
             return
         handler = self.django_app
+        arrived = time.perf_counter()
         try:
             body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES,
                                          _body_deadline())
@@ -81,11 +83,15 @@ class GatewayRouter:
         except BodyRefused as refused:  # before any auth or parsing
             await handler.send_response(_v1_refusal(refused), send)
             return
+        body_s = time.perf_counter() - arrived
         request, error_response = handler.create_request(scope, body_file)
         if request is None:
             body_file.close()
             await handler.send_response(error_response, send)
             return
+        # For the call's Observation (gateway/observe.py), which the view makes: when the call
+        # arrived and how long its body took to come (the client's time, not the gateway's).
+        request.tollgate_received = (arrived, body_s)
         sent: dict[str, HttpResponseBase] = {}
 
         async def process() -> None:
@@ -116,8 +122,13 @@ class GatewayRouter:
             except Exception:  # noqa: BLE001 - e.g. sending to a socket that broke
                 log.exception("sending the response of %s failed", scope.get("path"))
         response = sent.get("response")
+        sending = tasks[1]
+        # The metered views' Observation: finished here, once the answer's last byte is sent
+        # or the client left (before close(), whose hook would count a cut stream as sent).
+        observation = request.__dict__.get("tollgate_observation")
+        if observation is not None:
+            observation.finish(_sent_status(response, sending))
         if response is not None:
-            sending = tasks[1]
             if sending.cancelled() or sending.exception() is not None:
                 # Not sent to the end (the client left, the deadline passed, the socket broke):
                 # a stream finishes reading its upstream for the usage and settles by itself.
@@ -127,6 +138,17 @@ class GatewayRouter:
             if not sending.cancelled():
                 response.close()
         body_file.close()
+
+
+def _sent_status(response: HttpResponseBase | None, sending: asyncio.Task[None]) -> int:
+    """How the call ended for its client: the status sent, else 499 (the client left before the
+    answer's end, or sending to it failed), or 504 (a stream cut at the call's deadline)."""
+    if response is None or sending.cancelled():
+        return 499
+    error = sending.exception()
+    if error is None:
+        return response.status_code
+    return 504 if isinstance(error, TimeoutError) else 499
 
 
 class BodyRefused(Exception):

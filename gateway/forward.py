@@ -41,8 +41,10 @@ from gateway.errors import (
     upstream_error,
     upstream_unavailable,
 )
+from gateway import metrics
 from gateway.listener import publish_cooldown
 from gateway.headers import QUEUE_WAIT_HEADER
+from gateway.observe import Observation, end_with_error
 from gateway.providers import Upstream
 from gateway.responses_context import remember_answer
 from gateway.runtime import GatewayRuntime
@@ -73,6 +75,7 @@ _RETRY_CAP_S = 30.0
 _UNMETERED_BACKLOG = 10_000
 
 EndResult = SettleResult | ReleaseResult
+_perf = time.perf_counter
 
 
 def _ms_now() -> int:
@@ -95,6 +98,8 @@ class Call:
     # The one provider key that may serve the call (a Responses call continuing a response
     # stored there: no other key knows it); None: any key of the model's kind.
     pinned: int | None = None
+    # What the call reports (gateway/observe.py): made by the view; one of its own otherwise.
+    obs: Observation | None = None
     upstream: Upstream | None = None
     relay: StreamRelay | None = None
     # Handed to an upstream's transport: from here on the upstream may have the call.
@@ -117,8 +122,18 @@ class Call:
         self.reserved_at = loop.time()
         self.deadline = self.reserved_at + settings.GATEWAY_CALL_DEADLINE_SECONDS
         self.started_ms = _ms_now()
-        hold = self.admission.reservation.hold
+        reservation = self.admission.reservation
+        obs = self.obs
+        if obs is None:
+            obs = self.obs = Observation(self.parsed.endpoint.value)
+            obs.request_id = self.request_id
+        # The model served (after a fallback, not the one asked), as a bounded label.
+        obs.model = metrics.model_label(self.runtime.catalog, self.admission.model)
+        if reservation.queue_wait_ms:
+            obs.queued_s += reservation.queue_wait_ms / 1000
+        hold = reservation.hold
         if hold is not None:
+            metrics.add(metrics.HOLD_OPENED)
             self._checkpoints = Checkpoints(self, hold, loop, settings.GATEWAY_CHECKPOINT_SECONDS)
 
     @property
@@ -138,10 +153,19 @@ class Call:
         }, separators=(",", ":"))
 
     async def settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> None:
-        """Charge the hold with this usage (the first end wins; later calls only wait for it)."""
+        """Charge the hold with this usage (the first end wins; later calls only wait for it).
+        Its tokens and cost are counted here, once, whether the hold's end reaches Redis now,
+        on a retry, or never (a fail-open call's usage is real too)."""
         if self._end is None:
             event = self._event(status, usage, outcome)
-            self._begin_end(self._settle_hold(usage, event))
+            # The price resolved at admission: the one the money hold and the ledger use, each
+            # token class at its own price.
+            cost = self.admission.estimate.price.cost_of(usage)
+            obs = self.obs
+            assert obs is not None
+            metrics.count_usage(obs.model, usage, cost, obs.tenant)
+            obs.settled(usage.input_tokens, usage.output_tokens, cost)
+            self._begin_end(self._settle_hold(usage, event, cost))
         await self._wait_end()
 
     async def release(self, status: int, reason: str) -> None:
@@ -174,7 +198,7 @@ class Call:
         # Shielded: cancelling this request (its client left) leaves the end task running.
         await asyncio.shield(self._end)
 
-    async def _settle_hold(self, usage: Usage, event: str) -> None:
+    async def _settle_hold(self, usage: Usage, event: str, cost: int) -> None:
         hold = self.admission.reservation.hold
         if hold is None:
             log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
@@ -184,18 +208,42 @@ class Call:
                 self.started_ms, _ms_now(), reserve_meta(self.ctx, self.parsed,
                                                            self.admission.model), event))
             return
-        # The price resolved at admission: the one the money hold and the ledger use, each
-        # token class at its own price.
-        cost = self.admission.estimate.price.cost_of(usage)
         engine = self.runtime.engine
-        await self._end_hold(lambda: engine.settle(hold, usage.total, event, cost))
+        used = usage.total
+        await self._end_hold(lambda: self._timed_end(
+            "quota.settle", metrics.REDIS_SETTLE, "settled", used,
+            lambda: engine.settle(hold, used, event, cost)))
 
     async def _release_hold(self, event: str) -> None:
         hold = self.admission.reservation.hold
         if hold is None:
             return  # fail-open: nothing was held, and nothing reached the upstream to record
         engine = self.runtime.engine
-        await self._end_hold(lambda: engine.release(hold, event))
+        await self._end_hold(lambda: self._timed_end(
+            "quota.release", metrics.REDIS_RELEASE, "released", 0,
+            lambda: engine.release(hold, event)))
+
+    async def _timed_end(self, name: str, rtt: metrics.HistogramChild, ending: str, used: int,
+                         operation: Callable[[], Awaitable[EndResult]]) -> EndResult:
+        """One settle or release round trip: its latency, how it came back (holds settled,
+        released, or ended already, and a settle above its hold), and its span when traced.
+        Every attempt is measured (a retry after Redis came back too)."""
+        obs = self.obs
+        assert obs is not None
+        span = obs.start_child(name) if obs.span is not None else None
+        began = _perf()
+        try:
+            result = await operation()
+        except BaseException as exc:
+            if span is not None:
+                end_with_error(span, exc)
+            raise
+        metrics.observe(rtt, _perf() - began)
+        metrics.count_hold_end(ending, result.outcome, used, result.held)
+        if span is not None:
+            span.set_attribute("tollgate.outcome", result.outcome)
+            span.end()
+        return result
 
     async def _end_hold(self, operation: Callable[[], Awaitable[EndResult]]) -> None:
         if not await _try_end(operation, self.request_id):
@@ -448,6 +496,16 @@ def _retry_after(response: httpx.Response) -> float:
         return 1.0
 
 
+def _upstream_failed(obs: Observation, upstream: Upstream, kind: str, began: float,
+                     span: Any, exc: BaseException) -> None:
+    """An attempt that got no answer from the upstream: counted by kind, its wait is the
+    upstream's, its span ends in error."""
+    obs.waited_upstream(_perf() - began)
+    metrics.upstream_error(upstream.public_id, kind)
+    if span is not None:
+        end_with_error(span, exc)
+
+
 def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError:
     """A client error of the upstream is told in Tollgate's words, keeping its status, type,
     code and param (never its message: it may name the provider's organisation, deployments
@@ -494,6 +552,8 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
         if call.pinned is not None:
             candidates = [upstream for upstream in candidates if upstream.id == call.pinned]
     circuit = circuit_for(runtime)
+    obs = call.obs
+    assert obs is not None
     last_429: httpx.Response | None = None
     refused_key = False  # an upstream refused a provider key (401 / 403)
     capacity_wait_ms: int | None = None
@@ -520,24 +580,42 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             call.upstream = upstream
             request = call.request_for(upstream, payload)
             call.sent = True
+            span = (obs.start_child("upstream.call", **{"tollgate.provider_key": upstream.public_id})
+                    if obs.span is not None else None)
+            began = _perf()
             try:
                 # Straight to the transport: the client's cookie, auth and redirect layers cost a
                 # measurable share of a request and do nothing for an API call.
                 response = await runtime.transport.handle_async_request(request)
-            except _CONNECT_ERRORS:
+            except _CONNECT_ERRORS as exc:
+                _upstream_failed(obs, upstream, "connect", began, span, exc)
                 log.warning("provider key %s unreachable; trying the next", upstream.public_id)
                 await circuit.report(upstream, model, ticket, transport_failed=True)
                 continue
-            except httpx.TimeoutException:
+            except httpx.TimeoutException as exc:
+                _upstream_failed(obs, upstream, "timeout", began, span, exc)
                 await circuit.report(upstream, model, ticket, transport_failed=True)
                 await call.release(504, "upstream_timeout")
                 raise upstream_error(504, "The upstream provider did not answer in time.") from None
             except httpx.HTTPError as exc:
+                _upstream_failed(obs, upstream, "transport", began, span, exc)
                 await circuit.report(upstream, model, ticket, transport_failed=True)
                 await call.release(502, "upstream_error")
                 raise upstream_error(502, f"The upstream provider failed: {exc}") from None
-
+            except BaseException as exc:  # cancelled: the client left, or the call's deadline
+                obs.waited_upstream(_perf() - began)
+                if span is not None:
+                    end_with_error(span, exc)
+                raise
+            waited = _perf() - began
+            obs.waited_upstream(waited)
+            metrics.observe(metrics.ttfb_child(obs.endpoint), waited)
             status = response.status_code
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+                span.end()
+            if status >= 400:
+                metrics.upstream_error(upstream.public_id, metrics.status_kind(status))
             if status < 400 and not ticket:
                 circuit.ok(upstream, model)  # no round trip: flushed in batches
             elif status < 400 or status >= 500 or ticket:
@@ -558,10 +636,12 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
                 refused_key = True
                 continue
             if response.status_code >= 400:
+                began = _perf()
                 try:
                     body = await response.aread()
                 except httpx.HTTPError:
                     body = b""
+                obs.waited_upstream(_perf() - began)
                 await response.aclose()
                 await call.release(response.status_code, "upstream_status")
                 raise _upstream_failure(response, body)
@@ -633,6 +713,8 @@ async def _wait_for_capacity(call: Call, short: list[tuple[int, Upstream]]) -> U
                             max(1, math.ceil(retry_ms / 1000))) from None
     if not result.taken:
         return None
+    assert call.obs is not None
+    call.obs.queued_s += waited_ms / 1000
     call.headers[QUEUE_WAIT_HEADER] = str(already_ms + waited_ms)
     return upstream
 
@@ -650,15 +732,22 @@ def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:
 
 
 async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
+    obs = call.obs
+    assert obs is not None
+    began = _perf()
     try:
         async with asyncio.timeout_at(call.deadline):
             body = await response.aread()
     except (httpx.HTTPError, TimeoutError):
         # Headers arrived but the body did not (or not within the deadline): the upstream may
         # have produced and billed tokens we cannot see, so charge the worst case we held.
+        obs.waited_upstream(_perf() - began)
+        if call.upstream is not None:
+            metrics.upstream_error(call.upstream.public_id, "broken")
         await response.aclose()
         await call.abort(504, "upstream_broken")
         raise upstream_error(504, "The upstream provider stopped answering mid-response.") from None
+    obs.waited_upstream(_perf() - began)
     await response.aclose()
     try:
         usage, outcome = _body_usage(call, body)
@@ -832,8 +921,17 @@ class StreamRelay:
     async def relay(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         deadline = self.call.deadline
+        obs = self.call.obs
+        assert obs is not None
         try:
-            while (chunk := await self._next_chunk()) is not None:
+            while True:
+                # The waits for the upstream's next chunk are the upstream's time, not the
+                # gateway's (gateway/metrics.py: overhead).
+                began = _perf()
+                chunk = await self._next_chunk()
+                obs.upstream_s += _perf() - began
+                if chunk is None:
+                    break
                 for event in self._events(chunk):
                     out = self._inspect(event)
                     if self.reader.usage is not None and self.reader.response_id is not None \
@@ -851,6 +949,8 @@ class StreamRelay:
             await self._settle_produced(504, "deadline")
         except httpx.HTTPError:
             # The upstream broke mid-stream: charge what was produced, end the client's stream.
+            if self.call.upstream is not None:
+                metrics.upstream_error(self.call.upstream.public_id, "broken")
             await self._settle_produced(502, "upstream_broken")
         except Exception:  # noqa: BLE001 - whatever broke, what was relayed is charged
             log.exception("relaying the stream of %s failed", self.call.request_id)

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 
+from gateway import metrics
 from gateway.circuit import apply_breaker_message
 from gateway.runtime import GatewayRuntime
 from quotas.client import make_async_redis
@@ -182,8 +183,11 @@ def start_listener(runtime: GatewayRuntime) -> None:
 
 async def publish_cooldown(runtime: GatewayRuntime, provider_key_id: int, until: float) -> None:
     """Tell every process (this one included, through the same message) to skip a provider key
-    that answered 429 until `until`."""
+    that answered 429 until `until`. Counted here, where the cool-down starts, not where its
+    message arrives (every worker gets it)."""
     runtime.pool.cool_down(provider_key_id, until)
+    upstream = runtime.pool.get(provider_key_id)
+    metrics.cooldown(upstream.public_id if upstream is not None else str(provider_key_id))
     try:
         await runtime.engine.client.publish(
             PROVIDER_COOLDOWN_CHANNEL, json.dumps({"id": provider_key_id, "until": until}))

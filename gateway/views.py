@@ -35,7 +35,8 @@ from gateway.errors import (
 )
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
-from gateway import request_context
+from gateway import metrics, request_context
+from gateway.observe import Observation
 from gateway.refusals import count_refusal
 from gateway.responses_context import held_context, with_context
 from gateway.runtime import GatewayRuntime
@@ -89,7 +90,7 @@ async def _runtime() -> GatewayRuntime:
 
 
 async def _authenticate(runtime: GatewayRuntime, request: HttpRequest,
-                        api: Api = Api.OPENAI) -> KeyContext:
+                        api: Api = Api.OPENAI, obs: Observation | None = None) -> KeyContext:
     token = _api_key(request, api)
     if token is None:
         how = ("'x-api-key: tgk_...' or 'Authorization: Bearer tgk_...'" if api is Api.ANTHROPIC
@@ -104,7 +105,10 @@ async def _authenticate(runtime: GatewayRuntime, request: HttpRequest,
                            "server_error", "auth_unavailable") from None
     if ctx is None:
         raise invalid_api_key()
-    request_context.bind_caller(ctx.project.tenant.public_id, ctx.api_key.public_id)
+    tenant = ctx.project.tenant
+    request_context.bind_caller(tenant.public_id, ctx.api_key.public_id)
+    if obs is not None:
+        obs.caller(tenant.public_id, tenant.slug, ctx.api_key.public_id)
     runtime.used_keys.add(ctx.api_key.pk)
     return ctx
 
@@ -127,15 +131,26 @@ def _with_request_id(response: HttpResponse | StreamingHttpResponse, request_id:
 
 async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
     """POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/messages:
-    every answer in the endpoint's API shape with an x-request-id, whatever fails."""
+    every answer in the endpoint's API shape with an x-request-id, whatever fails.
+
+    The call's Observation (gateway/observe.py) goes on the request: gateway/asgi.py finishes it
+    once the answer is sent or the client left; served through Django instead (no `received`
+    stamp from the router), it finishes when Django closes the response."""
     api = dialect_for(endpoint).api
+    received = request.__dict__.get("tollgate_received")
+    obs = Observation(endpoint.value, received)
+    request.tollgate_observation = obs  # type: ignore[attr-defined]
     if request.method != "POST":
-        return _method_not_allowed(request, "POST", api)
+        response = _method_not_allowed(request, "POST", api)
+        if received is None:
+            _finish_on_close(response, obs)
+        return response
     started = time.monotonic()
-    request_id = new_request_id()
+    request_id = obs.request_id = new_request_id()
     try:
-        response = await _handle(endpoint, request, request_id, started)
+        response = await _handle(endpoint, request, request_id, started, obs)
     except GatewayError as error:
+        obs.refusal = error.refusal or ""
         response = error.response(api=api, request_id=request_id)
     except QuotaError as error:
         log.error("quota store unusable: refusing request %s (fail closed): %s",
@@ -146,15 +161,24 @@ async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | Str
         response = GatewayError(500, "The gateway failed to handle the request.",
                                 "server_error", "internal_error").response(
                                     api=api, request_id=request_id)
+    if received is None:
+        _finish_on_close(response, obs)
     return _with_request_id(response, request_id, api)
 
 
+def _finish_on_close(response: HttpResponse | StreamingHttpResponse, obs: Observation) -> None:
+    """Served through Django (the test client, WSGI): the call ends when Django closes the
+    response, after its last byte (a stream's too). Django's own hook for resources a response
+    holds until then."""
+    response._resource_closers.append(lambda: obs.finish(response.status_code))
+
+
 async def _handle(endpoint: Endpoint, request: HttpRequest, request_id: str,
-                  started: float) -> HttpResponse | StreamingHttpResponse:
+                  started: float, obs: Observation) -> HttpResponse | StreamingHttpResponse:
     runtime = await _runtime()
-    ctx = await _authenticate(runtime, request, dialect_for(endpoint).api)
+    ctx = await _authenticate(runtime, request, dialect_for(endpoint).api, obs)
     try:
-        return await _admitted(endpoint, runtime, ctx, request, request_id, started)
+        return await _admitted(endpoint, runtime, ctx, request, request_id, started, obs)
     except GatewayError as error:
         await _count_if_refusal(runtime, ctx, error)
         raise
@@ -170,13 +194,15 @@ async def _count_if_refusal(runtime: GatewayRuntime, ctx: KeyContext, error: Gat
 
 
 async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext,
-                    request: HttpRequest, request_id: str,
-                    started: float) -> HttpResponse | StreamingHttpResponse:
+                    request: HttpRequest, request_id: str, started: float,
+                    obs: Observation) -> HttpResponse | StreamingHttpResponse:
     # Cheap refusals first: the key's own (above all before a large body is parsed or counted).
     refuse_before_reading(ctx)
     raw = _read_body(request)
     # Parsed, refused if memory can tell, and counted: one job on a thread for a large body.
     call = await checked(runtime, ctx, endpoint, raw)
+    obs.model = metrics.model_label(runtime.catalog, call.parsed.model)
+    obs.stream = call.parsed.stream
     # A Responses call continuing a stored response holds for the earlier turns too, and goes
     # to the provider key that stores them (gateway/responses_context.py).
     context = await held_context(runtime, ctx, call.parsed)
@@ -188,7 +214,7 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     # reserve and forward run in a task of their own, which settles or releases by itself.
     task = asyncio.ensure_future(_admit_and_forward(
         runtime, ctx, call, request_id, started, client_headers,
-        context.pinned if context is not None else None))
+        context.pinned if context is not None else None, obs))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -202,9 +228,15 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
 
 async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_call: Checked,
                              request_id: str, started: float, client_headers: dict[str, str],
-                             pinned: int | None) -> HttpResponse | StreamingHttpResponse:
+                             pinned: int | None,
+                             obs: Observation) -> HttpResponse | StreamingHttpResponse:
     try:
-        admission = await admit(runtime, ctx, checked_call, request_id)
+        if obs.span is None:
+            admission = await admit(runtime, ctx, checked_call, request_id)
+        else:
+            with obs.child("quota.reserve") as span:
+                admission = await admit(runtime, ctx, checked_call, request_id)
+                span.set_attribute("tollgate.held_tokens", admission.reservation.granted)
     except QuotaStoreUnavailable:
         if not settings.GATEWAY_FAIL_OPEN:
             raise
@@ -214,13 +246,14 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
     api = dialect_for(checked_call.parsed.endpoint).api
     call = Call(runtime, ctx, checked_call.parsed, admission, request_id, started,
                 rate_headers(ctx, admission.reservation, anthropic=api is Api.ANTHROPIC),
-                client_headers, pinned)
+                client_headers, pinned, obs=obs)
     try:
         return await forward(call)
     except QuotaStoreUnavailable:
         await call.release(503, "quota_store_unavailable")
         raise
     except GatewayError as error:
+        obs.refusal = error.refusal or ""
         await _count_if_refusal(runtime, ctx, error)
         return error.response(call.response_headers(), api, request_id)
     except Exception:

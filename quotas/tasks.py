@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from celery import shared_task
 
@@ -10,6 +11,15 @@ from quotas.runtime import get_engine
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
+
+# Told how many holds each sweep ended: gateway.apps installs the request metrics' counter
+# (tollgate_holds_total{event="swept"}) here, since quotas/ cannot import gateway/.
+_swept_observer: Callable[[int], None] | None = None
+
+
+def set_swept_observer(observer: Callable[[int], None] | None) -> None:
+    global _swept_observer
+    _swept_observer = observer
 
 
 @shared_task
@@ -28,4 +38,6 @@ def sweep_stale_holds() -> int:
         swept += len(engine.sweep(tenant_tag(tenant_id)).swept)
     if swept:
         log.warning("swept %d stale holds (gateway processes that never ended them)", swept)
+        if _swept_observer is not None:
+            _swept_observer(swept)
     return swept

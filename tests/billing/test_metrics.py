@@ -108,9 +108,18 @@ def test_reconciliation_rate_is_the_latest_runs_maximum() -> None:
     assert 'tollgate_reconciliation_difference_rate 0.07' in metrics.render()
 
 
+class _Families:
+    def __init__(self, *families: Any) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        return iter(self.families)
+
+
 def test_label_values_are_escaped() -> None:
-    lines = list(metrics._family("m", "gauge", "h", [({"tenant": 'a"b\\c\nd'}, 1)]))
-    assert lines[-1] == 'm{tenant="a\\"b\\\\c\\nd"} 1'
+    family = metrics._gauge("m", "h", [({"tenant": 'a"b\\c\nd'}, 1)])
+    lines = metrics.exposition(_Families(family)).splitlines()
+    assert lines[-1] == 'm{tenant="a\\"b\\\\c\\nd"} 1.0'
 
 
 def test_corrections_over_hold_usage_and_backlog_are_exported(client: Client, token: str) -> None:

@@ -1,0 +1,178 @@
+"""What one /v1 call reports about itself: its request metrics (gateway/metrics.py), its spans
+(gateway/tracing.py) and its access-log line (gateway/access_log.py).
+
+An `Observation` is made once per call in gateway/views.py `_proxy`, filled in as the call goes
+(plain attribute writes: the caller, the model, the refusal, the waits on the upstream), and
+finished exactly once (`finish`, idempotent) when the answer's last byte is sent or the client
+leaves: by gateway/asgi.py GatewayRouter, or, for a call served through Django (the test
+client, WSGI), when Django closes the response. Its finish counts the call, its whole time and
+the gateway's overhead (defined in gateway/metrics.py), ends the `gateway.request` span and
+writes the access-log line when that is on.
+
+The call's other figures are counted where they happen: holds, tokens, cost and the quota round
+trips by gateway/forward.py `Call`, upstream errors and time to first byte by `_answer`.
+
+Spans: only when `tracing.tracer()` is not None. `gateway.request` covers the whole call
+(attributes tollgate.request_id, tollgate.endpoint, tollgate.model, tollgate.tenant,
+tollgate.refusal, http.response.status_code); its children `quota.reserve` (the admission:
+reserve, the plan's policy, a queue wait), `upstream.call` (one per attempt: the request handed
+to the transport until the upstream's headers or failure), `quota.settle` / `quota.release`
+(the round trip ending the hold, possibly after the request span ended: a stream whose client
+left settles after its drain). With tracing off none is made and the hot path pays one
+attribute read per place a span would start.
+"""
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from gateway import access_log, metrics, request_context, tracing
+from quotas.limits import QUEUE_TIMEOUT
+
+_perf = time.perf_counter
+
+
+class Observation:
+    """One call's report; see the module docstring."""
+
+    __slots__ = ("arrived", "body_s", "cost_micros", "done", "endpoint", "input_tokens",
+                 "key_id", "model", "output_tokens", "queued_s", "refusal", "request_id",
+                 "span", "stream", "tenant", "tenant_id", "upstream_s", "upstream_waited")
+
+    def __init__(self, endpoint: str, received: tuple[float, float] | None = None) -> None:
+        """`received`: (perf_counter when the router took the request, seconds it spent reading
+        the body), from gateway/asgi.py; None when Django serves the call (it starts here)."""
+        self.endpoint = endpoint
+        if received is None:
+            self.arrived, self.body_s = _perf(), 0.0
+        else:
+            self.arrived, self.body_s = received
+        self.request_id = ""
+        self.model = metrics.NO_MODEL
+        self.stream = False
+        self.refusal = ""
+        self.tenant: str | None = None  # the `tenant` label: only for opted-in tenants
+        self.tenant_id: str | None = None  # public ids, for the span and the access log
+        self.key_id: str | None = None
+        self.upstream_s = 0.0  # waiting on upstreams (see gateway/metrics.py: overhead)
+        self.upstream_waited = False  # handed to an upstream's transport at least once
+        self.queued_s = 0.0  # an admitted call's queue waits
+        self.input_tokens = self.output_tokens = self.cost_micros = 0
+        self.done = False
+        self.span: Any = None
+        tracer = tracing.tracer()
+        if tracer is not None:
+            # Back-dated to the arrival: the span is made once the view runs.
+            started_ns = time.time_ns() - int((_perf() - self.arrived) * 1e9)
+            self.span = tracer.start_span("gateway.request", start_time=started_ns,
+                                          attributes={"tollgate.endpoint": endpoint})
+
+    def caller(self, tenant_public_id: str, tenant_slug: str, key_public_id: str) -> None:
+        """The API key is known (gateway/views.py _authenticate)."""
+        self.tenant_id = tenant_public_id
+        self.key_id = key_public_id
+        self.tenant = metrics.tenant_label(tenant_public_id, tenant_slug)
+
+    def waited_upstream(self, seconds: float) -> None:
+        self.upstream_s += seconds
+        self.upstream_waited = True
+
+    def settled(self, input_tokens: int, output_tokens: int, cost_micros: int) -> None:
+        """The usage the call was settled with, for the access-log line."""
+        self.input_tokens, self.output_tokens, self.cost_micros = (input_tokens, output_tokens,
+                                                                   cost_micros)
+
+    # -- the end ------------------------------------------------------------------------
+
+    def finish(self, status: int) -> None:
+        """The call ended for its client with `status` (the HTTP status sent; 499 when the
+        client left before the end of the answer, 504 for a stream cut at its deadline).
+        Only the first call counts."""
+        if self.done:
+            return
+        self.done = True
+        whole = _perf() - self.arrived
+        endpoint = self.endpoint
+        metrics.add(metrics.request_child(endpoint, status, self.refusal, self.model))
+        metrics.observe(metrics.duration_child(endpoint, self.stream), whole)
+        if self.refusal != QUEUE_TIMEOUT:
+            own = whole - self.body_s - self.upstream_s - self.queued_s
+            metrics.observe(metrics.overhead_child(endpoint), own if own > 0.0 else 0.0)
+        if self.tenant is not None:
+            metrics.add(metrics.tenant_request_child(self.tenant, endpoint, status))
+        if self.span is not None:
+            self._end_span(status)
+        if access_log.enabled():
+            # In a context of its own holding this call's ids: the router finishes calls
+            # outside the view's context, where the log format finds no request.
+            contextvars.Context().run(self._log, status, whole)
+
+    def _log(self, status: int, whole: float) -> None:
+        if self.request_id:
+            request_context.bind_request(self.request_id)
+        if self.tenant_id is not None and self.key_id is not None:
+            request_context.bind_caller(self.tenant_id, self.key_id)
+        access_log.log_request(
+            endpoint=self.endpoint, model=self.model, status=status, refusal=self.refusal,
+            duration_ms=whole * 1000,
+            upstream_ms=self.upstream_s * 1000 if self.upstream_waited else None,
+            input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+            cost_micros=self.cost_micros, stream=self.stream)
+
+    # -- spans --------------------------------------------------------------------------
+
+    def _end_span(self, status: int) -> None:
+        span = self.span
+        span.set_attribute("tollgate.request_id", self.request_id)
+        span.set_attribute("tollgate.model", self.model)
+        span.set_attribute("tollgate.stream", self.stream)
+        span.set_attribute("http.response.status_code", status)
+        if self.tenant_id is not None:
+            span.set_attribute("tollgate.tenant", self.tenant_id)
+        if self.refusal:
+            span.set_attribute("tollgate.refusal", self.refusal)
+        if status >= 500:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    def start_child(self, name: str, **attributes: Any) -> Any:
+        """A child span of the call's, started now (None when not tracing); the caller ends
+        it."""
+        if self.span is None:
+            return None
+        tracer = tracing.tracer()
+        if tracer is None:  # tracing turned off mid-call
+            return None
+        from opentelemetry.trace import set_span_in_context
+
+        return tracer.start_span(name, context=set_span_in_context(self.span),
+                                 attributes={"tollgate.request_id": self.request_id,
+                                             **attributes})
+
+    @contextmanager
+    def child(self, name: str, **attributes: Any) -> Iterator[Any]:
+        """`start_child` as a context manager: ended on exit, an exception recorded on it.
+        Only for a traced call (check `span` first: the untraced path pays nothing)."""
+        span = self.start_child(name, **attributes)
+        if span is None:
+            yield None
+            return
+        try:
+            yield span
+        except BaseException as exc:
+            end_with_error(span, exc)
+            raise
+        span.end()
+
+
+def end_with_error(span: Any, exc: BaseException) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+    span.end()
