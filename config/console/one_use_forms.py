@@ -1,5 +1,5 @@
 """One-use form ids for forms that create a secret (issue or rotate a key, issue a token, add a
-webhook, invite someone). The page showing the secret is the POST's own response, so a browser
+webhook or rotate its secret, invite someone). The page showing the secret is the POST's own response, so a browser
 reload re-sends the form: without this it would silently issue a second key, or rotate again and
 kill the secret the user just copied. Each rendered form carries a random id; only its first submission acts.
 """
