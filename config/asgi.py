@@ -9,10 +9,13 @@ from config import telemetry  # noqa: E402 - after Django's setup: its line in t
 
 # Here, in no module uvicorn's supervisor imports: each worker process imports this one, so each
 # gets its own exporter thread (OTEL_* variables: off without them).
-telemetry.setup()
+_tracing = telemetry.setup() is not None
 
 from gateway.asgi import GatewayRouter  # noqa: E402 - needs the apps loaded above
 from gateway.urls import direct_routes, prefix_routes  # noqa: E402
 
 # /v1 and the health checks skip Django's middleware and signals (see gateway/asgi.py).
 application = GatewayRouter(django_application, direct_routes(), prefix_routes())
+if _tracing:
+    # Flushes the spans at the worker's lifespan shutdown (see config/telemetry.py).
+    application = telemetry.FlushAtShutdown(application)

@@ -31,6 +31,6 @@ def log_request(*, endpoint: str, model: str, status: int, refusal: str, duratio
               "upstream_ms": None if upstream_ms is None else round(upstream_ms, 3),
               "input_tokens": input_tokens, "output_tokens": output_tokens,
               "cost_micros": cost_micros, "stream": stream}
-    log.info("%s %s %s %.1f ms%s%s", endpoint, status, model, duration_ms,
+    log.info("%s %s %s %.1f ms%s%s", endpoint, status, model or "-", duration_ms,
              " stream" if stream else "", f" refused: {refusal}" if refusal else "",
              extra={"access": fields})

@@ -185,3 +185,40 @@ def test_spans_are_flushed_when_the_process_exits() -> None:
         assert result.stdout.strip() == "made"
         [span] = receiver.spans()
     assert (span.name, span.service) == ("at-exit", "exit-test")
+
+
+def test_the_lifespan_shutdown_flushes_the_spans(capsys: pytest.CaptureFixture[str]) -> None:
+    """uvicorn's workers die of the SIGTERM they re-raise after a graceful shutdown, so exit
+    hooks never run there: the wrapper flushes at the lifespan's shutdown instead, and passes
+    every other scope to the application untouched."""
+    import asyncio
+
+    assert telemetry.setup(environ={"OTEL_TRACES_EXPORTER": "console"}) is not None
+    seen: list[str] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        seen.append(scope["type"])
+
+    wrapped = telemetry.FlushAtShutdown(app)
+
+    async def run() -> list[dict]:
+        await wrapped({"type": "http"}, None, None)
+        inbox = asyncio.Queue()
+        for kind in ("lifespan.startup", "lifespan.shutdown"):
+            inbox.put_nowait({"type": kind})
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                tracing.tracer().start_span("last-request").end()
+            sent.append(message)
+
+        await wrapped({"type": "lifespan"}, inbox.get, send)
+        return sent
+
+    sent = asyncio.run(run())
+    assert seen == ["http"]
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete",
+                                         "lifespan.shutdown.complete"]
+    assert tracing.tracer() is None  # shut down
+    assert '"name": "last-request"' in capsys.readouterr().out
