@@ -6,6 +6,11 @@ the mock upstream the gateway forwards to. Ctrl-C stops them all.
 
 `make up` runs this after starting the embedded services, migrating and creating the demo data.
 It refuses to start on a quota Redis that may evict or lose counters (quotas/durability.py).
+
+Request metrics: the gateway workers and the Celery processes share one prometheus_client
+multiprocess directory (PROMETHEUS_MULTIPROC_DIR: the variable's value if set, else
+`<data dir>/prometheus`), emptied here at start, so /metrics, served by any worker, adds up
+every process's figures (gateway/metrics.py).
 """
 from __future__ import annotations
 
@@ -64,6 +69,17 @@ def _refuse_unsafe_quota_store() -> None:
                          + "\n".join(f"  {p}" for p in problems))
 
 
+def metrics_dir() -> Path:
+    """The multiprocess directory of this run, emptied: files of a previous run's processes
+    would add their counts to this one's (and a dead process's counters must stay only while
+    the run that made them lasts)."""
+    path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or data_dir() / "prometheus")
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    return path
+
+
 def celery_commands(schedule: Path) -> list[list[str]]:
     """The Celery workers to start: one with beat for the default queue (sweep, ledger drain,
     alerts) and one for webhook deliveries, so a slow receiver never takes their slot."""
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _refuse_unsafe_quota_store()
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir())}
     children: list[subprocess.Popen[bytes]] = []
     signal.signal(signal.SIGTERM, _interrupt)
     try:
