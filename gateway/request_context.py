@@ -1,5 +1,5 @@
 """Which request the running code serves: its request id, tenant public id and API key public id,
-in context variables, so that every log line (config/logging.py) and span of a request can say
+in context variables, so that every log line (config/log_format.py) and span of a request can say
 so without each call passing them along.
 
 Each ASGI request runs in a task of its own, and asyncio copies the context into every task a
