@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from gateway import access_log, metrics, request_context, tracing
@@ -154,20 +152,33 @@ class Observation:
                                  attributes={"tollgate.request_id": self.request_id,
                                              **attributes})
 
-    @contextmanager
-    def child(self, name: str, **attributes: Any) -> Iterator[Any]:
+    def child(self, name: str, **attributes: Any) -> _Child:
         """`start_child` as a context manager: ended on exit, an exception recorded on it.
         Only for a traced call (check `span` first: the untraced path pays nothing)."""
-        span = self.start_child(name, **attributes)
-        if span is None:
-            yield None
-            return
-        try:
-            yield span
-        except BaseException as exc:
-            end_with_error(span, exc)
-            raise
-        span.end()
+        return _Child(self.start_child(name, **attributes))
+
+
+class _Child:
+    """`Observation.child`'s context manager. A class, not @contextmanager: contextlib sets
+    `__traceback__` on the exception it lets through, which a frozen dataclass exception
+    refuses (GatewayError: a traced call refused in its reserve answered 500)."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+
+    def __enter__(self) -> Any:
+        return self.span
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: Any) -> bool:
+        if self.span is not None:
+            if exc is None:
+                self.span.end()
+            else:
+                end_with_error(self.span, exc)
+        return False
 
 
 def end_with_error(span: Any, exc: BaseException) -> None:
