@@ -644,17 +644,20 @@ def _send(endpoint: WebhookEndpoint, body: bytes, event_type: str, delivery_id: 
         return None, f"refused: {exc}"
     except WebhookDeadlineExceeded as exc:
         return None, str(exc)
+    timestamp = int(time.time())
     try:
-        in_force = secrets_in_force(endpoint, timezone.now())
+        signed = signature_headers(secrets_in_force(endpoint, timezone.now()), message_id,
+                                   timestamp, body)
     except SecretDecryptionError:
         return None, "the endpoint's secret cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"
-    timestamp = int(time.time())
+    except ValueError as exc:  # a stored secret Tollgate did not make (signing_key)
+        return None, f"the endpoint's secret cannot sign: {exc}"
     headers.update({
         "Content-Type": "application/json",
         "User-Agent": _USER_AGENT,
         "Tollgate-Event": event_type,
         "Tollgate-Delivery": delivery_id,  # the public id (dlv_...), as the API shows it
-        **signature_headers(in_force, message_id, timestamp, body),
+        **signed,
     })
     try:
         return post_within(url, body, headers, extensions, deadline), ""

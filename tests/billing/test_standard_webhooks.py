@@ -161,7 +161,7 @@ def test_an_existing_endpoints_secret_verifies_in_its_standard_form_and_with_the
     assert converted == by_hand(legacy) and NEW_SECRET.match(converted)
     assert base64.b64decode(converted[6:]) == base64.urlsafe_b64decode(legacy[6:] + "=")
     assert Webhook(converted).verify(body, headers) == delivery.payload
-    if "-" in legacy or "_" in legacy:
+    if set("-_") & set(legacy.removeprefix("whsec_")):
         # Given as it is, a standard base64 decoder reads other bytes (Python's drops the "-"
         # and "_"; stricter ones refuse): why the README asks for the conversion.
         with pytest.raises((WebhookVerificationError, binascii.Error)):
@@ -316,3 +316,17 @@ def test_a_grace_out_of_range_changes_nothing(acme: Tenant, allow_private: Any,
     endpoint.refresh_from_db()
     assert endpoint.secret == secret and endpoint.previous_secret_encrypted == ""
     assert not AuditEvent.objects.filter(action="webhook.secret_rotated").exists()
+
+
+@pytest.mark.parametrize("stored, error", [
+    (encrypt_secret("whsec_not*base64"), "the endpoint's secret cannot sign: a webhook secret "
+     "is whsec_ followed by base64"),
+    ("not a Fernet token", "the endpoint's secret cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"),
+], ids=["not-base64", "undecryptable"])
+def test_a_secret_that_cannot_sign_fails_the_attempt_and_sends_nothing(
+        receiver: Receiver, acme: Tenant, stored: str, error: str) -> None:
+    endpoint = WebhookEndpoint.objects.create(tenant=acme, url=receiver.url,
+                                              events=["quota.threshold"], secret_encrypted=stored)
+    delivery = deliver(new_delivery(endpoint).pk)
+    assert (delivery.status, delivery.attempts, delivery.last_error) == ("pending", 1, error)
+    assert delivery.next_attempt_at is not None and receiver.requests == []
