@@ -88,6 +88,9 @@ def test_utc_time_is_utc_with_milliseconds() -> None:
     # 2026-03-01 12:34:56.789 UTC, whatever the machine's zone.
     created = datetime(2026, 3, 1, 12, 34, 56, tzinfo=timezone.utc).timestamp() + 0.789
     assert utc_time(created, 789.0) == "2026-03-01T12:34:56.789Z"
+    # The same second again (its text is kept), then the next one.
+    assert utc_time(created + 0.1, 889.0) == "2026-03-01T12:34:56.889Z"
+    assert utc_time(created + 0.3, 89.0) == "2026-03-01T12:34:57.089Z"
 
 
 def test_a_json_line_inside_a_request_has_its_public_ids(
