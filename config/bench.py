@@ -38,6 +38,16 @@ allows one call in flight; one long call holds it while `--queue-waiters` calls 
 Printed: Redis round trips (EVALSHA) and commands per waiter per second while they wait, and the
 latency of a queued admission after a wake (the gap between consecutive calls ending, each
 admitted by the previous one's settle, minus an unqueued call's median latency), p50/p90/p99.
+
+Then the upstream transports (`transports` mode): one more gateway per transport named by
+`--transports` (GATEWAY_UPSTREAM_TRANSPORT: native, aiohttp, httpx; one worker each, same
+services, tenant and mock), and the same short plain and streamed chat calls through each at each
+`--transport-concurrency` level (and streams paced as a model sends tokens: a millisecond
+between events), the transports in turn, `--transport-rounds` times (each round
+starts with another transport, so none always goes first). Printed per round: req/s, p50 / p99
+and the latency added over the mock's (measured directly in the same round), the worker's CPU per
+request (its process CPU time / requests: what the machine's other load changes least) and its
+ratio to the native transport's in the same round; then the spread of each over the rounds.
 """
 from __future__ import annotations
 
@@ -47,6 +57,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +68,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from gateway.upstream_http import TRANSPORTS  # no Django: importable before settings are set
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -341,7 +354,8 @@ def _peak_rss_mb(parent_pid: int) -> float:
     return _rss_mb(parent_pid, "VmHWM:")
 
 
-MODES = ["plain", "stream", "responses", "messages", "responses-chain", "long", "queue"]
+MODES = ["plain", "stream", "responses", "messages", "responses-chain", "long", "queue",
+         "transports"]
 
 
 @dataclass(frozen=True)
@@ -401,6 +415,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long each stream of the long scenario lasts")
     parser.add_argument("--long-clients", type=int, default=64,
                         help="concurrent streams in the long scenario")
+    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
+                        help="the upstream transports the transports mode compares (the first "
+                             "is the reference of the CPU ratio when native is not among them)")
+    parser.add_argument("--transport-rounds", type=int, default=2,
+                        help="times the transports mode measures every transport")
+    parser.add_argument("--transport-concurrency", type=int, nargs="+", default=[1, 16],
+                        help="client levels of the transports mode")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                         help="after the measurements, keep 16 clients busy this long (plain and "
                              "streaming in turn) and print the gateway worker's RSS every 10 s")
@@ -485,9 +506,127 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway worker peak RSS: {_peak_rss_mb(gateway.pid):.0f} MB")
         if "queue" in args.modes:
             queue_bench(args.gateway_port, args.queue_waiters, args.queue_idle_seconds)
+        if "transports" in args.modes:
+            transport_bench(key, args.mock_port, args.gateway_port, args.transports,
+                            args.transport_concurrency, args.transport_rounds, args.duration)
         if args.soak > 0:
             soak(args.gateway_port, key, gateway.pid, args.soak)
     return 0
+
+
+# The transports mode's loads: (name, streamed, model). The mock sends a short stream's events
+# at once, so they reach the gateway in one read; "paced" spaces them by a millisecond, as a
+# model's tokens come, so each is read, relayed and written on its own.
+TRANSPORT_LOADS = (("plain", False, CHAT_MODEL), ("stream", True, CHAT_MODEL),
+                   ("paced", True, f"{CHAT_MODEL}@chunk_ms=1"))
+
+
+@dataclass(frozen=True)
+class TransportRun:
+    """One load through one transport's gateway in one round, with the mock's direct figures
+    of the same round and load."""
+
+    round: int
+    kind: str
+    load: str
+    clients: int
+    through: Result
+    direct: Result
+    cpu_s: float
+
+    @property
+    def cpu_ms(self) -> float:
+        """The gateway worker's CPU milliseconds per request."""
+        return 1000 * self.cpu_s / max(1, self.through.requests)
+
+    def added(self, p: float) -> float:
+        return self.through.pct(p) - self.direct.pct(p)
+
+
+def transport_bench(key: str, mock_port: int, gateway_port: int, kinds: list[str],
+                    levels: list[int], rounds: int, seconds: float) -> list[TransportRun]:
+    """The transports mode (see the module's docstring): a gateway per transport on the ports
+    after `gateway_port`, the same loads through each in turn; prints and returns the runs."""
+    ports = {kind: gateway_port + 1 + i for i, kind in enumerate(kinds)}
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for kind in kinds:
+            processes[kind] = _start_gateway(ports[kind], 1, GATEWAY_UPSTREAM_TRANSPORT=kind)
+        for kind in kinds:
+            _wait_http(f"http://127.0.0.1:{ports[kind]}/healthz", processes[kind])
+            for stream in (False, True):  # caches, scripts and as many connections as needed
+                load(ports[kind], key, stream, max(levels), 1.0)
+        runs: list[TransportRun] = []
+        for round_ in range(1, rounds + 1):
+            order = kinds[(round_ - 1) % len(kinds):] + kinds[:(round_ - 1) % len(kinds)]
+            for name, stream, model in TRANSPORT_LOADS:
+                for level in levels:
+                    direct = load(mock_port, MOCK_SECRET, stream, level, seconds, model)
+                    for kind in order:
+                        pid = processes[kind].pid
+                        cpu_before = _cpu_seconds(pid)
+                        through = load(ports[kind], key, stream, level, seconds, model)
+                        runs.append(TransportRun(round_, kind, name, level, through, direct,
+                                                 _cpu_seconds(pid) - cpu_before))
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for process in processes.values():
+            process.wait(timeout=15)
+    print_transport_runs(runs, kinds)
+    return runs
+
+
+def print_transport_runs(runs: list[TransportRun], kinds: list[str]) -> None:
+    """Each run, its CPU per request against the reference transport's in the same round and
+    load (native, else the first), then the spread over the rounds."""
+    reference = "native" if "native" in kinds else kinds[0]
+    cpu_of = {(r.round, r.load, r.clients, r.kind): r.cpu_ms for r in runs}
+
+    def ratio(run: TransportRun) -> float:
+        base = cpu_of[(run.round, run.load, run.clients, reference)]
+        return run.cpu_ms / base if base else float("nan")
+
+    print()
+    print(f"transports: a gateway per transport (1 worker each), the same loads in turn; "
+          f"CPU = the worker's process CPU time / requests, vs {reference} in the same round")
+    print(f"{'load':<7} {'clients':>7} {'round':>5} {'transport':<9} {'req/s':>8} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} {'CPU ms':>7} {'vs ' + reference:>10}")
+    for run in runs:
+        print(f"{run.load:<7} {run.clients:>7} {run.round:>5} {run.kind:<9} "
+              f"{run.through.rps:>8.0f} {run.through.pct(50):>7.2f} {run.through.pct(99):>7.2f} "
+              f"{run.added(50):>8.2f} {run.added(99):>8.2f} {run.cpu_ms:>7.3f} "
+              f"{ratio(run):>10.2f}")
+    print()
+    print(f"{'spread over rounds':<18} {'clients':>7} {'transport':<9} {'req/s':>11} "
+          f"{'+p50 ms':>11} {'+p99 ms':>11} {'CPU ms':>13} {'vs ' + reference:>11}")
+    groups: dict[tuple[str, int, str], list[TransportRun]] = {}
+    for run in runs:
+        groups.setdefault((run.load, run.clients, run.kind), []).append(run)
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+    for (name, clients, kind), group in groups.items():
+        print(f"{name:<18} {clients:>7} {kind:<9} "
+              f"{spread([r.through.rps for r in group], 0):>11} "
+              f"{spread([r.added(50) for r in group], 2):>11} "
+              f"{spread([r.added(99) for r in group], 2):>11} "
+              f"{spread([r.cpu_ms for r in group], 3):>13} "
+              f"{spread([ratio(r) for r in group], 2):>11}")
+    # Issue 16's rule: a maintained client replaces the native one if its CPU per request is
+    # within 10% of it. Per load and level, the median of the rounds' ratios.
+    for kind in kinds:
+        if kind == reference:
+            continue
+        medians = {(name, clients): statistics.median(ratio(r) for r in group)
+                   for (name, clients, k), group in groups.items() if k == kind}
+        worst = max(medians, key=lambda key: medians[key])
+        print(f"{kind}: CPU per request vs {reference}, median of the rounds per load: "
+              + ", ".join(f"{name} c={clients} {value:.2f}"
+                          for (name, clients), value in medians.items())
+              + f"; highest {medians[worst]:.2f} ({worst[0]} c={worst[1]}): "
+              + ("within 10%" if medians[worst] <= 1.10 else "not within 10%"))
 
 
 async def _one_call(port: int, request: bytes) -> tuple[float, float]:
@@ -593,12 +732,7 @@ def running_system(data_prefix: str, gateway_port: int, mock_port: int, gateway_
         mock = subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port",
                                  str(mock_port)], cwd=ROOT, env=env)
         children.append(mock)
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port",
-             str(gateway_port), "--workers", str(gateway_workers), "--loop", "uvloop",
-             "--http", "httptools", "--log-level", "warning", "--no-access-log",
-             "--no-proxy-headers"],
-            cwd=ROOT, env=env)
+        gateway = _start_gateway(gateway_port, gateway_workers)
         children.append(gateway)
         _wait_http(f"http://127.0.0.1:{mock_port}/v1/models", mock)
         _wait_http(f"http://127.0.0.1:{gateway_port}/healthz", gateway)
@@ -610,6 +744,16 @@ def running_system(data_prefix: str, gateway_port: int, mock_port: int, gateway_
             child.wait(timeout=15)
         embedded.stop_all(data_dir)
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _start_gateway(port: int, workers: int, **env: str) -> subprocess.Popen[bytes]:
+    """The gateway under uvicorn (uvloop, httptools) with this process's environment (that of
+    running_system) plus `env`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port", str(port),
+         "--workers", str(workers), "--loop", "uvloop", "--http", "httptools", "--log-level",
+         "warning", "--no-access-log", "--no-proxy-headers"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
 
 
 def _setup_tenant(mock_port: int) -> str:

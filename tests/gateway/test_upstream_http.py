@@ -693,3 +693,22 @@ def test_the_setting_names_one_of_the_transports() -> None:
         in refused.stderr
     with pytest.raises(ValueError, match="unknown upstream transport 'h2'"):
         make_transport("h2", max_connections=1)
+
+
+@transports(httpx="httpcore hands each chunk of the chunked framing up on its own")
+@run
+async def test_stream_pieces_that_arrive_together_come_up_as_one(kind: str) -> None:
+    # The relay's cost is per piece it is handed (a read, a split, a write to the client): a
+    # burst of events read at once is handed over whole, in order, nothing lost.
+    answer: list[bytes | float] = [
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"6\r\ndata:1\r\n6\r\ndata:2\r\n6\r\ndata:3\r\n", 0.1, b"6\r\ndata:4\r\n0\r\n\r\n"]
+    server = Server(lambda n: answer)
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        await asyncio.sleep(0.05)  # the burst is in before the first read
+        chunks = [chunk async for chunk in response.aiter_raw()]
+        await response.aclose()
+        await transport.aclose()
+    assert chunks == [b"data:1data:2data:3", b"data:4"]
