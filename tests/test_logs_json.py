@@ -278,3 +278,37 @@ def test_a_bad_redis_url_is_named_without_its_password(name: str) -> None:
     assert result.returncode != 0
     assert f"{name} must be redis://, rediss:// or unix://, got http:" in result.stderr
     assert "hunter2" not in result.stderr
+
+
+def test_uvicorns_supervisor_writes_json_with_the_shipped_log_config(tmp_path: Path) -> None:
+    """The workers load settings.LOGGING; uvicorn's supervisor process never does. Given
+    config/uvicorn_log_json.json (--log-config), its own lines are JSON lines too."""
+    import signal
+
+    (tmp_path / "tel_dummy_app.py").write_text("async def app(scope, receive, send):\n"
+                                               "    pass\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "tel_dummy_app:app", "--port", "0", "--workers", "2",
+         "--lifespan", "off", "--log-level", "info",
+         "--log-config", str(ROOT / "config" / "uvicorn_log_json.json")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        started = []
+        assert process.stdout is not None
+        for line in process.stdout:
+            started.append(json.loads(line))
+            if sum("Started server process" in x["message"] for x in started) == 2:
+                break
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    found = started + [json.loads(line) for line in rest.splitlines()]
+    messages = [line["message"] for line in found]
+    assert any(m.startswith("Started parent process") for m in messages), messages
+    assert any(m.startswith("Stopping parent process") for m in messages), messages
+    assert {line["logger"] for line in found} == {"uvicorn.error"}
+    assert all(ISO_MS_UTC.fullmatch(line["time"]) for line in found)
