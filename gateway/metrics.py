@@ -42,11 +42,12 @@ merges them (prometheus_client's multiprocess mode); unset, one process keeps th
 
 Cost on the hot path: a write of prometheus_client's multiprocess values takes a lock, a getpid
 and an mmap write (about 2.5 us on the 2-core bench machine, a histogram's twice that), and a
-call makes about twenty of them. So each process tallies its figures in plain dicts (`add`,
-`observe`: one lock and a dict update) and writes them to the library's values at most every
-TOLLGATE_METRICS_FLUSH_SECONDS (a timer on the event loop; at once where no loop runs, e.g. the
-Celery sweep), before each scrape of its own process, and at exit. A scrape therefore shows
-other workers' calls at most that long after they ended.
+call makes about fifteen of them. So each process tallies its figures in plain dicts (`add`,
+`observe`: a dict update) and writes them to the library's values every
+TOLLGATE_METRICS_FLUSH_SECONDS while there are any (a timer on the event loop; at once where no
+loop runs, e.g. the Celery sweep), on a scrape and at exit: one write per labelled child (per
+bucket) per interval, whatever the request rate. A scrape therefore shows a call at most that
+long after it ended.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ from typing import Any
 
 import prometheus_client
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
@@ -177,70 +180,89 @@ class HistogramChild:
 
 
 class Tally:
-    """This process's figures since the last flush. `add` and `observe` may be called from any
-    thread; the event loop's timer, a scrape and the exit hook flush."""
+    """This process's figures since the last write to prometheus_client's values.
 
-    __slots__ = ("counts", "histograms", "lock", "loop")
+    Recorded on one thread: the event loop's (the gateway's code records nothing from its
+    database or estimation threads), or a process's only thread where no loop runs (Celery),
+    so `add` and `observe` take no lock. Written by the loop's timer, at exit, and by a scrape:
+    a scrape on another thread (Django runs /metrics on one) asks the loop to write rather than
+    swap the dicts under a recorder's feet, so it sees this process's last figures after the
+    next turn of the loop, like other processes' after their timer."""
+
+    __slots__ = ("armed", "counts", "histograms", "home", "lock")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # two writes never interleave (the timer's, exit's)
         self.counts: dict[Any, float] = {}  # counter child -> amount
         self.histograms: dict[HistogramChild, list[float]] = {}  # -> [sum, n per bucket...]
-        self.loop: asyncio.AbstractEventLoop | None = None  # whose timer will flush
+        self.armed = False  # a timer will write
+        self.home: asyncio.AbstractEventLoop | None = None  # the loop recording, if any
 
     def add(self, child: Any, amount: float = 1.0) -> None:
-        with self.lock:
-            counts = self.counts
-            counts[child] = counts.get(child, 0.0) + amount
-        if self.loop is None:
+        counts = self.counts
+        counts[child] = counts.get(child, 0.0) + amount
+        if not self.armed:
             self._arm()
 
     def observe(self, child: HistogramChild, seconds: float) -> None:
-        index = bisect_left(child.bounds, seconds) + 1
-        with self.lock:
-            tally = self.histograms.get(child)
-            if tally is None:
-                tally = self.histograms[child] = [0.0] * (len(child.buckets) + 1)
-            tally[0] += seconds
-            tally[index] += 1
-        if self.loop is None:
+        tally = self.histograms.get(child)
+        if tally is None:
+            tally = self.histograms[child] = [0.0] * (len(child.buckets) + 1)
+        tally[0] += seconds
+        tally[bisect_left(child.bounds, seconds) + 1] += 1
+        if not self.armed:
             self._arm()
 
     def _arm(self) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self.flush()  # no event loop here (Celery, a command): write at once
+            self.write()  # no event loop here (Celery, a command): write at once
             return
-        self.loop = loop
+        self.armed = True
+        self.home = loop
         loop.call_later(settings.TOLLGATE_METRICS_FLUSH_SECONDS, self._due)
 
     def _due(self) -> None:
-        self.loop = None
-        self.flush()
+        self.armed = False
+        self.write()
 
     def flush(self) -> None:
+        """Write the tally now: here when called on the recording loop or with no loop running
+        (a test's loop that ended, a process without one), else on that loop, soon."""
+        home = self.home
+        if home is not None and home.is_running():
+            try:
+                here = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            if here is not home:
+                home.call_soon_threadsafe(self.write)
+                return
+        if home is None or home.is_closed():
+            self.armed = False  # its timer will never fire: the next record arms another
+        self.write()
+
+    def write(self) -> None:
         """Write what was tallied to prometheus_client's values (its files in multiprocess
-        mode)."""
+        mode). Only where recording cannot run meanwhile: see flush."""
         with self.lock:
             counts, self.counts = self.counts, {}
             histograms, self.histograms = self.histograms, {}
-            if self.loop is not None and self.loop.is_closed():
-                self.loop = None  # a test's loop that ended before its timer fired
-        for child, amount in counts.items():
-            child.inc(amount)
-        for hist, tally in histograms.items():
-            hist.sum.inc(tally[0])
-            for value, n in zip(hist.buckets, tally[1:], strict=True):
-                if n:
-                    value.inc(n)
+            for child, amount in counts.items():
+                child.inc(amount)
+            for hist, tally in histograms.items():
+                hist.sum.inc(tally[0])
+                for value, n in zip(hist.buckets, tally[1:], strict=True):
+                    if n:
+                        value.inc(n)
 
 
 _tally = Tally()
 add = _tally.add
 observe = _tally.observe
 flush = _tally.flush
-atexit.register(flush)
+atexit.register(_tally.write)
 
 
 # -- labelled children, made once -----------------------------------------------------------
@@ -312,15 +334,17 @@ def count_usage(model: str, usage: Usage, cost_micros: int, tenant: str | None) 
     if children is None:
         children = _tokens[model] = tuple(TOKENS.labels(model, c) for c in TOKEN_CLASSES)
         _costs[model] = COST.labels(model)
-    for child, n in zip(children, token_classes(usage), strict=True):
+    split = token_classes(usage)
+    for i, n in enumerate(split):
         if n:
-            add(child, n)
+            add(children[i], n)
     if cost_micros:
         add(_costs[model], cost_micros)
     if tenant is not None:
-        for child, n in zip(_tenant_token_children(tenant), token_classes(usage), strict=True):
+        tenant_children = _tenant_token_children(tenant)
+        for i, n in enumerate(split):
             if n:
-                add(child, n)
+                add(tenant_children[i], n)
 
 
 def count_hold_end(ending: str, outcome: str, used: int, held: int) -> None:
@@ -391,23 +415,36 @@ class _TenantFamilies:
 
 
 _tenant_families = _TenantFamilies()
-_tenant_setting: tuple[str, ...] | None = None
-_tenant_labels: dict[str, str] = {}
 _tenant_requests: dict[tuple[str, str, int], Any] = {}
 _tenant_tokens: dict[str, tuple[Any, ...]] = {}
+
+
+class _Listed:
+    """TOLLGATE_METRICS_TENANTS as a lookup, read once (each read of Django's settings object
+    costs more than the lookup), again when a test changes the setting."""
+
+    labels: dict[str, str] | None = None
+
+    @classmethod
+    def get(cls) -> dict[str, str]:
+        if cls.labels is None:
+            cls.labels = {entry: entry for entry in settings.TOLLGATE_METRICS_TENANTS}
+        return cls.labels
+
+
+@receiver(setting_changed)
+def _reread_listed(setting: str, **kwargs: Any) -> None:
+    if setting == "TOLLGATE_METRICS_TENANTS":
+        _Listed.labels = None
 
 
 def tenant_label(public_id: str, slug: str) -> str | None:
     """The `tenant` label of a tenant listed in TOLLGATE_METRICS_TENANTS (by public id or slug:
     the entry as the operator wrote it), else None: no tenant-labelled figure for it."""
-    global _tenant_setting, _tenant_labels
-    listed = settings.TOLLGATE_METRICS_TENANTS
+    listed = _Listed.get()
     if not listed:
         return None
-    if listed is not _tenant_setting:
-        _tenant_labels = {entry: entry for entry in listed}
-        _tenant_setting = listed
-    return _tenant_labels.get(public_id) or _tenant_labels.get(slug)
+    return listed.get(public_id) or listed.get(slug)
 
 
 def _tenant_family(name: str) -> Counter:
