@@ -249,16 +249,35 @@ class Tally:
         with self.lock:
             counts, self.counts = self.counts, {}
             histograms, self.histograms = self.histograms, {}
-            for child, amount in counts.items():
+            # Snapshots (list): a recorder on another thread still holding the old dict (only
+            # where several threads record with no loop, e.g. threaded WSGI) must not break this.
+            for child, amount in list(counts.items()):
                 child.inc(amount)
-            for hist, tally in histograms.items():
+            for hist, tally in list(histograms.items()):
                 hist.sum.inc(tally[0])
                 for value, n in zip(hist.buckets, tally[1:], strict=True):
                     if n:
                         value.inc(n)
 
 
+    def on_recording_thread(self, record: Any, *args: Any) -> None:
+        """Call `record(*args)` where recording is safe: on the recording loop when it runs
+        and this is another thread (Django closes a response on a thread of its own), else
+        here."""
+        home = self.home
+        if home is not None and home.is_running():
+            try:
+                here = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            if here is not home:
+                home.call_soon_threadsafe(record, *args)
+                return
+        record(*args)
+
+
 _tally = Tally()
+on_recording_thread = _tally.on_recording_thread
 add = _tally.add
 observe = _tally.observe
 flush = _tally.flush

@@ -169,8 +169,10 @@ async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | Str
 def _finish_on_close(response: HttpResponse | StreamingHttpResponse, obs: Observation) -> None:
     """Served through Django (the test client, WSGI): the call ends when Django closes the
     response, after its last byte (a stream's too). Django's own hook for resources a response
-    holds until then."""
-    response._resource_closers.append(lambda: obs.finish(response.status_code))
+    holds until then; Django's ASGI handler runs it on a thread, so the figures are recorded
+    on the event loop (gateway/metrics.py: recorded on one thread)."""
+    response._resource_closers.append(
+        lambda: metrics.on_recording_thread(obs.finish, response.status_code))
 
 
 async def _handle(endpoint: Endpoint, request: HttpRequest, request_id: str,
