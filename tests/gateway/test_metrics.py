@@ -228,3 +228,20 @@ def test_an_observation_finishes_once() -> None:
     assert got[key] == before + 1
     assert 'tollgate_requests_total{endpoint="completions",status="499",refusal="",' \
            'model="other"}' not in got
+
+
+def test_serve_gives_its_processes_one_emptied_multiprocess_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from config import serve
+
+    shared = tmp_path / "prom"
+    shared.mkdir()
+    (shared / "counter_123.db").write_bytes(b"x")  # a previous run's
+    (shared / "keep.txt").write_text("not ours")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(shared))
+    assert serve.metrics_dir() == shared
+    assert sorted(p.name for p in shared.iterdir()) == ["keep.txt"]
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    monkeypatch.setattr(serve, "data_dir", lambda: tmp_path / "data")
+    made = serve.metrics_dir()
+    assert made == tmp_path / "data" / "prometheus" and made.is_dir()
