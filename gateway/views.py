@@ -226,6 +226,10 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
         task.add_done_callback(_start_drain_if_streaming)
         runtime.detach(task)
         raise
+    finally:
+        # A refusal raised by the task has this frame in its traceback: without this reference
+        # back to the task, each would leave a reference cycle for the cyclic GC.
+        del task
 
 
 async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_call: Checked,
