@@ -191,6 +191,11 @@ class Call:
     def _begin_end(self, work: Coroutine[Any, Any, None]) -> None:
         if self._checkpoints is not None:
             self._checkpoints.stop()
+        # Dropped: the checkpoints (the only reader of the relay's count) and a stream's relay
+        # point back at this call, cycles the cyclic GC would otherwise have to find, pausing
+        # the worker (a checkpoint write still in flight keeps its own reference).
+        self._checkpoints = None
+        self.relay = None
         self._end = self.runtime.detach(work)
 
     async def _wait_end(self) -> None:
@@ -819,6 +824,10 @@ class StreamRelay:
         finally:
             if reading.done():
                 self.reading = None
+            # The read's exception (StopAsyncIteration at the end) has this frame in its
+            # traceback: without this reference back to the read, each stream would leave a
+            # reference cycle for the cyclic GC.
+            del reading
 
     def response(self) -> StreamingHttpResponse:
         response = StreamingHttpResponse(self.relay(), content_type="text/event-stream",
