@@ -1,7 +1,12 @@
 """Faults end to end: the gateway under uvicorn over real Redis and PostgreSQL, with the mock
 upstream's fault injection (model-name suffixes), a client that leaves, a dead worker, a dead
 quota store and bad bodies. After every fault the tenant's counters and usage stream must show
-that the hold ended exactly once, with the right outcome and the exact amount."""
+that the hold ended exactly once, with the right outcome and the exact amount.
+
+The faults that reach the gateway through its upstream HTTP client (a client leaving mid-stream,
+a cut stream, error statuses, silence before the first byte) run through each upstream transport
+(GATEWAY_UPSTREAM_TRANSPORT): the end-to-end half of their contract with
+tests/gateway/test_upstream_http.py."""
 from __future__ import annotations
 
 import json
@@ -21,6 +26,7 @@ import pytest
 from config import embedded
 from config.embedded import free_port
 from gateway.mock_upstream import MockUpstream, start_subprocess
+from gateway.upstream_http import TRANSPORTS
 from quotas.client import make_redis
 from quotas.engine import QuotaEngine
 from tests.gateway.conftest import (
@@ -32,6 +38,11 @@ from tests.gateway.conftest import (
     wait_until,
 )
 from tests.support.gateway_calls import billed, unique_model, usage_events
+from tests.support.transports import (
+    CUT_LOSES_LAST_EVENTS,
+    known_difference,
+    transport_gateway,
+)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
@@ -71,6 +82,25 @@ def tight_gateway(provider_key: str,
     server.stop()
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def upstream_gateway(request: pytest.FixtureRequest, provider_key: str,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """A gateway on each upstream transport (tests/support/transports.py)."""
+    yield from transport_gateway(request, tmp_path_factory.mktemp(f"{request.param}-gateway"))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def tight_upstream_gateway(request: pytest.FixtureRequest, provider_key: str,
+                           tmp_path_factory: pytest.TempPathFactory
+                           ) -> Iterator[GatewayServer]:
+    """tight_gateway's 1 s upstream read timeout, on each upstream transport."""
+    server = start_gateway(tmp_path_factory.mktemp(f"tight-{request.param}-gateway"),
+                           workers=1, GATEWAY_UPSTREAM_READ_TIMEOUT="1",
+                           GATEWAY_UPSTREAM_TRANSPORT=request.param)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def redisless_gateway(provider_key: str,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
@@ -85,7 +115,7 @@ def redisless_gateway(provider_key: str,
 
 
 def test_client_disconnect_mid_stream_drains_the_upstream_and_settles_its_usage(
-    gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
+    upstream_gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
     engine: QuotaEngine,
 ) -> None:
     t = make_tenant()
@@ -93,7 +123,8 @@ def test_client_disconnect_mid_stream_drains_the_upstream_and_settles_its_usage(
     body = {"model": f"{base}@chunk_ms=20@output_tokens=40", "stream": True,
             "messages": [{"role": "user", "content": "tell me a rather long story"}]}
     with httpx.Client(timeout=30) as http, http.stream(
-        "POST", f"{gateway.base_url}/chat/completions", json=body, headers=auth(t.plaintext)
+        "POST", f"{upstream_gateway.base_url}/chat/completions", json=body,
+        headers=auth(t.plaintext)
     ) as response:
         assert response.status_code == 200
         received = []
@@ -125,14 +156,16 @@ def test_client_disconnect_mid_stream_drains_the_upstream_and_settles_its_usage(
 
 
 def test_upstream_cut_mid_stream_settles_the_counted_text(
-    gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
-    engine: QuotaEngine,
+    upstream_gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
+    engine: QuotaEngine, request: pytest.FixtureRequest,
 ) -> None:
+    known_difference(request, "upstream_gateway", aiohttp=CUT_LOSES_LAST_EVENTS)
     t = make_tenant()
     base = unique_model("fx-cut")
     chunks = []
     try:
-        for chunk in client_for(gateway, t.plaintext, timeout=30).chat.completions.create(
+        client = client_for(upstream_gateway, t.plaintext, timeout=30)
+        for chunk in client.chat.completions.create(
                 model=f"{base}@cut=3", messages=[{"role": "user", "content": "stream please"}],
                 stream=True):
             chunks.append(chunk)
@@ -157,10 +190,12 @@ def test_upstream_cut_mid_stream_settles_the_counted_text(
 
 
 def test_a_cut_stream_is_counted_even_when_the_client_asked_for_usage(
-    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
+    upstream_gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
+    request: pytest.FixtureRequest,
 ) -> None:
+    known_difference(request, "upstream_gateway", aiohttp=CUT_LOSES_LAST_EVENTS)
     t = make_tenant()
-    stream = client_for(gateway, t.plaintext).chat.completions.create(
+    stream = client_for(upstream_gateway, t.plaintext).chat.completions.create(
         model="gpt-4o@cut=3", messages=[{"role": "user", "content": "count me"}], stream=True,
         stream_options={"include_usage": True})
     chunks = list(stream)  # the gateway ends the client's stream where the upstream broke
@@ -175,11 +210,11 @@ def test_a_cut_stream_is_counted_even_when_the_client_asked_for_usage(
 
 
 def test_upstream_500_is_502_and_releases_the_hold(
-    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
+    upstream_gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
 ) -> None:
     t = make_tenant()
     with pytest.raises(openai.InternalServerError) as info:
-        client_for(gateway, t.plaintext).chat.completions.create(
+        client_for(upstream_gateway, t.plaintext).chat.completions.create(
             model="gpt-4o@status=500", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 502
     assert info.value.code == "upstream_error"
@@ -188,11 +223,11 @@ def test_upstream_500_is_502_and_releases_the_hold(
 
 
 def test_upstream_400_is_told_in_tollgate_words_and_releases_the_hold(
-    gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
+    upstream_gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine
 ) -> None:
     t = make_tenant()
     with pytest.raises(openai.BadRequestError) as info:
-        client_for(gateway, t.plaintext).chat.completions.create(
+        client_for(upstream_gateway, t.plaintext).chat.completions.create(
             model="gpt-4o@status=400", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 400
     assert info.value.body["message"] == "The upstream provider rejected the request as invalid."
@@ -204,13 +239,14 @@ def test_upstream_400_is_told_in_tollgate_words_and_releases_the_hold(
 
 
 def test_upstream_timeout_before_the_first_byte_is_504_and_releases_the_hold(
-    tight_gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
+    tight_upstream_gateway: GatewayServer, mock_upstream: MockUpstream,
+    make_tenant: MakeTenant,
     engine: QuotaEngine,
 ) -> None:
     t = make_tenant()
     base = unique_model("fx-hang")
     with pytest.raises(openai.APIStatusError) as info:
-        client_for(tight_gateway, t.plaintext, timeout=30).chat.completions.create(
+        client_for(tight_upstream_gateway, t.plaintext, timeout=30).chat.completions.create(
             model=f"{base}@hang", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 504
     assert info.value.code == "upstream_error"

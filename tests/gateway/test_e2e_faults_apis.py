@@ -16,6 +16,10 @@ pending) and the ledger row is what the upstream produced, as the mock upstream 
 - a dead worker: the sweep charges the input estimate plus the last checkpoint (the text its
   client received), never more than the hold.
 
+Every fault but the dead worker runs through each upstream transport
+(GATEWAY_UPSTREAM_TRANSPORT): the end-to-end half of their contract with
+tests/gateway/test_upstream_http.py.
+
 Counted text (a cut, a sweep) uses the gateway's tokenizer, which for these models (outside the
 catalog) is the documented heuristic: it counts the mock's words as at least one token each, so
 those rows are at least the bill, never less."""
@@ -42,6 +46,7 @@ from gateway.catalog import fallback_model_info
 from gateway.mock_upstream import MockUpstream
 from gateway.mock_upstream.server import wait_until_ready
 from gateway.tokens import count_stream_text, estimate_messages_prompt, estimate_responses_input
+from gateway.upstream_http import TRANSPORTS
 from quotas.engine import QuotaEngine
 from quotas.keys import hold_key
 from tests.gateway.conftest import (
@@ -56,6 +61,11 @@ from tests.gateway.conftest import (
 )
 from tests.gateway.test_e2e_race_apis import MOCK_PRICE, ledger_rows, row_usage
 from tests.support.gateway_calls import SHARED_PROVIDER_SECRET, billed, unique_model, usage_events
+from tests.support.transports import (
+    CUT_LOSES_LAST_EVENTS,
+    known_difference,
+    transport_gateway,
+)
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
@@ -69,6 +79,13 @@ CLASS_FAULTS = {"responses": "@cached_tokens=2@reasoning_tokens=4",
 SECRETS = {"responses": SHARED_PROVIDER_SECRET, "messages": ANTHROPIC_MOCK_SECRET}
 TERMINAL = {"responses": ("response.completed", "response.incomplete", "response.failed"),
             "messages": ("message_stop",)}
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def upstream_gateway(request: pytest.FixtureRequest, provider_key: str,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """A gateway on each upstream transport (tests/support/transports.py)."""
+    yield from transport_gateway(request, tmp_path_factory.mktemp(f"{request.param}-apis-gateway"))
 
 
 def request_for(api: str, model: str, key: str) -> tuple[str, dict[str, Any], dict[str, str]]:
@@ -223,7 +240,7 @@ INSTANTS = ("before_headers", "after_first_event", "mid_stream", "after_final_ev
 @pytest.mark.parametrize("instant", INSTANTS)
 @pytest.mark.parametrize("api", APIS)
 def test_a_client_leaving_at_any_instant_is_charged_what_the_upstream_produced(
-    gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
+    upstream_gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
     engine: QuotaEngine, django_db_blocker: Any, api: str, instant: str,
 ) -> None:
     t = make_tenant(requests_per_second=-1)
@@ -232,12 +249,12 @@ def test_a_client_leaving_at_any_instant_is_charged_what_the_upstream_produced(
     if instant == "before_headers":
         model += "@first_byte_ms=3000"
         client = Client(api)
-        asyncio.run(leave_before_headers(gateway, t, engine, client, model))
+        asyncio.run(leave_before_headers(upstream_gateway, t, engine, client, model))
         assert client.events == []
     else:
         leave = {"after_first_event": leave_after_first_event, "mid_stream": leave_mid_stream,
                  "after_final_event": leave_after_final_event}[instant]
-        client = stream(gateway, t, api, model, leave)
+        client = stream(upstream_gateway, t, api, model, leave)
         assert client.status == 200 and client.error is None
         assert client.ended_properly() is (instant == "after_final_event")
 
@@ -266,14 +283,15 @@ def test_a_client_leaving_at_any_instant_is_charged_what_the_upstream_produced(
 
 @pytest.mark.parametrize("api", APIS)
 def test_an_upstream_cut_mid_stream_is_charged_what_was_relayed(
-    gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
-    engine: QuotaEngine, django_db_blocker: Any, api: str,
+    upstream_gateway: GatewayServer, mock_upstream: MockUpstream, make_tenant: MakeTenant,
+    engine: QuotaEngine, django_db_blocker: Any, api: str, request: pytest.FixtureRequest,
 ) -> None:
+    known_difference(request, "upstream_gateway", aiohttp=CUT_LOSES_LAST_EVENTS)
     t = make_tenant(requests_per_second=-1)
     base = unique_model(f"fx-cut-{api}")
     faults = "@cache_read_tokens=2@cache_write_tokens=1" if api == "messages" else ""
     model = f"{base}{faults}@cut=3"
-    client = stream(gateway, t, api, model)
+    client = stream(upstream_gateway, t, api, model)
     assert client.status == 200
     assert client.text == "mock reply the" and not client.ended_properly()
 
@@ -305,14 +323,15 @@ def test_an_upstream_cut_mid_stream_is_charged_what_was_relayed(
 # -- 3. an upstream that hangs or stalls: the call's deadline --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def deadline_gateway(provider_key: str,
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def deadline_gateway(request: pytest.FixtureRequest, provider_key: str,
                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
     """A 1 s call deadline (6 s stale threshold; 1 + 0.5 drain + 2 x 0.5 socket timeout fits in
-    its half), as tests/gateway/test_e2e_call_end.py starts it."""
-    server = start_gateway(tmp_path_factory.mktemp("deadline-apis-gateway"), workers=1,
-                           QUOTA_STALE_HOLD_SECONDS="6", GATEWAY_CALL_DEADLINE_SECONDS="1",
-                           GATEWAY_STREAM_DRAIN_SECONDS="0.5", REDIS_SOCKET_TIMEOUT="0.5")
+    its half), as tests/gateway/test_e2e_call_end.py starts it, on each upstream transport."""
+    server = start_gateway(tmp_path_factory.mktemp(f"deadline-apis-{request.param}-gateway"),
+                           workers=1, QUOTA_STALE_HOLD_SECONDS="6",
+                           GATEWAY_CALL_DEADLINE_SECONDS="1", GATEWAY_STREAM_DRAIN_SECONDS="0.5",
+                           REDIS_SOCKET_TIMEOUT="0.5", GATEWAY_UPSTREAM_TRANSPORT=request.param)
     yield server
     server.stop()
 

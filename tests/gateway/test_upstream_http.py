@@ -183,6 +183,7 @@ async def test_connection_refused_is_connect_error(kind: str) -> None:
     # The slot was given back: the next call does not wait for the pool.
     with pytest.raises(httpx.ConnectError):
         await transport.handle_async_request(_request(f"http://127.0.0.1:{port}"))
+    await transport.aclose()
 
 
 @transports()
@@ -328,9 +329,10 @@ def test_https_upstream_with_certificate_checks(kind: str, tmp_path: Any) -> Non
             await transport.aclose()
             assert server.connections == 1  # kept alive over TLS too
             # The default context (public CAs) refuses the self-signed certificate.
+            public_cas = make_transport(kind, max_connections=1)
             with pytest.raises(httpx.ConnectError):
-                await make_transport(kind, max_connections=1).handle_async_request(
-                    _request(f"https://127.0.0.1:{port}"))
+                await public_cas.handle_async_request(_request(f"https://127.0.0.1:{port}"))
+            await public_cas.aclose()
         finally:
             listener.close()
 
@@ -712,3 +714,27 @@ async def test_stream_pieces_that_arrive_together_come_up_as_one(kind: str) -> N
         await response.aclose()
         await transport.aclose()
     assert chunks == [b"data:1data:2data:3", b"data:4"]
+
+
+@transports(aiohttp="aiohttp's reader raises the hang-up before the pieces that came with it: a "
+                    "cut stream's last events (all of them, when they came in one read) are "
+                    "neither relayed nor charged")
+@run
+async def test_pieces_that_arrived_before_a_hang_up_are_read_before_its_error(kind: str) -> None:
+    # An upstream that crashes mid-stream: the events it sent before are what the client is
+    # relayed and the tenant is charged for (forward.py counts a cut stream's text), so they
+    # must be handed up even when the hang-up arrives with them, before anything was read.
+    server = Server(lambda n: [
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"6\r\ndata:1\r\n6\r\ndata:2\r\n"], keep_open=False)
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        await asyncio.sleep(0.1)  # the pieces and the hang-up are in before the first read
+        received = b""
+        with pytest.raises(httpx.TransportError):
+            async for chunk in response.aiter_raw():
+                received += chunk
+        await response.aclose()
+        await transport.aclose()
+    assert received == b"data:1data:2"
