@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                              "responses, messages: the Responses and Messages APIs, non-streamed "
                              "and streamed; responses-chain: Responses calls continuing the "
                              "previous one; long: streams with checkpoints; queue: what waiting "
-                             "in the queue policy's queue costs)")
+                             "in the queue policy's queue costs; transports: the same calls "
+                             "through a gateway per upstream transport)")
     parser.add_argument("--chain-length", type=int, default=100,
                         help="calls per chain in responses-chain (each connection then starts "
                              "a new one)")
