@@ -53,6 +53,9 @@ def _fresh_throttle() -> None:
         ({**PRODUCTION, "SECURE_PROXY_SSL_HEADER": "HTTP_X_FORWARDED_PROTO,https"},
          "name it in TOLLGATE_TRUSTED_PROXIES"),
         ({**PRODUCTION, "SECURE_HSTS_SECONDS": "-1"}, "SECURE_HSTS_SECONDS must be >= 0"),
+        # It under-charges a stream its upstream cuts (tests/gateway/test_upstream_http.py).
+        ({**PRODUCTION, "GATEWAY_UPSTREAM_TRANSPORT": "aiohttp"},
+         "GATEWAY_UPSTREAM_TRANSPORT=aiohttp is for benchmarks only"),
     ],
 )
 def test_unsafe_settings_refuse_to_start(env: dict[str, str], message: str) -> None:
