@@ -10,8 +10,9 @@ caller's extras could carry anything, and a log line only what is listed here.
 Never a secret or a prompt: the log calls pass public ids, never a body, a header or a key (see
 README, "Logs"). As a second line of defence, both formats mask what still looks like a secret
 in the message and the traceback before it is written: Tollgate API keys and management tokens
-(their public lookup prefix is kept), bearer credentials, `sk-...` provider keys and the
-password of a URL. A mask costs one regular-expression pass over the line.
+(their public lookup prefix is kept), bearer credentials, `sk-...` provider keys, `whsec_...`
+webhook signing secrets and the password of a URL. A mask costs one regular-expression pass
+over the line.
 
 The context is read when the record is formatted, which logging's StreamHandler does in the
 calling task (asyncio copies the context into every task a request starts): a handler that
@@ -33,19 +34,21 @@ from tenants.api_key_format import KEY_SCHEME, PREFIX_LENGTH
 from tenants.management_tokens import TOKEN_SCHEME
 
 # What a secret looks like; group `keep` is what stays of it (a key's public lookup prefix, the
-# word Bearer, `sk-`, the `://` of a URL).
+# word Bearer, `sk-`, `whsec_`, the `://` of a URL). A webhook secret is base64 in either
+# alphabet (billing.webhooks.signing_key), padding included.
 _SECRET = re.compile(
     rf"(?P<keep>\b(?:{KEY_SCHEME}|{TOKEN_SCHEME})_[0-9A-Za-z]{{{PREFIX_LENGTH}}}_)[0-9A-Za-z]+"
     r"|(?P<keep2>\b[Bb]earer\s+)[^\s\"',;]+"
     r"|(?P<keep3>\bsk-)[0-9A-Za-z_\-]{8,}"
     r"|(?P<keep4>://)[^\s/@:]*:[^\s/@]*(?P<at>@)"
+    r"|(?P<keep5>\bwhsec_)[0-9A-Za-z+/_\-]{8,}=*"
 )
 MASK = "[redacted]"
 
 
 def _masked(found: re.Match[str]) -> str:
     return (found.group("keep") or found.group("keep2") or found.group("keep3")
-            or found.group("keep4")) + MASK + (found.group("at") or "")
+            or found.group("keep4") or found.group("keep5")) + MASK + (found.group("at") or "")
 
 
 _KEY_MARK, _TOKEN_MARK = f"{KEY_SCHEME}_", f"{TOKEN_SCHEME}_"
@@ -55,7 +58,7 @@ def scrub(text: str) -> str:
     """`text` with anything that looks like a secret masked (see the module's docstring)."""
     # Substring tests first: a few times cheaper than the expression on a line with none.
     if (_KEY_MARK in text or _TOKEN_MARK in text or "earer" in text or "sk-" in text
-            or "://" in text):
+            or "://" in text or "whsec_" in text):
         return _SECRET.sub(_masked, text)
     return text
 

@@ -3,6 +3,7 @@ public ids and the access fields, the plain format's ids in brackets, secrets ma
 refused at start, uvicorn's and the access logger's lines through the same handler."""
 from __future__ import annotations
 
+import base64
 import contextvars
 import io
 import json
@@ -10,6 +11,7 @@ import logging
 import logging.config
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -196,6 +198,20 @@ def test_secrets_are_masked_in_both_formats(capture: Callable[..., io.StringIO])
     # The key's public lookup prefix stays: it says which key, as the console's masked form does.
     assert line["exception"].endswith(
         f"ValueError: GET https://{MASK}@bill.example/v1 with {key.rsplit('_', 1)[0]}_{MASK}")
+
+
+def test_webhook_signing_secrets_are_masked_in_both_alphabets() -> None:
+    # A new secret (standard base64, padded) and one from before Standard Webhooks (URL-safe,
+    # unpadded): nothing of either survives, the `whsec_` that says what it was stays.
+    standard = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+    legacy = "whsec_" + secrets.token_urlsafe(32)
+    masked = scrub(f"secret={standard}; old {legacy}.")
+    assert masked == f"secret=whsec_{MASK}; old whsec_{MASK}."
+    for secret in (standard, legacy):
+        assert secret.removeprefix("whsec_")[:8] not in masked
+    # The word alone (documentation, an error naming the format) is left as it is.
+    text = "a webhook secret is whsec_ followed by base64"
+    assert scrub(text) == text
 
 
 def test_scrub_leaves_ordinary_text_alone() -> None:
