@@ -70,7 +70,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import httpcore
@@ -548,41 +548,88 @@ def update_endpoint(endpoint: WebhookEndpoint, *, actor: str, url: str | None = 
     return endpoint
 
 
+class SecretRotation(NamedTuple):
+    """What rotate_secret did: the endpoint as left, its new secret (the plaintext, shown once),
+    and why the replaced secret was not kept for the grace period asked for ("" when it was, or
+    when no grace was asked)."""
+
+    endpoint: WebhookEndpoint
+    secret: str
+    previous_unusable: str
+
+
+def _usable(ciphertext: str) -> tuple[str, str]:
+    """(the stored secret, "") when it can sign, ("", why not) otherwise: the same two checks an
+    attempt makes (decryption with TOLLGATE_ENCRYPTION_KEYS, then signing_key), so what passes
+    here signs."""
+    try:
+        secret = decrypt_secret(ciphertext)
+        signing_key(secret)
+    except SecretDecryptionError:
+        return "", "it cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"
+    except ValueError as exc:
+        return "", f"it cannot sign: {exc}"
+    return secret, ""
+
+
 def rotate_secret(endpoint: WebhookEndpoint, *, actor: str,
-                  grace_seconds: int = 0) -> tuple[WebhookEndpoint, str]:
+                  grace_seconds: int = 0) -> SecretRotation:
     """Give the endpoint a new secret (returned once, stored encrypted); the one it replaces
     stops signing now, or keeps signing beside it for `grace_seconds` (at most
     MAX_GRACE_SECONDS) so the receiver can switch without refusing a delivery. A secret replaced
     by an earlier rotation stops now: at most two secrets sign at once. ValueError for a grace
-    out of range, nothing changed. The replaced secret's ciphertext is moved as it is (it is
-    never decrypted here), and the audit event names the grace period, never a secret."""
+    out of range, nothing changed.
+
+    A replaced secret that cannot sign (no configured key decrypts it, or it is not whsec_ +
+    base64: the reason a tenant rotates a broken secret) is not kept, whatever the grace: it
+    would sign nothing, and deliveries need the new secret at once. The result's
+    previous_unusable and the audit event say so. The replaced secret's ciphertext is moved as
+    it is, and the audit event names the grace period, never a secret."""
     if not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
         raise ValueError(f"grace_seconds must be between 0 and {MAX_GRACE_SECONDS} (7 days)")
     secret = new_secret()
+    unusable = ""
     with transaction.atomic():
         locked = WebhookEndpoint.objects.select_for_update().get(pk=endpoint.pk)
         now = timezone.now()
-        valid_until = now + timedelta(seconds=grace_seconds) if grace_seconds else None
+        if grace_seconds:
+            # Checked under the lock: the ciphertext checked is the one moved.
+            unusable = _usable(locked.secret_encrypted)[1]
+        keep = bool(grace_seconds) and not unusable
+        valid_until = now + timedelta(seconds=grace_seconds) if keep else None
         WebhookEndpoint.objects.filter(pk=locked.pk).update(
             secret_encrypted=encrypt_secret(secret),
-            previous_secret_encrypted=locked.secret_encrypted if valid_until else "",
+            previous_secret_encrypted=locked.secret_encrypted if keep else "",
             previous_secret_expires_at=valid_until)
         record_audit_event(tenant=locked.tenant, actor=actor, action="webhook.secret_rotated",
                            target=locked.public_id,
                            data={"grace_seconds": grace_seconds,
                                  "previous_valid_until": valid_until.isoformat()
-                                 if valid_until else None})
+                                 if valid_until else None,
+                                 "previous_unusable": unusable or None})
+    if unusable:
+        log.warning("webhook endpoint %s: its replaced secret is not kept for the %d s grace "
+                    "asked for: %s", locked.public_id, grace_seconds, unusable)
     endpoint.refresh_from_db()
-    return endpoint, secret
+    return SecretRotation(endpoint, secret, unusable)
 
 
 def secrets_in_force(endpoint: WebhookEndpoint, now: datetime) -> list[str]:
     """The secrets that sign a delivery now: the endpoint's, then the one a rotation replaced
-    while its grace period lasts. SecretDecryptionError if either cannot be decrypted (the
-    attempt fails: a receiver still on the old secret would refuse a delivery without it)."""
+    while its grace period lasts. SecretDecryptionError if the endpoint's own secret cannot be
+    decrypted (the attempt fails). A replaced secret that cannot sign (stored before
+    rotate_secret checked it, or its key dropped from TOLLGATE_ENCRYPTION_KEYS too early) is
+    left out with a warning: failing the attempt for it would refuse the receivers that
+    already use the new secret too."""
     in_force = [endpoint.secret]
     if endpoint.previous_secret_valid_until(now) is not None:
-        in_force.append(decrypt_secret(endpoint.previous_secret_encrypted))
+        previous, unusable = _usable(endpoint.previous_secret_encrypted)
+        if unusable:
+            log.warning("webhook endpoint %s: its previous secret (grace until %s) is left out "
+                        "of the signatures: %s", endpoint.public_id,
+                        endpoint.previous_secret_expires_at, unusable)
+        else:
+            in_force.append(previous)
     return in_force
 
 

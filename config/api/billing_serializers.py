@@ -253,6 +253,16 @@ class WebhookEndpointCreatedSerializer(WebhookEndpointSerializer):
         fields = [*WebhookEndpointSerializer.Meta.fields, "secret"]
 
 
+class WebhookSecretRotatedSerializer(WebhookEndpointCreatedSerializer):
+    previous_secret_unusable = serializers.CharField(read_only=True, allow_null=True, help_text=(
+        "Why the replaced secret was not kept for the grace period asked for (no configured "
+        "encryption key decrypts it, or it is not whsec_ + base64): it signed nothing, so only "
+        "the new secret signs from now on. Null when it was kept, or when no grace was asked."))
+
+    class Meta(WebhookEndpointCreatedSerializer.Meta):
+        fields = [*WebhookEndpointCreatedSerializer.Meta.fields, "previous_secret_unusable"]
+
+
 class WebhookSecretRotateSerializer(StrictJSONTypes):
     grace_seconds = serializers.IntegerField(
         min_value=0, max_value=MAX_GRACE_SECONDS, default=0,

@@ -32,6 +32,7 @@ from config.api.billing_serializers import (
     WebhookEndpointCreateSerializer,
     WebhookEndpointSerializer,
     WebhookEndpointUpdateSerializer,
+    WebhookSecretRotatedSerializer,
     WebhookSecretRotateSerializer,
 )
 from config.api.pagination import BoundedLimitOffsetPagination
@@ -165,19 +166,21 @@ class WebhookDetailView(_EndpointView):
 class WebhookRotateSecretView(_EndpointView):
     """POST /api/tenants/<tenant_id>/webhooks/<id>/rotate-secret {"grace_seconds": 0..604800}:
     a new signing secret, in this response only; the replaced one keeps signing beside it for
-    the grace period (billing.webhooks.rotate_secret)."""
+    the grace period (billing.webhooks.rotate_secret), unless it cannot sign: then
+    `previous_secret_unusable` says why and `previous_secret_valid_until` is null."""
 
     @extend_schema(request=WebhookSecretRotateSerializer,
-                   responses={200: WebhookEndpointCreatedSerializer,
+                   responses={200: WebhookSecretRotatedSerializer,
                               400: OpenApiResponse(description="Field messages.")})
     def post(self, request: Request, tenant_id: str, webhook_id: str) -> Response:
         endpoint = self.endpoint(manage=True)
         data = WebhookSecretRotateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        endpoint, secret = webhooks.rotate_secret(
+        endpoint, secret, unusable = webhooks.rotate_secret(
             endpoint, actor=self.actor, grace_seconds=data.validated_data["grace_seconds"])
         body = WebhookEndpointSerializer(endpoint, context={"show_url": True}).data
-        return secret_response({**body, "secret": secret})
+        return secret_response({**body, "secret": secret,
+                                "previous_secret_unusable": unusable or None})
 
 
 class WebhookTestView(_EndpointView):

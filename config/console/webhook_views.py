@@ -143,12 +143,13 @@ def webhook_rotate_secret(request: HttpRequest, tenant: Tenant, webhook_id: str)
     form = WebhookRotateSecretForm(request.POST)
     if not form.is_valid():
         return _detail_page(request, tenant, endpoint, rotate_form=form, status=400)
-    endpoint, secret = webhooks.rotate_secret(endpoint, actor=actor(request),
-                                              grace_seconds=form.cleaned_data["grace_seconds"])
+    endpoint, secret, unusable = webhooks.rotate_secret(
+        endpoint, actor=actor(request), grace_seconds=form.cleaned_data["grace_seconds"])
     # Rendered straight into this response, as at creation: the plaintext is stored nowhere.
     return no_store(render_page(request, tenant, "console/webhook_secret.html", {
         "endpoint": endpoint, "secret": secret, "rotated": True,
         "previous_valid_until": endpoint.previous_secret_valid_until(timezone.now()),
+        "previous_unusable": unusable,
     }, nav="console-webhooks"))
 
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from cryptography.fernet import Fernet
 from standardwebhooks import Webhook
 
 from billing.models import WebhookDelivery, WebhookEndpoint
@@ -73,6 +74,7 @@ def test_rotate_secret_shows_the_new_one_once_and_keeps_the_old_one_for_the_grac
     body = response.json()
     assert body["id"] == old["id"] and body["secret"] != old["secret"]
     assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{43}=", body["secret"])
+    assert body["previous_secret_unusable"] is None
     until = datetime.fromisoformat(body["previous_secret_valid_until"])
     assert timedelta(minutes=59) < until - datetime.now(UTC) <= timedelta(hours=1)
     detail = owner.get(f"{_base(world)}{old['id']}/")
@@ -90,6 +92,24 @@ def test_rotate_secret_shows_the_new_one_once_and_keeps_the_old_one_for_the_grac
     # The trailing-slash spelling works too; no grace: the old secret stops now.
     third = owner.post(f"{url}/", {}, format="json").json()
     assert third["previous_secret_valid_until"] is None
+
+
+def test_rotating_a_secret_no_key_decrypts_says_its_grace_was_not_kept(
+        world: World, receiver: Receiver, settings: Any) -> None:
+    # Encrypted under a Fernet key since dropped from TOLLGATE_ENCRYPTION_KEYS.
+    settings.TOLLGATE_ENCRYPTION_KEYS = Fernet.generate_key().decode()
+    endpoint, _ = create_endpoint(world.acme, receiver.url, ["test"], actor="test")
+    settings.TOLLGATE_ENCRYPTION_KEYS = Fernet.generate_key().decode()
+    response = world.client(world.owner).post(
+        f"{_base(world)}{endpoint.public_id}/rotate-secret", {"grace_seconds": 3600},
+        format="json")
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    body = response.json()
+    assert body["previous_secret_valid_until"] is None
+    assert body["previous_secret_unusable"] == "it cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"
+    send_test_event(WebhookEndpoint.objects.get(public_id=endpoint.public_id))
+    [request] = receiver.requests
+    assert Webhook(body["secret"]).verify(request["body"], request["headers"])["type"] == "test"
 
 
 @pytest.mark.parametrize("payload", [{"grace_seconds": -1}, {"grace_seconds": 604801},

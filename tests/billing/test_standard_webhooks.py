@@ -13,9 +13,12 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from cryptography.fernet import Fernet
+from django.utils import timezone
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
@@ -245,8 +248,11 @@ def test_a_tampered_body_a_wrong_secret_a_changed_id_and_an_old_timestamp_are_re
 def test_during_a_rotations_grace_both_secrets_sign_and_after_it_only_the_new_one(
         receiver: Receiver, acme: Tenant) -> None:
     endpoint, old = create_endpoint(acme, receiver.url, ["quota.threshold"], actor="t")
-    endpoint, new = rotate_secret(endpoint, actor="user:a", grace_seconds=2)
-    assert NEW_SECRET.match(new) and new != old and endpoint.secret == new
+    endpoint, new, unusable = rotate_secret(endpoint, actor="user:a", grace_seconds=3600)
+    assert NEW_SECRET.match(new) and new != old and endpoint.secret == new and unusable == ""
+    # An hour's grace, not seconds: it cannot end before the first delivery on a loaded machine.
+    assert timedelta(minutes=59) < endpoint.previous_secret_expires_at - timezone.now() \
+        <= timedelta(hours=1)
     deliver(new_delivery(endpoint).pk)
     body, headers = receiver.requests[-1]["body"], receiver.requests[-1]["headers"]
     assert len(headers["webhook-signature"].split(" ")) == 2
@@ -256,11 +262,17 @@ def test_during_a_rotations_grace_both_secrets_sign_and_after_it_only_the_new_on
         assert verify_signature(secret, headers["Tollgate-Timestamp"], body,
                                 headers["Tollgate-Signature"])
     event = AuditEvent.objects.get(action="webhook.secret_rotated", target=endpoint.public_id)
-    assert event.actor == "user:a" and event.data["grace_seconds"] == 2
-    assert event.data["previous_valid_until"] is not None
+    assert event.actor == "user:a" and event.data["grace_seconds"] == 3600
+    assert event.data["previous_valid_until"] == endpoint.previous_secret_expires_at.isoformat()
+    assert event.data["previous_unusable"] is None
     assert old not in json.dumps(event.data) and new not in json.dumps(event.data)
 
-    time.sleep(2.1)  # the grace period ends
+    # The grace period ends: its end moved to a moment ago (rather than waited for), the
+    # ciphertext left as the rotation stored it, so the expiry alone stops the old secret.
+    WebhookEndpoint.objects.filter(pk=endpoint.pk).update(
+        previous_secret_expires_at=timezone.now() - timedelta(milliseconds=1))
+    endpoint.refresh_from_db()
+    assert endpoint.previous_secret_encrypted != ""
     deliver(new_delivery(endpoint).pk)
     body, headers = receiver.requests[-1]["body"], receiver.requests[-1]["headers"]
     assert " " not in headers["webhook-signature"] and "," not in headers["Tollgate-Signature"]
@@ -271,8 +283,9 @@ def test_during_a_rotations_grace_both_secrets_sign_and_after_it_only_the_new_on
 def test_a_rotation_without_grace_ends_the_old_secret_at_once(receiver: Receiver,
                                                               acme: Tenant) -> None:
     endpoint, old = create_endpoint(acme, receiver.url, ["quota.threshold"], actor="t")
-    endpoint, new = rotate_secret(endpoint, actor="t")
+    endpoint, new, unusable = rotate_secret(endpoint, actor="t")
     assert endpoint.previous_secret_encrypted == "" and endpoint.previous_secret_expires_at is None
+    assert unusable == ""
     deliver(new_delivery(endpoint).pk)
     [request] = receiver.requests
     assert Webhook(new).verify(request["body"], request["headers"])
@@ -283,8 +296,8 @@ def test_a_rotation_without_grace_ends_the_old_secret_at_once(receiver: Receiver
 
 def test_a_second_rotation_ends_the_oldest_secret(receiver: Receiver, acme: Tenant) -> None:
     endpoint, first = create_endpoint(acme, receiver.url, ["quota.threshold"], actor="t")
-    endpoint, second = rotate_secret(endpoint, actor="t", grace_seconds=3600)
-    endpoint, third = rotate_secret(endpoint, actor="t", grace_seconds=3600)
+    endpoint, second, _ = rotate_secret(endpoint, actor="t", grace_seconds=3600)
+    endpoint, third, _ = rotate_secret(endpoint, actor="t", grace_seconds=3600)
     deliver(new_delivery(endpoint).pk)
     [request] = receiver.requests
     assert Webhook(second).verify(request["body"], request["headers"])
@@ -295,9 +308,9 @@ def test_a_second_rotation_ends_the_oldest_secret(receiver: Receiver, acme: Tena
 def test_rotating_an_existing_endpoints_secret_moves_it_to_the_standard_format(
         receiver: Receiver, acme: Tenant) -> None:
     legacy = "whsec_" + secrets.token_urlsafe(32)
-    endpoint, new = rotate_secret(legacy_endpoint(acme, receiver.url, legacy), actor="t",
-                                  grace_seconds=3600)
-    assert NEW_SECRET.match(new)
+    endpoint, new, unusable = rotate_secret(legacy_endpoint(acme, receiver.url, legacy),
+                                            actor="t", grace_seconds=3600)
+    assert NEW_SECRET.match(new) and unusable == ""
     deliver(new_delivery(endpoint).pk)
     [request] = receiver.requests
     body, headers = request["body"], request["headers"]
@@ -316,6 +329,84 @@ def test_a_grace_out_of_range_changes_nothing(acme: Tenant, allow_private: Any,
     endpoint.refresh_from_db()
     assert endpoint.secret == secret and endpoint.previous_secret_encrypted == ""
     assert not AuditEvent.objects.filter(action="webhook.secret_rotated").exists()
+
+
+KEY_A, KEY_B = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+
+
+def endpoint_no_key_opens(settings: Any, tenant: Tenant, url: str) -> WebhookEndpoint:
+    """An endpoint whose secret was encrypted under a Fernet key since dropped from
+    TOLLGATE_ENCRYPTION_KEYS (a key rotation that re-encrypted the provider keys only, as
+    before `manage.py reencrypt_secrets` covered webhooks)."""
+    settings.TOLLGATE_ENCRYPTION_KEYS = KEY_A
+    endpoint, _ = create_endpoint(tenant, url, ["quota.threshold"], actor="t")
+    settings.TOLLGATE_ENCRYPTION_KEYS = KEY_B
+    return endpoint
+
+
+def endpoint_not_base64(settings: Any, tenant: Tenant, url: str) -> WebhookEndpoint:
+    """An endpoint whose stored secret decrypts but is not whsec_ + base64 (no service makes
+    one: a row written by hand)."""
+    return WebhookEndpoint.objects.create(tenant=tenant, url=url, events=["quota.threshold"],
+                                          secret_encrypted=encrypt_secret("whsec_not*base64"))
+
+
+@pytest.mark.parametrize("broken, reason", [
+    (endpoint_no_key_opens, "it cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"),
+    (endpoint_not_base64, "it cannot sign: a webhook secret is whsec_ followed by base64"),
+], ids=["undecryptable", "not-base64"])
+def test_rotating_a_secret_that_cannot_sign_keeps_no_previous_one_and_the_new_one_signs(
+        receiver: Receiver, acme: Tenant, settings: Any, broken: Any, reason: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    endpoint = broken(settings, acme, receiver.url)
+    failed = deliver(new_delivery(endpoint).pk)
+    assert failed.status == "pending" and failed.last_error and receiver.requests == []
+
+    # The remedy is a rotation, with the console's default grace (a day): the broken secret
+    # signed nothing, so it is not kept, and the new one signs at once.
+    endpoint, new, unusable = rotate_secret(endpoint, actor="user:a", grace_seconds=86400)
+    assert unusable == reason
+    assert endpoint.previous_secret_encrypted == "" and endpoint.previous_secret_expires_at is None
+    assert endpoint.previous_secret_valid_until(timezone.now()) is None
+    event = AuditEvent.objects.get(action="webhook.secret_rotated", target=endpoint.public_id)
+    assert event.data == {"grace_seconds": 86400, "previous_valid_until": None,
+                          "previous_unusable": reason}
+    assert f"{endpoint.public_id}: its replaced secret is not kept" in caplog.text
+
+    delivery = deliver(new_delivery(endpoint).pk)
+    assert (delivery.status, delivery.last_error) == ("delivered", "")
+    [request] = receiver.requests
+    body, headers = request["body"], request["headers"]
+    assert " " not in headers["webhook-signature"] and "," not in headers["Tollgate-Signature"]
+    assert Webhook(new).verify(body, headers)
+    assert verify_signature(new, headers["Tollgate-Timestamp"], body,
+                            headers["Tollgate-Signature"])
+
+
+@pytest.mark.parametrize("stored_previous, reason", [
+    (lambda: "not a Fernet token", "it cannot be decrypted (TOLLGATE_ENCRYPTION_KEYS)"),
+    (lambda: encrypt_secret("whsec_not*base64"),
+     "it cannot sign: a webhook secret is whsec_ followed by base64"),
+], ids=["undecryptable", "not-base64"])
+def test_a_previous_secret_that_cannot_sign_is_left_out_and_the_attempt_goes(
+        receiver: Receiver, acme: Tenant, stored_previous: Any, reason: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # As a rotation made before rotate_secret checked the replaced secret left an endpoint
+    # (or a key dropped from TOLLGATE_ENCRYPTION_KEYS during its grace).
+    endpoint, secret = create_endpoint(acme, receiver.url, ["quota.threshold"], actor="t")
+    WebhookEndpoint.objects.filter(pk=endpoint.pk).update(
+        previous_secret_encrypted=stored_previous(),
+        previous_secret_expires_at=timezone.now() + timedelta(hours=1))
+    endpoint.refresh_from_db()
+    assert webhooks.secrets_in_force(endpoint, timezone.now()) == [secret]
+    assert (f"webhook endpoint {endpoint.public_id}: its previous secret (grace until "
+            in caplog.text) and reason in caplog.text
+
+    delivery = deliver(new_delivery(endpoint).pk)
+    assert (delivery.status, delivery.last_error) == ("delivered", "")
+    [request] = receiver.requests
+    assert " " not in request["headers"]["webhook-signature"]
+    assert Webhook(secret).verify(request["body"], request["headers"])
 
 
 @pytest.mark.parametrize("stored, error", [

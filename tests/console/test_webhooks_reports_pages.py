@@ -15,6 +15,7 @@ from standardwebhooks import Webhook
 
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import create_endpoint, send_test_event
+from gateway.crypto import encrypt_secret
 from tenants.models import AuditEvent
 from tests.support.celery_queue import run_queued_deliveries
 from tests.support.webhook_receiver import Receiver
@@ -165,6 +166,28 @@ def test_rotating_the_secret_shows_the_new_one_once_and_keeps_the_old_one_for_th
     [request] = receiver.requests
     for secret in (old, new):
         assert Webhook(secret).verify(request["body"], request["headers"])["type"] == "test"
+
+
+def test_rotating_a_secret_that_cannot_sign_says_the_old_one_is_not_kept(
+        world: World, receiver: Receiver) -> None:
+    endpoint = WebhookEndpoint.objects.create(
+        tenant=world.acme, url=receiver.url, events=["test"],
+        secret_encrypted=encrypt_secret("whsec_not*base64"))  # a row written by hand
+    response = _client(world.owner).post(_hook(world, endpoint, "console-webhook-rotate-secret"),
+                                         {"grace_seconds": "86400"})
+    assert response.status_code == 200
+    html = response.content.decode()
+    new = _shown_secret(html)
+    assert ("The previous secret was not kept for the grace period: it cannot sign: a webhook "
+            "secret is whsec_ followed by base64. It signed nothing") in " ".join(html.split())
+    assert "also signs every delivery until" not in html
+    endpoint.refresh_from_db()
+    assert endpoint.secret == new and endpoint.previous_secret_encrypted == ""
+    detail = _client(world.owner).get(_hook(world, endpoint)).content.decode()
+    assert "rotating" not in detail
+    send_test_event(endpoint)
+    [request] = receiver.requests
+    assert Webhook(new).verify(request["body"], request["headers"])["type"] == "test"
 
 
 def test_a_bad_grace_is_a_form_error_and_rotates_nothing(world: World,
