@@ -18,7 +18,13 @@ from billing.alerts import check_pending_health as check_pending_health_now
 from billing.forecast_alerts import check_forecasts
 from billing.ledger import DrainResult, drain_all
 from billing.models import WebhookDelivery, WebhookEndpoint
-from billing.webhooks import deliver, due_delivery_ids, request_redelivery, request_test_event
+from billing.webhooks import (
+    clear_expired_previous_secrets,
+    deliver,
+    due_delivery_ids,
+    request_redelivery,
+    request_test_event,
+)
 from quotas.runtime import get_engine
 from quotas.windows import Window
 
@@ -149,8 +155,13 @@ def deliver_webhook(delivery_id: int) -> str:
 @shared_task
 def retry_due_webhooks() -> int:
     """Queue every pending delivery that is due (retries, new ones whose task was lost, attempts
-    whose worker died). Duplicated tasks are harmless: deliver() claims each attempt once."""
-    return dispatch_deliveries(due_delivery_ids())
+    whose worker died). Duplicated tasks are harmless: deliver() claims each attempt once. Then
+    forget the replaced signing secrets whose rotation grace has ended."""
+    queued = dispatch_deliveries(due_delivery_ids())
+    cleared = clear_expired_previous_secrets()
+    if cleared:
+        log.info("cleared %d webhook secret(s) replaced by a rotation whose grace ended", cleared)
+    return queued
 
 
 @shared_task

@@ -633,6 +633,17 @@ def secrets_in_force(endpoint: WebhookEndpoint, now: datetime) -> list[str]:
     return in_force
 
 
+def clear_expired_previous_secrets(now: datetime | None = None) -> int:
+    """Forget the replaced secrets whose grace period has ended (their ciphertext, kept for
+    nothing, would outlive the secret by as long as the endpoint lives); returns how many.
+    One conditional UPDATE: a rotation holding an endpoint's row lock is waited for, and
+    PostgreSQL re-checks the WHERE after it, so a grace period that rotation just started is
+    never cleared. Run every minute by the beat (billing.tasks.retry_due_webhooks)."""
+    return (WebhookEndpoint.objects
+            .filter(previous_secret_expires_at__lte=now or timezone.now())
+            .update(previous_secret_encrypted="", previous_secret_expires_at=None))
+
+
 def delete_endpoint(endpoint: WebhookEndpoint, *, actor: str) -> None:
     """Delete an endpoint and its delivery log."""
     with transaction.atomic():

@@ -22,7 +22,7 @@ from django.utils import timezone
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from billing import webhooks
+from billing import tasks, webhooks
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.webhooks import (
     create_endpoint,
@@ -407,6 +407,25 @@ def test_a_previous_secret_that_cannot_sign_is_left_out_and_the_attempt_goes(
     [request] = receiver.requests
     assert " " not in request["headers"]["webhook-signature"]
     assert Webhook(secret).verify(request["body"], request["headers"])
+
+
+def test_the_beat_forgets_replaced_secrets_whose_grace_ended(allow_private: Any,
+                                                             acme: Tenant) -> None:
+    ended, _ = create_endpoint(acme, "http://127.0.0.1:9/a", ["test"], actor="t")
+    lasting, _ = create_endpoint(acme, "http://127.0.0.1:9/b", ["test"], actor="t")
+    for endpoint in (ended, lasting):
+        rotate_secret(endpoint, actor="t", grace_seconds=3600)
+    WebhookEndpoint.objects.filter(pk=ended.pk).update(
+        previous_secret_expires_at=timezone.now() - timedelta(seconds=1))
+    lasting.refresh_from_db()
+    kept = (lasting.previous_secret_encrypted, lasting.previous_secret_expires_at)
+
+    assert tasks.retry_due_webhooks() == 0  # no delivery is due; the clean-up runs all the same
+    ended.refresh_from_db()
+    lasting.refresh_from_db()
+    assert (ended.previous_secret_encrypted, ended.previous_secret_expires_at) == ("", None)
+    assert (lasting.previous_secret_encrypted, lasting.previous_secret_expires_at) == kept
+    assert webhooks.clear_expired_previous_secrets() == 0  # nothing left to clear
 
 
 @pytest.mark.parametrize("stored, error", [
