@@ -81,7 +81,7 @@ from django.utils import timezone
 from standardwebhooks import Webhook
 
 from billing.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
-from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret
+from gateway.crypto import SecretDecryptionError, decrypt_secret, encrypt_secret, reencrypt
 from tenants.access import Principal
 from tenants.ids import random_base62
 from tenants.models import Tenant
@@ -642,6 +642,45 @@ def clear_expired_previous_secrets(now: datetime | None = None) -> int:
     return (WebhookEndpoint.objects
             .filter(previous_secret_expires_at__lte=now or timezone.now())
             .update(previous_secret_encrypted="", previous_secret_expires_at=None))
+
+
+def reencrypt_webhook_secrets() -> int:
+    """Re-encrypt every endpoint's secret, and the replaced one while its grace period lasts,
+    under the first key of TOLLGATE_ENCRYPTION_KEYS; returns how many endpoints were
+    re-encrypted. The webhook half of the key rotation step
+    (billing.encryption.reencrypt_stored_secrets).
+
+    A replaced secret whose grace has ended, or that no configured key opens (it signs nothing
+    already: secrets_in_force leaves it out), is cleared instead: no delivery changes. An
+    endpoint's own secret that no configured key opens raises SecretDecryptionError naming the
+    endpoint (deliveries to it fail already; dropping the key would make that final), and the
+    caller's transaction then rolls back."""
+    changed = 0
+    now = timezone.now()
+    cleared = {"previous_secret_encrypted": "", "previous_secret_expires_at": None}
+    with transaction.atomic():
+        for endpoint in WebhookEndpoint.objects.select_for_update().order_by("pk"):
+            try:
+                update: dict[str, Any] = {"secret_encrypted": reencrypt(endpoint.secret_encrypted)}
+            except SecretDecryptionError as exc:
+                raise SecretDecryptionError(
+                    f"webhook endpoint {endpoint.public_id}: no configured key decrypts its "
+                    "signing secret (deliveries to it fail); rotate that secret, or put back "
+                    "the key that encrypted it") from exc
+            if endpoint.previous_secret_valid_until(now) is not None:
+                try:
+                    update["previous_secret_encrypted"] = reencrypt(
+                        endpoint.previous_secret_encrypted)
+                except SecretDecryptionError:
+                    log.warning("webhook endpoint %s: its previous secret (grace until %s) "
+                                "cannot be decrypted and signs nothing; cleared",
+                                endpoint.public_id, endpoint.previous_secret_expires_at)
+                    update.update(cleared)
+            elif endpoint.previous_secret_encrypted or endpoint.previous_secret_expires_at:
+                update.update(cleared)
+            WebhookEndpoint.objects.filter(pk=endpoint.pk).update(**update)
+            changed += 1
+    return changed
 
 
 def delete_endpoint(endpoint: WebhookEndpoint, *, actor: str) -> None:

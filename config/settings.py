@@ -75,9 +75,10 @@ SECRET_KEY = _secret("SECRET_KEY")
 # The pepper for API key digests is deliberately not SECRET_KEY: rotating the session secret
 # must not invalidate every API key, and leaking one must not leak the other.
 TOLLGATE_KEY_PEPPER = _secret("TOLLGATE_KEY_PEPPER")
-# Fernet keys for provider secrets at rest, comma-separated: the first encrypts, all decrypt
-# (add a new key in front to rotate, then run reencrypt). Outside production an empty value
-# derives a key from SECRET_KEY (gateway/crypto.py); production must set it.
+# Fernet keys for provider and webhook secrets at rest, comma-separated: the first encrypts, all
+# decrypt (add a new key in front to rotate, run `manage.py reencrypt_secrets`, then drop the
+# old key). Outside production an empty value derives a key from SECRET_KEY (gateway/crypto.py);
+# production must set it.
 TOLLGATE_ENCRYPTION_KEYS = env.list("TOLLGATE_ENCRYPTION_KEYS", default=[])
 if TOLLGATE_ENV == "production" and not TOLLGATE_ENCRYPTION_KEYS:
     raise ImproperlyConfigured("TOLLGATE_ENCRYPTION_KEYS must be set in production")

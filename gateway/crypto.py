@@ -1,8 +1,11 @@
-"""Encryption at rest for upstream provider secrets (Fernet, with key rotation).
+"""Encryption at rest for upstream provider secrets and webhook signing secrets (Fernet, with key
+rotation).
 
 TOLLGATE_ENCRYPTION_KEYS is a comma-separated list of Fernet keys (or a list of them). The first
 one encrypts; all of them decrypt. To rotate: put a new key first, keep the old ones, run
-`reencrypt_provider_secrets()` (gateway.providers), then drop the old keys.
+`python manage.py reencrypt_secrets` (billing.encryption: provider keys and webhook secrets
+both; gateway.providers.reencrypt_provider_secrets alone leaves the webhook secrets under the
+old key), then drop the old keys.
 
 Generate a key with:
     python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"

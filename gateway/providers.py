@@ -185,10 +185,12 @@ def delete_provider_key(provider_key: ProviderKey, *, actor: str = "system") -> 
 
 
 def reencrypt_provider_secrets() -> int:
-    """Re-encrypt every stored secret under the first configured key; returns how many changed.
+    """Re-encrypt every provider key's secret under the first configured key; returns how many
+    changed.
 
-    The rotation step between adding a new first key to TOLLGATE_ENCRYPTION_KEYS and removing
-    the old one.
+    The provider half of the rotation step between adding a new first key to
+    TOLLGATE_ENCRYPTION_KEYS and removing the old one; the whole step (webhook secrets too) is
+    billing.encryption.reencrypt_stored_secrets (`manage.py reencrypt_secrets`).
     """
     changed = 0
     with transaction.atomic():
