@@ -102,7 +102,8 @@ SIGNATURE_VERSION = "v1"
 SECRET_PREFIX = "whsec_"
 # Random bytes in a new secret (the specification asks for 24 to 64).
 SECRET_BYTES = 32
-# The longest a replaced secret may keep signing after a rotation (as for API keys).
+# The longest a replaced secret may keep signing after a rotation; the API's bound on an API
+# key's rotation grace too (config/api/tenancy_serializers.py imports it).
 MAX_GRACE_SECONDS = 7 * 24 * 3600
 # How long a claimed attempt is reserved for the worker sending it. Longer than any attempt can
 # take (the total deadline, at most 60 s: config/settings.py); after it, a worker that died

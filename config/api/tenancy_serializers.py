@@ -10,6 +10,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from billing.webhooks import MAX_GRACE_SECONDS
 from config.api.strict_types import StrictJSONTypes
 from tenants import selectors
 from tenants.management_tokens import masked_token
@@ -47,7 +48,9 @@ class TenantSerializer(serializers.ModelSerializer):
 # Read serializers take `usage` ({public id: {"today": n, "month": n}}) and `now` in their
 # context, computed once per request (tenants.selectors), so a page of keys costs no query per key.
 
-MAX_GRACE_SECONDS = 7 * 24 * 3600
+# An API key's rotation grace has the same bound as a webhook secret's: MAX_GRACE_SECONDS,
+# imported above from its one home (billing.webhooks).
+
 # The largest limit, budget or quantity the API takes: far beyond any real one, and inside both
 # PostgreSQL's bigint and the integers the Lua scripts hold exactly (2^53), so that no number a
 # client sends can overflow a column or a counter (a 400 instead).
