@@ -242,7 +242,8 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
         else:
             with obs.child("quota.reserve") as span:
                 admission = await admit(runtime, ctx, checked_call, request_id)
-                span.set_attribute("tollgate.held_tokens", admission.reservation.granted)
+                if span is not None:  # None: tracing was turned off since the call began
+                    span.set_attribute("tollgate.held_tokens", admission.reservation.granted)
     except QuotaStoreUnavailable:
         if not settings.GATEWAY_FAIL_OPEN:
             raise

@@ -1,0 +1,179 @@
+"""What a /v1 call reports about itself (gateway/observe.py: its metrics, spans and log lines)
+when the call does not go the usual way: tracing turned off mid-call, a client leaving while
+the gateway waits on the upstream, a settle retried or orphaned, a body refused by the router,
+the router's own lines, the worker's background tasks. The gateway (GatewayRouter in front of
+Django's ASGI handler, as config/asgi.py builds it) runs in this process under httpx's ASGI
+transport, over the session's Redis, PostgreSQL and mock upstream (as test_e2e_spans.py)."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from django.conf import settings
+from django.core.handlers.asgi import ASGIHandler
+
+from config.log_format import JsonFormatter
+from gateway import metrics, tracing, views
+from gateway.asgi import GatewayRouter
+from gateway.urls import direct_routes, prefix_routes
+from quotas import keys
+from quotas.engine import QuotaEngine
+from tests.gateway.conftest import MakeTenant
+from tests.gateway.test_e2e_spans import _stop_runtime, fresh_runtime, in_memory_tracing  # noqa: F401
+
+pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _app() -> GatewayRouter:
+    return GatewayRouter(ASGIHandler(), direct_routes(), prefix_routes())
+
+
+def run_app(work: Callable[[httpx.AsyncClient], Awaitable[Any]]) -> Any:
+    """Run `work` with a client of an in-process gateway, then stop the worker's runtime."""
+    async def run() -> Any:
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_app()),
+                                         base_url="http://gateway", timeout=30) as client:
+                return await work(client)
+        finally:
+            await _stop_runtime()
+
+    return asyncio.run(run())
+
+
+async def post(client: httpx.AsyncClient, key: str, body: dict[str, Any]) -> httpx.Response:
+    return await client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+async def leave_after(key: str, body: dict[str, Any], seconds: float) -> list[dict[str, Any]]:
+    """One call through a router of its own whose client sends its body, then hangs up
+    `seconds` later (httpx's ASGI transport cannot leave mid-call); the messages it was sent."""
+    raw = json.dumps(body).encode()
+    gone = asyncio.Event()
+    sent_body = False
+    messages: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000),
+             "server": ("gateway", 80),
+             "headers": [(b"host", b"gateway"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode()),
+                         (b"authorization", f"Bearer {key}".encode())]}
+    call = asyncio.ensure_future(_app()(scope, receive, send))
+    await asyncio.sleep(seconds)
+    gone.set()
+    await call
+    return messages
+
+
+def histogram(name: str) -> dict[tuple[tuple[str, str], ...], tuple[float, float]]:
+    """This process's histogram `name` as (count, sum) per label set (the tally written)."""
+    metrics.flush()
+    found: dict[tuple[tuple[str, str], ...], list[float]] = {}
+    for family in metrics.REGISTRY.collect():
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            if sample.name.endswith("_count"):
+                found.setdefault(labels, [0.0, 0.0])[0] = sample.value
+            elif sample.name.endswith("_sum"):
+                found.setdefault(labels, [0.0, 0.0])[1] = sample.value
+    return {labels: (count, total) for labels, (count, total) in found.items()}
+
+
+def requests_total() -> dict[tuple[str, str, str, str], float]:
+    """tollgate_requests_total by (endpoint, status, refusal, model)."""
+    metrics.flush()
+    found = {}
+    for family in metrics.REGISTRY.collect():
+        if family.name == "tollgate_requests":
+            for sample in family.samples:
+                if sample.name == "tollgate_requests_total":
+                    found[tuple(sample.labels[k] for k in
+                                ("endpoint", "status", "refusal", "model"))] = sample.value
+    return found
+
+
+def grown(after: dict[Any, Any], before: dict[Any, Any]) -> dict[Any, Any]:
+    """What changed between two readings (counts, or (count, sum) pairs)."""
+    def minus(a: Any, b: Any) -> Any:
+        return tuple(x - y for x, y in zip(a, b, strict=True)) if isinstance(a, tuple) else a - b
+
+    zero = {k: (0.0, 0.0) if isinstance(v, tuple) else 0.0 for k, v in after.items()}
+    return {k: minus(v, before.get(k, zero[k])) for k, v in after.items()
+            if v != before.get(k, zero[k])}
+
+
+@contextmanager
+def json_lines(*names: str) -> Iterator[io.StringIO]:
+    """The lines of these loggers, in the JSON log format, at INFO and up."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield out
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+def parsed(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+# -- tracing turned off mid-call ---------------------------------------------------------------
+
+
+def test_tracing_turned_off_during_a_call_leaves_it_untouched(
+        fresh_runtime: None, make_tenant: MakeTenant, engine: QuotaEngine,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """telemetry.shutdown() (a worker's lifespan shutdown) turns tracing off while calls are in
+    flight: a call traced from its start then gets no child span, and is answered and settled
+    as usual, not 500 with its hold left to the sweep."""
+    t = make_tenant(requests_per_second=1000)
+    checked = views.checked
+
+    async def checked_then_off(*args: Any, **kwargs: Any) -> Any:
+        found = await checked(*args, **kwargs)
+        tracing.disable()  # after the request span began, before the reserve's
+        return found
+
+    monkeypatch.setattr(views, "checked", checked_then_off)
+    with in_memory_tracing() as exporter:
+        answer = run_app(lambda client: post(client, t.plaintext, {
+            "model": "gpt-4o", "max_tokens": 4, "messages": HI}))
+        spans = exporter.get_finished_spans()
+    assert answer.status_code == 200, answer.text
+    assert engine.client.zcard(keys.hold_index_key(t.tag)) == 0  # settled
+    # The request span, begun while tracing was on, still ends with the call.
+    assert [s.name for s in spans] == ["gateway.request"]
+    assert spans[0].attributes["http.response.status_code"] == 200
