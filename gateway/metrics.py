@@ -369,12 +369,15 @@ def count_usage(model: str, usage: Usage, cost_micros: int, tenant: str | None) 
 def count_hold_end(ending: str, outcome: str, used: int, held: int) -> None:
     """The gateway's `ending` ("settled": a settle charging `used` tokens, or "released") came
     back with `outcome`: the hold ended so, or had ended already (a correction after the sweep,
-    which counted it as swept). A settle above its hold is counted as over-hold usage."""
+    which counted it as swept). A settle above its hold is counted as over-hold usage, only
+    when it ended a live hold: lua/settle.lua answers `held` 0 for a settle that found the hold
+    already settled (a retry whose first attempt applied but lost its reply) and for one whose
+    record Redis lost (the orphan path): neither knows the hold, so neither is over it."""
     if outcome != ending:
         add(HOLD_LATE_END)
     elif ending == "settled":
         add(HOLD_SETTLED)
-        if used > held:
+        if used > held > 0:
             add(OVER_HOLD_CALLS)
             add(OVER_HOLD_TOKENS, used - held)
     else:

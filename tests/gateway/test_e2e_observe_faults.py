@@ -20,11 +20,12 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 
 from config.log_format import JsonFormatter
-from gateway import metrics, tracing, views
+from gateway import forward, metrics, tracing, views
 from gateway.asgi import GatewayRouter
 from gateway.urls import direct_routes, prefix_routes
+from gateway.usage import Usage
 from quotas import keys
-from quotas.engine import QuotaEngine
+from quotas.engine import AsyncQuotaEngine, QuotaEngine, QuotaStoreUnavailable
 from tests.gateway.conftest import MakeTenant
 from tests.gateway.test_e2e_spans import _stop_runtime, fresh_runtime, in_memory_tracing  # noqa: F401
 
@@ -177,3 +178,84 @@ def test_tracing_turned_off_during_a_call_leaves_it_untouched(
     # The request span, begun while tracing was on, still ends with the call.
     assert [s.name for s in spans] == ["gateway.request"]
     assert spans[0].attributes["http.response.status_code"] == 200
+
+
+# -- over-hold counts ------------------------------------------------------------------------
+
+
+def _hold_figures() -> tuple[float, float, float]:
+    metrics.flush()
+    return (metrics.OVER_HOLD_CALLS._value.get(), metrics.OVER_HOLD_TOKENS._value.get(),
+            metrics.HOLD_SETTLED._value.get())
+
+
+@pytest.mark.parametrize("fault", ["reply_lost_then_retried", "hold_record_lost"])
+def test_a_settle_that_finds_no_live_hold_is_not_counted_over_it(
+        fresh_runtime: None, make_tenant: MakeTenant, monkeypatch: pytest.MonkeyPatch,
+        fault: str) -> None:
+    """lua/settle.lua answers held 0 when the hold was settled already (the first attempt
+    applied, its reply was lost, the retry finds it settled) or when Redis lost its record (the
+    orphan path charges the usage without a hold): a 4-token call is not over a hold it was
+    not compared with. The hold is counted settled once either way."""
+    t = make_tenant(requests_per_second=1000)
+    real = AsyncQuotaEngine.settle
+    attempts = []
+
+    async def settle(self: AsyncQuotaEngine, hold: Any, actual: int, event: str = "",
+                     actual_money: int = 0) -> Any:
+        attempts.append(actual)
+        if fault == "hold_record_lost":  # a failover without the record
+            await self.client.delete(keys.hold_key(hold.tenant, hold.request_id))
+            return await real(self, hold, actual, event, actual_money)
+        result = await real(self, hold, actual, event, actual_money)
+        if len(attempts) == 1:
+            raise QuotaStoreUnavailable("connection lost before the reply")  # applied
+        return result
+
+    monkeypatch.setattr(AsyncQuotaEngine, "settle", settle)
+    before: list[tuple[float, float, float]] = []
+
+    async def work(client: httpx.AsyncClient) -> httpx.Response:
+        before.append(_hold_figures())
+        answer = await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4,
+                                                  "messages": HI})
+        for _ in range(100):  # the retry comes 0.2 s after the first attempt
+            if len(attempts) == (2 if fault == "reply_lost_then_retried" else 1):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        return answer
+
+    answer = run_app(work)
+    assert answer.status_code == 200
+    over_calls, over_tokens, settled = (a - b for a, b in zip(_hold_figures(), before[0],
+                                                              strict=True))
+    assert attempts and all(n == attempts[0] for n in attempts) and 0 < attempts[0] < 100
+    assert (over_calls, over_tokens, settled) == (0, 0, 1)
+
+
+def test_a_settle_above_its_live_hold_is_counted_over_it(
+        fresh_runtime: None, make_tenant: MakeTenant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counter still counts what it is for: an upstream that reports more output than the
+    cap it was given (injected: the mock honours max_tokens) settles above its live hold."""
+    t = make_tenant(requests_per_second=1000, tokens_per_day=10**9)
+    body_usage = forward._body_usage
+
+    def overrun(call: Any, body: bytes) -> tuple[Usage, str]:
+        usage, outcome = body_usage(call, body)
+        return Usage(usage.input_tokens, usage.output_tokens + 500), outcome
+
+    monkeypatch.setattr(forward, "_body_usage", overrun)
+    before: list[tuple[float, float, float]] = []
+
+    async def work(client: httpx.AsyncClient) -> httpx.Response:
+        before.append(_hold_figures())
+        return await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 10,
+                                                "messages": HI})
+
+    answer = run_app(work)
+    assert answer.status_code == 200, answer.text
+    over_calls, over_tokens, settled = (a - b for a, b in zip(_hold_figures(), before[0],
+                                                              strict=True))
+    # The hold: the input estimate plus the 10 capped; the usage: 500 above the mock's.
+    assert (over_calls, settled) == (1, 1) and 480 < over_tokens <= 500
