@@ -10,14 +10,33 @@ INFO whatever LOG_LEVEL says: TOLLGATE_ACCESS_LOG is the switch).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 log = logging.getLogger("tollgate.access")
 
 
+class _Switch:
+    """TOLLGATE_ACCESS_LOG, read once: each read of Django's settings object costs about a
+    microsecond, and every call asks. Read again when a test changes the setting."""
+
+    on: bool | None = None
+
+
 def enabled() -> bool:
-    return bool(getattr(settings, "TOLLGATE_ACCESS_LOG", False))
+    on = _Switch.on
+    if on is None:
+        on = _Switch.on = bool(getattr(settings, "TOLLGATE_ACCESS_LOG", False))
+    return on
+
+
+@receiver(setting_changed)
+def _reread(setting: str, **kwargs: Any) -> None:
+    if setting == "TOLLGATE_ACCESS_LOG":
+        _Switch.on = None
 
 
 def log_request(*, endpoint: str, model: str, status: int, refusal: str, duration_ms: float,

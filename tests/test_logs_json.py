@@ -140,6 +140,21 @@ def test_the_access_switch_follows_the_format_by_default(settings: Any) -> None:
     assert not access_log.enabled()
 
 
+def test_the_access_switch_is_read_once_not_per_call(
+        settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every /v1 call asks; a read of Django's settings costs about a microsecond, so the
+    switch is read once, and again only when the setting changes (setting_changed)."""
+    settings.TOLLGATE_ACCESS_LOG = True
+    assert access_log.enabled()
+
+    class Unreadable:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"settings.{name} read on a call")
+
+    monkeypatch.setattr(access_log, "settings", Unreadable())
+    assert all(access_log.enabled() for _ in range(3))
+
+
 def test_exceptions_and_other_extras(capture: Callable[..., io.StringIO]) -> None:
     buffer = capture(JsonFormatter())
     log = logging.getLogger("tollgate.test")
