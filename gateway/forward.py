@@ -452,7 +452,8 @@ class UnmeteredBacklog:
                       lost.request_id, lost)
         self.pending.append(usage)
         if self.flushing is None:
-            self.flushing = runtime.detach(self._flush(runtime))
+            # The worker's task (spawn: no call's ids), not the call's that happened to start it.
+            self.flushing = runtime.spawn(lambda: self._flush(runtime))
 
     async def _flush(self, runtime: GatewayRuntime) -> None:
         delay = _RETRY_FIRST_S

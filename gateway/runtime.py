@@ -6,6 +6,7 @@ here belongs to one event loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -92,9 +93,18 @@ class GatewayRuntime:
     # Calls waiting in the queue policy's queue, woken by the listener (quotas/waiting.py).
     waiting: WaitRoom = field(default_factory=WaitRoom)
 
-    def spawn(self, coro_factory: Callable[[], object]) -> None:
-        """Run a coroutine detached from the request (see detach)."""
-        self.detach(coro_factory())  # type: ignore[arg-type]
+    def spawn(self, coro_factory: Callable[[], object]) -> asyncio.Task[Any]:
+        """Run a task of the worker's, not of a request (the listener, the flushers, a breaker
+        transition's publish and audit), referenced like `detach`'s. It starts in an empty
+        context: made from within the request that happened to need it first, it would
+        otherwise carry that request's ids (gateway/request_context.py) in every log line and
+        span for the worker's life. A call's own detached work (its settle, a stream's drain)
+        goes through `detach` and keeps the call's ids."""
+        task = asyncio.get_running_loop().create_task(
+            coro_factory(), context=contextvars.Context())  # type: ignore[arg-type]
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     def detach(self, coro: Coroutine[Any, Any, T] | asyncio.Future[T]) -> asyncio.Future[T]:
         """Run `coro` (or keep an existing task) detached from the request: no client leaving

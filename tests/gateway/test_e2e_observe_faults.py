@@ -7,6 +7,7 @@ transport, over the session's Redis, PostgreSQL and mock upstream (as test_e2e_s
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import io
 import json
 import logging
@@ -20,7 +21,7 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 
 from config.log_format import JsonFormatter
-from gateway import forward, metrics, tracing, views
+from gateway import circuit, forward, listener, metrics, request_context, startup, tracing, views
 from gateway.asgi import GatewayRouter
 from gateway.urls import direct_routes, prefix_routes
 from gateway.usage import Usage
@@ -30,6 +31,8 @@ from tests.gateway.conftest import MakeTenant
 from tests.gateway.test_e2e_spans import _stop_runtime, fresh_runtime, in_memory_tracing  # noqa: F401
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
+
+log = logging.getLogger(__name__)
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -259,3 +262,94 @@ def test_a_settle_above_its_live_hold_is_counted_over_it(
                                                               strict=True))
     # The hold: the input estimate plus the 10 capped; the usage: 500 above the mock's.
     assert (over_calls, settled) == (1, 1) and 480 < over_tokens <= 500
+
+
+# -- the worker's background tasks carry no request's ids --------------------------------------
+
+
+def test_the_workers_own_tasks_carry_no_request_ids(
+        fresh_runtime: None, make_tenant: MakeTenant, settings: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's runtime, and with it the listener and the last-use writer, is built in its
+    first request; the breaker flusher starts in the first successful call. Their lines must
+    not carry that request's id, tenant and key for the worker's life."""
+    first = make_tenant(requests_per_second=1000)
+    second = make_tenant(requests_per_second=1000)
+    settings.GATEWAY_LAST_USED_FLUSH_SECONDS = 0.05
+    settings.TOLLGATE_BREAKER_FLUSH_SECONDS = 0.05
+
+    def database_down(*args: Any, **kwargs: Any) -> None:  # injected: the flush fails
+        raise RuntimeError("database down")
+
+    monkeypatch.setattr(listener, "touch_last_used", database_down)
+
+    async def redis_away(*args: Any, **kwargs: Any) -> None:  # injected: the record fails
+        raise ConnectionError("redis away")
+
+    async def work(client: httpx.AsyncClient) -> list[str]:
+        ids = []
+        answer = await post(client, first.plaintext, {"model": "gpt-4o", "max_tokens": 4,
+                                                      "messages": HI})
+        ids.append(answer.headers["x-request-id"])
+        monkeypatch.setattr(circuit.circuit_for(startup._runtime).store, "record", redis_away)
+        answer = await post(client, second.plaintext, {"model": "gpt-4o", "max_tokens": 4,
+                                                       "messages": HI})
+        ids.append(answer.headers["x-request-id"])
+        await asyncio.sleep(0.4)  # both flushers run, outside any request, and fail
+        return ids
+
+    with json_lines("gateway.listener", "gateway.circuit") as out:
+        ids = run_app(work)
+    lines = parsed(out)
+    flusher = [line for line in lines if "last use" in line["message"]]
+    breaker = [line for line in lines if "breaker record" in line["message"]]
+    assert flusher and breaker
+    for line in flusher + breaker:
+        assert not {"request_id", "tenant", "api_key"} & set(line), line
+    assert len(ids) == 2
+
+
+def test_the_fail_open_backlog_is_the_workers_and_a_calls_end_is_the_calls(
+        fresh_runtime: None, make_tenant: MakeTenant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fail-open backlog's flusher is one task per worker started by whichever call needed
+    it first: no call's ids (each of its lines names the call it is about). A call's own
+    detached work (runtime.detach: its hold's end, a drain) keeps the call's ids."""
+    t = make_tenant(requests_per_second=1000)
+
+    async def refused(*args: Any, **kwargs: Any) -> None:  # injected: Redis refuses the write
+        raise RuntimeError("refused")
+
+    async def work(client: httpx.AsyncClient) -> None:
+        answer = await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4,
+                                                  "messages": HI})
+        assert answer.status_code == 200
+        runtime = startup._runtime
+        monkeypatch.setattr(runtime.engine, "append_unmetered", refused)
+        done = asyncio.Event()
+
+        async def own_work() -> None:
+            log.warning("the call's own detached work")
+            done.set()
+
+        def in_a_call() -> None:
+            request_context.bind_request("req_starter")
+            request_context.bind_caller("ten_starter", "key_starter")
+            forward._unmetered_backlog().add(runtime, forward.UnmeteredUsage(
+                t.tag, "req_unmetered", 7, 0, 0, "{}", "{}"))
+            runtime.detach(own_work())
+
+        contextvars.Context().run(in_a_call)
+        await done.wait()
+        for _ in range(100):
+            if forward._unmetered_backlog().flushing is None:
+                break
+            await asyncio.sleep(0.02)
+
+    with json_lines("gateway.forward", log.name) as out:
+        run_app(work)
+    lines = parsed(out)
+    [backlog] = [line for line in lines if "req_unmetered" in line["message"]]
+    assert not {"request_id", "tenant", "api_key"} & set(backlog)
+    [own] = [line for line in lines if line["message"] == "the call's own detached work"]
+    assert (own["request_id"], own["tenant"], own["api_key"]) == (
+        "req_starter", "ten_starter", "key_starter")
