@@ -36,6 +36,7 @@ from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
 from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
+from gateway.observe import Observation
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class GatewayRouter:
         tasks = [asyncio.create_task(handler.listen_for_disconnect(receive)),
                  asyncio.create_task(process())]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        # The metered views' Observation (None for the other paths): its ids go on the lines
+        # below, logged outside the view's context.
+        observation = request.__dict__.get("tollgate_observation")
         for task in tasks:
             if not task.done():
                 task.cancel()
@@ -119,12 +123,11 @@ class GatewayRouter:
                     continue
                 except Exception:  # noqa: BLE001, S110 - logged from the task below
                     pass
-            _log_failure(task, scope.get("path"))
+            _log_failure(task, scope.get("path"), observation)
         response = sent.get("response")
         sending = tasks[1]
-        # The metered views' Observation: finished here, once the answer's last byte is sent
-        # or the client left (before close(), whose hook would count a cut stream as sent).
-        observation = request.__dict__.get("tollgate_observation")
+        # Finished here, once the answer's last byte is sent or the client left (before
+        # close(), whose hook would count a cut stream as sent).
         if observation is not None:
             observation.finish(_sent_status(response, sending))
         if response is not None:
@@ -139,11 +142,13 @@ class GatewayRouter:
         body_file.close()
 
 
-def _log_failure(task: asyncio.Task[None], path: str | None) -> None:
-    """Log how a finished task of the router failed, if it did. Read from the task rather than
-    re-raised by awaiting it: a re-raised exception's traceback holds the router's frame, which
-    holds the task that holds the exception, a reference cycle per request (the disconnect
-    listener ends with RequestAborted on every call) left for the cyclic GC to find."""
+def _log_failure(task: asyncio.Task[None], path: str | None, observation: Observation | None,
+                 ) -> None:
+    """Log how a finished task of the router failed, if it did, with the call's ids when it is
+    a metered call's. Read from the task rather than re-raised by awaiting it: a re-raised
+    exception's traceback holds the router's frame, which holds the task that holds the
+    exception, a reference cycle per request (the disconnect listener ends with RequestAborted
+    on every call) left for the cyclic GC to find."""
     if task.cancelled():
         return
     error = task.exception()
@@ -151,6 +156,13 @@ def _log_failure(task: asyncio.Task[None], path: str | None) -> None:
         return
     if not isinstance(error, Exception):
         raise error
+    if observation is not None:
+        observation.with_ids(_log_error, error, path)
+    else:
+        _log_error(error, path)
+
+
+def _log_error(error: Exception, path: str | None) -> None:
     if isinstance(error, TimeoutError):
         log.warning("%s: the stream reached the call's deadline; cut", path)
     else:  # e.g. sending to a socket that broke

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway import access_log, metrics, request_context, tracing
@@ -104,15 +105,22 @@ class Observation:
         if self.span is not None:
             self._end_span(status)
         if access_log.enabled():
-            # In a context of its own holding this call's ids: the router finishes calls
-            # outside the view's context, where the log format finds no request.
-            contextvars.Context().run(self._log, status, whole)
+            self.with_ids(self._log, status, whole)
 
-    def _log(self, status: int, whole: float) -> None:
+    def with_ids(self, work: Callable[..., None], *args: Any) -> None:
+        """`work(*args)` in a context of its own holding this call's ids (request, tenant, key),
+        for its log lines: the router finishes calls and logs their failures outside the view's
+        context, where the log format would find no request."""
+        contextvars.Context().run(self._bound, work, args)
+
+    def _bound(self, work: Callable[..., None], args: tuple[Any, ...]) -> None:
         if self.request_id:
             request_context.bind_request(self.request_id)
         if self.tenant_id is not None and self.key_id is not None:
             request_context.bind_caller(self.tenant_id, self.key_id)
+        work(*args)
+
+    def _log(self, status: int, whole: float) -> None:
         access_log.log_request(
             endpoint=self.endpoint, model=self.model, status=status, refusal=self.refusal,
             duration_ms=whole * 1000,

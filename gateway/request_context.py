@@ -4,7 +4,10 @@ so without each call passing them along.
 
 Each ASGI request runs in a task of its own, and asyncio copies the context into every task a
 request starts (a stream's drain, a hold's end, a checkpoint), so their lines carry the request
-too. Work handed to a thread pool does not inherit it: only the event loop's code is tagged.
+too. The worker's own tasks (gateway/runtime.py `spawn`: the listener, the flushers) start in an
+empty context instead, whichever request happened to start them. Work handed to a thread pool
+does not inherit it: only the event loop's code is tagged. The router (gateway/asgi.py) runs
+outside the view's context: its lines about a call take the ids from the call's Observation.
 
 Set in two places, once per request: `gateway.errors.new_request_id` (every /v1 answer makes
 its id there) and `gateway.views._authenticate` (once the key is known). Never a secret: the

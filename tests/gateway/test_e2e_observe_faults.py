@@ -27,7 +27,8 @@ from gateway.urls import direct_routes, prefix_routes
 from gateway.usage import Usage
 from quotas import keys
 from quotas.engine import AsyncQuotaEngine, QuotaEngine, QuotaStoreUnavailable
-from tests.gateway.conftest import MakeTenant
+from tenants.models import Tenant
+from tests.gateway.conftest import MakeTenant, committed
 from tests.gateway.test_e2e_spans import _stop_runtime, fresh_runtime, in_memory_tracing  # noqa: F401
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
@@ -353,3 +354,34 @@ def test_the_fail_open_backlog_is_the_workers_and_a_calls_end_is_the_calls(
     [own] = [line for line in lines if line["message"] == "the call's own detached work"]
     assert (own["request_id"], own["tenant"], own["api_key"]) == (
         "req_starter", "ten_starter", "key_starter")
+
+
+# -- the router's own lines -------------------------------------------------------------------
+
+
+def test_the_routers_lines_about_a_call_carry_its_ids(
+        fresh_runtime: None, make_tenant: MakeTenant, settings: Any,
+        django_db_blocker: Any) -> None:
+    """The router logs a stream cut at its call's deadline (and a failed send) outside the
+    view's context: the line names the call's request, tenant and key all the same."""
+    t = make_tenant(requests_per_second=1000)
+    settings.GATEWAY_CALL_DEADLINE_SECONDS = 1.0
+    settings.TOLLGATE_ACCESS_LOG = True
+    tenant_id = committed(django_db_blocker,
+                          lambda: Tenant.objects.get(pk=t.tenant_id).public_id)
+
+    async def work(client: httpx.AsyncClient) -> str:
+        messages = await leave_after(t.plaintext, {
+            "model": "slow@chunk_ms=400@output_tokens=20", "stream": True, "messages": HI}, 2.0)
+        start = next(m for m in messages if m["type"] == "http.response.start")
+        return dict(start["headers"])[b"x-request-id"].decode()
+
+    with json_lines("gateway.asgi", "tollgate.access") as out:
+        request_id = run_app(work)
+    lines = parsed(out)
+    [cut] = [line for line in lines if line["logger"] == "gateway.asgi"]
+    assert "reached the call's deadline" in cut["message"]
+    assert (cut["request_id"], cut["tenant"], cut["api_key"]) == (
+        request_id, tenant_id, t.api_key_public_id)
+    [access] = [line for line in lines if line["logger"] == "tollgate.access"]
+    assert (access["request_id"], access["status"]) == (request_id, 504)
