@@ -80,15 +80,23 @@ class GatewayRouter:
             body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES,
                                          _body_deadline())
         except RequestAborted:
-            return
+            return  # the client left mid-body: no call was made, none is counted
         except BodyRefused as refused:  # before any auth or parsing
-            await handler.send_response(_v1_refusal(refused), send)
+            body_s = time.perf_counter() - arrived
+            error = refused.error()
+            request_id = new_request_id()
+            await handler.send_response(_v1_refusal(error, request_id), send)
+            _refused_before_view(view, error.status, error.refusal or "", request_id,
+                                 (arrived, body_s))
             return
         body_s = time.perf_counter() - arrived
         request, error_response = handler.create_request(scope, body_file)
-        if request is None:
+        if request is None:  # Django could not make a request of it (e.g. undecodable)
             body_file.close()
+            request_id = error_response["x-request-id"] = new_request_id()
             await handler.send_response(error_response, send)
+            _refused_before_view(view, error_response.status_code, "", request_id,
+                                 (arrived, body_s))
             return
         # For the call's Observation (gateway/observe.py), which the view makes: when the call
         # arrived and how long its body took to come (the client's time, not the gateway's).
@@ -244,13 +252,28 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline: float
     return body
 
 
-def _v1_refusal(refused: BodyRefused) -> HttpResponseBase:
+def _v1_refusal(error: GatewayError, request_id: str) -> HttpResponseBase:
     """A refused /v1 body in OpenAI's shape; the connection is closed after it (the rest of the
     body is not worth reading)."""
-    response = refused.error().response()
-    response["x-request-id"] = new_request_id()
+    response = error.response()
+    response["x-request-id"] = request_id
     response["Connection"] = "close"
     return response
+
+
+def _refused_before_view(view: View, status: int, refusal: str, request_id: str,
+                         received: tuple[float, float]) -> None:
+    """A metered call (views.py marks their views with their endpoint) refused before its view
+    ran is counted and access-logged like the refusals before reading its body that the view
+    makes (model "", no caller); `received` as the Observation takes it. Only on this path:
+    nothing is added to an accepted call."""
+    endpoint = getattr(view, "tollgate_endpoint", None)
+    if endpoint is None:
+        return  # /v1/models, the health checks...: not counted as calls
+    observation = Observation(endpoint, received)
+    observation.request_id = request_id
+    observation.refusal = refusal
+    observation.finish(status)
 
 
 class _BoundedReceive:

@@ -311,6 +311,15 @@ async def messages(request: HttpRequest) -> HttpResponse | StreamingHttpResponse
     return await _proxy(Endpoint.MESSAGES, request)
 
 
+# The metered views' endpoint labels, read by gateway/asgi.py to count and log a call it refuses
+# before the view runs (a body too large or not received in time: model "", no caller).
+for _view, _endpoint in ((chat_completions, Endpoint.CHAT), (completions, Endpoint.COMPLETIONS),
+                         (embeddings, Endpoint.EMBEDDINGS), (responses, Endpoint.RESPONSES),
+                         (messages, Endpoint.MESSAGES)):
+    _view.tollgate_endpoint = _endpoint.value  # type: ignore[attr-defined]
+del _view, _endpoint
+
+
 async def healthz(request: HttpRequest) -> HttpResponse:
     """The process is up (no dependency is checked)."""
     return JsonResponse({"status": "ok"})

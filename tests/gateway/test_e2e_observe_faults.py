@@ -385,3 +385,101 @@ def test_the_routers_lines_about_a_call_carry_its_ids(
         request_id, tenant_id, t.api_key_public_id)
     [access] = [line for line in lines if line["logger"] == "tollgate.access"]
     assert (access["request_id"], access["status"]) == (request_id, 504)
+
+
+# -- calls the router refuses before their view runs -------------------------------------------
+
+
+async def raw_call(key: str, chunks: list[bytes], *, query: bytes = b"",
+                   length: int | None = None, then_hang: bool = False) -> list[dict[str, Any]]:
+    """One /v1 call straight through the router's ASGI interface: its body in `chunks`
+    (chunked when `length` is None), then, with `then_hang`, a client that sends no more and
+    never leaves; the messages it was sent."""
+    inbox: list[dict[str, Any]] = [
+        {"type": "http.request", "body": chunk, "more_body": then_hang or i < len(chunks) - 1}
+        for i, chunk in enumerate(chunks)]
+    messages: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.Event().wait()  # silent: only the router's deadline ends the wait
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    headers = [(b"host", b"gateway"), (b"content-type", b"application/json"),
+               (b"authorization", f"Bearer {key}".encode())]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(),
+             "query_string": query, "root_path": "", "client": ("127.0.0.1", 5000),
+             "server": ("gateway", 80), "headers": headers}
+    await _app()(scope, receive, send)
+    return messages
+
+
+def _status_and_id(messages: list[dict[str, Any]]) -> tuple[int, str]:
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    return start["status"], dict(start["headers"])[b"x-request-id"].decode()
+
+
+def test_calls_refused_before_their_view_are_counted_and_logged(
+        fresh_runtime: None, make_tenant: MakeTenant, settings: Any) -> None:
+    """A body too large (by its Content-Length, or past the limit while a chunked one is read),
+    one not received by the read deadline, and one Django cannot make a request of are calls
+    the clients made: each is counted in tollgate_requests_total (model "", as the other
+    refusals before the body is read) with its status and access-logged with its request id.
+    A span is made for each when tracing is on."""
+    t = make_tenant(requests_per_second=1000)
+    settings.GATEWAY_MAX_BODY_BYTES = 200
+    settings.REQUEST_BODY_TIMEOUT_SECONDS = 0.3
+    settings.TOLLGATE_ACCESS_LOG = True
+    small = json.dumps({"model": "gpt-4o", "max_tokens": 4, "messages": HI}).encode()
+    big = json.dumps({"model": "gpt-4o", "messages": [{"role": "user",
+                                                        "content": "x" * 500}]}).encode()
+    before: list[Any] = []
+
+    async def work(client: httpx.AsyncClient) -> list[tuple[int, str]]:
+        before.append(requests_total())
+        return [_status_and_id(await raw_call(t.plaintext, [big], length=len(big))),
+                _status_and_id(await raw_call(t.plaintext, [big[:150], big[150:]])),
+                _status_and_id(await raw_call(t.plaintext, [small[:10]], then_hang=True)),
+                _status_and_id(await raw_call(t.plaintext, [small], length=len(small),
+                                              query=b"x=\xff")),
+                _status_and_id(await raw_call(t.plaintext, [small], length=len(small)))]
+
+    with in_memory_tracing() as exporter, json_lines("tollgate.access") as out:
+        answers = run_app(work)
+        spans = exporter.get_finished_spans()
+    assert [status for status, _ in answers] == [400, 400, 408, 400, 200]
+    assert grown(requests_total(), before[0]) == {
+        ("chat/completions", "400", "", ""): 3, ("chat/completions", "408", "", ""): 1,
+        ("chat/completions", "200", "", "gpt-4o"): 1}
+    lines = {line["request_id"]: line for line in parsed(out)}
+    for status, request_id in answers:
+        line = lines[request_id]
+        assert (line["endpoint"], line["status"], line["model"]) == (
+            "chat/completions", status, "" if status != 200 else "gpt-4o")
+    roots = {s.attributes["tollgate.request_id"]: s for s in spans if s.name == "gateway.request"}
+    assert {rid: roots[rid].attributes["http.response.status_code"]
+            for _, rid in answers} == {rid: status for status, rid in answers}
+
+
+def test_a_refused_body_on_a_path_that_is_not_a_call_is_not_counted(
+        fresh_runtime: None, make_tenant: MakeTenant, settings: Any) -> None:
+    """/v1/models and the other unmetered paths are not calls: refusing their body counts
+    nothing."""
+    t = make_tenant(requests_per_second=1000)
+    settings.GATEWAY_MAX_BODY_BYTES = 10
+    before: list[Any] = []
+
+    async def work(client: httpx.AsyncClient) -> httpx.Response:
+        before.append(requests_total())
+        return await client.post("/v1/models", content=b"x" * 50,
+                                 headers={"Authorization": f"Bearer {t.plaintext}"})
+
+    assert run_app(work).status_code == 400
+    assert grown(requests_total(), before[0]) == {}
