@@ -19,6 +19,7 @@ from gateway.auth import KeyContext
 from gateway.bodies import MIN_THINKING_BUDGET, Endpoint, ParsedBody, parse_body
 from gateway.catalog import ModelInfo, hold_for, output_cap_for_hold, reservation_tokens
 from gateway.dialects import provider_kind
+from gateway.observe import Observation
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -364,22 +365,30 @@ def queue_timed_out(timed_out: QueueTimedOut) -> GatewayError:
 
 
 async def _wait_in_queue(runtime: GatewayRuntime, ctx: KeyContext, request: ReserveRequest,
-                         first: Reservation) -> Reservation:
+                         first: Reservation, obs: Observation | None) -> Reservation:
     """Wait for a QUEUED call's turn (quotas/waiting.py); 429 queue_timeout when it does not
-    come within the plan's queue timeout."""
+    come within the plan's queue timeout. The wait is marked in flight on the call's
+    Observation: a client leaving meanwhile ends the call mid-wait (its admitted wait is
+    counted from the reservation's queue_wait_ms by gateway/forward.py Call)."""
     timing = QueueTiming(float(ctx.limits.queue_timeout_seconds),
                          settings.TOLLGATE_QUEUE_HEAD_RETRY_MS,
                          settings.TOLLGATE_QUEUE_HEAD_LEASE_MS)
+    if obs is not None:
+        obs.queued_from = time.perf_counter()
     try:
-        return await wait_in_queue(runtime.engine, runtime.reserve, request, first,
-                                   runtime.waiting, timing)
+        reservation = await wait_in_queue(runtime.engine, runtime.reserve, request, first,
+                                          runtime.waiting, timing)
     except QueueTimedOut as timed_out:
         raise queue_timed_out(timed_out) from None
+    if obs is not None:
+        obs.queued_from = 0.0
+    return reservation
 
 
 async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
-                request_id: str) -> Admission:
-    """Reserve, or apply the plan's policy to a refusal; raises GatewayError (429)."""
+                request_id: str, obs: Observation | None = None) -> Admission:
+    """Reserve, or apply the plan's policy to a refusal; raises GatewayError (429). `obs`: the
+    call's Observation, told about a wait in the queue."""
     catalog = runtime.catalog
     parsed, scopes, est = call.parsed, call.scopes, call.estimate
     request = _request(ctx, parsed, request_id, parsed.model, est, scopes)
@@ -392,7 +401,7 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
     if reservation.outcome is Outcome.QUEUE_FULL:
         raise queue_full(reservation.waiters)
     if reservation.outcome is Outcome.QUEUED:
-        reservation = await _wait_in_queue(runtime, ctx, request, reservation)
+        reservation = await _wait_in_queue(runtime, ctx, request, reservation, obs)
     if reservation.admitted:
         return Admission(reservation, parsed.model, est, _with_output_cap(est, reservation, parsed, ctx))
     if reservation.outcome is not Outcome.QUOTA:

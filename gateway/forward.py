@@ -588,7 +588,7 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             call.sent = True
             span = (obs.start_child("upstream.call", **{"tollgate.provider_key": upstream.public_id})
                     if obs.span is not None else None)
-            began = _perf()
+            began = obs.upstream_wait()
             try:
                 # Straight to the transport: the client's cookie, auth and redirect layers cost a
                 # measurable share of a request and do nothing for an API call.
@@ -642,7 +642,7 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
                 refused_key = True
                 continue
             if response.status_code >= 400:
-                began = _perf()
+                began = obs.upstream_wait()
                 try:
                     body = await response.aread()
                 except httpx.HTTPError:
@@ -703,6 +703,10 @@ async def _wait_for_capacity(call: Call, short: list[tuple[int, Upstream]]) -> U
     wait = CapacityWait(call.request_id, ticket.priority,
                         runtime.engine.clock.now_ms() + int(left_s * 1000) + 1000, lease)
     timing = QueueTiming(left_s, settings.TOLLGATE_QUEUE_HEAD_RETRY_MS, lease)
+    obs = call.obs
+    assert obs is not None
+    # Left set if the wait is cancelled: the call's end counts the wait up to then.
+    obs.queued_from = _perf()
     try:
         result, waited_ms = await wait_for_capacity(
             runtime.engine, runtime.waiting, upstream.id, upstream.rpm_capacity,
@@ -717,10 +721,10 @@ async def _wait_for_capacity(call: Call, short: list[tuple[int, Upstream]]) -> U
         # Counted by views.py, like every refusal the forward answers with.
         raise queue_timeout("capacity of the upstream provider", timed_out.waited_ms / 1000,
                             max(1, math.ceil(retry_ms / 1000))) from None
+    obs.queued_from = 0.0
     if not result.taken:
         return None
-    assert call.obs is not None
-    call.obs.queued_s += waited_ms / 1000
+    obs.queued_s += waited_ms / 1000
     call.headers[QUEUE_WAIT_HEADER] = str(already_ms + waited_ms)
     return upstream
 
@@ -740,7 +744,7 @@ def _cooldown_left(runtime: GatewayRuntime, call: Call) -> int | None:
 async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
     obs = call.obs
     assert obs is not None
-    began = _perf()
+    began = obs.upstream_wait()
     try:
         async with asyncio.timeout_at(call.deadline):
             body = await response.aread()
@@ -937,9 +941,10 @@ class StreamRelay:
             while True:
                 # The waits for the upstream's next chunk are the upstream's time, not the
                 # gateway's (gateway/metrics.py: overhead).
-                began = _perf()
+                began = obs.upstream_from = _perf()
                 chunk = await self._next_chunk()
                 obs.upstream_s += _perf() - began
+                obs.upstream_from = 0.0
                 if chunk is None:
                     break
                 for event in self._events(chunk):

@@ -33,7 +33,10 @@ the next chunk of a stream), minus the time waiting in a queue (the queue policy
 provider key's capacity) of a call that was admitted. What is left is the gateway's own work:
 auth, parsing, counting tokens, the quota round trips, building and sending the answer. Calls
 refused after waiting in the queue (queue_timeout) are left out of it: their time is the
-plan's queue timeout.
+plan's queue timeout. A call can end for its client in the middle of such a wait (the client
+leaves while the upstream thinks or the call queues, a stream is cut at its deadline while the
+next chunk is awaited); the wait then counts up to that instant, though it goes on after (a
+detached call still gets its answer to settle): the figure stays the gateway's own time.
 
 Processes: with PROMETHEUS_MULTIPROC_DIR set (config/serve.py sets it for the gateway workers and
 the Celery processes), every process writes its figures to its own files there and /metrics

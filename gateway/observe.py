@@ -38,8 +38,9 @@ class Observation:
     """One call's report; see the module docstring."""
 
     __slots__ = ("arrived", "body_s", "cost_micros", "done", "endpoint", "input_tokens",
-                 "key_id", "model", "output_tokens", "queued_s", "refusal", "request_id",
-                 "span", "stream", "tenant", "tenant_id", "upstream_s", "upstream_waited")
+                 "key_id", "model", "output_tokens", "queued_from", "queued_s", "refusal",
+                 "request_id", "span", "stream", "tenant", "tenant_id", "upstream_from",
+                 "upstream_s", "upstream_waited")
 
     def __init__(self, endpoint: str, received: tuple[float, float] | None = None) -> None:
         """`received`: (perf_counter when the router took the request, seconds it spent reading
@@ -59,6 +60,11 @@ class Observation:
         self.upstream_s = 0.0  # waiting on upstreams (see gateway/metrics.py: overhead)
         self.upstream_waited = False  # handed to an upstream's transport at least once
         self.queued_s = 0.0  # an admitted call's queue waits
+        # When the wait on an upstream, or in a queue, now in flight began (perf_counter); 0.0
+        # when none is. A call can end for its client mid-wait (the client left, a stream cut
+        # at its deadline) while the wait goes on: `finish` counts it up to that instant.
+        self.upstream_from = 0.0
+        self.queued_from = 0.0
         self.input_tokens = self.output_tokens = self.cost_micros = 0
         self.done = False
         self.span: Any = None
@@ -75,9 +81,16 @@ class Observation:
         self.key_id = key_public_id
         self.tenant = metrics.tenant_label(tenant_public_id, tenant_slug)
 
+    def upstream_wait(self) -> float:
+        """A wait on an upstream begins now; returns its start, for `waited_upstream`."""
+        began = self.upstream_from = _perf()
+        return began
+
     def waited_upstream(self, seconds: float) -> None:
+        """The wait on an upstream begun by `upstream_wait` ended after `seconds`."""
         self.upstream_s += seconds
         self.upstream_waited = True
+        self.upstream_from = 0.0
 
     def settled(self, input_tokens: int, output_tokens: int, cost_micros: int) -> None:
         """The usage the call was settled with, for the access-log line."""
@@ -93,7 +106,12 @@ class Observation:
         if self.done:
             return
         self.done = True
-        whole = _perf() - self.arrived
+        now = _perf()
+        whole = now - self.arrived
+        if self.upstream_from:  # ended for its client while the gateway waited on an upstream
+            self.waited_upstream(now - self.upstream_from)
+        if self.queued_from:  # ... or in a queue
+            self.queued_s += now - self.queued_from
         endpoint = self.endpoint
         metrics.add(metrics.request_child(endpoint, status, self.refusal, self.model))
         metrics.observe(metrics.duration_child(endpoint, self.stream), whole)

@@ -238,10 +238,10 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
                              obs: Observation) -> HttpResponse | StreamingHttpResponse:
     try:
         if obs.span is None:
-            admission = await admit(runtime, ctx, checked_call, request_id)
+            admission = await admit(runtime, ctx, checked_call, request_id, obs)
         else:
             with obs.child("quota.reserve") as span:
-                admission = await admit(runtime, ctx, checked_call, request_id)
+                admission = await admit(runtime, ctx, checked_call, request_id, obs)
                 if span is not None:  # None: tracing was turned off since the call began
                     span.set_attribute("tollgate.held_tokens", admission.reservation.granted)
     except QuotaStoreUnavailable:

@@ -29,6 +29,7 @@ from quotas import keys
 from quotas.engine import AsyncQuotaEngine, QuotaEngine, QuotaStoreUnavailable
 from tenants.models import Tenant
 from tests.gateway.conftest import MakeTenant, committed
+from tests.gateway.test_e2e_queue import queue_plan
 from tests.gateway.test_e2e_spans import _stop_runtime, fresh_runtime, in_memory_tracing  # noqa: F401
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
@@ -483,3 +484,65 @@ def test_a_refused_body_on_a_path_that_is_not_a_call_is_not_counted(
 
     assert run_app(work).status_code == 400
     assert grown(requests_total(), before[0]) == {}
+
+
+# -- the gateway's overhead when the call ends mid-wait ----------------------------------------
+
+
+OVERHEAD = "tollgate_gateway_overhead_seconds"
+DURATION = "tollgate_request_duration_seconds"
+
+
+@pytest.mark.parametrize("wait", ["upstream_first_byte", "stream_next_chunk", "queue"])
+def test_a_client_leaving_mid_wait_leaves_the_wait_out_of_the_overhead(
+        fresh_runtime: None, make_tenant: MakeTenant, django_db_blocker: Any,
+        settings: Any, wait: str) -> None:
+    """The overhead is the call's time minus its waits on upstreams and queues. A client that
+    leaves 1 s into such a wait ends the call there (499) while the wait goes on (the call is
+    detached to end its hold): the wait counts up to the call's end, so the overhead stays the
+    gateway's milliseconds, not the client's patience."""
+    settings.TOLLGATE_ACCESS_LOG = True
+    if wait == "queue":
+        t = make_tenant(plan=queue_plan(django_db_blocker, 30),
+                        key_options={"max_concurrency": 1})
+    else:
+        t = make_tenant(requests_per_second=1000)
+    body = {"upstream_first_byte": {"model": "slow@first_byte_ms=2500", "max_tokens": 4,
+                                    "messages": HI},
+            "stream_next_chunk": {"model": "slow@chunk_ms=1500@output_tokens=3",
+                                  "stream": True, "messages": HI},
+            "queue": {"model": "gpt-4o", "max_tokens": 4, "messages": HI}}[wait]
+    before: list[Any] = []
+
+    async def work(client: httpx.AsyncClient) -> str:
+        # A first call builds the worker's runtime (the gateway's own, slow, start).
+        await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4, "messages": HI})
+        before.extend([histogram(OVERHEAD), histogram(DURATION)])
+        holder = None
+        if wait == "queue":  # holds the key's one slot for 2.5 s: the next call queues
+            holder = asyncio.ensure_future(post(client, t.plaintext, {
+                "model": "slow@first_byte_ms=2500", "max_tokens": 4, "messages": HI}))
+            await asyncio.sleep(0.3)
+        messages = await leave_after(t.plaintext, body, 1.0)
+        if holder is not None:
+            assert (await holder).status_code == 200
+        await asyncio.sleep(2.0 if wait != "queue" else 0.5)  # the detached call settles
+        starts = [m for m in messages if m["type"] == "http.response.start"]
+        return dict(starts[0]["headers"])[b"x-request-id"].decode() if starts else ""
+
+    with json_lines("tollgate.access") as out:
+        request_id = run_app(work)
+    overhead = grown(histogram(OVERHEAD), before[0])
+    duration = grown(histogram(DURATION), before[1])
+    calls = 2 if wait == "queue" else 1
+    [(count, total)] = overhead.values()
+    assert count == calls
+    assert total < 0.25 * calls, overhead  # was the 1 s wait (and more)
+    assert sum(n for n, _ in duration.values()) == calls
+    assert sum(s for _, s in duration.values()) > 0.9 * calls
+    left = [line for line in parsed(out) if line["status"] == 499]
+    assert len(left) == 1
+    if wait == "stream_next_chunk":
+        assert left[0]["request_id"] == request_id
+    if wait != "queue":  # the upstream's time, up to the client's leaving
+        assert 900 < left[0]["upstream_ms"] < 1500
