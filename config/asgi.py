@@ -14,8 +14,8 @@ _tracing = telemetry.setup() is not None
 from gateway.asgi import GatewayRouter  # noqa: E402 - needs the apps loaded above
 from gateway.urls import direct_routes, prefix_routes  # noqa: E402
 
-# /v1 and the health checks skip Django's middleware and signals (see gateway/asgi.py).
-application = GatewayRouter(django_application, direct_routes(), prefix_routes())
-if _tracing:
-    # Flushes the spans at the worker's lifespan shutdown (see config/telemetry.py).
-    application = telemetry.FlushAtShutdown(application)
+# /v1 and the health checks skip Django's middleware and signals (see gateway/asgi.py). At the
+# worker's lifespan shutdown the router writes the metrics' tally, then flushes the spans not
+# exported yet when tracing (config/telemetry.py).
+application = GatewayRouter(django_application, direct_routes(), prefix_routes(),
+                            on_shutdown=(telemetry.shutdown,) if _tracing else ())

@@ -15,9 +15,10 @@ sampler (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`), the batch processor
 
 Spans are exported by a BatchSpanProcessor (a thread of its own: the request never waits on the
 collector) and flushed when the process ends: at the ASGI lifespan's shutdown in a uvicorn worker
-(`FlushAtShutdown`: uvicorn ends a worker by raising again the SIGTERM it handled, so the process
-dies of it and exit hooks never run), in Celery's pool processes at worker_process_shutdown
-(config/celery.py; they end without exit hooks too), elsewhere by the provider's exit hook.
+(`shutdown`, run there by gateway.asgi.GatewayRouter as config/asgi.py wires it: uvicorn ends a
+worker by raising again the SIGTERM it handled, so the process dies of it and exit hooks never
+run), in Celery's pool processes at worker_process_shutdown (config/celery.py; they end without
+exit hooks too), elsewhere by the provider's exit hook.
 
 Per process, after the fork: each uvicorn worker imports config.asgi, which calls `setup`; Celery
 calls it in each pool process (worker_process_init). `setup` then hands the provider to
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -133,36 +134,3 @@ def shutdown() -> None:
     if provider is not None:
         tracing.disable()
         provider.shutdown()
-
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
-                   Awaitable[None]]
-
-
-class FlushAtShutdown:
-    """The ASGI application with the lifespan protocol answered: at its shutdown (a uvicorn
-    worker told to stop, after its last request) the spans not exported yet are flushed.
-    Wrapped around the gateway only when tracing is on, so an untraced request pays nothing.
-    The wrapped application (gateway.asgi.GatewayRouter, Django under it) answers no lifespan
-    of its own: were it ever to, these messages would have to be passed on to it."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
-        if scope["type"] != "lifespan":
-            await self.app(scope, receive, send)
-            return
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                # The server serves nothing any more: the export may block the loop (bounded by
-                # the exporter's timeout, OTEL_EXPORTER_OTLP_TIMEOUT).
-                shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return

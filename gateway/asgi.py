@@ -27,7 +27,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, Any
 
 from django.conf import settings
@@ -35,6 +35,7 @@ from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
+from gateway import metrics
 from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
 from gateway.observe import Observation
 
@@ -49,13 +50,22 @@ View = Callable[..., Awaitable[HttpResponseBase]]
 class GatewayRouter:
     """`routes`: exact paths -> view(request). `prefixes`: paths with an id in them (e.g.
     "/v1/responses/") -> view(request, rest=<the path after the prefix>), looked up only when no
-    exact path matches (the hot path's lookup stays one dict access)."""
+    exact path matches (the hot path's lookup stays one dict access).
+
+    It answers the ASGI lifespan protocol (Django's handler refuses it): at the shutdown of a
+    uvicorn worker told to stop (after its last request) it writes the worker's metrics tally
+    (gateway/metrics.py), then runs `on_shutdown` (config/asgi.py: the spans' flush when
+    tracing). Exit hooks cannot do it there: uvicorn ends a worker by raising again the SIGTERM
+    it handled, so the process dies of it and `atexit` never runs. Only the lifespan scope
+    pays: a request's path through the router is unchanged."""
 
     def __init__(self, django_app: ASGIHandler, routes: dict[str, View],
-                 prefixes: dict[str, View] | None = None) -> None:
+                 prefixes: dict[str, View] | None = None,
+                 on_shutdown: Sequence[Callable[[], None]] = ()) -> None:
         self.django_app = django_app
         self.routes = routes
         self.prefixes = tuple((prefixes or {}).items())
+        self.on_shutdown = tuple(on_shutdown)
 
     def _view(self, path: str) -> View | None:
         view = self.routes.get(path)
@@ -71,6 +81,8 @@ class GatewayRouter:
         if view is None:
             if scope["type"] == "http":
                 await _bounded_django(self.django_app, scope, receive, send)
+            elif scope["type"] == "lifespan":
+                await self._lifespan(receive, send)
             else:
                 await self.django_app(scope, receive, send)
             return
@@ -148,6 +160,24 @@ class GatewayRouter:
             if not sending.cancelled():
                 response.close()
         body_file.close()
+
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                # The server serves nothing any more: the writes may block the loop (a metrics
+                # write is a few mmap writes; the spans' export is bounded by its timeout).
+                metrics.flush()
+                for hook in self.on_shutdown:
+                    try:
+                        hook()
+                    except Exception:  # noqa: BLE001 - the next hook and the shutdown go on
+                        log.exception("shutdown hook %r failed", hook)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
 
 def _log_failure(task: asyncio.Task[None], path: str | None, observation: Observation | None,

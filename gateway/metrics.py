@@ -50,7 +50,10 @@ call makes about fifteen of them. So each process tallies its figures in plain d
 TOLLGATE_METRICS_FLUSH_SECONDS while there are any (a timer on the event loop; at once where no
 loop runs, e.g. the Celery sweep), on a scrape and at exit: one write per labelled child (per
 bucket) per interval, whatever the request rate. A scrape therefore shows a call at most that
-long after it ended.
+long after it ended. A uvicorn worker never runs its exit hooks (it dies of the SIGTERM it
+re-raises after a graceful shutdown): gateway/asgi.py GatewayRouter writes the tally at the
+worker's lifespan shutdown instead. A process killed outright (SIGKILL, the OOM killer) loses
+what it tallied since its last write: at most one interval.
 """
 from __future__ import annotations
 
@@ -187,10 +190,11 @@ class Tally:
 
     Recorded on one thread: the event loop's (the gateway's code records nothing from its
     database or estimation threads), or a process's only thread where no loop runs (Celery),
-    so `add` and `observe` take no lock. Written by the loop's timer, at exit, and by a scrape:
-    a scrape on another thread (Django runs /metrics on one) asks the loop to write rather than
-    swap the dicts under a recorder's feet, so it sees this process's last figures after the
-    next turn of the loop, like other processes' after their timer."""
+    so `add` and `observe` take no lock. Written by the loop's timer, at exit (or a worker's
+    lifespan shutdown), and by a scrape: a scrape on another thread (Django runs /metrics on
+    one) asks the loop to write rather than swap the dicts under a recorder's feet, so it sees
+    this process's last figures after the next turn of the loop, like other processes' after
+    their timer."""
 
     __slots__ = ("armed", "counts", "histograms", "home", "lock")
 

@@ -189,20 +189,22 @@ def test_spans_are_flushed_when_the_process_exits() -> None:
 
 def test_the_lifespan_shutdown_flushes_the_spans(capsys: pytest.CaptureFixture[str]) -> None:
     """uvicorn's workers die of the SIGTERM they re-raise after a graceful shutdown, so exit
-    hooks never run there: the wrapper flushes at the lifespan's shutdown instead, and passes
-    every other scope to the application untouched."""
+    hooks never run there: the router, as config/asgi.py builds it when tracing, flushes them
+    at the lifespan's shutdown (its `on_shutdown`), and passes every request on as before."""
     import asyncio
+
+    from gateway.asgi import GatewayRouter
 
     assert telemetry.setup(environ={"OTEL_TRACES_EXPORTER": "console"}) is not None
     seen: list[str] = []
 
-    async def app(scope: dict, receive: object, send: object) -> None:
+    async def django(scope: dict, receive: object, send: object) -> None:
         seen.append(scope["type"])
 
-    wrapped = telemetry.FlushAtShutdown(app)
+    router = GatewayRouter(django, {}, on_shutdown=(telemetry.shutdown,))  # type: ignore[arg-type]
 
     async def run() -> list[dict]:
-        await wrapped({"type": "http"}, None, None)
+        await router({"type": "http", "path": "/console/"}, None, None)  # type: ignore[arg-type]
         inbox = asyncio.Queue()
         for kind in ("lifespan.startup", "lifespan.shutdown"):
             inbox.put_nowait({"type": kind})
@@ -213,7 +215,7 @@ def test_the_lifespan_shutdown_flushes_the_spans(capsys: pytest.CaptureFixture[s
                 tracing.tracer().start_span("last-request").end()
             sent.append(message)
 
-        await wrapped({"type": "lifespan"}, inbox.get, send)
+        await router({"type": "lifespan"}, inbox.get, send)
         return sent
 
     sent = asyncio.run(run())

@@ -205,3 +205,45 @@ def test_every_outcome_is_counted_once_across_two_workers(
     assert not any(refused.slug in k for k in got if k.startswith("tollgate_tenant_"))
     # The ledger's own families are on the same page.
     assert "tollgate_usage_backlog_events" in got
+
+
+def _requests_in(directory: Path) -> float:
+    """tollgate_requests_total summed over what the processes wrote to `directory`."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(directory))
+    return sum(sample.value for family in registry.collect() for sample in family.samples
+               if sample.name == "tollgate_requests_total")
+
+
+@pytest.mark.parametrize("how", ["restarted", "stopped"])
+def test_a_workers_last_figures_are_written_when_it_is_told_to_stop(
+        make_tenant: MakeTenant, tmp_path: Path, how: str) -> None:
+    """A uvicorn worker told to stop (SIGHUP to the supervisor restarts its workers, SIGINT
+    stops them: SIGTERM to each) dies of the signal it re-raises, so exit hooks never run: its
+    tally (written every TOLLGATE_METRICS_FLUSH_SECONDS, a minute here) is written at the
+    lifespan's shutdown. SIGKILL still loses up to one interval."""
+    import os
+    import signal
+
+    t = make_tenant(requests_per_second=1000)
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    server = start_gateway(tmp_path, workers=2, PROMETHEUS_MULTIPROC_DIR=str(shared),
+                           TOLLGATE_METRICS_FLUSH_SECONDS="60")
+    try:
+        for _ in range(3):
+            assert _post(server, t.plaintext, {"model": "gpt-4o-mini", "max_tokens": 4,
+                                               "messages": MESSAGES}).status_code == 200
+        assert _requests_in(shared) == 0  # tallied in the workers, not written yet
+        if how == "restarted":
+            old = set(server.worker_pids())
+            os.kill(server.process.pid, signal.SIGHUP)
+            assert wait_until(lambda: len(set(server.worker_pids()) - old) >= 2, timeout=30)
+        else:
+            server.stop()
+        assert wait_until(lambda: _requests_in(shared) == 3, timeout=15), _requests_in(shared)
+    finally:
+        server.stop()

@@ -84,6 +84,49 @@ def test_the_tally_is_written_at_once_without_an_event_loop_and_later_with_one()
     assert child._value.get() == before + 2  # written by the loop's timer
 
 
+def test_the_routers_lifespan_shutdown_writes_the_tally(
+        settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A uvicorn worker told to stop ends by the SIGTERM it re-raises, so exit hooks never run:
+    the router writes the tally at the lifespan's shutdown (before the other hooks, which run
+    even if one fails), whatever the flush interval."""
+    from gateway.asgi import GatewayRouter
+
+    settings.TOLLGATE_METRICS_FLUSH_SECONDS = 3600
+    child = metrics.HOLDS.labels("released")
+    ran: list[str] = []
+
+    def failing() -> None:
+        ran.append("failing")
+        raise RuntimeError("exporter gone")
+
+    router = GatewayRouter(None, {}, on_shutdown=(  # type: ignore[arg-type]
+        failing, lambda: ran.append(f"written {child._value.get()}")))
+
+    async def serve_then_stop() -> tuple[float, list[str]]:
+        inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+        sent: list[str] = []
+
+        async def send(message: dict[str, str]) -> None:
+            sent.append(message["type"])
+
+        inbox.put_nowait({"type": "lifespan.startup"})
+        lifespan = asyncio.ensure_future(router({"type": "lifespan"}, inbox.get, send))
+        await asyncio.sleep(0)
+        metrics.add(child)  # a call's figure, tallied: the timer is an hour away
+        before = child._value.get()
+        inbox.put_nowait({"type": "lifespan.shutdown"})
+        await lifespan
+        return before, sent
+
+    metrics.flush()
+    start = child._value.get()
+    before, sent = asyncio.run(serve_then_stop())
+    assert before == start  # tallied, not written, until the shutdown
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert ran == ["failing", f"written {start + 1}"]
+    assert "shutdown hook" in caplog.text and "exporter gone" in caplog.text
+
+
 def test_model_labels_are_catalog_models_or_other() -> None:
     catalog = Catalog.of([fallback_model_info("gpt-4o"), fallback_model_info("gpt-4o-mini")],
                          PriceBook.of(aliases={"gpt-4o-2024-08-06": "gpt-4o"}))
