@@ -19,6 +19,7 @@ prometheus_client Collector, rendered by prometheus_client (text format 0.0.4).
                                                 gauge: a circuit breaker's state (0 closed,
                                                 1 half-open, 2 open); model "*" is the key's own
                                                 breaker (transport failures), else one model's
+                                                (bounded: see below)
     tollgate_provider_breaker_transitions_total{provider_key,model,to}
                                                 counter: transitions to opened / half_opened /
                                                 closed, counted by the breaker scripts in Redis
@@ -37,7 +38,13 @@ nor a count of calls. A partial index keeps the query cheap however long the led
 The breaker families list the provider keys from PostgreSQL and read each key's breakers from
 Redis (gateway/circuit.py, quotas/breakers.py); their transition counts live in the breakers'
 Redis hashes, so they start again from 0 if Redis loses its data (Prometheus' rate() treats that
-as a counter reset). A breaker never used is not listed.
+as a counter reset). A breaker never used is not listed. Their `model` label is bounded as the
+request metrics' is (gateway/metrics.py model_label): a catalog model (an alias counts as its
+model), else "other". A key keeps a breaker per model name it served (a 5xx for one name must
+not stop the others), and a key with a default price serves any name a client sends, so each
+such name has a breaker: under "other" they are one series per key, its state the worst of
+theirs, its transitions their sum (a breaker hash expires a day after its last record, which
+can lower that sum: read as a counter reset).
 
 The backlog gauges come from Redis only, so they are there while PostgreSQL is down (the very
 time the backlog grows); the families read from PostgreSQL are left out then, and logged.
@@ -58,6 +65,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from billing.ledger import usage_backlog
 from billing.models import UsageRecord, WebhookDelivery
 from gateway import metrics as request_metrics
+from gateway.catalog import load_catalog
 from gateway.models import ProviderKey
 from quotas import keys
 from quotas.breakers import KEY_LEVEL, BreakerStore
@@ -155,22 +163,36 @@ _BREAKER_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 _BREAKER_TRANSITIONS = ("opened", "half_opened", "closed")
 
 
-def breaker_samples(client: Any) -> tuple[list[tuple[dict[str, object], int]],
-                                           list[tuple[dict[str, object], int]]]:
-    """(state samples, transition samples) of every provider key's breakers that exist."""
+def breaker_samples(client: Any, catalog: Any = None,
+                    ) -> tuple[list[tuple[dict[str, object], int]],
+                               list[tuple[dict[str, object], int]]]:
+    """(state samples, transition samples) of every provider key's breakers that exist, by
+    provider key and bounded model label (see the module docstring); `catalog`: the model
+    catalog the labels are of (read now when None)."""
+    if catalog is None:
+        catalog = load_catalog()
     store = BreakerStore(client)
-    states: list[tuple[dict[str, object], int]] = []
-    transitions: list[tuple[dict[str, object], int]] = []
+    states: dict[tuple[str, str], int] = {}
+    counts: dict[tuple[str, str], list[int]] = {}
     for pk, public_id in ProviderKey.objects.order_by("pk").values_list("pk", "public_id"):
         for breaker in store.snapshots(pk):
-            if breaker.model == KEY_LEVEL and not (breaker.calls or breaker.opened):
-                continue  # the key's own breaker was never used: no hash
-            labels = {"provider_key": public_id, "model": breaker.model or "*"}
-            states.append((labels, _BREAKER_STATE_VALUE.get(breaker.state, 0)))
-            counts = (breaker.opened, breaker.half_opened, breaker.closed)
-            transitions += [({**labels, "to": to}, n)
-                            for to, n in zip(_BREAKER_TRANSITIONS, counts, strict=True)]
-    return states, transitions
+            if breaker.model == KEY_LEVEL:
+                if not (breaker.calls or breaker.opened):
+                    continue  # the key's own breaker was never used: no hash
+                model = "*"
+            else:
+                model = request_metrics.model_label(catalog, breaker.model)
+            series = (public_id, model)
+            states[series] = max(states.get(series, 0),
+                                 _BREAKER_STATE_VALUE.get(breaker.state, 0))
+            total = counts.setdefault(series, [0] * len(_BREAKER_TRANSITIONS))
+            for i, n in enumerate((breaker.opened, breaker.half_opened, breaker.closed)):
+                total[i] += n
+    return ([({"provider_key": key, "model": model}, value)
+             for (key, model), value in states.items()],
+            [({"provider_key": key, "model": model, "to": to}, n)
+             for (key, model), total in counts.items()
+             for to, n in zip(_BREAKER_TRANSITIONS, total, strict=True)])
 
 
 def _database_families(client: Any) -> list[Metric]:
@@ -200,11 +222,13 @@ def _database_families(client: Any) -> list[Metric]:
                "Largest difference rate of the latest reconciliation run (0..1).",
                [({}, reconciliation_difference_rate())]),
         _gauge("tollgate_provider_breaker_state",
-               "Circuit breaker of an upstream provider key (model *: the key's own): "
-               "0 closed, 1 half-open, 2 open.", states),
+               "Circuit breaker of an upstream provider key (model *: the key's own; other: "
+               "every name outside the catalog, the worst of their states): 0 closed, "
+               "1 half-open, 2 open.", states),
         _counter("tollgate_provider_breaker_transitions_total",
                  "Circuit breaker transitions of an upstream provider key, by the state "
-                 "entered.", transitions),
+                 "entered (model other: summed over the names outside the catalog).",
+                 transitions),
     ]
 
 

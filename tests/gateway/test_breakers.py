@@ -163,7 +163,7 @@ def test_the_admin_page_still_works_without_redis(root: Client, provider: Any,
 
 @pytest.mark.django_db
 def test_metrics_show_the_state_gauge_and_transitions(provider: Any) -> None:
-    model = f"brk-{uuid.uuid4().hex[:6]}"
+    model = "gpt-4o"  # a catalog model: its breaker is a series of its own
     _open_model(provider.pk, model)
     got = samples(metrics.render())
     labels = f'provider_key="{provider.public_id}",model="{model}"'
@@ -172,6 +172,24 @@ def test_metrics_show_the_state_gauge_and_transitions(provider: Any) -> None:
                f'model="*"}}'] == 0
     assert got[f'tollgate_provider_breaker_transitions_total{{{labels},to="opened"}}'] == 1
     assert got[f'tollgate_provider_breaker_transitions_total{{{labels},to="closed"}}'] == 0
+
+
+@pytest.mark.django_db
+def test_breakers_of_names_outside_the_catalog_are_one_other_series(provider: Any) -> None:
+    """A key with a default price serves any model name a client sends, and each name has a
+    breaker: /metrics shows them as one `other` series per key (the worst of their states,
+    their transitions summed), never a series per name a client made up."""
+    names = [f"brk-{uuid.uuid4().hex[:6]}" for _ in range(3)]
+    for name in names[:2]:
+        _open_model(provider.pk, name)
+    BreakerStore(get_engine().client).record(provider.pk, names[2], Outcomes(ok=1),
+                                             Outcomes(ok=1), ONE_CALL)  # closed
+    got = samples(metrics.render())
+    other = f'provider_key="{provider.public_id}",model="other"'
+    assert got[f"tollgate_provider_breaker_state{{{other}}}"] == 2
+    assert got[f'tollgate_provider_breaker_transitions_total{{{other},to="opened"}}'] == 2
+    assert got[f'tollgate_provider_breaker_transitions_total{{{other},to="closed"}}'] == 0
+    assert not [sample for sample in got if any(name in sample for name in names)]
 
 
 # -- a probe call that ends without a result hands its slot back (gateway/forward.py) --------------
