@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway import access_log, metrics, request_context, tracing
+from gateway.errors import GatewayError
 from quotas.limits import QUEUE_TIMEOUT
 
 _perf = time.perf_counter
@@ -179,7 +180,8 @@ class Observation:
                                              **attributes})
 
     def child(self, name: str, **attributes: Any) -> _Child:
-        """`start_child` as a context manager: ended on exit, an exception recorded on it.
+        """`start_child` as a context manager: ended on exit, an exception recorded on it as
+        an error, except a refusal (a 4xx GatewayError: status left UNSET, tollgate.refusal).
         Only for a traced call (check `span` first: the untraced path pays nothing)."""
         return _Child(self.start_child(name, **attributes))
 
@@ -201,6 +203,12 @@ class _Child:
                  traceback: Any) -> bool:
         if self.span is not None:
             if exc is None:
+                self.span.end()
+            elif isinstance(exc, GatewayError) and exc.status < 500:
+                # A refusal (429 over quota, 403 model not allowed...) is the answer the call
+                # gets, not a failure of the server: as OpenTelemetry's conventions leave a 4xx
+                # server span's status UNSET, the span ends so, saying why in tollgate.refusal.
+                self.span.set_attribute("tollgate.refusal", exc.refusal or exc.code or "")
                 self.span.end()
             else:
                 end_with_error(self.span, exc)
