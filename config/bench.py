@@ -11,6 +11,11 @@ budget, tokens per minute, request-rate buckets and a concurrency cap, then sett
 usage event), and drives both with a minimal keep-alive HTTP/1.1 client on raw asyncio streams
 (an HTTP library in the load generator would measure itself, not the servers).
 
+The gateway runs with its request metrics on, as `make up` (config/serve.py) runs it: each
+gateway the bench starts gets PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode), an
+empty directory of its own in the run's temporary one, so every figure below includes what the
+metrics cost its workers (their tally, and its writes to the directory's files).
+
 Printed per scenario (non-streaming and streaming, each concurrency level): requests per second,
 p50 / p90 / p99 latency, direct and through the gateway, and the latency the gateway adds. Then,
 per kind of call through the gateway: Redis commands per request (INFO commandstats, which
@@ -749,12 +754,24 @@ def running_system(data_prefix: str, gateway_port: int, mock_port: int, gateway_
 
 def _start_gateway(port: int, workers: int, **env: str) -> subprocess.Popen[bytes]:
     """The gateway under uvicorn (uvloop, httptools) with this process's environment (that of
-    running_system) plus `env`."""
+    running_system), its metrics directory, plus `env`."""
     return subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port", str(port),
          "--workers", str(workers), "--loop", "uvloop", "--http", "httptools", "--log-level",
          "warning", "--no-access-log", "--no-proxy-headers"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **metrics_env(port), **env})
+
+
+def metrics_env(port: int) -> dict[str, str]:
+    """PROMETHEUS_MULTIPROC_DIR for the gateway on `port`: an empty directory of its own in the
+    run's data directory (TOLLGATE_DATA_DIR, removed at the end), so its workers record the
+    request metrics in multiprocess mode as under `make up`. Never the caller's own
+    PROMETHEUS_MULTIPROC_DIR: the bench would add its calls to it (and empty it)."""
+    path = Path(os.environ["TOLLGATE_DATA_DIR"]) / f"prometheus-{port}"
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    return {"PROMETHEUS_MULTIPROC_DIR": str(path)}
 
 
 def _setup_tenant(mock_port: int) -> str:

@@ -4,9 +4,11 @@ and issue 16's rule (a maintained client within 10% of the native CPU per reques
 the median of the rounds, load by load."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from config.bench import Result, TransportRun, print_transport_runs
+from config.bench import Result, TransportRun, metrics_env, print_transport_runs
 
 
 def _run(round_: int, kind: str, load: str, cpu_s: float, requests: int = 1000) -> TransportRun:
@@ -46,3 +48,23 @@ def test_within_ten_percent(capsys: pytest.CaptureFixture[str]) -> None:
     print_transport_runs(runs, ["native", "aiohttp"])
     assert capsys.readouterr().out.splitlines()[-1].endswith(
         "highest 1.00 (plain c=16): within 10%")
+
+
+def test_each_gateway_of_the_bench_records_metrics_in_a_directory_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench measures the gateway as `make up` runs it, request metrics on in multiprocess
+    mode: each gateway it starts gets an empty directory of its own in the run's temporary data
+    directory, never the caller's PROMETHEUS_MULTIPROC_DIR."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "counter_1.db").write_bytes(b"")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mine))
+    monkeypatch.setenv("TOLLGATE_DATA_DIR", str(tmp_path / "run"))
+    first = Path(metrics_env(9100)["PROMETHEUS_MULTIPROC_DIR"])
+    (first / "counter_7.db").write_bytes(b"")  # a previous gateway on that port
+    again = Path(metrics_env(9100)["PROMETHEUS_MULTIPROC_DIR"])
+    other = Path(metrics_env(9101)["PROMETHEUS_MULTIPROC_DIR"])
+    assert again == first != other
+    assert first.parent == other.parent == tmp_path / "run"
+    assert list(first.iterdir()) == [] and list(other.iterdir()) == []
+    assert [p.name for p in mine.iterdir()] == ["counter_1.db"]  # the caller's, untouched
