@@ -34,6 +34,7 @@ from django.test import RequestFactory
 from gateway.bodies import Endpoint
 from gateway.mock_upstream import MockUpstream, start_subprocess
 from gateway.mock_upstream.app import LEAKY_ORGANIZATION, LEAKY_URL
+from gateway.observe import Observation
 from quotas.engine import QuotaEngine, Reservation
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
@@ -541,7 +542,7 @@ def test_a_large_body_is_parsed_checked_and_counted_in_one_thread_job(
                                     content_type="application/json")
     try:
         response = asyncio.run(views._admitted(Endpoint.CHAT, runtime, ctx, request, "req_1",
-                                               time.monotonic()))
+                                               time.monotonic(), Observation("chat/completions")))
     finally:
         pool.shutdown()
     assert (response.status_code, response.content) == (200, b"forwarded")
