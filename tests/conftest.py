@@ -61,3 +61,21 @@ def world(db: None) -> "World":
     from tests.world import build_world
 
     return build_world()
+
+
+@pytest.fixture(autouse=True)
+def _no_request_ids_between_tests() -> Iterator[None]:
+    """A synchronous test that makes a request id (gateway.errors.new_request_id binds it to the
+    running context) would leave it bound in the main thread for every later test: log lines
+    "outside a request" would then carry it. Each test starts and ends outside any request."""
+    from gateway import request_context
+
+    tokens = [var.set(None) for var in (request_context.request_id, request_context.tenant,
+                                        request_context.api_key)]
+    yield
+    for var, token in zip((request_context.request_id, request_context.tenant,
+                           request_context.api_key), tokens, strict=True):
+        try:
+            var.reset(token)
+        except ValueError:  # set in another context (an async test's loop): nothing to undo
+            var.set(None)
