@@ -158,7 +158,7 @@ class GatewayRouter:
                 if client_gone is not None:
                     client_gone()
             if not sending.cancelled():
-                response.close()
+                _close(response)
         body_file.close()
 
 
@@ -178,6 +178,21 @@ class GatewayRouter:
                         log.exception("shutdown hook %r failed", hook)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _close(response: HttpResponseBase) -> None:
+    """Django's HttpResponseBase.close() (its resource closers, the stream's and the metrics'),
+    without the request_finished signal: like request_started, which this path never sends,
+    its receivers (closing this thread's database connections and caches, resetting the
+    URLconf) have nothing to undo on the event loop, where the /v1 views use neither; sending
+    it was 2-3 % of a call's CPU."""
+    for closer in response._resource_closers:
+        try:
+            closer()
+        except Exception:  # noqa: BLE001, S110 - as Django's close(): the others still run
+            pass
+    response._resource_closers.clear()
+    response.closed = True
 
 
 def _log_failure(task: asyncio.Task[None], path: str | None, observation: Observation | None,
