@@ -498,6 +498,11 @@ class _ReserveCall:
     counters: tuple[tuple[ScopeLimit, Window, str], ...]
     keys: list[str]
     args: list[Any]
+    # The counters' parts of the reply (their CounterState fields but `remaining`, their keys
+    # and unit codes), from the request's shape (_Windowed).
+    states: tuple[dict[str, Any], ...] = ()
+    counter_keys: tuple[str, ...] = ()
+    units: tuple[int, ...] = ()
 
 
 def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
@@ -577,6 +582,43 @@ def _unmetered_fields(request_id: str, actual: int, created_ms: int, ended_ms: i
 _SHAPES_MAX = 4096
 
 
+_new = object.__new__
+
+
+def _counter_state(fields: dict[str, Any], remaining: int) -> CounterState:
+    """The CounterState of `fields` (all but `remaining`) and `remaining`, made without the frozen
+    dataclass's __init__, which sets each of its nine fields through object.__setattr__: about
+    4 us a counter on the bench machine, a dozen counters per gateway call. The same object
+    (CounterState has no __post_init__ to skip)."""
+    state = _new(CounterState)
+    attrs = state.__dict__
+    attrs.update(fields)
+    attrs["remaining"] = remaining
+    return state
+
+
+class _Windowed:
+    """The counters' part of a reserve call in one set of windows (see _Shape)."""
+
+    __slots__ = ("windows", "counters", "keys", "args", "states", "units")
+
+    def __init__(self, req: ReserveRequest, windows: list[Window], calls: _Calls) -> None:
+        self.windows = windows
+        counters = []
+        args: list[int] = []
+        for limit, window in zip(req.limits, windows, strict=True):
+            counters.append((limit, window, _counter_key(req.tenant, limit, window)))
+            args += [limit.limit, window.start_ms, window.end_ms, calls.expire_at(window),
+                     _unit_code(limit.unit) + 8 * _pool_seed(req.limits, limit)]
+        self.counters = tuple(counters)
+        self.keys = tuple(c[2] for c in counters)
+        self.args = args
+        self.states = tuple({"scope": limit.scope, "window": window, "key": key,
+                             "limit": limit.limit, "unit": limit.unit, "label": "", "reason": ""}
+                            for limit, window, key in counters)
+        self.units = tuple(_unit_code(limit.unit) for limit in req.limits)
+
+
 class _Shape:
     """What a reserve call's KEYS and ARGV take from its request's counters, buckets, gauge, epoch
     and queue: the same for every call of one key's context and model, so built once and reused
@@ -604,10 +646,9 @@ class _Shape:
         self.rate_args = [n for rate in req.rates for n in (rate.capacity, rate.period_ms)]
         self.queue_keys = _queue_keys(req) if req.queue is not None else []
         self.queue_flags = [1 if limit.queueable else 0 for limit in req.limits]
-        # (windows, counters, counter keys, counter arguments) of the windows last used: one
-        # tuple, replaced whole, so a reader on another thread never mixes two windows' parts.
-        self.windowed: tuple[list[Window], tuple[tuple[ScopeLimit, Window, str], ...],
-                             list[str], list[int]] | None = None
+        # The counters' part in the windows last used: replaced whole, so a reader on another
+        # thread never mixes two windows' parts.
+        self.windowed: _Windowed | None = None
 
     def matches(self, req: ReserveRequest) -> bool:
         return (req.limits is self.limits and req.rates is self.rates
@@ -633,22 +674,12 @@ class _Calls:
             shape = self._shapes[ident] = _Shape(req)
         return shape
 
-    def _windowed(self, req: ReserveRequest, shape: _Shape, windows: list[Window],
-                  ) -> tuple[list[Window], tuple[tuple[ScopeLimit, Window, str], ...],
-                             list[str], list[int]]:
+    def _windowed(self, req: ReserveRequest, shape: _Shape, windows: list[Window]) -> _Windowed:
         """The counters' part of a reserve call in these windows (the shape's, unless a window
         moved on: a Calendar returns the same Window object while it lasts)."""
         windowed = shape.windowed
-        if windowed is not None and windowed[0] == windows:  # identical objects: no __eq__
-            return windowed
-        counters = []
-        args: list[int] = []
-        for limit, window in zip(req.limits, windows, strict=True):
-            counters.append((limit, window, _counter_key(req.tenant, limit, window)))
-            args += [limit.limit, window.start_ms, window.end_ms, self.expire_at(window),
-                     _unit_code(limit.unit) + 8 * _pool_seed(req.limits, limit)]
-        windowed = (windows, tuple(counters), [c[2] for c in counters], args)
-        shape.windowed = windowed
+        if windowed is None or windowed.windows != windows:  # identical objects: no __eq__
+            windowed = shape.windowed = _Windowed(req, windows, self)
         return windowed
 
     def expire_at(self, window: Window) -> int:
@@ -662,8 +693,8 @@ class _Calls:
         now_ms = self.clock.now_ms()
         cal = self.calendar(req.schedule)
         shape = self._shape(req)
-        _, counters, counter_keys, counter_args = self._windowed(
-            req, shape, [cal.window(limit.window, now_ms) for limit in req.limits])
+        windowed = self._windowed(req, shape,
+                                  [cal.window(limit.window, now_ms) for limit in req.limits])
         cap = req.concurrency.cap if req.concurrency is not None else -1
         args: list[Any] = [
             req.request_id,
@@ -680,15 +711,16 @@ class _Calls:
             req.price_in,
             req.price_out,
             1 if req.check_epoch else 0,
-            *counter_args,
+            *windowed.args,
             *shape.rate_args,
         ]
-        call_keys = [keys.hold_key(req.tenant, req.request_id), shape.index_key, *counter_keys,
+        call_keys = [keys.hold_key(req.tenant, req.request_id), shape.index_key, *windowed.keys,
                      *shape.tail_keys]
         if req.queue is not None:
             call_keys += shape.queue_keys
             args += _queue_args(req, shape.queue_flags)
-        return _ReserveCall(req, counters, call_keys, args)
+        return _ReserveCall(req, windowed.counters, call_keys, args, windowed.states,
+                            windowed.keys, windowed.units)
 
     def reserve_reply(self, call: _ReserveCall, reply: Sequence[Any]) -> Reservation | None:
         """The Reservation, or None when the window did not match the Redis clock (retry)."""
@@ -718,19 +750,15 @@ class _Calls:
                 in_flight=0 if rate else detail,
             )
         n = len(call.counters)
-        states = tuple(
-            CounterState(scope=limit.scope, window=window, key=key, limit=limit.limit,
-                         remaining=int(remaining), unit=limit.unit)
-            for (limit, window, key), remaining in zip(call.counters, reply[3:3 + n], strict=True)
-        )
+        states = tuple(_counter_state(fields, int(remaining))
+                       for fields, remaining in zip(call.states, reply[3:3 + n], strict=True))
         admitted = code == 1
         granted = detail if admitted else 0
         hold = None
         if admitted and not req.dry_run:
             gauge = keys.gauge_key(req.tenant, req.concurrency.scope) if req.concurrency else ""
-            hold = Hold(req.tenant, req.request_id, granted, tuple(s.key for s in states), gauge,
-                        req.money_amount, tuple(_unit_code(s.unit) for s in states), req.meta,
-                        now_ms)
+            hold = Hold(req.tenant, req.request_id, granted, call.counter_keys, gauge,
+                        req.money_amount, call.units, req.meta, now_ms)
         return Reservation(
             admitted=admitted,
             request_id=req.request_id,

@@ -4,12 +4,15 @@ and model. What is reused must never outlive what it was built from: a window th
 tenant, the epoch check, the queue."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import redis
 
 from quotas import keys
 from quotas.engine import (
     ConcurrencyLimit,
+    CounterState,
     EngineSettings,
     QueueTicket,
     QuotaEngine,
@@ -106,3 +109,22 @@ def test_the_epoch_check_is_not_shared_between_shapes(
             engine.reserve(shaped(tenant, "checked", check_epoch=True))
     else:
         assert engine.reserve(shaped(tenant, "unchecked")).admitted
+
+
+def test_the_replys_counter_states_are_the_constructors(engine: QuotaEngine) -> None:
+    tenant = new_tenant()
+    admitted = engine.reserve(shaped(tenant, "ok", 300))
+    refused = engine.reserve(shaped(tenant, "over", 600))  # the key's day (800) refuses
+    assert admitted.admitted and not refused.admitted
+    for state in (*admitted.counters, *refused.counters):
+        made = CounterState(scope=state.scope, window=state.window, key=state.key,
+                            limit=state.limit, remaining=state.remaining, unit=state.unit)
+        assert state == made and hash(state) == hash(made) and repr(state) == repr(made)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            state.remaining = 0  # type: ignore[misc]
+    assert [s.limit for s in admitted.counters] == [limit.limit for limit in LIMITS]
+    assert admitted.counters[0].remaining == 700
+    assert admitted.hold.counter_keys == tuple(s.key for s in admitted.counters)
+    assert admitted.hold.units == (0, 0, 0, 0, 1, 0)  # the spend counter is in micro-dollars
+    assert refused.refused.scope == "key:k" and refused.refused.label == LIMITS[2].label
+    assert refused.refused.remaining == refused.counters[2].remaining
