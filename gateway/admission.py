@@ -9,6 +9,7 @@ event loop nothing and one hand-off.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, replace
@@ -186,12 +187,18 @@ def least_output(parsed: ParsedBody) -> int:
 
 def reserve_meta(ctx: KeyContext, parsed: ParsedBody, model: str) -> str:
     """What the hold stores and its usage event carries for the ledger (who, which model)."""
-    return json.dumps({"p": ctx.project.pk, "k": ctx.api_key.pk, "m": parsed.model,
-                       "served": model, "ep": parsed.endpoint.value}, separators=(",", ":"))
+    return _meta(ctx.project.pk, ctx.api_key.pk, parsed.model, model, parsed.endpoint.value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _meta(project: int, key: int, asked: str, served: str, endpoint: str) -> str:
+    # The same few strings for every call of a key (a JSON encoding each was ~1 % of the CPU).
+    return json.dumps({"p": project, "k": key, "m": asked, "served": served, "ep": endpoint},
+                      separators=(",", ":"))
 
 
 def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, est: Estimate,
-             scopes: tuple[ScopeLimit, ...]) -> ReserveRequest:
+             scopes: tuple[ScopeLimit, ...], queue: QueueTicket | None = None) -> ReserveRequest:
     min_amount = None
     if ctx.limits.shrink_hold_to_headroom and est.output_cap is not None:
         # The smallest hold still worth sending: the prompt plus the smallest output cap the
@@ -211,6 +218,7 @@ def _request(ctx: KeyContext, parsed: ParsedBody, request_id: str, model: str, e
         price_out=max(pout, preason),
         check_epoch=True,  # refuse (and rebuild) when Redis lost the tenant's data
         schedule=ctx.schedule,  # the tenant's day and cycle windows
+        queue=queue,
     )
 
 
@@ -391,10 +399,8 @@ async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
     call's Observation, told about a wait in the queue."""
     catalog = runtime.catalog
     parsed, scopes, est = call.parsed, call.scopes, call.estimate
-    request = _request(ctx, parsed, request_id, parsed.model, est, scopes)
-    ticket = queue_ticket(runtime, ctx)
-    if ticket is not None:
-        request = replace(request, queue=ticket)
+    request = _request(ctx, parsed, request_id, parsed.model, est, scopes,
+                       queue_ticket(runtime, ctx))
     # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
     # back: nothing is admitted on an empty counter).
     reservation = await runtime.reserve(request)
