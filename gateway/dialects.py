@@ -455,6 +455,9 @@ class Dialect:
     # Its answers may be stored upstream and continued later (the Responses API): remembered
     # by gateway/responses_context.py. Other APIs never pay for it.
     remembers: bool = False
+    # Its upstream is told some of the client's headers (passed_headers): only then does the
+    # view read them all (Django builds request.headers from the whole of META on first use).
+    passes_headers: bool = False
 
     def payload(self, parsed: ParsedBody, model: str, cap: int | None) -> bytes:
         """The body sent upstream: the client's, with the model forwarded and the output cap
@@ -577,7 +580,7 @@ DIALECTS: dict[Endpoint, Dialect] = {
     Endpoint.COMPLETIONS: _OPENAI,
     Endpoint.EMBEDDINGS: _OPENAI,
     Endpoint.RESPONSES: Responses(Api.OPENAI, OPENAI_KIND, remembers=True),
-    Endpoint.MESSAGES: Messages(Api.ANTHROPIC, ANTHROPIC_KIND),
+    Endpoint.MESSAGES: Messages(Api.ANTHROPIC, ANTHROPIC_KIND, passes_headers=True),
 }
 
 

@@ -47,8 +47,12 @@ from quotas.engine import QuotaError, QuotaStoreUnavailable
 log = logging.getLogger(__name__)
 
 
+# The headers a call reads, from META itself: request.headers, built on first use, parses the
+# name of every entry of META (about 1 % of a call's CPU).
+
+
 def _bearer(request: HttpRequest) -> str | None:
-    header = request.headers.get("Authorization", "")
+    header = request.META.get("HTTP_AUTHORIZATION", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
@@ -60,12 +64,12 @@ def _api_key(request: HttpRequest, api: Api) -> str | None:
     `x-api-key` header too for the Messages API (what its SDK sends)."""
     token = _bearer(request)
     if token is None and api is Api.ANTHROPIC:
-        token = request.headers.get("x-api-key", "").strip() or None
+        token = request.META.get("HTTP_X_API_KEY", "").strip() or None
     return token
 
 
 def _read_body(request: HttpRequest) -> bytes:
-    length = request.headers.get("Content-Length")
+    length = request.META.get("CONTENT_LENGTH")
     limit = settings.GATEWAY_MAX_BODY_BYTES
     if length and length.isdigit() and int(length) > limit:
         raise body_too_large(limit)
@@ -210,7 +214,8 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     context = await held_context(runtime, ctx, call.parsed)
     if context is not None:
         call = with_context(call, context, ctx)
-    client_headers = dialect_for(endpoint).passed_headers(request.headers)
+    dialect = dialect_for(endpoint)
+    client_headers = dialect.passed_headers(request.headers) if dialect.passes_headers else {}
     # From the reservation on, the hold must end exactly once even if the client leaves and
     # this request is cancelled (even mid-reserve, when the script may already have run):
     # reserve and forward run in a task of their own, which settles or releases by itself.
