@@ -5,6 +5,7 @@ tenant, the epoch check, the queue."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import redis
@@ -14,6 +15,7 @@ from quotas.engine import (
     ConcurrencyLimit,
     CounterState,
     EngineSettings,
+    Hold,
     QueueTicket,
     QuotaEngine,
     QuotaEpochLost,
@@ -22,6 +24,7 @@ from quotas.engine import (
     ScopeLimit,
     Unit,
     _Calls,
+    _fallback,
 )
 from quotas.windows import RedisClock, WindowKind
 from tests.quotas.conftest import new_tenant
@@ -128,3 +131,15 @@ def test_the_replys_counter_states_are_the_constructors(engine: QuotaEngine) -> 
     assert admitted.hold.units == (0, 0, 0, 0, 1, 0)  # the spend counter is in micro-dollars
     assert refused.refused.scope == "key:k" and refused.refused.label == LIMITS[2].label
     assert refused.refused.remaining == refused.counters[2].remaining
+
+
+@pytest.mark.parametrize("meta", ['{"p":1,"k":2,"m":"gpt-4o","served":"gpt-4o","ep":"chat"}',
+                                  "", 'a\\0b "quoted" \\ é 漢', "\\0", "nul \0 inside",
+                                  "escaped \\u0000 text"])
+def test_the_settle_fallback_is_the_json_it_always_was(meta: str) -> None:
+    hold = Hold("t1", "r1", 1234, ("a", "b", "c"), "", 0, (0, 1, 0), meta, 1764600000123)
+    expected = json.dumps({"units": [0, 1, 0], "amount": "1234", "created": "1764600000123",
+                           "meta": meta}, separators=(",", ":"))
+    assert _fallback(hold) == expected
+    assert _fallback(dataclasses.replace(hold, amount=7, created_ms=9)) == expected.replace(
+        '"1234"', '"7"').replace('"1764600000123"', '"9"')
