@@ -225,11 +225,13 @@ Requests = bytes | Callable[[], NextRequest]
 
 
 async def _client(port: int, request: bytes | NextRequest, deadline: float,
-                  latencies: list[float]) -> None:
+                  latencies: list[float], min_calls: int = 0) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     answer: bytes | None = None
+    calls = 0
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or calls < min_calls:
+            calls += 1
             payload = request if isinstance(request, bytes) else request(answer)
             started = time.perf_counter()
             writer.write(payload)
@@ -244,26 +246,30 @@ async def _client(port: int, request: bytes | NextRequest, deadline: float,
         writer.close()
 
 
-async def _load(port: int, request: Requests, concurrency: int, seconds: float) -> Result:
+async def _load(port: int, request: Requests, concurrency: int, seconds: float,
+                min_calls: int = 0) -> Result:
     latencies: list[float] = []
     started = time.monotonic()
     await asyncio.gather(*(_client(port, request if isinstance(request, bytes) else request(),
-                                   started + seconds, latencies)
+                                   started + seconds, latencies, min_calls)
                            for _ in range(concurrency)))
     return Result(len(latencies), time.monotonic() - started, latencies)
 
 
 def load(port: int, key: str, stream: bool, concurrency: int, seconds: float,
          model: str = CHAT_MODEL, *, api: Api = Api.CHAT,
-         chains: list[ResponsesChain] | None = None, chain_length: int = 0) -> Result:
-    """`concurrency` keep-alive clients sending `api` calls back to back for `seconds`. With
-    `chain_length`, Responses calls in chains (ResponsesChain), one per client, each appended to
-    `chains` when given."""
+         chains: list[ResponsesChain] | None = None, chain_length: int = 0,
+         min_calls: int = 0) -> Result:
+    """`concurrency` keep-alive clients sending `api` calls back to back for `seconds`, each
+    client going on past that until it has sent `min_calls` (a test that needs a chain to
+    continue must not depend on how fast a loaded machine answers). With `chain_length`,
+    Responses calls in chains (ResponsesChain), one per client, each appended to `chains` when
+    given."""
     import uvloop
 
     if not chain_length:
         return uvloop.run(_load(port, _request_bytes(key, stream, model, api=api), concurrency,
-                                seconds))
+                                seconds, min_calls))
 
     def one_chain() -> NextRequest:
         chain = ResponsesChain(key, stream, model, chain_length)
@@ -271,7 +277,7 @@ def load(port: int, key: str, stream: bool, concurrency: int, seconds: float,
             chains.append(chain)
         return chain
 
-    return uvloop.run(_load(port, one_chain, concurrency, seconds))
+    return uvloop.run(_load(port, one_chain, concurrency, seconds, min_calls))
 
 
 @dataclass
