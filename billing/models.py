@@ -108,6 +108,72 @@ class UsageRecord(models.Model):
         return self.input_tokens + self.output_tokens
 
 
+class UsageRollup(models.Model):
+    """The ledger summed per day: one row per (tenant, zone, day, project, key, provider key,
+    model, served model, status, corrected), kept in the same transaction as the drain's inserts
+    and corrections (billing/rollups.py), so that reports, the dashboard, the usage API and
+    /metrics read a row per group and day instead of a row per request.
+
+    Each usage row is summed twice: on its day in UTC (`zone` "UTC": the platform report,
+    /metrics, reconciliation, and the check before a raw month is dropped) and on its day in the
+    tenant's time zone at the time it was drained (a tenant report's local days); a UTC tenant has
+    the one row. A corrected swept row moves from its `swept` group to its new status with
+    `corrected` true, on the day it was swept (the row's ended_at does not change).
+
+    project / api_key / provider_key keep the id without a database constraint: the rollup
+    outlives the raw rows and names a deleted project as its id, like the ledger's "(deleted)".
+    """
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+")
+    zone = models.CharField(max_length=64)
+    day = models.DateField()
+    project = models.ForeignKey("tenants.Project", on_delete=models.DO_NOTHING, null=True,
+                                db_constraint=False, related_name="+")
+    api_key = models.ForeignKey("tenants.ApiKey", on_delete=models.DO_NOTHING, null=True,
+                                db_constraint=False, related_name="+")
+    provider_key = models.ForeignKey("gateway.ProviderKey", on_delete=models.DO_NOTHING,
+                                     null=True, db_constraint=False, related_name="+")
+    model = models.CharField(max_length=200)
+    served_model = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=UsageRecord.Status.choices)
+    corrected = models.BooleanField(default=False)
+    requests = models.BigIntegerField(default=0)
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cached_input_tokens = models.BigIntegerField(default=0)
+    cache_write_tokens = models.BigIntegerField(default=0)
+    reasoning_tokens = models.BigIntegerField(default=0)
+    cost_micros = models.BigIntegerField(default=0)
+    over_hold_tokens = models.BigIntegerField(default=0)
+    over_hold_requests = models.BigIntegerField(default=0)
+    # Of corrected rows: what the sweep had charged (UsageRecord.swept_*).
+    swept_input_tokens = models.BigIntegerField(default=0)
+    swept_output_tokens = models.BigIntegerField(default=0)
+    swept_cost_micros = models.BigIntegerField(default=0)
+
+    GROUP_FIELDS = ("tenant", "zone", "day", "project", "api_key", "provider_key", "model",
+                    "served_model", "status", "corrected")
+    SUM_FIELDS = ("requests", "input_tokens", "output_tokens", "cached_input_tokens",
+                  "cache_write_tokens", "reasoning_tokens", "cost_micros", "over_hold_tokens",
+                  "over_hold_requests", "swept_input_tokens", "swept_output_tokens",
+                  "swept_cost_micros")
+
+    class Meta:
+        constraints = [
+            # NULLS NOT DISTINCT: a deleted project's or an unmetered call's null is one group.
+            models.UniqueConstraint(
+                fields=["tenant", "zone", "day", "project", "api_key", "provider_key", "model",
+                        "served_model", "status", "corrected"],
+                name="usage_rollup_group", nulls_distinct=False),
+        ]
+        indexes = [
+            models.Index(fields=["zone", "day"], name="usage_rollup_zone_day"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.zone} {self.day} {self.served_model} {self.status}"
+
+
 # -- threshold alerts and webhooks (billing/alerts.py, billing/webhooks.py) ---------------------
 
 
