@@ -35,7 +35,7 @@ from gateway.errors import (
 )
 from gateway.forward import Call, forward
 from gateway.headers import rate_headers
-from gateway import metrics, request_context
+from gateway import metrics, readiness, request_context
 from gateway.observe import Observation
 from gateway.refusals import count_refusal
 from gateway.responses_context import held_context, with_context
@@ -337,8 +337,12 @@ def _database_ok() -> bool:
 
 
 async def readyz(request: HttpRequest) -> HttpResponse:
-    """Redis and the database are reachable, and the quota Redis cannot evict or lose counters
-    (quotas/durability.py): the process can serve /v1."""
+    """Every Redis the process uses and the database are reachable, and the quota Redis cannot
+    evict or lose counters (quotas/durability.py): the process can serve /v1, the console and
+    the API. Each is reported by name (gateway/readiness.py): `redis` and `redis_config` the
+    quota store (with `redis_cluster` on a cluster), `cache_redis` the Django cache, `broker`
+    Celery's, `database` PostgreSQL."""
+    others = await readiness.other_redis_checks()
     checks: dict[str, str] = {}
     try:
         runtime = await _runtime()
@@ -348,15 +352,20 @@ async def readyz(request: HttpRequest) -> HttpResponse:
                 issues = "; ".join(p.issue for p in await store_problems()) or "unsafe"
             except Exception as exc:  # noqa: BLE001
                 issues = type(exc).__name__
-            return JsonResponse({"status": "unavailable", "redis_config": f"error: {issues}"},
-                                status=503)
-        return JsonResponse({"status": "unavailable", "database": "error: unreachable"},
-                            status=503)
+            return JsonResponse({"status": "unavailable", "redis_config": f"error: {issues}",
+                                 **others}, status=503)
+        return JsonResponse({"status": "unavailable", "database": "error: unreachable",
+                             **others}, status=503)
     try:
         await runtime.engine.client.ping()
         checks["redis"] = "ok"
     except Exception as exc:  # noqa: BLE001 - readiness reports any failure
         checks["redis"] = f"error: {type(exc).__name__}"
+    if settings.REDIS_CLUSTER:
+        try:
+            checks["redis_cluster"] = await readiness.cluster_state(runtime.engine.client)
+        except Exception as exc:  # noqa: BLE001
+            checks["redis_cluster"] = f"error: {type(exc).__name__}"
     if checks["redis"] == "ok":
         # Checked on every probe: CONFIG SET on a running server changes it under us.
         try:
@@ -368,6 +377,7 @@ async def readyz(request: HttpRequest) -> HttpResponse:
                 log.error("readiness: %s", problem)
             checks["redis_config"] = ("error: " + "; ".join(p.issue for p in problems)
                                       if problems else "ok")
+    checks.update(others)
     try:
         checks["database"] = "ok" if await runtime.db.run(_database_ok) else "error"
     except Exception as exc:  # noqa: BLE001

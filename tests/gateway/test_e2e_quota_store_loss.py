@@ -134,13 +134,15 @@ def test_readyz_refuses_an_evicting_policy_and_recovers_when_fixed(
     redis_client = private_redis.client()
     try:
         assert httpx.get(f"{server.url}/readyz", timeout=10).json() == {
-            "status": "ok", "redis": "ok", "redis_config": "ok", "database": "ok"}
+            "status": "ok", "redis": "ok", "redis_config": "ok", "cache_redis": "ok",
+            "broker": "ok", "database": "ok"}
         redis_client.config_set("maxmemory-policy", "allkeys-lru")
         try:
             ready = httpx.get(f"{server.url}/readyz", timeout=10)
             assert ready.status_code == 503
             assert ready.json() == {
-                "status": "unavailable", "redis": "ok", "database": "ok",
+                "status": "unavailable", "redis": "ok", "database": "ok", "cache_redis": "ok",
+                "broker": "ok",
                 "redis_config": "error: maxmemory-policy allkeys-lru may evict quota counters"}
         finally:
             redis_client.config_set("maxmemory-policy", "noeviction")
@@ -162,7 +164,8 @@ def test_persistence_required_a_worker_refuses_to_meter_until_it_is_on(
         ready = httpx.get(f"{server.url}/readyz", timeout=10)
         assert ready.status_code == 503
         assert ready.json() == {"status": "unavailable", "redis_config":
-                                "error: no persistence (appendonly no, no save points)"}
+                                "error: no persistence (appendonly no, no save points)",
+                                "cache_redis": "ok", "broker": "ok"}
         with pytest.raises(openai.APIStatusError) as info:
             ask(client_for(server, t.plaintext, timeout=30))
         assert info.value.status_code == 503 and info.value.code == "quota_store_unsafe"
