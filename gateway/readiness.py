@@ -89,13 +89,16 @@ async def ping(url: str, what: str) -> str:
 def _kombu_check(url: str) -> None:
     from kombu import Connection
 
-    with Connection(url, connect_timeout=settings.REDIS_SOCKET_TIMEOUT) as conn:
+    # The transport's options as Celery gets them (a Sentinel broker's master name).
+    options = getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", {})
+    with Connection(url, connect_timeout=settings.REDIS_SOCKET_TIMEOUT,
+                    transport_options=options) as conn:
         conn.ensure_connection(max_retries=1)
 
 
 async def broker_state(url: str) -> str:
-    """The broker reachable: a Redis broker is PINGed; any other (kombu's transports) is
-    connected to once, on a thread (kombu is synchronous)."""
+    """The broker reachable: a Redis broker is PINGed; any other (Sentinel, RabbitMQ: kombu's
+    transports) is connected to once, on a thread (kombu is synchronous)."""
     redis_url = broker_redis_url(url)
     if redis_url is not None:
         return await ping(redis_url, "broker")

@@ -78,10 +78,12 @@ def test_the_cache_or_the_broker_down_is_not_ready_and_named(
 
 
 def test_a_broker_that_is_not_redis_is_checked_through_kombu(
-        provider_key: str, tmp_path: Path) -> None:
-    # Nothing listens on the port: kombu's amqp transport cannot connect.
+        redis_url: str, provider_key: str, tmp_path: Path) -> None:
+    # Nothing listens on the port: kombu's amqp transport cannot connect. (Settings want a Redis
+    # for the beat's schedule with a non-Redis broker; the gateway process does not use it.)
     server = start_gateway(tmp_path, workers=1,
-                           CELERY_BROKER_URL=f"amqp://guest:guest@127.0.0.1:{embedded.free_port()}//")
+                           CELERY_BROKER_URL=f"amqp://guest:guest@127.0.0.1:{embedded.free_port()}//",
+                           REDBEAT_REDIS_URL=f"{redis_url.partition('?')[0]}?db=12")
     try:
         status, body = ready(server)
         assert status == 503
@@ -101,7 +103,8 @@ def test_a_cluster_master_down_is_not_ready_and_named(
     standalone = redis_url.partition("?")[0]
     server = start_gateway(tmp_path, workers=1, REDIS_CLUSTER="true", REDIS_URL=cluster.url,
                            CACHE_REDIS_URL=f"{standalone}?db=7",
-                           CELERY_BROKER_URL=f"{standalone}?db=8")
+                           CELERY_BROKER_URL=(f"redis+socket://{standalone[len('unix://'):]}"
+                                              "?virtual_host=8"))
     try:
         assert ready(server) == (200, {
             "status": "ok", "redis": "ok", "redis_cluster": "ok", "redis_config": "ok",
