@@ -33,9 +33,10 @@ Swept rows keep 0 in every class: the sweep knows only its hold's totals.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -44,12 +45,13 @@ from django.db import DatabaseError, transaction
 
 from billing.models import UsageRecord
 from billing.prices import PriceBook
+from billing.rollups import ZoneOf, Zones, insert_records, move_corrected
 from gateway.bodies import Endpoint
 from gateway.dialects import provider_kind
 from gateway.models import ProviderKey, ProviderKind
 from gateway.prices import Price
 from gateway.usage import Usage
-from quotas import keys
+from quotas import active, keys
 from quotas.cycles import calendar_for
 from quotas.keys import tenant_tag
 from quotas.windows import Calendar, Window, WindowKind
@@ -221,19 +223,23 @@ def _drop_dangling_references(records: list[UsageRecord]) -> None:
                 setattr(record, field, None)
 
 
-def _apply_corrections(corrections: list[UsageRecord]) -> int:
+def _apply_corrections(corrections: list[UsageRecord], zone_of: ZoneOf | None = None) -> int:
     """Correct the swept rows of these "corrected" events, each once; returns how many rows
-    this call corrected. Runs inside the batch's transaction, after its rows were inserted."""
+    this call corrected. Runs inside the batch's transaction, after its rows were inserted; the
+    rollup moves with each row (billing/rollups.py)."""
     by_id: dict[str, UsageRecord] = {}
     for record in corrections:
         by_id.setdefault(record.request_id, record)  # a redelivered duplicate: the same event
-    # A correction whose swept row is not in the ledger becomes the row, already corrected.
-    # Where the swept row exists this inserts nothing (and waits for a concurrent drainer's
-    # insert of it to commit, so the update below sees that row).
-    UsageRecord.objects.bulk_create(list(by_id.values()), ignore_conflicts=True)
+    # A correction whose swept row is not in the ledger becomes the row, already corrected (and
+    # is summed as such). Where the swept row exists this inserts nothing (and waits for a
+    # concurrent drainer's insert of it to commit, so the update below sees that row).
+    insert_records(list(by_id.values()), zone_of)
     rows = list(UsageRecord.objects.select_for_update().filter(
-        request_id__in=list(by_id), status=UsageRecord.Status.SWEPT, corrected_at__isnull=True))
+        request_id__in=list(by_id), status=UsageRecord.Status.SWEPT, corrected_at__isnull=True)
+        .order_by("pk"))
+    moves = []
     for row in rows:
+        before = copy.copy(row)
         correction = by_id[row.request_id]
         row.swept_input_tokens = row.input_tokens
         row.swept_output_tokens = row.output_tokens
@@ -242,8 +248,10 @@ def _apply_corrections(corrections: list[UsageRecord]) -> int:
             if not name.startswith("swept_"):
                 setattr(row, name, getattr(correction, name))
         row.over_hold_tokens = over_hold(row.held_tokens, row.input_tokens, row.output_tokens)
+        moves.append((before, row))
     if rows:
         UsageRecord.objects.bulk_update(rows, _CORRECTED_FIELDS)
+        move_corrected(moves, zone_of)
     return len(rows)
 
 
@@ -256,6 +264,7 @@ class DrainResult:
     # window has ended since (a settle at 23:59:59.9 drained after midnight).
     windows: dict[int, frozenset[Window]] = field(default_factory=dict)
     corrected: int = 0  # swept rows corrected by late settles or releases
+    probed: int = 0  # tenants whose stream was looked at (one pipelined XLEN each)
 
 
 @dataclass
@@ -286,12 +295,16 @@ def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
         created_ms = int(fields.get("created") or fields["ended"])
         out.windows.update(calendar.window(kind, created_ms) for kind in _ALERT_WINDOW_KINDS)
     _drop_dangling_references(records + corrections)
+    # The zone of each row's local day in the rollup, from the calendar loaded above.
+    zones = Zones()
+    zones.add_schedule(tenant_id, calendar.schedule)
     with transaction.atomic():
-        UsageRecord.objects.bulk_create(records, ignore_conflicts=True)
+        # One INSERT for the batch; only the rows it inserted are summed into the rollup.
+        insert_records(records, zones.at)
         # After the inserts: a hold's swept event precedes its correction in the stream, and
         # both may be in this batch.
         if corrections:
-            out.corrected = _apply_corrections(corrections)
+            out.corrected = _apply_corrections(corrections, zones.at)
     # Only after the commit: if PostgreSQL failed above, the events are still in the stream.
     client.xdel(stream, *[entry_id for entry_id, _ in entries])
     return out
@@ -316,12 +329,21 @@ def drain_tenant(client: Any, tenant_id: int, *, batch: int = 500,
                         _calendar_of(tenant_id)).events
 
 
-def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20) -> DrainResult:
-    """Drain every tenant's stream (bounded work per run: the next run continues)."""
+def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20,
+              tenant_ids: Sequence[int] | None = None) -> DrainResult:
+    """Drain these tenants' streams (default: every tenant in PostgreSQL; the drain_usage job
+    passes the index of active tenants', quotas/active.py), bounded work per run: the next run
+    continues. Which streams have events is asked first, pipelined (active.probe: one round trip
+    per thousand tenants), so only those are read; the price book too is loaded only then."""
+    ids = list(tenant_ids) if tenant_ids is not None else active.all_tenant_ids()
+    work = active.probe(client, ids, holds=False)
+    busy = [tenant_id for tenant_id in ids if work[tenant_id].events]
+    if not busy:
+        return DrainResult(0, 0, {}, 0, probed=len(ids))
     prices = PriceBook.load()
     total = tenants = corrected = 0
     windows: dict[int, frozenset[Window]] = {}
-    for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+    for tenant_id in busy:
         moved = 0
         seen: set[Window] = set()
         # The windows the events were charged to, in the tenant's own (the gateway's) calendar.
@@ -338,7 +360,7 @@ def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20
             total += moved
         if seen:
             windows[tenant_id] = frozenset(seen)
-    return DrainResult(total, tenants, windows, corrected)
+    return DrainResult(total, tenants, windows, corrected, probed=len(ids))
 
 
 # -- the backlog: events waiting in Redis for the drain ----------------------------------------

@@ -1,0 +1,520 @@
+"""The ledger summed per day (billing.UsageRollup): kept by the drain, rebuilt from raw rows,
+checked against them, and read by the reports, the usage API, the dashboard and /metrics.
+
+Writing (the only writers of the ledger's rows and of the rollup; billing/ledger.py calls them
+inside the drain's transaction):
+
+- `insert_records(rows, zones)`: one INSERT of the whole batch (unnest of one array per column)
+  ON CONFLICT DO NOTHING RETURNING (the unique request id): only the rows this transaction
+  actually inserted are summed, so a redelivered event (its request id already in the ledger,
+  or inserted by a concurrent drain of the same stream, whose commit the insert waits for) is
+  never counted twice. Their sums go to the rollup by `add_to_rollups`.
+- `move_corrected(before, after, zones)`: a swept row corrected by a late settle or release
+  leaves its (status swept, corrected false) group and joins (its new status, corrected true,
+  its new provider key) with the swept_* sums, on the same day (ended_at does not change).
+- `add_to_rollups`: the contributions summed in Python per group, then one INSERT ... ON
+  CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col + EXCLUDED.col, groups in a
+  stable (sorted) order, so two drains upserting overlapping groups lock them in the same order
+  and cannot deadlock each other.
+
+Which rows a usage row is summed into: its UTC day (zone "UTC") and its local day in the zone
+the tenant's days were in when the call ended (`Zones`: quotas.cycles' schedule, or its
+Timeline for an instant before the cycle in force took over); one row when that zone is "UTC".
+That zone is a function of the row and the tenant's recorded cycle history, so the drain,
+`rebuild` and the readers (`whole_days`) agree on it whenever they run.
+
+Reading: `whole_days(tenant, zone, start, end)` splits [start, end) into the local days of
+`zone` that the rollup holds whole (every instant of the day had `zone` as the tenant's zone)
+and the rest (a window cut mid-day at a change of cycle, a day before or over a change of time
+zone), which is read from raw rows. `sums(...)` combines both, grouped by any of the columns the
+two models share.
+
+Checking and repairing: `verify(start, end)` compares the UTC rollups with the raw rows' sums
+(before a raw month is dropped); `rebuild(...)` (`manage.py rollup_rebuild`) recomputes the
+rollups of a range from the raw rows (for rows drained before the rollup existed).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from django.db import connection, transaction
+from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models.functions import Coalesce, TruncDate
+from django.utils import timezone as dj_timezone
+
+from billing.models import UsageRecord, UsageRollup
+from quotas.cycles import Timeline, schedule_for
+from quotas.windows import CycleSchedule
+from quotas.models import CyclePeriod
+from tenants.models import Tenant
+
+log = logging.getLogger(__name__)
+
+UTC_ZONE = "UTC"
+GROUP_FIELDS: tuple[str, ...] = UsageRollup.GROUP_FIELDS
+SUM_FIELDS: tuple[str, ...] = UsageRollup.SUM_FIELDS
+_RAW_TABLE = UsageRecord._meta.db_table
+_ROLLUP_TABLE = UsageRollup._meta.db_table
+_GROUP_COLUMNS = ("tenant_id", "zone", "day", "project_id", "api_key_id", "provider_key_id",
+                  "model", "served_model", "status", "corrected")
+_GROUP_TYPES = ("bigint", "text", "date", "bigint", "bigint", "bigint", "text", "text", "text",
+                "boolean")
+
+Group = tuple[Any, ...]  # values of _GROUP_COLUMNS
+Sums = list[int]  # values of SUM_FIELDS
+
+
+# -- the zone of a row ----------------------------------------------------------------------------
+
+
+class Zones:
+    """The zone the tenant's days were in at an instant (ms), per tenant: its schedule (current
+    cycle, pending change) when that is its whole history or the instant is after its cycle in
+    force took over; else its Timeline (its recorded past cycles: one more query, loaded once)."""
+
+    def __init__(self) -> None:
+        self._schedules: dict[int, CycleSchedule] = {}
+        self._tenants: dict[int, Tenant] = {}
+        self._timelines: dict[int, Timeline] = {}
+
+    def add(self, tenant: Tenant) -> None:
+        """A tenant already loaded (with its plan) by the caller."""
+        self._tenants.setdefault(tenant.pk, tenant)
+
+    def add_schedule(self, tenant_id: int, schedule: CycleSchedule) -> None:
+        """The tenant's schedule, already loaded by the caller (the drain's calendar)."""
+        self._schedules.setdefault(tenant_id, schedule)
+
+    def _tenant(self, tenant_id: int) -> Tenant:
+        if tenant_id not in self._tenants:
+            self._tenants[tenant_id] = Tenant.objects.select_related("plan").get(pk=tenant_id)
+        return self._tenants[tenant_id]
+
+    def at(self, tenant_id: int, at_ms: int) -> str:
+        schedule = self._schedules.get(tenant_id)
+        if schedule is None:
+            schedule = self._schedules[tenant_id] = schedule_for(self._tenant(tenant_id))
+        since = schedule.since_ms
+        # No change ever folded and none pending: the cycle in force is the whole history.
+        # After `since` the schedule is the history too (Timeline's recorded spans end there).
+        if (since is None and schedule.next is None) or (since is not None and at_ms >= since):
+            return schedule.cycle_at(at_ms)[0].zone
+        tenant = self._tenant(tenant_id)
+        if tenant_id not in self._timelines:
+            self._timelines[tenant_id] = Timeline(tenant)
+        return self._timelines[tenant_id].zone_at(at_ms)
+
+
+def _ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+# -- writing: what the drain calls ----------------------------------------------------------------
+
+
+def _contribution(row: UsageRecord) -> Sums:
+    """What one ledger row adds to its group (SUM_FIELDS order)."""
+    over = row.over_hold_tokens or 0
+    return [1, row.input_tokens, row.output_tokens, row.cached_input_tokens,
+            row.cache_write_tokens, row.reasoning_tokens, row.cost_micros, over,
+            1 if over > 0 else 0, row.swept_input_tokens or 0, row.swept_output_tokens or 0,
+            row.swept_cost_micros or 0]
+
+
+def _groups_of(row: UsageRecord, zone: str) -> list[Group]:
+    """The row's group on its UTC day and on its local day in `zone` (one when zone is UTC)."""
+    base = (row.project_id, row.api_key_id, row.provider_key_id, row.model, row.served_model,
+            str(row.status), row.corrected_at is not None)
+    ended = row.ended_at
+    out = [(row.tenant_id, UTC_ZONE, ended.astimezone(UTC).date(), *base)]
+    if zone != UTC_ZONE:
+        out.append((row.tenant_id, zone, ended.astimezone(ZoneInfo(zone)).date(), *base))
+    return out
+
+
+def _add(totals: dict[Group, Sums], row: UsageRecord, zone: str, sign: int = 1) -> None:
+    values = _contribution(row)
+    for group in _groups_of(row, zone):
+        current = totals.setdefault(group, [0] * len(SUM_FIELDS))
+        for i, value in enumerate(values):
+            current[i] += sign * value
+
+
+def _sort_key(group: Group) -> tuple[Any, ...]:
+    return tuple((value is None, value if value is not None else 0) for value in group)
+
+
+def add_to_rollups(totals: dict[Group, Sums]) -> None:
+    """Upsert these per-group deltas (one statement), in a stable group order."""
+    items = sorted(((g, s) for g, s in totals.items() if any(s)), key=lambda i: _sort_key(i[0]))
+    if not items:
+        return
+    columns = [list(col) for col in zip(*(g for g, _ in items), strict=True)]
+    sums = [list(col) for col in zip(*(s for _, s in items), strict=True)]
+    arrays = ", ".join([f"%s::{t}[]" for t in _GROUP_TYPES] + ["%s::bigint[]"] * len(SUM_FIELDS))
+    names = ", ".join((*_GROUP_COLUMNS, *SUM_FIELDS))
+    updates = ", ".join(f"{c} = {_ROLLUP_TABLE}.{c} + EXCLUDED.{c}" for c in SUM_FIELDS)
+    # The rows are inserted in unnest's order (the sorted one): row locks are taken in it.
+    sql = (f"INSERT INTO {_ROLLUP_TABLE} ({names}) SELECT * FROM unnest({arrays}) "
+           f"ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET {updates}")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*columns, *sums])
+
+
+ZoneOf = Callable[[int, int], str]  # (tenant id, instant in ms) -> zone name
+
+
+def _insert_sql() -> tuple[str, list[str]]:
+    fields = [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
+    names = [f.column for f in fields]
+    arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+    # The ledger is partitioned by month (billing/partitions.py): its dedupe key is
+    # (request_id, ended_at), which a redelivered event hits (it carries the same ended_at), so
+    # the conflict needs no target. A swept row and its correction end at different times: either
+    # is inserted only while no row has its request id (the other one came first), a lookup by
+    # the request_id index that only these rare rows pay.
+    sql = (f"INSERT INTO {_RAW_TABLE} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
+           f"AS x({', '.join(names)}) WHERE (x.status <> 'swept' AND x.corrected_at IS NULL) "
+           f"OR NOT EXISTS (SELECT 1 FROM {_RAW_TABLE} u WHERE u.request_id = x.request_id) "
+           f"ON CONFLICT DO NOTHING RETURNING id, request_id")
+    return sql, [f.attname for f in fields]
+
+
+def insert_records(rows: Sequence[UsageRecord], zone_of: ZoneOf | None = None) -> list[UsageRecord]:
+    """Insert these ledger rows (one statement), skipping request ids already in the ledger, and
+    add the inserted ones to the rollup; returns the inserted rows (their ids set). Call inside
+    a transaction (the drain's): rows and rollup commit together. `zone_of` gives the tenant's
+    zone at an instant (default: a `Zones` of this call)."""
+    unique: dict[str, UsageRecord] = {}
+    for row in rows:
+        unique.setdefault(row.request_id, row)  # a duplicate within the batch: the same event
+    if not unique:
+        return []
+    zone_of = zone_of or Zones().at
+    sql, attnames = _insert_sql()
+    now = dj_timezone.now()
+    batch = list(unique.values())
+    for row in batch:
+        if row.recorded_at is None:
+            row.recorded_at = now  # auto_now_add, which a raw INSERT does not apply
+    values = [[getattr(row, name) for row in batch] for name in attnames]
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql, values)
+        inserted = {request_id: pk for pk, request_id in cursor.fetchall()}
+        totals: dict[Group, Sums] = {}
+        out = []
+        for row in batch:
+            pk = inserted.get(row.request_id)
+            if pk is None:
+                continue
+            row.pk = pk
+            row._state.adding, row._state.db = False, "default"
+            out.append(row)
+            _add(totals, row, zone_of(row.tenant_id, _ms(row.ended_at)))
+        add_to_rollups(totals)
+    return out
+
+
+def move_corrected(pairs: Iterable[tuple[UsageRecord, UsageRecord]],
+                   zone_of: ZoneOf | None = None) -> None:
+    """Move corrected rows in the rollup: each (row before, row after) its correction, in the
+    correction's transaction. Both have the same ended_at (so the same days)."""
+    zone_of = zone_of or Zones().at
+    totals: dict[Group, Sums] = {}
+    for before, after in pairs:
+        zone = zone_of(before.tenant_id, _ms(before.ended_at))
+        _add(totals, before, zone, -1)
+        _add(totals, after, zone, +1)
+    add_to_rollups(totals)
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+def day_start(day: date, zone: ZoneInfo) -> datetime:
+    return datetime.combine(day, time.min, tzinfo=zone)
+
+
+def _zone_changes(tenant: Tenant) -> list[int]:
+    """Instants (ms) where the tenant's cycle may have changed (its zone with it)."""
+    if not tenant.next_cycle:
+        return []
+    found = {_ms(p.ends_at) for p in CyclePeriod.objects.filter(tenant=tenant)}
+    schedule = schedule_for(tenant)
+    if schedule.switch_ms is not None:
+        found.add(schedule.switch_ms)
+    if schedule.since_ms is not None:
+        found.add(schedule.since_ms)
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class DayPlan:
+    """[start, end) split into local days of `zone` read from the rollup and raw intervals."""
+
+    zone: str
+    days: list[date]  # whole days the rollup of `zone` holds
+    raw: list[tuple[datetime, datetime]]  # the rest, read from UsageRecord
+
+
+def whole_days(tenant: Tenant, zone: str, start: datetime, end: datetime) -> DayPlan:
+    """Split [start, end) into `zone`'s local days the rollup holds whole and raw intervals:
+    a day is read from the rollup when it lies whole in [start, end) and the tenant's days were
+    in `zone` through all of it (UTC: always, every row has its UTC rollup)."""
+    tz = ZoneInfo(zone)
+    changes = [] if zone == UTC_ZONE else _zone_changes(tenant)
+    zones = Zones()
+    zones.add(tenant)
+    days: list[date] = []
+    raw: list[tuple[datetime, datetime]] = []
+    day = start.astimezone(tz).date()
+    while True:
+        day_from, day_to = day_start(day, tz), day_start(day + timedelta(days=1), tz)
+        if day_from >= end:
+            break
+        lo, hi = max(day_from, start), min(day_to, end)
+        whole = lo == day_from and hi == day_to
+        if whole and zone != UTC_ZONE and changes:
+            a, b = _ms(day_from), _ms(day_to)
+            points = [a, *(c for c in changes if a < c < b), b - 1]
+            whole = all(zones.at(tenant.pk, p) == zone for p in points)
+        if whole:
+            days.append(day)
+        elif lo < hi:
+            if raw and raw[-1][1] == lo:
+                raw[-1] = (raw[-1][0], hi)
+            else:
+                raw.append((lo, hi))
+        day += timedelta(days=1)
+    return DayPlan(zone, days, raw)
+
+
+# Aggregations of the same name over raw rows and over rollup rows: requests, the token sums,
+# cost, and the sweep's figures (rows still swept, corrected rows, what the sweep had charged
+# them, their cost now).
+_CORRECTED_RAW = Q(corrected_at__isnull=False)
+RAW_SUMS: dict[str, Any] = {
+    "requests": Count("id"), "input_tokens": Sum("input_tokens"),
+    "output_tokens": Sum("output_tokens"), "cached_input_tokens": Sum("cached_input_tokens"),
+    "cache_write_tokens": Sum("cache_write_tokens"), "reasoning_tokens": Sum("reasoning_tokens"),
+    "cost_micros": Sum("cost_micros"),
+    "swept": Count("id", filter=Q(status=UsageRecord.Status.SWEPT)),
+    "corrected": Count("id", filter=_CORRECTED_RAW),
+    "sweep_charged": Coalesce(Sum("swept_cost_micros", filter=_CORRECTED_RAW), 0),
+    "corrected_cost": Coalesce(Sum("cost_micros", filter=_CORRECTED_RAW), 0),
+}
+_CORRECTED_ROLLUP = Q(corrected=True)
+ROLLUP_SUMS: dict[str, Any] = {
+    "requests": Sum("requests"), "input_tokens": Sum("input_tokens"),
+    "output_tokens": Sum("output_tokens"), "cached_input_tokens": Sum("cached_input_tokens"),
+    "cache_write_tokens": Sum("cache_write_tokens"), "reasoning_tokens": Sum("reasoning_tokens"),
+    "cost_micros": Sum("cost_micros"),
+    "swept": Coalesce(Sum("requests", filter=Q(status=UsageRecord.Status.SWEPT)), 0),
+    "corrected": Coalesce(Sum("requests", filter=_CORRECTED_ROLLUP), 0),
+    "sweep_charged": Coalesce(Sum("swept_cost_micros", filter=_CORRECTED_ROLLUP), 0),
+    "corrected_cost": Coalesce(Sum("cost_micros", filter=_CORRECTED_ROLLUP), 0),
+}
+SUMMED = tuple(RAW_SUMS)
+
+
+def _raw_rows(plan: DayPlan, filters: Q) -> QuerySet[UsageRecord] | None:
+    if not plan.raw:
+        return None
+    spans = Q()
+    for lo, hi in plan.raw:
+        spans |= Q(ended_at__gte=lo, ended_at__lt=hi)
+    return (UsageRecord.objects.filter(filters).filter(spans)
+            .annotate(day=TruncDate("ended_at", tzinfo=ZoneInfo(plan.zone))))
+
+
+def sums(plan: DayPlan, fields: Sequence[str], filters: Q = Q(),
+         rollup_filters: Q | None = None) -> list[dict[str, Any]]:
+    """Sums (SUMMED) per group of `fields` (names both models resolve: "day", "served_model",
+    "project__slug", "api_key__public_id", "tenant__slug"...) over the plan's rollup days and raw
+    intervals; `filters` narrow both (rollup_filters, when given, the rollup instead). Sorted by
+    `fields` (None last), integers (0 for nothing)."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    parts: list[QuerySet[Any]] = []
+    if plan.days:
+        parts.append(UsageRollup.objects.filter(rollup_filters if rollup_filters is not None
+                                                else filters)
+                     .filter(zone=plan.zone, day__in=plan.days)
+                     .values(*fields).annotate(**ROLLUP_SUMS).order_by())
+    raw = _raw_rows(plan, filters)
+    if raw is not None:
+        parts.append(raw.values(*fields).annotate(**RAW_SUMS).order_by())
+    for part in parts:
+        for row in part:
+            key = tuple(row[f] for f in fields)
+            into = merged.setdefault(key, {**{f: row[f] for f in fields},
+                                           **dict.fromkeys(SUMMED, 0)})
+            for name in SUMMED:
+                into[name] += int(row[name] or 0)
+    return [merged[k] for k in sorted(merged, key=_sort_key) if merged[k]["requests"]]
+
+
+# -- checking: the UTC rollup against raw rows ----------------------------------------------------
+
+
+_VERIFY_GROUP = ("tenant_id", "day", "model", "served_model", "status", "corrected")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A (tenant, UTC day, model, served model, status, corrected) group whose UTC rollup sum
+    differs from its raw rows' (field: a SUM_FIELDS name)."""
+
+    tenant_id: int
+    day: date
+    model: str
+    served_model: str
+    status: str
+    corrected: bool
+    field: str
+    rollup: int
+    raw: int
+
+
+def _raw_utc_sums(start: date, end: date, tenant_id: int | None) -> dict[Group, Sums]:
+    where = "ended_at >= %s AND ended_at < %s"
+    params: list[Any] = [day_start(start, ZoneInfo(UTC_ZONE)), day_start(end, ZoneInfo(UTC_ZONE))]
+    if tenant_id is not None:
+        where += " AND tenant_id = %s"
+        params.append(tenant_id)
+    sql = (f"SELECT tenant_id, (ended_at AT TIME ZONE 'UTC')::date, model, served_model, status, "
+           f"corrected_at IS NOT NULL, {_RAW_AGGREGATES} FROM {_RAW_TABLE} WHERE {where} "
+           f"GROUP BY 1, 2, 3, 4, 5, 6")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {tuple(r[:6]): [int(v) for v in r[6:]] for r in cursor.fetchall()}
+
+
+# The raw aggregates in SUM_FIELDS order.
+_RAW_AGGREGATES = ", ".join([
+    "count(*)", "coalesce(sum(input_tokens), 0)", "coalesce(sum(output_tokens), 0)",
+    "coalesce(sum(cached_input_tokens), 0)", "coalesce(sum(cache_write_tokens), 0)",
+    "coalesce(sum(reasoning_tokens), 0)", "coalesce(sum(cost_micros), 0)",
+    "coalesce(sum(over_hold_tokens), 0)", "count(*) FILTER (WHERE over_hold_tokens > 0)",
+    "coalesce(sum(swept_input_tokens), 0)", "coalesce(sum(swept_output_tokens), 0)",
+    "coalesce(sum(swept_cost_micros), 0)"])
+
+
+def verify(start: date, end: date, *, tenant_id: int | None = None) -> list[Mismatch]:
+    """The UTC rollups of UTC days [start, end) against the raw rows that ended on those days:
+    every (tenant, day, model, served model, status, corrected) group and every sum
+    (UsageRollup.SUM_FIELDS), to the unit (micro-dollars for cost). Returns the mismatches;
+    an empty list means the rollups may stand in for the raw rows of those days (the check to
+    make before dropping them). Projects, keys and provider keys are not compared: deleting
+    one sets the raw rows' reference to NULL while the rollup keeps its id.
+
+    Scans the raw rows of the range (one grouped query) and the rollup's UTC rows."""
+    raw = _raw_utc_sums(start, end, tenant_id)
+    rollups = UsageRollup.objects.filter(zone=UTC_ZONE, day__gte=start, day__lt=end)
+    if tenant_id is not None:
+        rollups = rollups.filter(tenant_id=tenant_id)
+    ours: dict[Group, Sums] = {}
+    for row in (rollups.values(*_VERIFY_GROUP).annotate(**{f"s_{f}": Sum(f) for f in SUM_FIELDS})
+                .order_by()):
+        ours[tuple(row[f] for f in _VERIFY_GROUP)] = [int(row[f"s_{f}"]) for f in SUM_FIELDS]
+    zero = [0] * len(SUM_FIELDS)
+    out: list[Mismatch] = []
+    for group in sorted(set(raw) | set(ours), key=_sort_key):
+        theirs, mine = raw.get(group, zero), ours.get(group, zero)
+        for name, r, m in zip(SUM_FIELDS, theirs, mine, strict=True):
+            if r != m:
+                out.append(Mismatch(group[0], group[1], group[2], group[3], group[4],
+                                    bool(group[5]), name, m, r))
+    return out
+
+
+# -- rebuilding from raw rows ---------------------------------------------------------------------
+
+
+class RawRowsMissing(Exception):
+    """A day has rollups but no raw rows left (dropped): rebuilding would erase it."""
+
+
+def _zone_intervals(tenant: Tenant, start: datetime,
+                    end: datetime) -> list[tuple[datetime, datetime, str]]:
+    """[start, end) cut where the tenant's zone may change, each piece with its zone."""
+    zones = Zones()
+    zones.add(tenant)
+    cuts = [c for c in _zone_changes(tenant) if _ms(start) < c < _ms(end)]
+    points = [start, *(datetime.fromtimestamp(c / 1000, UTC) for c in cuts), end]
+    return [(a, b, zones.at(tenant.pk, _ms(a))) for a, b in zip(points, points[1:])
+            if a < b]
+
+
+_REBUILD_SELECT = (
+    f"SELECT tenant_id, %s, (ended_at AT TIME ZONE %s)::date, project_id, api_key_id, "
+    f"provider_key_id, model, served_model, status, corrected_at IS NOT NULL, "
+    f"{_RAW_AGGREGATES} FROM {_RAW_TABLE} WHERE tenant_id = %s AND ended_at >= %s "
+    f"AND ended_at < %s GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10")
+
+
+def _rebuild_into(tenant_id: int, zone: str, lo: datetime, hi: datetime) -> None:
+    names = ", ".join((*_GROUP_COLUMNS, *SUM_FIELDS))
+    updates = ", ".join(f"{c} = {_ROLLUP_TABLE}.{c} + EXCLUDED.{c}" for c in SUM_FIELDS)
+    sql = (f"INSERT INTO {_ROLLUP_TABLE} ({names}) {_REBUILD_SELECT} "
+           f"ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET {updates}")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [zone, zone, tenant_id, lo, hi])
+
+
+def rebuild(start: date, end: date, *, tenant: Tenant | None = None,
+            force: bool = False) -> int:
+    """Recompute the rollups of days [start, end) (every zone: the UTC days and the tenants'
+    local days) from the raw rows, per tenant in one transaction each; returns the number of
+    tenants rebuilt. Raises RawRowsMissing (before changing anything of that tenant) when a UTC
+    day has rollups but no raw rows, unless `force`: the raw rows were dropped and the rollup
+    is all that is left of them.
+
+    Safe beside a running drain: a drain that commits before the DELETE has its rows read by
+    the INSERT ... SELECT that follows; one that upserts after the DELETE waits for this
+    transaction on the deleted groups and then adds to the rebuilt rows."""
+    tenants = [tenant] if tenant is not None else list(
+        Tenant.objects.select_related("plan").order_by("pk"))
+    utc = ZoneInfo(UTC_ZONE)
+    done = 0
+    for one in tenants:
+        with transaction.atomic():
+            if not force:
+                _check_raw_present(one.pk, start, end)
+            UsageRollup.objects.filter(tenant=one, day__gte=start, day__lt=end).delete()
+            _rebuild_into(one.pk, UTC_ZONE, day_start(start, utc), day_start(end, utc))
+            # Local days: rows up to 14 h either side of the UTC range may fall on them.
+            pad = timedelta(days=1)
+            for lo, hi, zone in _zone_intervals(one, day_start(start, utc) - pad,
+                                                day_start(end, utc) + pad):
+                if zone == UTC_ZONE:
+                    continue
+                tz = ZoneInfo(zone)
+                lo, hi = max(lo, day_start(start, tz)), min(hi, day_start(end, tz))
+                if lo < hi:
+                    _rebuild_into(one.pk, zone, lo, hi)
+        done += 1
+    return done
+
+
+def _check_raw_present(tenant_id: int, start: date, end: date) -> None:
+    rolled = set(UsageRollup.objects.filter(tenant_id=tenant_id, zone=UTC_ZONE, day__gte=start,
+                                            day__lt=end, requests__gt=0)
+                 .values_list("day", flat=True).distinct())
+    if not rolled:
+        return
+    utc = ZoneInfo(UTC_ZONE)
+    present = set(UsageRecord.objects.filter(
+        tenant_id=tenant_id, ended_at__gte=day_start(min(rolled), utc),
+        ended_at__lt=day_start(max(rolled) + timedelta(days=1), utc))
+        .annotate(d=TruncDate("ended_at", tzinfo=utc)).values_list("d", flat=True).distinct())
+    missing = sorted(rolled - present)
+    if missing:
+        raise RawRowsMissing(f"tenant {tenant_id}: UTC days {missing[0]}..{missing[-1]} "
+                             f"({len(missing)}) have rollups but no raw rows")
+
+
