@@ -27,7 +27,10 @@ class UsageRecord(models.Model):
         FORWARDED = "forwarded", "Reached the upstream (not streamed): the full hold charged"
         STREAMING = "streaming", "Streaming: the input and the last output checkpoint charged"
 
-    request_id = models.CharField(max_length=128, unique=True)
+    # Unique with ended_at (constraint usage_request_once below): the table is partitioned by
+    # month on ended_at (billing/partitions.py), and PostgreSQL's unique keys on a partitioned
+    # table must include the partition key. A redelivered event carries the same ended_at.
+    request_id = models.CharField(max_length=128)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage")
     project = models.ForeignKey("tenants.Project", on_delete=models.SET_NULL, null=True,
                                 related_name="usage")
@@ -74,7 +77,12 @@ class UsageRecord(models.Model):
     over_hold_tokens = models.BigIntegerField(default=0)
 
     class Meta:
+        # The database's primary key is (id, ended_at), the partition key being part of it;
+        # Django keeps `id` as the pk: one identity sequence numbers every partition's rows, so
+        # it is unique in practice, and the ORM and the admin address rows by it.
         indexes = [
+            # Corrections find a swept row by request id alone (billing/ledger.py).
+            models.Index(fields=["request_id"], name="usage_request_id"),
             models.Index(fields=["tenant", "ended_at"]),
             models.Index(fields=["provider_key", "served_model", "ended_at"]),
             # Both are rare rows counted by /metrics on every scrape: partial indexes keep that
@@ -85,6 +93,8 @@ class UsageRecord(models.Model):
                          condition=models.Q(over_hold_tokens__gt=0)),
         ]
         constraints = [
+            # One row per request: a redelivered usage event conflicts here and inserts nothing.
+            models.UniqueConstraint(fields=["request_id", "ended_at"], name="usage_request_once"),
             models.CheckConstraint(
                 name="usage_non_negative",
                 condition=models.Q(input_tokens__gte=0, output_tokens__gte=0, held_tokens__gte=0,
@@ -172,6 +182,22 @@ class UsageRollup(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id} {self.zone} {self.day} {self.served_model} {self.status}"
+
+
+class LedgerExport(models.Model):
+    """A raw ledger month written to CSV (`manage.py ledger_export`, billing/retention.py), and
+    when retention dropped its partition. Retention drops a month only if its export's row count
+    is the partition's (else rows came after the export) or it is forced."""
+
+    month = models.DateField(unique=True, help_text="The month's first day (UTC).")
+    rows = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64, help_text="Of the CSV file as written.")
+    path = models.CharField(max_length=1000)
+    exported_at = models.DateTimeField()
+    dropped_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.month:%Y-%m} ({self.rows} rows)"
 
 
 # -- threshold alerts and webhooks (billing/alerts.py, billing/webhooks.py) ---------------------

@@ -18,6 +18,7 @@ from billing.alerts import check_pending_health as check_pending_health_now
 from billing.forecast_alerts import check_forecasts
 from billing.ledger import DrainResult, drain_all
 from billing.models import WebhookDelivery, WebhookEndpoint
+from billing.partitions import ensure_partitions
 from billing.webhooks import (
     clear_expired_previous_secrets,
     deliver,
@@ -203,3 +204,18 @@ def reconcile_daily(day: str | None = None) -> dict[str, object]:
              ", ".join(f"{run.public_id}={run.status}" for run in runs) or "no provider keys")
     return {"day": target.isoformat(), "skipped": "",
             "runs": [{"id": run.public_id, "status": run.status} for run in runs]}
+
+
+# -- the ledger's partitions and retention (billing/partitions.py, billing/retention.py) --------
+# Beat entry (config/settings.py): daily.
+
+
+@shared_task
+def ensure_ledger_partitions() -> int:
+    """This month's ledger partition and the next two, and the month of any row the default
+    partition caught (its rows moved in). Returns how many partitions were created."""
+    created = ensure_partitions()
+    for made in created:
+        log.info("ledger partition for %s created (%d rows moved from the default partition)",
+                 made.month, made.moved)
+    return len(created)

@@ -473,6 +473,10 @@ TOLLGATE_PENDING_ALERT_PERCENT = _positive_int("TOLLGATE_PENDING_ALERT_PERCENT",
 TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS = _positive_int("TOLLGATE_LEDGER_BACKLOG_ALERT_SECONDS", 300)
 CELERY_BEAT_SCHEDULE["check-ledger-backlog"] = {
     "task": "billing.tasks.check_ledger_backlog", "schedule": 60.0}
+# The ledger's monthly partitions (billing/partitions.py): the beat makes this month's and the
+# next two (and moves rows the default partition caught into their month's) once a day.
+CELERY_BEAT_SCHEDULE["ensure-ledger-partitions"] = {
+    "task": "billing.tasks.ensure_ledger_partitions", "schedule": 86400.0}
 # Usage forecasts (billing/forecast.py): the burn rate is the ledger's last
 # TOLLGATE_FORECAST_TRAILING_HOURS hours; with TOLLGATE_FORECAST_SHAPE_MIN_DAYS days of history
 # (within the last TOLLGATE_FORECAST_HISTORY_DAYS) the rest of the window follows the usual day's
