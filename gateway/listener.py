@@ -130,6 +130,12 @@ async def listen(runtime: GatewayRuntime) -> None:
         client = make_async_redis()
         pubsub = client.pubsub()
         try:
+            if settings.REDIS_CLUSTER:
+                # redis-py's cluster pub/sub picks its node from the client's slot map, which
+                # only commands fill in: without this every subscribe failed (KeyError on the
+                # slot) and the cache was never trusted. Classic SUBSCRIBE on one node hears
+                # every PUBLISH of the cluster (the cluster bus forwards them to every node).
+                await client.initialize()
             await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL,
                                    PROVIDER_BREAKER_CHANNEL, QUEUE_WAKE_CHANNEL)
             # Read after subscribing: a message published in between is not lost, merely old.

@@ -6,6 +6,8 @@ fast (HTTP 503), not hang it.
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 from typing import Any
 
@@ -75,12 +77,79 @@ def make_redis(url: str | None = None, *, cluster: bool | None = None) -> redis.
     return redis.Redis(connection_pool=pool)
 
 
+# Set while this task holds a turn of a cluster client: a pipeline that retries its redirected
+# commands one by one (redis-py does, during a resharding) must not wait for a second turn.
+_holding_turn: contextvars.ContextVar[bool] = contextvars.ContextVar("holding_turn", default=False)
+
+
+class _Turns:
+    """At most `size` Redis operations in flight at once; a caller past that waits its turn, up
+    to `timeout` seconds, then gets redis-py's "No connection available" ConnectionError, as the
+    standalone client's BlockingConnectionPool does."""
+
+    __slots__ = ("semaphore", "timeout")
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.semaphore = asyncio.Semaphore(size)
+        self.timeout = timeout
+
+    async def run(self, operation: Any) -> Any:
+        """Await `operation()` in a turn."""
+        if _holding_turn.get():
+            return await operation()
+        if self.semaphore.locked():
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self.semaphore.acquire()
+            except TimeoutError:
+                raise redis.exceptions.ConnectionError("No connection available.") from None
+        else:
+            await self.semaphore.acquire()  # a free turn: taken without waiting
+        token = _holding_turn.set(True)
+        try:
+            return await operation()
+        finally:
+            _holding_turn.reset(token)
+            self.semaphore.release()
+
+
+class _WaitingClusterPipeline(redis.asyncio.cluster.ClusterPipeline):
+    async def execute(self, *args: Any, **kwargs: Any) -> list[Any]:
+        turns: _Turns = self.cluster_client.turns  # type: ignore[attr-defined]
+        return await turns.run(lambda: super(_WaitingClusterPipeline, self).execute(*args, **kwargs))
+
+
+class WaitingRedisCluster(redis.asyncio.RedisCluster):
+    """redis-py's asyncio cluster client raises MaxConnectionsError at once when a node's
+    `max_connections` are all in use (its node pools never wait), so a burst of more concurrent
+    calls than REDIS_MAX_CONNECTIONS in one gateway worker was refused 503
+    quota_store_unavailable on a cluster, where a standalone Redis makes them wait for a
+    connection. Here every command and pipeline takes a turn first (at most max_connections in
+    flight per client; each uses at most one connection per node at a time, so no node's pool
+    is ever exhausted), waiting up to the socket timeout like the standalone pool."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.turns = _Turns(kwargs.get("max_connections") or 2**31,
+                            kwargs.get("socket_timeout") or settings.REDIS_SOCKET_TIMEOUT)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        return await self.turns.run(lambda: super(WaitingRedisCluster, self).execute_command(
+            *args, **kwargs))
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None,
+                 ) -> redis.asyncio.cluster.ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # refused by redis-py, as before
+        return _WaitingClusterPipeline(self, transaction)
+
+
 def make_async_redis(
     url: str | None = None, *, cluster: bool | None = None
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     url = url or settings.REDIS_URL
     if settings.REDIS_CLUSTER if cluster is None else cluster:
-        return redis.asyncio.RedisCluster.from_url(
+        return WaitingRedisCluster.from_url(
             url, max_connections=settings.REDIS_MAX_CONNECTIONS, **_options(asynchronous=True))
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         url, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=settings.REDIS_SOCKET_TIMEOUT,
