@@ -190,6 +190,9 @@ def drop_month(month: Month, table: str = TABLE) -> bool:
         name = monthly_partitions(cursor, table).get(month)
         if name is None:
             return False
+        # PostgreSQL refuses to drop a table with deferred foreign key checks still pending on
+        # it (rows written earlier in the caller's transaction): run them now.
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
         # Inside a transaction: DETACH ... CONCURRENTLY cannot run there, and the plain detach's
         # lock on the parent lasts milliseconds (no rows are read or moved).
         cursor.execute(f"ALTER TABLE {_ident(table)} DETACH PARTITION {_ident(name)}")

@@ -19,6 +19,7 @@ from billing.forecast_alerts import check_forecasts
 from billing.ledger import DrainResult, drain_all
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.partitions import ensure_partitions
+from billing.retention import apply_retention
 from billing.webhooks import (
     clear_expired_previous_secrets,
     deliver,
@@ -207,7 +208,7 @@ def reconcile_daily(day: str | None = None) -> dict[str, object]:
 
 
 # -- the ledger's partitions and retention (billing/partitions.py, billing/retention.py) --------
-# Beat entry (config/settings.py): daily.
+# Beat entries (config/settings.py): both daily.
 
 
 @shared_task
@@ -219,3 +220,10 @@ def ensure_ledger_partitions() -> int:
         log.info("ledger partition for %s created (%d rows moved from the default partition)",
                  made.month, made.moved)
     return len(created)
+
+
+@shared_task
+def ledger_retention() -> int:
+    """Drop the raw months past TOLLGATE_LEDGER_RETENTION_MONTHS that pass their checks
+    (billing/retention.py); returns how many were dropped. Refusals are logged as warnings."""
+    return sum(1 for outcome in apply_retention() if outcome.action == "dropped")

@@ -477,6 +477,21 @@ CELERY_BEAT_SCHEDULE["check-ledger-backlog"] = {
 # next two (and moves rows the default partition caught into their month's) once a day.
 CELERY_BEAT_SCHEDULE["ensure-ledger-partitions"] = {
     "task": "billing.tasks.ensure_ledger_partitions", "schedule": 86400.0}
+# Retention of the raw ledger (billing/retention.py): keep this many whole months before the
+# current one; older month partitions are dropped once their UTC rollups match their raw rows
+# (and they were exported). 0 (the default): keep everything, the daily task does nothing.
+TOLLGATE_LEDGER_RETENTION_MONTHS = env.int("TOLLGATE_LEDGER_RETENTION_MONTHS", default=0)
+if TOLLGATE_LEDGER_RETENTION_MONTHS < 0:
+    raise ImproperlyConfigured("TOLLGATE_LEDGER_RETENTION_MONTHS must be 0 (keep everything) or "
+                               f"a number of months, got {TOLLGATE_LEDGER_RETENTION_MONTHS}")
+# Where the retention task writes a month's CSV (ledger-YYYY-MM.csv) before dropping it; empty:
+# it drops only months already exported by `manage.py ledger_export` (and refuses the others).
+TOLLGATE_LEDGER_EXPORT_DIR = env.str("TOLLGATE_LEDGER_EXPORT_DIR", default="")
+if TOLLGATE_LEDGER_EXPORT_DIR and not Path(TOLLGATE_LEDGER_EXPORT_DIR).is_absolute():
+    raise ImproperlyConfigured("TOLLGATE_LEDGER_EXPORT_DIR must be an absolute path, got "
+                               f"{TOLLGATE_LEDGER_EXPORT_DIR!r}")
+CELERY_BEAT_SCHEDULE["ledger-retention"] = {
+    "task": "billing.tasks.ledger_retention", "schedule": 86400.0}
 # Usage forecasts (billing/forecast.py): the burn rate is the ledger's last
 # TOLLGATE_FORECAST_TRAILING_HOURS hours; with TOLLGATE_FORECAST_SHAPE_MIN_DAYS days of history
 # (within the last TOLLGATE_FORECAST_HISTORY_DAYS) the rest of the window follows the usual day's
