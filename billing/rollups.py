@@ -4,7 +4,7 @@ checked against them, and read by the reports, the usage API, the dashboard and 
 Writing (the only writers of the ledger's rows and of the rollup; billing/ledger.py calls them
 inside the drain's transaction):
 
-- `insert_records(rows, zones)`: one INSERT of the whole batch (unnest of one array per column)
+- `insert_records(rows, zones)`: the batch COPYed to a staging table, then one INSERT ... SELECT
   ON CONFLICT DO NOTHING RETURNING (the unique request id): only the rows this transaction
   actually inserted are summed, so a redelivered event (its request id already in the ledger,
   or inserted by a concurrent drain of the same stream, whose commit the insert waits for) is
@@ -169,27 +169,48 @@ def add_to_rollups(totals: dict[Group, Sums]) -> None:
 ZoneOf = Callable[[int, int], str]  # (tenant id, instant in ms) -> zone name
 
 
+_STAGE = "usage_drain_stage"
+
+
+def _fields() -> list[Any]:
+    return [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
+
+
 def _insert_sql() -> tuple[str, list[str]]:
-    fields = [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
-    names = [f.column for f in fields]
-    arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+    names = [f.column for f in _fields()]
+    columns = ", ".join(names)
     # The ledger is partitioned by month (billing/partitions.py): its dedupe key is
     # (request_id, ended_at), which a redelivered event hits (it carries the same ended_at), so
     # the conflict needs no target. A swept row and its correction end at different times: either
     # is inserted only while no row has its request id (the other one came first), a lookup by
     # the request_id index that only these rare rows pay.
-    sql = (f"INSERT INTO {_RAW_TABLE} ({', '.join(names)}) SELECT * FROM unnest({arrays}) "
-           f"AS x({', '.join(names)}) WHERE (x.status <> 'swept' AND x.corrected_at IS NULL) "
+    sql = (f"INSERT INTO {_RAW_TABLE} ({columns}) SELECT {columns} FROM {_STAGE} "
+           f"AS x WHERE (x.status <> 'swept' AND x.corrected_at IS NULL) "
            f"OR NOT EXISTS (SELECT 1 FROM {_RAW_TABLE} u WHERE u.request_id = x.request_id) "
            f"ON CONFLICT DO NOTHING RETURNING id, request_id")
-    return sql, [f.attname for f in fields]
+    return sql, [f.attname for f in _fields()]
+
+
+def _stage(cursor: Any, attnames: list[str], batch: list[UsageRecord]) -> None:
+    """The batch COPYed (psycopg's C row formatting) into this connection's staging table: a
+    temporary table emptied at every commit, created on first use. Binding the batch as query
+    parameters instead made psycopg quote every value in Python (half the drain's time)."""
+    columns = ", ".join(f.column for f in _fields())
+    cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "
+                   f"SELECT {columns} FROM {_RAW_TABLE} WITH NO DATA")
+    cursor.execute(f"TRUNCATE {_STAGE}")  # a second insert in the same transaction
+    raw = cursor.cursor  # Django's wrapper has no copy(); psycopg's cursor does
+    with raw.copy(f"COPY {_STAGE} ({columns}) FROM STDIN") as copy:
+        for row in batch:
+            copy.write_row([getattr(row, name) for name in attnames])
 
 
 def insert_records(rows: Sequence[UsageRecord], zone_of: ZoneOf | None = None) -> list[UsageRecord]:
-    """Insert these ledger rows (one statement), skipping request ids already in the ledger, and
-    add the inserted ones to the rollup; returns the inserted rows (their ids set). Call inside
-    a transaction (the drain's): rows and rollup commit together. `zone_of` gives the tenant's
-    zone at an instant (default: a `Zones` of this call)."""
+    """Insert these ledger rows (COPY to a staging table, one INSERT ... SELECT), skipping
+    request ids already in the ledger, and add the inserted ones to the rollup; returns the
+    inserted rows (their ids set). Call inside a transaction (the drain's): rows and rollup
+    commit together. `zone_of` gives the tenant's zone at an instant (default: a `Zones` of
+    this call)."""
     unique: dict[str, UsageRecord] = {}
     for row in rows:
         unique.setdefault(row.request_id, row)  # a duplicate within the batch: the same event
@@ -202,9 +223,9 @@ def insert_records(rows: Sequence[UsageRecord], zone_of: ZoneOf | None = None) -
     for row in batch:
         if row.recorded_at is None:
             row.recorded_at = now  # auto_now_add, which a raw INSERT does not apply
-    values = [[getattr(row, name) for row in batch] for name in attnames]
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(sql, values)
+        _stage(cursor, attnames, batch)
+        cursor.execute(sql)
         inserted = {request_id: pk for pk, request_id in cursor.fetchall()}
         totals: dict[Group, Sums] = {}
         out = []
