@@ -161,3 +161,32 @@ def run_specs(base_url: str, key: str, specs: list[Spec], barrier: Barrier, answ
     """Fire every request of `specs` at once (after the barrier) and report each outcome;
     `answered[slot]` counts this process's requests answered so far (a Manager list)."""
     return asyncio.run(_fire_specs(base_url, key, specs, barrier, answered, slot))
+
+
+async def _fire_spread(base_urls: list[str], key: str, specs: list[Spec], barrier: Barrier,
+                       answered: Any, slot: int) -> list[Outcome]:
+    per_host = -(-len(specs) // len(base_urls))
+    limits = httpx.Limits(max_connections=per_host, max_keepalive_connections=per_host)
+    clients = [httpx.AsyncClient(base_url=url, limits=limits, timeout=120) for url in base_urls]
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
+        done = 0
+
+        async def one(index: int, spec: Spec) -> Outcome:
+            nonlocal done
+            outcome = await _one_of(clients[(index + slot) % len(clients)], spec, key)
+            done += 1
+            answered[slot] = done
+            return outcome
+
+        return await asyncio.gather(*(one(i, spec) for i, spec in enumerate(specs)))
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+def run_specs_spread(base_urls: list[str], key: str, specs: list[Spec], barrier: Barrier,
+                     answered: Any, slot: int) -> list[Outcome]:
+    """run_specs over several gateway hosts: request i goes to host (i + slot) % len(base_urls),
+    as a round-robin load balancer in front of them would send it."""
+    return asyncio.run(_fire_spread(base_urls, key, specs, barrier, answered, slot))
