@@ -9,6 +9,7 @@ counters instead (quotas/status.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any, Literal
 from zoneinfo import ZoneInfo
@@ -19,7 +20,7 @@ from django.db.models.functions import TruncDate
 from billing.models import UsageRecord
 from gateway.usage import TOKEN_CLASSES
 from quotas.cycles import current_windows, time_zone_of
-from tenants.models import Tenant
+from tenants.models import ApiKey, Project, Tenant
 
 GroupBy = Literal["day", "project", "key", "model"]
 GROUPINGS: dict[str, tuple[str, ...]] = {
@@ -134,15 +135,23 @@ def total_tokens(tenant: Tenant, start: datetime, end: datetime) -> int:
     return (sums["i"] or 0) + (sums["o"] or 0)
 
 
-def usage_today_and_month(tenant: Tenant, by: str) -> dict[str, dict[str, int]]:
+def usage_today_and_month(
+    tenant: Tenant, by: str, *, only: Sequence[Project | ApiKey] | None = None
+) -> dict[str, dict[str, int]]:
     """Tokens per project or key public id (`by` = "project" / "key") today and in the current
     cycle window ("month": the tenant's cycle, quotas.cycles), in the tenant's windows on the
     Redis clock, from the usage ledger: {"prj_...": {"today": n, "month": n}}. Ids without usage
-    are absent. The ledger trails the live counters by a few seconds."""
+    are absent. The ledger trails the live counters by a few seconds. `only`: just these
+    projects or keys (a listing's page: a tenant with thousands of keys must not have every
+    key's totals summed to show fifty)."""
     day, cycle = current_windows(tenant)
     out: dict[str, dict[str, int]] = {}
+    column = "project_id" if by == "project" else "api_key_id"
     for window, span in (("today", day), ("month", cycle)):
-        for row in window_totals(tenant, span.start, span.end, (by,)):
+        found = _between(tenant, span.start, span.end)
+        if only is not None:
+            found = found.filter(**{f"{column}__in": [row.pk for row in only]})
+        for row in _totals(found, (by,), span.start.tzinfo or UTC):
             ref = row.get(by)
             if ref:
                 out.setdefault(ref, {"today": 0, "month": 0})[window] = row["total_tokens"]

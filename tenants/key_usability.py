@@ -15,6 +15,7 @@ A key authenticates through one of its secrets when
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -66,3 +67,15 @@ def key_usability(
         tenant_inactive=tenant is not None and tenant.status != Tenant.Status.ACTIVE,
         until=min(ends) if ends else None,
     )
+
+
+def in_rotation(api_key: ApiKey, secrets: Iterable[ApiKeySecret], now: datetime) -> bool:
+    """Whether the key is usable at `now` through more than one of `secrets`: a rotation's
+    previous secret is still in its grace period (tenants.services.api_keys.rotate_key), so
+    clients may still be calling with it. The listings' "rotating" filter
+    (tenants.selectors.search_keys) selects the same keys in SQL: active, and at least two
+    secrets neither revoked nor past their own expiry."""
+    if not key_usability(api_key).usable_at(now):
+        return False
+    usable = sum(1 for secret in secrets if key_usability(api_key, secret).usable_at(now))
+    return usable > 1

@@ -509,6 +509,13 @@ class AuditEvent(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        indexes = [
+            # A tenant's trail a page at a time, newest first (tenants.selectors.audit_page),
+            # and its action names (audit_actions) or one action's events: without them a
+            # tenant with a million events was read whole for either.
+            models.Index(fields=["tenant", "-created_at", "-id"], name="audit_tenant_newest"),
+            models.Index(fields=["tenant", "action"], name="audit_tenant_action"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.action} {self.target} by {self.actor}"

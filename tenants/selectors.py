@@ -5,8 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
+from typing import Any
 
-from django.db.models import IntegerField, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum, Value
+from django.db import connection
+from django.db.models import (
+    Count,
+    F,
+    IntegerField,
+    OuterRef,
+    Prefetch,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+    Value,
+)
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -16,7 +29,7 @@ from tenants.exceptions import (
     TenantNotFound,
     UnknownPlan,
 )
-from tenants.key_usability import key_usability
+from tenants.key_usability import in_rotation, key_usability
 from tenants.models import (
     UNLIMITED,
     ApiKey,
@@ -248,6 +261,21 @@ def allotment_sums(project: Project) -> AllotmentSums:
 # -- listings for the console and the management API ---------------------------------------------
 
 KEY_STATUSES: tuple[str, ...] = ("active", "expired", "revoked")
+# What a listing may filter on: a key's status, or "rotating" (active, and the previous secret
+# of a rotation still in its grace period: tenants.key_usability.in_rotation).
+KEY_FILTERS: tuple[str, ...] = ("active", "rotating", "expired", "revoked")
+# Last use: within a day / week / month, idle (not within a month, or never), never.
+LAST_USE: tuple[str, ...] = ("day", "week", "month", "idle", "never")
+_LAST_USE_SPANS = {"day": timedelta(days=1), "week": timedelta(days=7), "month": timedelta(days=30)}
+# Listing orders; each ends with the primary key so that a page boundary never splits ties
+# differently from one request to the next.
+KEY_ORDERS: dict[str, tuple[Any, ...]] = {
+    "newest": ("-created_at", "-id"),
+    "oldest": ("created_at", "id"),
+    "name": ("name", "id"),
+    "last_used": (F("last_used_at").desc(nulls_last=True), "-id"),
+}
+KEY_SEARCH_MAX_LENGTH = 200  # as long as a key's name
 
 
 def key_status(api_key: ApiKey, *, now: datetime | None = None) -> str:
@@ -255,11 +283,24 @@ def key_status(api_key: ApiKey, *, now: datetime | None = None) -> str:
     return key_usability(api_key).status(now or timezone.now())
 
 
+def key_in_rotation(api_key: ApiKey, *, now: datetime | None = None) -> bool:
+    """in_rotation() over the prefetched secrets of tenant_keys(), without a query."""
+    return in_rotation(api_key, api_key.secrets.all(), now or timezone.now())
+
+
+def _usable_secret_count(now: datetime) -> Subquery:
+    # The SQL twin of key_usability for a secret of an active key: not revoked, not expired.
+    usable = (ApiKeySecret.objects.filter(api_key=OuterRef("pk"), revoked_at__isnull=True)
+              .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+              .order_by().values("api_key").annotate(n=Count("pk")).values("n"))
+    return Subquery(usable, output_field=IntegerField())
+
+
 def tenant_keys(
     tenant: Tenant, *, project: Project | None = None, status: str | None = None
 ) -> QuerySet[ApiKey]:
     """The tenant's keys, newest first, with project and secrets loaded (see listed_masked_key).
-    status: one of KEY_STATUSES, or None for all."""
+    status: one of KEY_FILTERS, or None for all."""
     keys = ApiKey.objects.filter(project__tenant=tenant).select_related("project__tenant__plan")
     if project is not None:
         keys = keys.filter(project=project)
@@ -268,14 +309,58 @@ def tenant_keys(
         keys = keys.filter(revoked_at__isnull=False)
     elif status == "expired":
         keys = keys.filter(revoked_at__isnull=True, expires_at__lte=now)
-    elif status == "active":
+    elif status in ("active", "rotating"):
         keys = keys.filter(revoked_at__isnull=True).filter(
             Q(expires_at__isnull=True) | Q(expires_at__gt=now)
         )
+        if status == "rotating":
+            keys = keys.annotate(_usable_secrets=_usable_secret_count(now)).filter(
+                _usable_secrets__gt=1)
     elif status is not None:
-        raise ValueError(f"Unknown key status {status!r}; expected one of {', '.join(KEY_STATUSES)}")
+        raise ValueError(f"Unknown key status {status!r}; expected one of {', '.join(KEY_FILTERS)}")
     secrets = Prefetch("secrets", queryset=ApiKeySecret.objects.order_by("-created_at", "-id"))
     return keys.prefetch_related(secrets).order_by("-created_at", "-id")
+
+
+def search_keys(
+    tenant: Tenant,
+    *,
+    text: str = "",
+    project: Project | None = None,
+    status: str | None = None,
+    used: str | None = None,
+    order: str = "newest",
+) -> QuerySet[ApiKey]:
+    """tenant_keys() narrowed for a listing one page at a time: `text` a substring of the key's
+    name (case-insensitive) or its exact public id, `used` one of LAST_USE, `order` one of
+    KEY_ORDERS (always a total order). Unknown values raise ValueError (the views check first)."""
+    keys = tenant_keys(tenant, project=project, status=status)
+    text = text.strip()
+    if text:
+        keys = keys.filter(Q(name__icontains=text) | Q(public_id=text))
+    if used is not None:
+        now = timezone.now()
+        if used in _LAST_USE_SPANS:
+            keys = keys.filter(last_used_at__gt=now - _LAST_USE_SPANS[used])
+        elif used == "idle":
+            keys = keys.filter(Q(last_used_at__isnull=True)
+                               | Q(last_used_at__lte=now - _LAST_USE_SPANS["month"]))
+        elif used == "never":
+            keys = keys.filter(last_used_at__isnull=True)
+        else:
+            raise ValueError(f"Unknown last use {used!r}; expected one of {', '.join(LAST_USE)}")
+    if order not in KEY_ORDERS:
+        raise ValueError(f"Unknown order {order!r}; expected one of {', '.join(KEY_ORDERS)}")
+    return keys.order_by(*KEY_ORDERS[order])
+
+
+def project_key_counts(tenant: Tenant, projects: list[Project]) -> dict[int, dict[str, int]]:
+    """Per project pk: how many keys it has in all and how many are unrevoked (one query)."""
+    rows = (ApiKey.objects.filter(project__tenant=tenant, project__in=projects).order_by()
+            .values("project_id")
+            .annotate(total=Count("pk"), unrevoked=Count("pk", filter=Q(revoked_at__isnull=True))))
+    return {row["project_id"]: {"total": row["total"], "unrevoked": row["unrevoked"]}
+            for row in rows}
 
 
 def listed_masked_key(api_key: ApiKey, *, now: datetime | None = None) -> str:
@@ -325,5 +410,53 @@ def audit_events(
 
 
 def audit_actions(tenant: Tenant) -> list[str]:
-    """The action names in the tenant's trail, for a filter's choices."""
-    return sorted(set(AuditEvent.objects.filter(tenant=tenant).values_list("action", flat=True)))
+    """The action names in the tenant's trail, sorted, for a filter's choices.
+
+    A loose index scan (one probe of the (tenant, action) index per distinct name, a recursive
+    query) rather than DISTINCT over the trail: a tenant with a million events has a few dozen
+    action names, and reading every row for them cost more than the rest of the page."""
+    table = AuditEvent._meta.db_table
+    sql = f"""
+        WITH RECURSIVE names(action) AS (
+            (SELECT action FROM {table} WHERE tenant_id = %s ORDER BY action LIMIT 1)
+            UNION ALL
+            SELECT (SELECT e.action FROM {table} e
+                    WHERE e.tenant_id = %s AND e.action > names.action
+                    ORDER BY e.action LIMIT 1)
+            FROM names WHERE names.action IS NOT NULL
+        )
+        SELECT action FROM names WHERE action IS NOT NULL"""
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [tenant.pk, tenant.pk])
+        return [row[0] for row in cursor.fetchall()]
+
+
+@dataclass(frozen=True)
+class AuditPosition:
+    """Where a page of an audit listing ended: the last event's time, and how many events of
+    exactly that time were already listed (events are ordered by time, then id; an id never
+    leaves the server, so ties are skipped by count)."""
+
+    created_at: datetime
+    skip: int
+
+
+def audit_page(
+    events: QuerySet[AuditEvent], after: AuditPosition | None, size: int
+) -> tuple[list[AuditEvent], AuditPosition | None]:
+    """Up to `size` events of audit_events() after `after` (None: from the newest), and the
+    position to continue from (None on the last page). A keyset walk: no COUNT and no OFFSET
+    over the trail, so a page costs the same at the millionth event as at the first (the
+    (tenant, created_at, id) index); only ties of one instant are skipped by OFFSET."""
+    if after is not None:
+        events = events.filter(created_at__lte=after.created_at)
+    skip = after.skip if after is not None else 0
+    rows = list(events[skip:skip + size + 1])
+    if len(rows) <= size:
+        return rows, None
+    rows = rows[:size]
+    last = rows[-1].created_at
+    same = sum(1 for row in rows if row.created_at == last)
+    if after is not None and last == after.created_at:
+        same += after.skip
+    return rows, AuditPosition(last, same)

@@ -80,18 +80,6 @@ class ProjectLimitsForm(forms.Form):
     allotment_tokens_per_month = _cycle_allotment()
 
 
-class KeySubLimitsForm(forms.Form):
-    """A key's token sub-limits and allotments, as the limits page sets them (the key page has
-    every field)."""
-
-    tokens_per_day = _sub_limit("Tokens per day")
-    tokens_per_month = _sub_limit("Tokens per month")
-    pace_share_percent = _pace_share()
-    pace_spend_micros = _pace_spend()
-    allotment_tokens_per_day = _day_allotment()
-    allotment_tokens_per_month = _cycle_allotment()
-
-
 class IssueKeyForm(forms.Form):
     name = forms.CharField(
         max_length=200, required=False, help_text="What the key is for, e.g. ci or production."
@@ -104,6 +92,8 @@ class KeyLimitsForm(forms.Form):
     tokens_per_month = _sub_limit("Tokens per month")
     requests_per_minute = _sub_limit("Requests per minute")
     max_concurrency = _sub_limit("Concurrent requests")
+    pace_share_percent = _pace_share()
+    pace_spend_micros = _pace_spend()
     allotment_tokens_per_day = _day_allotment()
     allotment_tokens_per_month = _cycle_allotment()
     allowed_models = forms.CharField(
@@ -126,6 +116,8 @@ class KeyLimitsForm(forms.Form):
             "tokens_per_month": api_key.tokens_per_month,
             "requests_per_minute": api_key.requests_per_minute,
             "max_concurrency": api_key.max_concurrency,
+            "pace_share_percent": api_key.pace_share_percent,
+            "pace_spend_micros": api_key.pace_spend_micros,
             "allotment_tokens_per_day": api_key.allotment_tokens_per_day,
             "allotment_tokens_per_month": api_key.allotment_tokens_per_month,
             "allowed_models": ", ".join(api_key.allowed_models),
@@ -202,3 +194,35 @@ class AuditFilterForm(forms.Form):
         if start and end and start > end:
             self.add_error("to", "Must not be before the start date.")
         return data
+
+
+class KeyFilterForm(forms.Form):
+    """GET filters of the keys page: ?q=&project=&status=&used=&sort=&per_page= (and page,
+    read apart: config/console/paging.py). Every choice is a closed list, so a junk value is a
+    form error (a 400 naming the field), never a query."""
+
+    q = forms.CharField(required=False, max_length=200, label="Search",
+                        help_text="Part of a key's name, or its id (key_...).")
+    # The message does not echo the value: another tenant's project id reads as a missing one.
+    project = forms.ChoiceField(required=False, error_messages={
+        "invalid_choice": "No such project in this tenant."})
+    status = forms.ChoiceField(required=False)
+    used = forms.ChoiceField(required=False, label="Last used")
+    sort = forms.ChoiceField(required=False, label="Order")
+    per_page = forms.TypedChoiceField(required=False, label="Per page", coerce=int,
+                                      empty_value=None)
+
+    def __init__(self, *args: Any, projects: list[tuple[str, str]], statuses: tuple[str, ...],
+                 last_use: tuple[str, ...], orders: tuple[str, ...],
+                 page_sizes: tuple[int, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        labels = {"day": "In the last 24 hours", "week": "In the last 7 days",
+                  "month": "In the last 30 days", "idle": "Not in the last 30 days",
+                  "never": "Never", "newest": "Newest first", "oldest": "Oldest first",
+                  "name": "Name", "last_used": "Last used"}
+        self.fields["project"].choices = [("", "Every project"), *projects]
+        self.fields["status"].choices = [("", "Any status"), *((s, s) for s in statuses)]
+        self.fields["used"].choices = [("", "Any time"),
+                                       *((u, labels.get(u, u)) for u in last_use)]
+        self.fields["sort"].choices = [(o, labels.get(o, o)) for o in orders]
+        self.fields["per_page"].choices = [(str(n), str(n)) for n in page_sizes]

@@ -1,6 +1,7 @@
 """The console's limits page: the tenant's plan and effective limits, the live counters of the
-tenant, its projects, keys and models, the projects' and keys' own sub-limits and the tenant's
-alert thresholds (each a form of its own on the page), the burn-rate breaker: the tenant's
+tenant, its projects and models, the projects' own sub-limits (a page of projects at a time) and
+the tenant's alert thresholds (each a form of its own on the page; a key's sub-limits are set on
+the key's page, config/console/project_views.py, found through the keys page), the burn-rate breaker: the tenant's
 pace rule and the scopes whose breaker is tripped, each with a Resume button (quotas/pace.py),
 and the allotments: per window, the shared pool and each project's and key's allotment, what it
 used of it, what it borrowed from the pool and what is left (config/console/allotment_lines.py)."""
@@ -20,7 +21,6 @@ from django.views.decorators.http import require_http_methods
 from config.console.allotment_lines import tenant_allotment_lines
 from config.console.forms import (
     AlertThresholdsForm,
-    KeySubLimitsForm,
     ProjectLimitsForm,
     add_service_errors,
 )
@@ -29,10 +29,11 @@ from config.console.frame import (
     live_status,
     render_page,
     require_manage,
-    tenant_key,
     tenant_page,
     tenant_project,
 )
+from config.console.paging import numbered_page, query_without_page
+from config.console.project_views import PROJECTS_PAGE_SIZE
 from quotas.cycles import cycle_standing
 from quotas.engine import QuotaStoreUnavailable
 from quotas.pace import Trip, resume_trip, tenant_trips
@@ -80,10 +81,13 @@ def _limits_page(
         by_scope = {(s.kind, s.ref, s.window): s for s in live.scopes}
     limits = selectors.effective_limits(tenant)
     tenant_projects = list(selectors.tenant_projects(tenant))
-    live_keys = list(selectors.tenant_keys(tenant, status="active"))
     allotments = tenant_allotment_lines(tenant, limits=limits, projects=tenant_projects)
+    # The projects' forms a page at a time; keys have no form here (a tenant may have
+    # thousands): each key's limits are edited on its own page, found through the keys page.
+    listing = numbered_page(selectors.tenant_projects(tenant), request.GET.get("page"),
+                            PROJECTS_PAGE_SIZE)
     projects = []
-    for project in tenant_projects:
+    for project in listing.rows:
         prefix = f"p-{project.public_id}"
         projects.append({
             "project": project,
@@ -95,22 +99,6 @@ def _limits_page(
                 "pace_spend_micros": project.pace_spend_micros,
                 "allotment_tokens_per_day": project.allotment_tokens_per_day,
                 "allotment_tokens_per_month": project.allotment_tokens_per_month,
-            }),
-        })
-    keys = []
-    for api_key in live_keys:
-        prefix = f"k-{api_key.public_id}"
-        keys.append({
-            "key": api_key,
-            "day": by_scope.get(("key", api_key.public_id, "day")),
-            "masked": selectors.listed_masked_key(api_key),
-            "form": bound.get(prefix) or KeySubLimitsForm(prefix=prefix, initial={
-                "tokens_per_day": api_key.tokens_per_day,
-                "tokens_per_month": api_key.tokens_per_month,
-                "pace_share_percent": api_key.pace_share_percent,
-                "pace_spend_micros": api_key.pace_spend_micros,
-                "allotment_tokens_per_day": api_key.allotment_tokens_per_day,
-                "allotment_tokens_per_month": api_key.allotment_tokens_per_month,
             }),
         })
     # The tenant's reset cycle (quotas.cycles): read-only here, as the tenant's limits are
@@ -128,7 +116,9 @@ def _limits_page(
         "tenant_month": by_scope.get(("tenant", tenant.public_id, "month")),
         "models": [s for s in (live.of("model", "day") if live is not None else [])],
         "projects": projects,
-        "keys": keys,
+        "listing": listing,
+        "query": query_without_page(request.GET),
+        "active_keys": selectors.tenant_keys(tenant, status="active").count(),
         "trips": _trip_rows(tenant),
         "allotments": allotments,
         "alerts_form": bound.get("alerts") or AlertThresholdsForm(
@@ -177,19 +167,6 @@ def limits_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
                 messages.success(request, f"Limits of project {project.name} saved.")
                 return redirect("console-limits", tenant.public_id)
         return _limits_page(request, tenant, bound={target: form}, status=400)
-    if target.startswith("k-"):
-        api_key = tenant_key(tenant, target[2:])
-        key_form = KeySubLimitsForm(request.POST, prefix=target)
-        if key_form.is_valid():
-            try:
-                services.update_key(api_key, actor=actor(request), **key_form.cleaned_data)
-            except ValidationError as exc:
-                add_service_errors(key_form, exc)
-            else:
-                messages.success(request, f"Limits of key {api_key.name or api_key.public_id} "
-                                 "saved.")
-                return redirect("console-limits", tenant.public_id)
-        return _limits_page(request, tenant, bound={target: key_form}, status=400)
     return _limits_page(request, tenant, status=400)
 
 

@@ -1,6 +1,7 @@
-"""Console pages of a tenant's projects and API keys: the list with today's and this month's
-usage, a new project, issuing a key, a key's page (its secrets, limits and live counters),
-rotating and revoking it.
+"""Console pages of a tenant's projects and API keys: the projects with today's and this
+month's usage and their key counts, the keys (searched, filtered and paged: a tenant may have
+thousands), a new project, issuing a key, a key's page (its secrets, sub-limits and live
+counters: where a key's limits are edited), rotating and revoking it.
 
 Every page takes the tenant's public id from the URL (config.console.frame.tenant_page: 404 for
 a tenant the user cannot see); objects are looked up through that tenant, so another tenant's
@@ -24,6 +25,7 @@ from billing.usage import usage_today_and_month
 from config.console.allotment_lines import tenant_allotment_lines
 from config.console.forms import (
     IssueKeyForm,
+    KeyFilterForm,
     KeyLimitsForm,
     ProjectForm,
     RevokeKeyForm,
@@ -41,10 +43,20 @@ from config.console.frame import (
     tenant_project,
 )
 from config.console.one_use_forms import REPEATED_MESSAGE, first_submission
+from config.console.paging import (
+    DEFAULT_PAGE_SIZE,
+    PAGE_SIZES,
+    NumberedPage,
+    numbered_page,
+    query_without_page,
+)
 from tenants import selectors, services
 from tenants.exceptions import KeyExpired, KeyRevoked, SlugTaken
 from tenants.models import ApiKey, Tenant
 
+
+
+PROJECTS_PAGE_SIZE = 25
 
 
 def _key_row(api_key: ApiKey, usage: dict[str, dict[str, int]], now: Any) -> dict[str, Any]:
@@ -53,6 +65,7 @@ def _key_row(api_key: ApiKey, usage: dict[str, dict[str, int]], now: Any) -> dic
         "key": api_key,
         "masked": selectors.listed_masked_key(api_key, now=now),
         "status": selectors.key_status(api_key, now=now),
+        "rotating": selectors.key_in_rotation(api_key, now=now),
         "today": used.get("today", 0),
         "month": used.get("month", 0),
     }
@@ -66,26 +79,73 @@ def _projects_page(
     issue_forms: dict[str, IssueKeyForm] | None = None,
     status: int = 200,
 ) -> HttpResponse:
-    now = timezone.now()
-    project_usage = usage_today_and_month(tenant, "project")
-    key_usage = usage_today_and_month(tenant, "key")
-    keys_by_project: dict[int, list[dict[str, Any]]] = {}
-    for api_key in selectors.tenant_keys(tenant):
-        keys_by_project.setdefault(api_key.project_id, []).append(_key_row(api_key, key_usage, now))
+    """The tenant's projects a page at a time, each with its usage, how many keys it has (a
+    link to them on the keys page) and a form to issue one: the keys themselves are listed,
+    searched and paged on the keys page, which a tenant with thousands of keys needs."""
+    listing = numbered_page(selectors.tenant_projects(tenant), request.GET.get("page"),
+                            PROJECTS_PAGE_SIZE)
+    page_projects = listing.rows
+    project_usage = usage_today_and_month(tenant, "project", only=page_projects)
+    key_counts = selectors.project_key_counts(tenant, page_projects)
     issue_forms = issue_forms or {}
     projects = [
         {
             "project": project,
             "today": project_usage.get(project.public_id, {}).get("today", 0),
             "month": project_usage.get(project.public_id, {}).get("month", 0),
-            "keys": keys_by_project.get(project.pk, []),
+            "keys": key_counts.get(project.pk, {"total": 0, "unrevoked": 0}),
             "issue_form": issue_forms.get(project.public_id)
             or IssueKeyForm(prefix=project.public_id),
         }
-        for project in selectors.tenant_projects(tenant)
+        for project in page_projects
     ]
-    context = {"projects": projects, "project_form": project_form or ProjectForm()}
+    context = {"projects": projects, "project_form": project_form or ProjectForm(),
+               "listing": listing, "query": query_without_page(request.GET)}
+    if listing.error and status == 200:
+        status = 400
     return render_page(request, tenant, "console/projects.html", context,
+                       nav="console-projects", status=status)
+
+
+@require_http_methods(["GET"])
+@tenant_page()
+def keys_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
+    """The tenant's keys, searched by name or id, filtered by project, status and last use,
+    in a chosen (always total) order, a bounded page at a time. A junk filter is a 400 naming
+    it, with no rows; a page past the end is an empty page saying so."""
+    projects = list(selectors.tenant_projects(tenant))
+    form = KeyFilterForm(
+        request.GET, projects=[(p.public_id, f"{p.name} ({p.slug})") for p in projects],
+        statuses=selectors.KEY_FILTERS, last_use=selectors.LAST_USE,
+        orders=tuple(selectors.KEY_ORDERS), page_sizes=PAGE_SIZES,
+    )
+    status = 200
+    listing: NumberedPage
+    if form.is_valid():
+        data = form.cleaned_data
+        by_id = {p.public_id: p for p in projects}
+        keys = selectors.search_keys(
+            tenant, text=data["q"], project=by_id.get(data["project"]),
+            status=data["status"] or None, used=data["used"] or None,
+            order=data["sort"] or "newest",
+        )
+        listing = numbered_page(keys, request.GET.get("page"),
+                                data["per_page"] or DEFAULT_PAGE_SIZE)
+        if listing.error:
+            status = 400
+    else:
+        listing = NumberedPage([], 1, 0, DEFAULT_PAGE_SIZE)
+        status = 400
+    now = timezone.now()
+    usage = (usage_today_and_month(tenant, "key", only=listing.rows) if listing.rows else {})
+    context = {
+        "form": form,
+        "listing": listing,
+        "rows": [_key_row(api_key, usage, now) for api_key in listing.rows],
+        "query": query_without_page(request.GET),
+        "filtered": any(request.GET.get(name) for name in ("q", "project", "status", "used")),
+    }
+    return render_page(request, tenant, "console/keys.html", context,
                        nav="console-projects", status=status)
 
 
@@ -146,7 +206,7 @@ def _key_page(
     status: int = 200,
 ) -> HttpResponse:
     now = timezone.now()
-    usage = usage_today_and_month(tenant, "key")
+    usage = usage_today_and_month(tenant, "key", only=[api_key])
     live = live_status(tenant)
     live_scopes = ([s for s in live.scopes if s.kind == "key" and s.ref == api_key.public_id]
                    if live is not None else [])

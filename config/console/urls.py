@@ -42,6 +42,7 @@ urlpatterns: list[URLPattern] = [
     path(f"{_TENANT}projects/", project_views.projects_page, name="console-projects"),
     path(f"{_TENANT}projects/<str:project_id>/keys/new/", project_views.key_issue,
          name="console-key-issue"),
+    path(f"{_TENANT}keys/", project_views.keys_page, name="console-keys"),
     path(f"{_TENANT}keys/<str:key_id>/", project_views.key_detail, name="console-key"),
     path(f"{_TENANT}keys/<str:key_id>/rotate/", project_views.key_rotate,
          name="console-key-rotate"),

@@ -38,13 +38,23 @@ def shown_key(html: str) -> str:
     return match.group(1)
 
 
+def keys_url(world: World) -> str:
+    return f"/console/t/{world.acme.public_id}/keys/"
+
+
 def test_projects_page_lists_projects_and_masked_keys(world: World) -> None:
+    # The projects page counts each project's keys and links to them on the keys page (which
+    # lists them masked): a tenant with thousands of keys no longer gets them all on one page.
     page = login(world.owner).get(projects_url(world))
     assert page.status_code == 200
     html = page.content.decode()
-    assert "web" in html and world.issued.masked in html
-    assert world.issued.plaintext not in html
-    assert "<th" in html and 'class="table-wrap"' in html
+    assert "web" in html and world.issued.masked not in html
+    assert f'{keys_url(world)}?project={world.web.public_id}">1 key</a>' in html
+    keys = login(world.owner).get(keys_url(world), {"project": world.web.public_id})
+    assert keys.status_code == 200 and world.issued.masked in keys.content.decode()
+    assert world.issued.plaintext not in html + keys.content.decode()
+    keys_html = keys.content.decode()
+    assert "<th" in keys_html and 'class="table-wrap"' in keys_html  # the keys' table
     assert f'<label for="id_{world.web.public_id}-name">' in html
     assert '<label for="id_slug">' in html
     # Nothing of globex's.
@@ -57,7 +67,7 @@ def test_member_reads_without_forms_and_outsider_gets_404(world: World) -> None:
     page = member.get(projects_url(world))
     assert page.status_code == 200
     html = page.content.decode()
-    assert world.issued.masked in html
+    assert world.issued.masked in member.get(keys_url(world)).content.decode()
     assert "<form method=\"post\" action=\"/console/t/" not in html.replace(
         'action="/console/switch/"', "").replace('action="/console/logout/"', "")
     assert member.post(projects_url(world), {"slug": "x"}).status_code == 403
@@ -159,14 +169,15 @@ def test_issued_key_is_shown_once_and_never_again(world: World) -> None:
     assert api_key.project == world.web and api_key.created_by == "user:owner"
     # Not kept anywhere a later page could read it.
     assert plaintext not in str(dict(owner.session.items()))
-    for url in (projects_url(world), key_url(world, key=api_key), key_url(world, "revoke/", api_key),
+    for url in (projects_url(world), keys_url(world), key_url(world, key=api_key),
+                key_url(world, "revoke/", api_key),
                 f"/console/t/{world.acme.public_id}/limits/",
                 f"/console/t/{world.acme.public_id}/audit/"):
         page = owner.get(url)
         assert page.status_code == 200, url
         assert plaintext not in page.content.decode(), url
     assert not AuditEvent.objects.filter(data__icontains=plaintext).exists()
-    assert "deploy" in owner.get(projects_url(world)).content.decode()
+    assert "deploy" in owner.get(keys_url(world)).content.decode()
 
 
 def test_bad_key_name_rerenders_projects_page(world: World) -> None:
