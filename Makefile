@@ -32,6 +32,7 @@ up: $(STAMP)
 # fixtures start under a temporary directory and stop at the end.
 test: $(STAMP)
 	.ci/ensure-chromium
+	.ci/ensure-pgbouncer
 	$(PY) -m pytest
 
 # Only the console in headless Chromium (Debian's /usr/bin/chromium, or TOLLGATE_CHROMIUM) against
@@ -40,7 +41,7 @@ test-browser: $(STAMP)
 	.ci/ensure-chromium
 	$(PY) -m pytest tests/browser
 
-# What CI runs: `make test` (which installs Debian's chromium first when it is missing).
+# What CI runs: `make test` (which installs Debian's chromium and pgbouncer first when missing).
 ci:
 	.ci/run
 

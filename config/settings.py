@@ -151,6 +151,24 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL (postgres://...)")
 DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
+# PgBouncer in transaction mode (DATABASE_URL names PgBouncer): a server connection is ours only
+# for one transaction, so nothing may outlive one on the server. Two Django features would:
+# server-side cursors (QuerySet.iterator() declares a cursor WITH HOLD in autocommit and fetches
+# it in later transactions; Django's docs, "Transaction pooling and server-side cursors", ask for
+# DISABLE_SERVER_SIDE_CURSORS) and psycopg 3's prepared statements (prepared on the connection
+# after prepare_threshold runs). Django 5.2 already passes prepare_threshold=None unless OPTIONS
+# set it (django/db/backends/postgresql/base.py) and binds parameters client-side unless
+# OPTIONS server_side_binding is true; this pins the first and refuses a DATABASE_URL asking for
+# prepared statements, which would fail at random under transaction pooling.
+DATABASE_PGBOUNCER = _bool("DATABASE_PGBOUNCER", default=False)
+if DATABASE_PGBOUNCER:
+    _db_options = DATABASES["default"].setdefault("OPTIONS", {})
+    if _db_options.get("prepare_threshold") not in (None, "", "None", "none"):
+        raise ImproperlyConfigured(
+            "DATABASE_PGBOUNCER is set: DATABASE_URL must not set prepare_threshold (PgBouncer in "
+            "transaction mode cannot keep a prepared statement across transactions)")
+    _db_options["prepare_threshold"] = None
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 
 REDIS_URL = env.str("REDIS_URL", default=embedded_redis_url(DATA_DIR))
 if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):

@@ -12,8 +12,6 @@ require them with a cluster). Over plain HTTP with CSRF enforced, as a browser w
 from __future__ import annotations
 
 import hashlib
-import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,15 +25,14 @@ from quotas.keys import tenant_tag
 from tests.gateway.conftest import (
     GatewayServer,
     MakeTenant,
-    TenantKey,
     client_for,
     committed,
     start_gateway,
 )
+from tests.support.console_http import issue_key, log_in, owner_of
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
-PASSWORD = "cluster console password 15"
 CACHE_DB, BROKER_DB = 9, 10
 
 
@@ -51,81 +48,36 @@ def cluster_server(redis_cluster_url: str, redis_url: str, provider_key: str,
     server.stop()
 
 
-def owner_of(django_db_blocker: Any, t: TenantKey) -> str:
-    """A console user owning the tenant (committed: the server must see it)."""
-    from django.contrib.auth import get_user_model
-
-    from tenants.models import Membership, Tenant
-
-    username = f"owner-{uuid.uuid4().hex[:8]}"
-
-    def create() -> None:
-        user = get_user_model().objects.create_user(username, f"{username}@example.test", PASSWORD)
-        Membership.objects.create(user=user, tenant=Tenant.objects.get(pk=t.tenant_id),
-                                  role=Membership.Role.OWNER)
-
-    committed(django_db_blocker, create)
-    return username
-
-
-def csrf_token(html: str) -> str:
-    match = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', html)
-    assert match, "the page carries a CSRF token"
-    return match.group(1)
-
-
-def issue_form(html: str, action: str) -> dict[str, str]:
-    """The hidden fields of the projects page's issue form posting to `action`."""
-    start = html.index(f'action="{action}"')
-    form = html[start:html.index("</form>", start)]
-    return dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]+)"', form))
-
-
 def test_console_login_key_issue_and_a_call_on_a_cluster(
         cluster_server: GatewayServer, make_tenant: MakeTenant, mock_upstream: MockUpstream,
         redis_url: str, redis_cluster_url: str, django_db_blocker: Any) -> None:
-    from tenants.models import ApiKey, Project, Tenant
+    from tenants.models import ApiKey
 
     t = make_tenant()
-    username = owner_of(django_db_blocker, t)
-    tenant_id, project_id = committed(django_db_blocker, lambda: (
-        Tenant.objects.get(pk=t.tenant_id).public_id, Project.objects.get(pk=t.project_id).public_id))
+    owner = owner_of(django_db_blocker, t)
     cache = redis.Redis.from_url(f"{redis_url.partition('?')[0]}?db={CACHE_DB}",
                                  decode_responses=True)
     cluster = redis.RedisCluster.from_url(redis_cluster_url, decode_responses=True)
     # config/console/login_throttle.py's key for this username, under the cache's prefix.
-    hashed = hashlib.sha256(username.encode()).hexdigest()[:32]
+    hashed = hashlib.sha256(owner.username.encode()).hexdigest()[:32]
     throttle_key = f"tg:cache:1:login-fail:user:{hashed}"
     try:
         with httpx.Client(base_url=cluster_server.url, timeout=30) as browser:
-            login = browser.get("/console/login/")
-            assert login.status_code == 200
             # A wrong password: refused, and counted in the cache Redis (the login throttle).
-            wrong = browser.post("/console/login/", data={
-                "username": username, "password": "wrong",
-                "csrfmiddlewaretoken": csrf_token(login.text)})
+            wrong = log_in(browser, owner.username, "wrong")
             assert wrong.status_code == 200 and "sessionid" not in browser.cookies
             assert cache.get(throttle_key) == "1"
 
-            signed_in = browser.post("/console/login/", data={
-                "username": username, "password": PASSWORD,
-                "csrfmiddlewaretoken": csrf_token(wrong.text)})
+            signed_in = log_in(browser, owner.username)
             assert signed_in.status_code == 302 and "sessionid" in browser.cookies
 
-            projects = browser.get(f"/console/t/{tenant_id}/projects/")
-            assert projects.status_code == 200
-            action = f"/console/t/{tenant_id}/projects/{project_id}/keys/new/"
-            fields = issue_form(projects.text, action)
-            assert fields.get("form_id"), "the issue form is one-use"
-            issued = browser.post(action, data={**fields, f"{project_id}-name": "on-cluster"})
-            assert issued.status_code == 200
-            match = re.search(r'<input readonly id="new-key" value="(tgk_[0-9A-Za-z_]+)"', issued.text)
-            assert match, "the new key is shown once"
-            plaintext = match.group(1)
-            assert cache.exists(f"tg:cache:1:console:form-once:{fields['form_id']}")
+            issued = issue_key(browser, owner, "on-cluster")
+            plaintext = issued.plaintext
+            assert cache.exists(f"tg:cache:1:console:form-once:{issued.form['form_id']}")
 
             # The same rendered form again (a reload): nothing is issued a second time.
-            again = browser.post(action, data={**fields, f"{project_id}-name": "on-cluster"})
+            again = browser.post(issued.action, data={
+                **issued.form, f"{owner.project_public_id}-name": "on-cluster"})
             assert again.status_code == 302
         assert committed(django_db_blocker, lambda: ApiKey.objects.filter(
             project_id=t.project_id, name="on-cluster").count()) == 1
