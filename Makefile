@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up down test test-browser ci bench bench-abuse bench-quota clean
+.PHONY: install up down test test-browser ci bench bench-ledger bench-abuse bench-quota clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # Settings refuse to load without TOLLGATE_ENV (config/settings.py): the quick start and the
 # benchmarks are development; `make test` runs as test (tests/session_env.py).
-up bench bench-quota down clean: export TOLLGATE_ENV ?= development
+up bench bench-ledger bench-quota down clean: export TOLLGATE_ENV ?= development
 
 # Bring the whole system up on embedded defaults: Redis and PostgreSQL from pip packages under
 # .data/, migrations, the demo tenant / project / key (printed once), the mock upstream on :8099
@@ -50,6 +50,13 @@ ci:
 # request and the gateway's peak RSS (docs/benchmarks.md).
 bench: $(STAMP)
 	$(PY) -m config.bench
+
+# The ledger's readers (tenant and platform reports, dashboard, /metrics) and the drain at 20,000
+# rows and at ROWS (default 20,000,000) synthetic rows COPYed into the partitioned ledger, on
+# its own embedded services (docs/benchmarks.md, "The ledger at scale"). ARGS adds options.
+ROWS ?= 20000000
+bench-ledger: $(STAMP)
+	$(PY) -m config.bench_ledger --rows $(ROWS) $(ARGS)
 
 # Small calls of one tenant on one gateway worker alone, beside a stream of 400 KB prompts, and
 # beside a flood of random API keys from one client address and from a new address per request

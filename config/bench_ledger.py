@@ -1,0 +1,320 @@
+"""Benchmark: the ledger's readers and the drain at a small and a large ledger, in one run.
+
+    python -m config.bench_ledger [--rows 20000000] [--small 20000] [--tenants 50] [--months 3]
+                                  [--drain-events 10000] [--repeat 3]
+
+A config module, like config/bench.py: it starts its own embedded Redis and PostgreSQL
+(config/embedded.py) in a temporary directory, migrates, makes `--tenants` tenants (one of them,
+"big", gets a fifth of all rows), and for each size (`--small`, then `--rows`) empties the ledger
+and its rollups and:
+
+1. writes that many synthetic usage rows with COPY (psycopg's COPY FROM STDIN, in batches), spread
+   evenly over the last `--months` months up to now (each in its month partition: the months are
+   made first), 7 models, mostly settled rows with some partial, released, swept, corrected and
+   over-hold ones; then fills the daily rollups from those rows (billing.rollups.rebuild, every
+   tenant, every zone) and ANALYZEs;
+2. times, once cold and then `--repeat` times (the median printed): the big tenant's report of
+   the last whole month (billing.reports.tenant_period), the platform report of that month
+   (billing.reports.platform_month), the big tenant's dashboard (billing.dashboard.build) and a
+   /metrics scrape (billing.metrics.render, the collector /metrics serves);
+3. puts `--drain-events` usage events on the big tenant's Redis usage stream the way the gateway
+   does (the quota engine's reserve, then settle with the event; not timed) and times
+   billing.ledger.drain_tenant until the stream is empty: rows per second into the ledger of
+   that size (the insert, the rollups in the same transaction, and the XDEL).
+
+Printed: the load and rollup times, the table's size, each reader's time and the drain's rate,
+per size. docs/benchmarks.md ("The ledger at scale") keeps the figures of a run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The bench's synthetic traffic: models with their share of calls and a price per token pair.
+MODELS = (("gpt-4o-mini", 40), ("gpt-4o", 20), ("claude-haiku-4-5", 15),
+          ("claude-sonnet-4-5", 10), ("gpt-4.1", 7), ("o3-mini", 5), ("text-embedding-3-small", 3))
+STATUSES = (("settled", 90), ("partial", 4), ("released", 3), ("swept", 2), ("unmetered", 1))
+BIG_SHARE = 0.2  # of all rows, the big tenant's
+COPY_BATCH = 200_000
+
+
+@contextmanager
+def services() -> Iterator[Path]:
+    """Embedded Redis and PostgreSQL in a temporary directory, migrated, Django set up; stopped
+    and removed on exit."""
+    data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-ledger-", dir="/tmp"))
+    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
+                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
+    os.environ.pop("DATABASE_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    from config import embedded
+
+    embedded.start_all(data_dir, persistent=False)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        import django
+
+        django.setup()
+        yield data_dir
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        embedded.stop_all(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _setup_tenants(count: int) -> list[tuple[int, int, int]]:
+    """`count` tenants with a project and a key each; (tenant, project, key) ids, "big" first."""
+    from gateway.models import ModelPrice  # noqa: F401 - the catalog is seeded by migrations
+    from tenants.services import create_project, create_tenant, issue_key
+
+    out = []
+    for i in range(count):
+        slug = "big" if i == 0 else f"t{i:03d}"
+        tenant = create_tenant(slug, plan_name="enterprise", actor="bench",
+                               requests_per_second=1_000_000, tokens_per_minute=10**12,
+                               monthly_token_budget=10**15)
+        project = create_project(tenant, "app", actor="bench")
+        key = issue_key(project, actor="bench").api_key
+        out.append((tenant.pk, project.pk, key.pk))
+    return out
+
+
+def _columns() -> list[str]:
+    from billing.models import UsageRecord
+
+    return [f.column for f in UsageRecord._meta.concrete_fields if not f.primary_key]
+
+
+def _templates(tenants: list[tuple[int, int, int]], rng: random.Random,
+               count: int = 4096) -> list[tuple[str, bool]]:
+    """`count` rows' columns other than the request id and the times, as COPY text (tab
+    separated, NULL as \\N), each with whether it is a corrected row; the big tenant in
+    BIG_SHARE of them. Rows pick one at random: building each row in Python would make the
+    script, not PostgreSQL, the bottleneck of the load."""
+    model_names = [m for m, _ in MODELS]
+    model_weights = [w for _, w in MODELS]
+    status_names = [s for s, _ in STATUSES]
+    status_weights = [w for _, w in STATUSES]
+    others = tenants[1:] or tenants
+    out = []
+    for _ in range(count):
+        tenant, project, key = tenants[0] if rng.random() < BIG_SHARE else rng.choice(others)
+        model = rng.choices(model_names, model_weights)[0]
+        status = rng.choices(status_names, status_weights)[0]
+        inp = rng.randint(50, 4000)
+        out_tokens = 0 if status == "released" else rng.randint(10, 1500)
+        held = inp + 1500
+        if status == "settled" and rng.random() < 0.01:
+            out_tokens = 1500 + rng.randint(1, 500)  # the tokenizer's estimate was low
+        corrected = status == "swept" and rng.random() < 0.3
+        values = [
+            tenant, project, key, None, "chat/completions", model, model, inp, out_tokens,
+            inp // 4, 0, 0, held, inp * 3 + out_tokens * 12, "settled" if corrected else status,
+            "complete", 200, rng.randint(80, 9000), "t" if rng.random() < 0.5 else "f", "f",
+            "forwarded" if status == "swept" else "",
+            inp if corrected else None, 1500 if corrected else None,
+            inp * 3 + 1500 * 12 if corrected else None, max(inp + out_tokens - held, 0)]
+        out.append(("\t".join("\\N" if v is None else str(v) for v in values), corrected))
+    return out
+
+
+# The COPY's columns: the request id and the times first (made per row), then the template's.
+_TEMPLATE_COLUMNS = (
+    "tenant_id", "project_id", "api_key_id", "provider_key_id", "endpoint", "model",
+    "served_model", "input_tokens", "output_tokens", "cached_input_tokens", "cache_write_tokens",
+    "reasoning_tokens", "held_tokens", "cost_micros", "status", "detail", "http_status",
+    "latency_ms", "streamed", "over_soft_limit", "sweep_basis", "swept_input_tokens",
+    "swept_output_tokens", "swept_cost_micros", "over_hold_tokens")
+_COPY_COLUMNS = ("request_id", "started_at", "ended_at", "recorded_at", "corrected_at",
+                 *_TEMPLATE_COLUMNS)
+
+
+def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int = 15) -> float:
+    """COPY `rows` synthetic usage rows, ended evenly over the last `months` months up to now
+    (started and recorded at their end); returns the seconds taken."""
+    from django.db import connection
+
+    from billing.partitions import create_month, ensure_partitions, month_of, shift
+
+    assert set(_COPY_COLUMNS) == set(_columns()), "the ledger's columns changed"
+    now = datetime.now(UTC)
+    first = shift(month_of(now), -(months - 1))
+    for n in range(months):
+        create_month(shift(first, n))
+    ensure_partitions(now)
+    rng = random.Random(seed)
+    templates = _templates(tenants, rng)
+    base = first.start.timestamp()
+    step = (now.timestamp() - base) / rows
+    sql = f"COPY billing_usagerecord ({', '.join(_COPY_COLUMNS)}) FROM STDIN"
+    started = time.perf_counter()
+    done = 0
+    while done < rows:
+        count = min(COPY_BATCH, rows - done)
+        lines = []
+        for i in range(done, done + count):
+            template, corrected = templates[rng.getrandbits(12)]
+            ended = datetime.fromtimestamp(base + step * i, UTC)
+            at = ended.isoformat()
+            fixed = (ended + timedelta(minutes=11)).isoformat() if corrected else "\\N"
+            lines.append(f"bench-{i:010d}\t{at}\t{at}\t{at}\t{fixed}\t{template}\n")
+        with connection.cursor() as cursor, cursor.cursor.copy(sql) as copy:
+            copy.write("".join(lines))
+        done += count
+    return time.perf_counter() - started
+
+
+def fill_rollups(months: int) -> float:
+    """The daily rollups of every loaded day, computed by SQL from the raw rows."""
+    from billing.partitions import month_of, shift
+    from billing.rollups import rebuild
+
+    now = datetime.now(UTC)
+    first = shift(month_of(now), -(months - 1))
+    started = time.perf_counter()
+    rebuild(first.start.date() - timedelta(days=1), (now + timedelta(days=2)).date())
+    return time.perf_counter() - started
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """(cold seconds, median of `repeat` more)."""
+    started = time.perf_counter()
+    fn()
+    cold = time.perf_counter() - started
+    warm = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        warm.append(time.perf_counter() - started)
+    return cold, statistics.median(warm)
+
+
+def drain_rate(tenant_ids: tuple[int, int, int], events: int) -> tuple[int, float]:
+    """`events` usage events on the tenant's stream as the gateway makes them, then the drain
+    timed until the stream is empty: (rows written, seconds)."""
+    from billing.ledger import drain_tenant
+    from billing.models import UsageRecord
+    from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
+    from quotas.keys import tenant_tag
+    from quotas.runtime import get_engine
+    from quotas.windows import WindowKind
+
+    tenant, project, key = tenant_ids
+    client = get_engine().client
+    engine = QuotaEngine(client)
+    limits = (ScopeLimit("tenant", WindowKind.DAY, 10**15),)
+    prefix = f"drain-{time.time_ns()}"
+    for i in range(events):
+        model = MODELS[i % len(MODELS)][0]
+        meta = json.dumps({"p": project, "k": key, "m": model, "served": model,
+                           "ep": "chat/completions"})
+        hold = engine.reserve(ReserveRequest(tenant_tag(tenant), f"{prefix}-{i}", 2000, limits,
+                                             meta=meta)).hold
+        event = json.dumps({"in": 300, "out": 120, "st": 200, "lat": 700,
+                            "outcome": "complete", "pk": None, "stream": False, "soft": False})
+        engine.settle(hold, 420, event, actual_money=300 * 3 + 120 * 12)
+    before = UsageRecord.objects.filter(request_id__startswith=prefix).count()
+    started = time.perf_counter()
+    while drain_tenant(client, tenant, batch=500):
+        pass
+    seconds = time.perf_counter() - started
+    written = UsageRecord.objects.filter(request_id__startswith=prefix).count() - before
+    return written, seconds
+
+
+def table_size() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_size_pretty(sum(pg_total_relation_size(inhrelid))) "
+                       "FROM pg_inherits WHERE inhparent = 'billing_usagerecord'::regclass")
+        return str(cursor.fetchone()[0])
+
+
+def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events: int,
+             repeat: int) -> dict[str, Any]:
+    from django.db import connection
+
+    from billing import dashboard, metrics
+    from billing.partitions import month_of, shift
+    from billing.reports import platform_month, tenant_period
+    from quotas.runtime import get_engine
+    from tenants.models import Tenant
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup")
+    loaded = load(rows, tenants, months)
+    rolled = fill_rollups(months)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE billing_usagerecord")
+        cursor.execute("ANALYZE billing_usagerollup")
+    big = Tenant.objects.select_related("plan").get(pk=tenants[0][0])
+    last_month = shift(month_of(datetime.now(UTC)), -1)
+    client = get_engine().client
+    figures: dict[str, Any] = {
+        "rows": rows, "load_s": loaded, "rollups_s": rolled, "size": table_size(),
+        "tenant_report": timed(lambda: tenant_period(big, str(last_month)), repeat),
+        "platform_report": timed(lambda: platform_month(last_month), repeat),
+        "dashboard": timed(lambda: dashboard.build(big), repeat),
+        "metrics": timed(lambda: metrics.render(client), repeat),
+    }
+    written, seconds = drain_rate(tenants[0], events)
+    figures["drain"] = (written, seconds)
+    return figures
+
+
+def _print(figures: dict[str, Any]) -> None:
+    rows = figures["rows"]
+    print(f"\n== {rows:,} rows ({figures['size']} with indexes) ==")
+    print(f"  load (COPY): {figures['load_s']:.1f} s ({rows / figures['load_s']:,.0f} rows/s); "
+          f"rollups from raw rows: {figures['rollups_s']:.1f} s")
+    for name, label in (("tenant_report", "tenant month report (big tenant, last month)"),
+                        ("platform_report", "platform month report (last month)"),
+                        ("dashboard", "dashboard build (big tenant)"),
+                        ("metrics", "/metrics scrape (billing collector)")):
+        cold, warm = figures[name]
+        print(f"  {label}: cold {cold * 1000:,.0f} ms, then median {warm * 1000:,.0f} ms")
+    written, seconds = figures["drain"]
+    print(f"  drain: {written:,} events in {seconds:.2f} s = {written / seconds:,.0f} rows/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=20_000_000)
+    parser.add_argument("--small", type=int, default=20_000)
+    parser.add_argument("--tenants", type=int, default=50)
+    parser.add_argument("--months", type=int, default=3)
+    parser.add_argument("--drain-events", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    if min(args.rows, args.small, args.tenants, args.months, args.drain_events,
+           args.repeat) <= 0:
+        parser.error("every count must be > 0")
+    with services():
+        tenants = _setup_tenants(args.tenants)
+        for rows in (args.small, args.rows):
+            _print(run_size(rows, tenants, args.months, args.drain_events, args.repeat))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
