@@ -48,6 +48,9 @@ MONTHS_AHEAD = 2
 REQUEST_ONCE = "usage_request_once"
 REQUEST_INDEX = "usage_request_id"
 
+# How long making a partition waits for the ledger's lock before giving up (create_month).
+LOCK_TIMEOUT_MS = 10_000
+
 _MONTH_SUFFIX = re.compile(r"_y(\d{4})m(\d{2})$")
 
 
@@ -131,6 +134,9 @@ def create_month(month: Month, table: str = TABLE) -> Created | None:
     keeps months ahead.
     """
     with transaction.atomic(), connection.cursor() as cursor:
+        # A long report holding the table would keep this waiting, and every drain queued behind
+        # it: give up instead (the next day's run tries again; months are made two ahead).
+        cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_MS}ms'")
         cursor.execute(f"LOCK TABLE {_ident(table)} IN ACCESS EXCLUSIVE MODE")
         if month in monthly_partitions(cursor, table):
             return None
@@ -193,6 +199,8 @@ def drop_month(month: Month, table: str = TABLE) -> bool:
         # PostgreSQL refuses to drop a table with deferred foreign key checks still pending on
         # it (rows written earlier in the caller's transaction): run them now.
         cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        # The detach locks the parent: as in create_month, give up rather than queue the drains.
+        cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_MS}ms'")
         # Inside a transaction: DETACH ... CONCURRENTLY cannot run there, and the plain detach's
         # lock on the parent lasts milliseconds (no rows are read or moved).
         cursor.execute(f"ALTER TABLE {_ident(table)} DETACH PARTITION {_ident(name)}")

@@ -319,3 +319,22 @@ def test_the_ledger_model_state_matches_the_database() -> None:
     [pk] = [c for c in constraints.values() if c["primary_key"]]
     assert pk["columns"] == ["id", "ended_at"]
     assert UsageRecord._meta.pk.name == "id"
+
+
+def test_making_a_partition_gives_up_when_a_reader_holds_the_ledger(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long report holding the table: the beat's partition step times out (and tries again the
+    next day) instead of waiting with every drain queued behind its lock."""
+    import psycopg
+    from django.db import OperationalError
+
+    import billing.partitions
+
+    monkeypatch.setattr(billing.partitions, "LOCK_TIMEOUT_MS", 200)
+    with psycopg.connect(**connection.get_connection_params()) as reader:
+        reader.execute(f"SELECT count(*) FROM {TABLE}")  # its transaction holds ACCESS SHARE
+        with pytest.raises(OperationalError, match="lock timeout"):
+            create_month(FAR)
+        reader.rollback()
+    with connection.cursor() as cursor:
+        assert FAR not in monthly_partitions(cursor)
