@@ -512,11 +512,13 @@ class PendingAlert:
     high_since: int  # unix seconds
 
 
-def check_pending_health(*, now: float | None = None, engine: Any = None) -> list[PendingAlert]:
+def check_pending_health(*, now: float | None = None, engine: Any = None,
+                         tenant_ids: Iterable[int] | None = None) -> list[PendingAlert]:
     """Alert operators (log ERROR and mail_admins) when a tenant's pending tokens in its
     tenant-day counter stay above TOLLGATE_PENDING_ALERT_PERCENT (20) % of its daily limit for
     TOLLGATE_PENDING_ALERT_SECONDS (600) or longer: once per episode, whichever worker sees it
-    first. Returns the alerts this call raised."""
+    first. Returns the alerts this call raised. `tenant_ids`: these tenants (the beat job passes
+    the index of active tenants'), default every tenant."""
     engine = engine or get_engine()
     client = engine.client
     now_s = int(time.time() if now is None else now)
@@ -525,7 +527,8 @@ def check_pending_health(*, now: float | None = None, engine: Any = None) -> lis
     # Refreshed on every check while high; lapses only when no check runs for this long.
     ttl = alert_after + 1800
     raised: list[PendingAlert] = []
-    for chunk in _chunks(all_tenant_ids()):
+    ids = all_tenant_ids() if tenant_ids is None else list(dict.fromkeys(tenant_ids))
+    for chunk in _chunks(ids):
         tenants = list(Tenant.objects.select_related("plan").filter(pk__in=chunk).order_by("pk"))
         now_ms = engine.clock.now_ms()
         counters = [(t, tenant_counter(t, effective_limits(t), WindowKind.DAY)) for t in tenants]

@@ -12,7 +12,7 @@ from celery import shared_task
 from django.db import transaction
 from django.utils import timezone
 
-from billing.alerts import all_tenant_ids, check_thresholds
+from billing.alerts import check_thresholds
 from billing.alerts import check_ledger_backlog as check_ledger_backlog_now
 from billing.alerts import check_pending_health as check_pending_health_now
 from billing.forecast_alerts import check_forecasts
@@ -27,8 +27,11 @@ from billing.webhooks import (
     request_redelivery,
     request_test_event,
 )
+from quotas import active
+from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from quotas.windows import Window
+from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,17 @@ log = logging.getLogger(__name__)
 @shared_task
 def drain_usage() -> int:
     """Move the gateway's usage events into the ledger. Idempotent (unique request ids), and
-    safe on several workers: a batch drained twice inserts nothing the second time."""
-    result = drain_all(get_engine().client)
+    safe on several workers: a batch drained twice inserts nothing the second time.
+
+    The tenants of the index of active tenants only (quotas/active.py), and every tenant on the
+    job's full walk (TOLLGATE_ACTIVE_FULL_WALK_SECONDS, or at once when the index was lost),
+    which marks again those it finds with events."""
+    client = get_engine().client
+    run = active.visit(client, active.DRAIN)
+    result = drain_all(client, tenant_ids=run.tenants)
+    if run.full and result.windows:
+        active.mark(client, (tenant_tag(t) for t in result.windows))
+    active.walked(client, run)
     if result.events:
         log.info("recorded %d usage events of %d tenants (%d swept rows corrected)",
                  result.events, result.tenants, result.corrected)
@@ -113,9 +125,15 @@ def _alerts_after_drain(result: DrainResult) -> None:
 
 @shared_task
 def check_quota_thresholds() -> int:
-    """Every tenant's threshold alerts (catch-up for anything the drain-time check missed).
-    Safe on several workers: each alert is fired by the one detector that inserts its state."""
-    fired = _fire_alerts(all_tenant_ids())
+    """The threshold alerts of the index's tenants (quotas/active.py: catch-up for anything
+    the drain-time check missed; a tenant stays indexed for TOLLGATE_ACTIVE_RETENTION_SECONDS
+    after its last call), and of every tenant on the job's full walk (a limit lowered under an
+    idle tenant's usage). Safe on several workers: each alert is fired by the one detector that
+    inserts its state."""
+    client = get_engine().client
+    run = active.visit(client, active.THRESHOLDS)
+    fired = _fire_alerts(run.tenants)
+    active.walked(client, run)
     if fired:
         log.info("fired %d quota alerts", fired)
     return fired
@@ -127,7 +145,14 @@ def check_quota_forecasts() -> int:
     webhook and email once per scope per window (billing/forecast_alerts.py). Beat entry
     check-quota-forecasts, every TOLLGATE_FORECAST_INTERVAL_SECONDS (300). Safe on several
     workers: each warning is fired by the one detector that inserts its ForecastAlert row."""
-    warnings = check_forecasts()
+    client = get_engine().client
+    run = active.visit(client, active.FORECASTS)
+    # Every tenant with a threshold on the full walk (a forecast that moves with the clock
+    # alone, on an idle tenant's usual day), the index's in between.
+    warnings = check_forecasts(None if run.full else list(
+        Tenant.objects.filter(pk__in=run.tenants, forecast_threshold_percent__gt=0)
+        .order_by("pk").values_list("pk", flat=True)))
+    active.walked(client, run)
     dispatch_deliveries([i for warning in warnings for i in warning.delivery_ids])
     if warnings:
         log.info("sent %d forecast warnings", len(warnings))
@@ -168,8 +193,13 @@ def retry_due_webhooks() -> int:
 
 @shared_task
 def check_pending_health() -> int:
-    """Alert operators when a tenant's pending holds stay high (billing.alerts)."""
-    return len(check_pending_health_now())
+    """Alert operators when a tenant's pending holds stay high (billing.alerts): the index's
+    tenants (a tenant with open holds stays indexed), every tenant on the job's full walk."""
+    client = get_engine().client
+    run = active.visit(client, active.PENDING)
+    raised = check_pending_health_now(tenant_ids=run.tenants)
+    active.walked(client, run)
+    return len(raised)
 
 
 @shared_task

@@ -526,6 +526,32 @@ if TOLLGATE_FORECAST_INTERVAL_SECONDS <= 0:
     raise ImproperlyConfigured("TOLLGATE_FORECAST_INTERVAL_SECONDS must be > 0")
 CELERY_BEAT_SCHEDULE["check-quota-forecasts"] = {
     "task": "billing.tasks.check_quota_forecasts", "schedule": TOLLGATE_FORECAST_INTERVAL_SECONDS}
+# The index of active tenants (quotas/active.py): the drain, the sweep and the alert and health
+# detectors visit only the tenants in it, so their work follows activity, not the number of
+# tenants. TOLLGATE_ACTIVE_SHARDS sorted sets (each its own hash tag: no single hot key on a
+# cluster); a gateway worker flushes the tenants it served every GATEWAY_ACTIVE_FLUSH_SECONDS; a
+# tenant leaves once it has no open hold and no undrained event and was last marked more than
+# TOLLGATE_ACTIVE_RETENTION_SECONDS ago (above the stale-hold threshold and a detector's period,
+# so each detector sees it after its last call); every job also walks every tenant once per
+# TOLLGATE_ACTIVE_FULL_WALK_SECONDS, the bound on a tenant the index missed (a worker killed
+# before its flush), and at once when it finds the index lost.
+TOLLGATE_ACTIVE_SHARDS = _positive_int("TOLLGATE_ACTIVE_SHARDS", 16)
+if TOLLGATE_ACTIVE_SHARDS > 1024:
+    raise ImproperlyConfigured(f"TOLLGATE_ACTIVE_SHARDS must be 1-1024, got {TOLLGATE_ACTIVE_SHARDS}")
+_ACTIVE_MIN_RETENTION = QUOTA_STALE_HOLD_SECONDS + max(300, int(TOLLGATE_FORECAST_INTERVAL_SECONDS))
+TOLLGATE_ACTIVE_RETENTION_SECONDS = _positive_int("TOLLGATE_ACTIVE_RETENTION_SECONDS",
+                                                  _ACTIVE_MIN_RETENTION)
+if TOLLGATE_ACTIVE_RETENTION_SECONDS < _ACTIVE_MIN_RETENTION:
+    raise ImproperlyConfigured(
+        f"TOLLGATE_ACTIVE_RETENTION_SECONDS must be at least QUOTA_STALE_HOLD_SECONDS "
+        f"({QUOTA_STALE_HOLD_SECONDS}) + the longest detector period (300 s, or "
+        f"TOLLGATE_FORECAST_INTERVAL_SECONDS if longer) = {_ACTIVE_MIN_RETENTION}, got "
+        f"{TOLLGATE_ACTIVE_RETENTION_SECONDS}: a detector must see each tenant after its last call")
+TOLLGATE_ACTIVE_FULL_WALK_SECONDS = _positive_int("TOLLGATE_ACTIVE_FULL_WALK_SECONDS", 3600)
+GATEWAY_ACTIVE_FLUSH_SECONDS = env.float("GATEWAY_ACTIVE_FLUSH_SECONDS", default=1.0)
+if not 0 < GATEWAY_ACTIVE_FLUSH_SECONDS <= 60:
+    raise ImproperlyConfigured("GATEWAY_ACTIVE_FLUSH_SECONDS must be > 0 and <= 60, got "
+                               f"{GATEWAY_ACTIVE_FLUSH_SECONDS:g}")
 # Bearer token for GET /metrics (Prometheus); empty: /metrics answers 403.
 TOLLGATE_METRICS_TOKEN = env.str("TOLLGATE_METRICS_TOKEN", default="")
 # Tenants whose calls and tokens /metrics also counts per tenant (label `tenant`: the entry as

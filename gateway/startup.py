@@ -24,7 +24,7 @@ from gateway.providers import load_pool
 from gateway.runtime import Database, GatewayRuntime
 from gateway.tokens import ensure_encodings_cached
 from gateway.upstream_http import make_transport
-from quotas import durability
+from quotas import active, durability
 from quotas.client import make_async_redis
 from quotas.engine import AsyncQuotaEngine, EngineSettings
 
@@ -75,6 +75,10 @@ async def get_runtime() -> GatewayRuntime:
             runtime.upstream_timeout = runtime.http.timeout.as_dict()
             start_listener(runtime)
             start_last_used_flusher(runtime)
+            # The tenants this worker reserved, settled or released for, into the index of
+            # active tenants the background jobs visit (quotas/active.py), about once a second.
+            runtime.spawn(lambda: active.flush_forever(runtime.engine.flush_active,
+                                                       settings.GATEWAY_ACTIVE_FLUSH_SECONDS))
             log.info("gateway worker ready: %d models, %d provider keys",
                      len(runtime.catalog), len(runtime.pool))
             _runtime = runtime
@@ -108,6 +112,17 @@ async def store_problems() -> list[durability.Problem]:
         return await durability.acheck(client)
     finally:
         await client.aclose()
+
+
+async def flush_active_marks() -> None:
+    """At a worker's lifespan shutdown (gateway/asgi.py): the tenants marked since the last
+    flush go to the index now, so the jobs need not wait for their full walk to find them."""
+    if _runtime is None:
+        return
+    try:
+        await _runtime.engine.flush_active()
+    except Exception:  # noqa: BLE001 - the jobs' full walk finds them (quotas/active.py)
+        log.warning("could not flush the active-tenant marks at shutdown", exc_info=True)
 
 
 def _tune_gc() -> None:

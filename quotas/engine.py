@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -30,6 +31,7 @@ from redis.exceptions import (
 )
 
 from quotas import keys, scripts
+from quotas.active import PendingMarks, shard_of
 from quotas.windows import (
     UTC_MONTHLY,
     Calendar,
@@ -42,6 +44,7 @@ from quotas.windows import (
 
 UNLIMITED = -1
 _MAX_CLOCK_RETRIES = 3
+log = logging.getLogger(__name__)
 
 
 class QuotaError(Exception):
@@ -485,6 +488,7 @@ class EngineSettings:
     tombstone_s: int = 3600
     stale_hold_s: int = 600
     sweep_batch: int = 200
+    active_shards: int = 16  # shards of the index of active tenants (quotas/active.py)
 
     @classmethod
     def from_django(cls) -> EngineSettings:
@@ -495,6 +499,7 @@ class EngineSettings:
             tombstone_s=settings.QUOTA_TOMBSTONE_SECONDS,
             stale_hold_s=settings.QUOTA_STALE_HOLD_SECONDS,
             sweep_batch=settings.QUOTA_SWEEP_BATCH,
+            active_shards=settings.TOLLGATE_ACTIVE_SHARDS,
         )
 
 
@@ -1006,17 +1011,25 @@ _DUPLICATE = object()  # reserve_reply: a hold with this id exists
 
 
 class QuotaEngine:
-    """Synchronous engine over a `redis.Redis` or `redis.cluster.RedisCluster` client."""
+    """Synchronous engine over a `redis.Redis` or `redis.cluster.RedisCluster` client.
+
+    Every reserve, settle, release and fail-open usage event marks its tenant in the index of
+    active tenants at once, after the script (quotas/active.py: one more round trip; the
+    gateway's async engine batches them instead). `mark_active=False` skips it (a benchmark of
+    the scripts alone)."""
 
     def __init__(
         self,
         client: redis.Redis | redis.RedisCluster,
         settings: EngineSettings | None = None,
         clock: RedisClock | None = None,
+        *,
+        mark_active: bool = True,
     ) -> None:
         self.client = client
         self.settings = settings or EngineSettings()
         self.clock = clock or RedisClock()
+        self.mark_active = mark_active
         self._calls = _Calls(self.settings, self.clock)
         self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
 
@@ -1024,9 +1037,27 @@ class QuotaEngine:
         with _store_errors():
             return self._scripts[name](keys=call_keys, args=args)
 
+    def _mark(self, tenant: str) -> None:
+        """Mark the tenant active (lua/active_mark.lua). After the operation it follows: the
+        operation's own failure raises first. A mark that fails is logged, not raised: the
+        operation is done, and the jobs' full walk finds the tenant (quotas/active.py)."""
+        if not self.mark_active:
+            return
+        shard = shard_of(tenant, self.settings.active_shards)
+        try:
+            self._scripts["active_mark"](keys=[keys.active_shard_key(shard)], args=[tenant])
+        except (*_UNREACHABLE, ResponseError):
+            log.warning("could not mark tenant %s active; the jobs' full walk will find it",
+                        tenant, exc_info=True)
+
     def reserve(self, request: ReserveRequest) -> Reservation:
         """Reserve, or refuse. Idempotent per request id while the hold is open: a repeated call
         returns the hold the first one made (see _Calls.recovered)."""
+        reservation = self._reserve(request)
+        self._mark(request.tenant)
+        return reservation
+
+    def _reserve(self, request: ReserveRequest) -> Reservation:
         for _ in range(_MAX_CLOCK_RETRIES):
             call = self._calls.reserve(request)
             result = self._calls.reserve_reply(call, self._run("reserve", call.keys, call.args))
@@ -1041,11 +1072,13 @@ class QuotaEngine:
     def settle(self, hold: Hold, actual: int, event: str = "", actual_money: int = 0) -> SettleResult:
         args = self._calls.settle_args(hold, actual, event, actual_money)
         outcome, held, charged = self._run("settle", self._calls.end_keys(hold), args)
+        self._mark(hold.tenant)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 
     def release(self, hold: Hold, event: str = "") -> ReleaseResult:
         args = self._calls.release_args(hold, event)
         outcome, released, held = self._run("release", self._calls.end_keys(hold), args)
+        self._mark(hold.tenant)
         return ReleaseResult(hold.request_id, _str(outcome), int(released), int(held))
 
     def progress(self, hold: Hold, phase: Phase, output_tokens: int = 0,
@@ -1063,6 +1096,7 @@ class QuotaEngine:
         fields = _unmetered_fields(request_id, actual, created_ms, ended_ms, meta, event)
         with _store_errors():
             self.client.xadd(keys.usage_stream_key(tenant), fields)
+        self._mark(tenant)
 
     def current_window(self, kind: WindowKind, schedule: CycleSchedule = UTC_MONTHLY) -> Window:
         """The window of `kind` that contains the Redis clock's now."""
@@ -1223,7 +1257,12 @@ class QuotaEngine:
 
 
 class AsyncQuotaEngine:
-    """The same engine over `redis.asyncio.Redis` or `redis.asyncio.RedisCluster`."""
+    """The same engine over `redis.asyncio.Redis` or `redis.asyncio.RedisCluster`.
+
+    Its reserve, settle, release and fail-open usage events mark their tenant in memory, before
+    the script call (a call cancelled while its script runs is marked too); `flush_active`
+    writes the marks to the index of active tenants (quotas/active.py), which a gateway worker
+    does every GATEWAY_ACTIVE_FLUSH_SECONDS: no round trip on the hot path."""
 
     def __init__(
         self,
@@ -1234,8 +1273,15 @@ class AsyncQuotaEngine:
         self.client = client
         self.settings = settings or EngineSettings()
         self.clock = clock or RedisClock()
+        self.marks = PendingMarks()
         self._calls = _Calls(self.settings, self.clock)
         self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
+
+    async def flush_active(self) -> int:
+        """Write the tenants marked since the last flush to the index, one script call per
+        shard; on failure they stay marked for the next flush (and raise)."""
+        with _store_errors():
+            return await self.marks.flush(self.client, self.settings.active_shards)
 
     async def _run(self, name: str, call_keys: list[str], args: list[Any]) -> Any:
         # _store_errors, inline: the hot path's two calls skip making a context manager each.
@@ -1245,6 +1291,7 @@ class AsyncQuotaEngine:
             raise _unavailable(exc) from exc
 
     async def reserve(self, request: ReserveRequest) -> Reservation:
+        self.marks.add(request.tenant)
         for _ in range(_MAX_CLOCK_RETRIES):
             call = self._calls.reserve(request)
             reply = await self._run("reserve", call.keys, call.args)
@@ -1260,11 +1307,13 @@ class AsyncQuotaEngine:
     async def settle(self, hold: Hold, actual: int, event: str = "",
                      actual_money: int = 0) -> SettleResult:
         args = self._calls.settle_args(hold, actual, event, actual_money)
+        self.marks.add(hold.tenant)
         outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 
     async def release(self, hold: Hold, event: str = "") -> ReleaseResult:
         args = self._calls.release_args(hold, event)
+        self.marks.add(hold.tenant)
         outcome, released, held = await self._run("release", self._calls.end_keys(hold), args)
         return ReleaseResult(hold.request_id, _str(outcome), int(released), int(held))
 
@@ -1280,6 +1329,7 @@ class AsyncQuotaEngine:
                                event: str = "") -> None:
         """See QuotaEngine.append_unmetered."""
         fields = _unmetered_fields(request_id, actual, created_ms, ended_ms, meta, event)
+        self.marks.add(tenant)
         with _store_errors():
             await self.client.xadd(keys.usage_stream_key(tenant), fields)
 

@@ -40,6 +40,12 @@ slot and one script call can touch every scope of a request. Layout:
     tg:{p<provider key>}:brk            its circuit breaker for transport failures (hash)
     tg:{p<provider key>}:brk:m:<model>  its circuit breaker for one model's 5xx answers (hash)
     tg:{p<provider key>}:brk:models     set of the models with a breaker hash (admin, /metrics)
+    tg:active:{a<shard>}                zset of the tenants with something for the background
+                                        jobs to do (holds, undrained events, fresh usage), score
+                                        = when last marked (ms, that shard's Redis clock), plus
+                                        one `~<job>` member per job: its last full walk
+                                        (quotas/active.py); shard = crc32(tenant) % shards, each
+                                        shard its own hash tag, so they spread over a cluster
     tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
     tg:reconcile:lock:<date>            string: the lock of one day's reconciliation run
     tg:auth:version                     string: count of invalidations published (gateway caches)
@@ -278,6 +284,34 @@ def provider_seq_key(provider_key_id: int) -> str:
 def provider_queue_key(provider_key_id: int) -> str:
     """The upstream key's queue, score = order (the caller's plan priority, then arrival)."""
     return f"tg:{{p{int(provider_key_id)}}}:wq"
+
+
+# -- the index of active tenants (quotas/active.py) -----------------------------------------------
+
+
+def active_shard_key(shard: int) -> str:
+    """One shard of the index of tenants the background jobs must visit. Each shard has its own
+    hash tag, so on a cluster the shards spread over slots (and masters) instead of making one
+    hot key; a tenant's scripts never touch it (they run in the tenant's slot)."""
+    if shard < 0:
+        raise ValueError(f"invalid shard of the active-tenant index: {shard}")
+    return f"tg:active:{{a{int(shard)}}}"
+
+
+# A shard member that is not a tenant: the time (score) of one job's last full walk. Tenant
+# members are tenant tags ([A-Za-z0-9_-]), which never start with "~".
+_WALK_PREFIX = "~"
+
+
+def active_walk_member(job: str) -> str:
+    """The member of every shard whose score is `job`'s last full walk (quotas/active.py)."""
+    if not re.fullmatch(r"[a-z_]{1,32}", job):
+        raise ValueError(f"invalid job name: {job!r}")
+    return _WALK_PREFIX + job
+
+
+def is_active_walk_member(member: str) -> bool:
+    return member.startswith(_WALK_PREFIX)
 
 
 # -- not a tenant's: no hash tag --------------------------------------------------------------------

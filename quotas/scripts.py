@@ -60,5 +60,11 @@ QUEUE_LEAVE = _read("queue_leave")
 # (quotas/allotments.py apply_allotments).
 ALLOTMENTS_SET = _read("allotments_set")
 
+# The index of active tenants (quotas/active.py): a gateway's batched marks, the sweep job's
+# removal of idle tenants (only those not marked since).
+ACTIVE_MARK = _read("active_mark")
+ACTIVE_FORGET = _read("active_forget")
+
 ALL = (RESERVE, SETTLE, RELEASE, SWEEP, RECHARGE, PROVIDER_TAKE, PROGRESS, REBUILD,
-       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME, QUEUE_LEAVE, ALLOTMENTS_SET)
+       BREAKER_RECORD, BREAKER_PROBE, PACE_TRIP, PACE_RESUME, QUEUE_LEAVE, ALLOTMENTS_SET,
+       ACTIVE_MARK, ACTIVE_FORGET)

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 from celery import shared_task
 
+from quotas import active
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
-from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +24,37 @@ def set_swept_observer(observer: Callable[[int], None] | None) -> None:
 
 @shared_task
 def sweep_stale_holds() -> int:
-    """End holds older than QUOTA_STALE_HOLD_SECONDS for every tenant, in bounded batches,
-    charging what each hold knew of its call (nothing if never forwarded, the whole hold for a
-    forwarded call, input plus the last checkpoint for a stream: lua/sweep.lua).
+    """End holds older than QUOTA_STALE_HOLD_SECONDS, in bounded batches, charging what each
+    hold knew of its call (nothing if never forwarded, the whole hold for a forwarded call,
+    input plus the last checkpoint for a stream: lua/sweep.lua).
 
-    Tenants come from PostgreSQL, so the keyspace is never scanned. Two workers running this at
-    once are harmless: the sweep script ends a hold only while it is open, exactly once. Each
-    swept hold leaves a usage event, which the ledger drain records with status "swept".
+    The tenants of the index of active tenants only (quotas/active.py; a tenant with an open
+    hold stays in it), so an idle tenant costs nothing; on the job's full walk
+    (TOLLGATE_ACTIVE_FULL_WALK_SECONDS, or at once when the index was lost) every tenant in
+    PostgreSQL is probed, pipelined, and those with holds or undrained events are marked again
+    (a gateway worker killed before its flush). The keyspace is never scanned. Then the index
+    forgets the tenants idle for TOLLGATE_ACTIVE_RETENTION_SECONDS. Two workers running this at
+    once are harmless: the sweep script ends a hold only while it is open, exactly once, and a
+    removal from the index never drops a tenant marked since. Each swept hold leaves a usage
+    event, which the ledger drain records with status "swept".
     """
     engine = get_engine()
+    client = engine.client
+    settings = active.ActiveSettings.from_django()
+    run = active.visit(client, active.SWEEP, settings)
+    if run.full:
+        work = active.probe(client, list(run.tenants))
+        active.remark_busy(client, work, settings.shards)
+        tenant_ids = [tenant_id for tenant_id, found in work.items() if found.holds]
+    else:
+        tenant_ids = list(run.tenants)
     swept = 0
-    for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+    for tenant_id in tenant_ids:
         swept += len(engine.sweep(tenant_tag(tenant_id)).swept)
+    forgotten = active.forget_idle(client, run, settings)
+    active.walked(client, run, settings)
+    if forgotten:
+        log.info("%d idle tenants left the index of active tenants", forgotten)
     if swept:
         log.warning("swept %d stale holds (gateway processes that never ended them)", swept)
         if _swept_observer is not None:

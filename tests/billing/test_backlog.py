@@ -19,7 +19,7 @@ from billing.alerts import check_ledger_backlog
 from billing.ledger import drain_all, usage_backlog
 from billing.models import UsageRecord
 from billing.tasks import drain_usage
-from quotas import keys
+from quotas import active, keys
 from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
@@ -65,6 +65,9 @@ def buffer_events(client: redis.Redis, tenant: Tenant, count: int, *, age_s: int
                 "actual": 150, "money": 750, "created": ms - 900, "ended": ms, "meta": meta,
                 "event": event}, id=f"{ms}-{i % per_ms}")
         pipe.execute()
+    # The engine that runs the scripts marks the tenant for the jobs (quotas/active.py); these
+    # events are written as the scripts write them, so the tenant is marked too.
+    active.mark(client, [tenant_tag(tenant.pk)])
     return stream
 
 

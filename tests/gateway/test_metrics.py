@@ -248,8 +248,10 @@ def test_the_sweep_task_counts_the_holds_it_ended(monkeypatch: pytest.MonkeyPatc
     limits = (ScopeLimit("tenant", WindowKind.DAY, 10**6),)
     for i in range(3):
         assert engine.reserve(ReserveRequest(tag, f"stale-{i}", 10, limits)).admitted
-    # Every hold is stale for this run of the task.
-    stale_engine = SimpleNamespace(sweep=lambda t: engine.sweep(t, stale_s=0))
+    # Every hold is stale for this run of the task (which reads the index of active tenants
+    # through the engine's client).
+    stale_engine = SimpleNamespace(sweep=lambda t: engine.sweep(t, stale_s=0),
+                                   client=engine.client)
     monkeypatch.setattr(tasks, "get_engine", lambda: stale_engine)
     before = scrape().get('tollgate_holds_total{event="swept"}', 0)
     assert tasks.sweep_stale_holds() >= 3
