@@ -38,6 +38,7 @@ from django.http import HttpResponseBase
 from gateway import metrics
 from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
 from gateway.observe import Observation
+from gateway.startup import flush_active_marks
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class GatewayRouter:
                 # The server serves nothing any more: the writes may block the loop (a metrics
                 # write is a few mmap writes; the spans' export is bounded by its timeout).
                 metrics.flush()
+                await flush_active_marks()
                 for hook in self.on_shutdown:
                     try:
                         hook()

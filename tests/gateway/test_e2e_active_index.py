@@ -1,0 +1,57 @@
+"""A gateway worker puts the tenants it serves into the index of active tenants the background
+jobs visit (quotas/active.py): within a flush interval while it runs, and at its lifespan
+shutdown for the marks not flushed yet."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quotas import active, keys
+from quotas.keys import tenant_tag
+from quotas.runtime import get_engine
+from tests.gateway.conftest import (
+    GatewayServer,
+    MakeTenant,
+    client_for,
+    start_gateway,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
+
+
+def indexed(tenant_id: int) -> bool:
+    tag = tenant_tag(tenant_id)
+    shards = active.ActiveSettings.from_django().shards
+    return get_engine().client.zscore(keys.active_shard_key(active.shard_of(tag, shards)),
+                                      tag) is not None
+
+
+def call(server: GatewayServer, plaintext: str) -> None:
+    client_for(server, plaintext).chat.completions.create(
+        model="gpt-4o-mini", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_served_tenant_is_in_the_index_within_a_flush(gateway: GatewayServer,
+                                                        make_tenant: MakeTenant) -> None:
+    served, idle = make_tenant(), make_tenant()
+    call(gateway, served.plaintext)
+    assert wait_until(lambda: indexed(served.tenant_id), timeout=5)  # flushed every second
+    assert not indexed(idle.tenant_id)
+
+
+def test_a_stopping_worker_flushes_its_marks(make_tenant: MakeTenant, tmp_path: Path,
+                                             provider_key: Any) -> None:
+    """A worker whose periodic flush is an hour away: its marks go out at shutdown (SIGINT, a
+    graceful stop), before the process ends."""
+    t = make_tenant()
+    server = start_gateway(tmp_path, workers=1, GATEWAY_ACTIVE_FLUSH_SECONDS="60")
+    try:
+        call(server, t.plaintext)
+        assert not indexed(t.tenant_id)  # not flushed yet
+    finally:
+        server.stop()
+    assert server.process.returncode is not None
+    assert indexed(t.tenant_id)
