@@ -1,21 +1,23 @@
-"""The Celery app and its beat schedule (in code, so every deployment runs the same jobs).
+"""The Celery app, its queues and its beat schedule (in code, so every deployment runs the same jobs).
 
-    celery -A config worker --beat -l info        # one process: worker and scheduler
-    celery -A config worker -l info               # production: workers ...
-    celery -A config beat -l info                 # ... and exactly one scheduler
+    celery -A config worker -Q ledger -l info     # a worker per queue (QUEUES below) ...
+    celery -A config beat -l info                 # ... and a beat on every host, or on one
 
-(`make up`, config/serve.py, runs one worker with beat for the `celery` queue and one for
-`webhooks`.) A web process that queues tasks (the console's and the API's webhook views) imports
-this module, so it publishes with this app's broker and routes.
+(`make up`, config/serve.py, runs a worker per queue and a beat.) A web process that queues tasks
+(the console's and the API's webhook views) imports this module, so it publishes with this app's
+broker and routes.
 
 Every task is idempotent and safe when two workers run it at once (see each task).
 
-Queues: webhook deliveries go to their own queue (`webhooks`), everything else to `celery`, so
-slow receivers never delay the sweep, the ledger drain or the alerts. A worker started without
-`-Q` consumes both (both are declared in task_queues); a deployment may run dedicated workers:
+Queues: each job has a queue of its own kind (TASK_ROUTES), so a slow one never starves the
+others: the ledger drain never waits behind the daily reconciliation, the sweep never behind a
+tarpitting webhook receiver. A worker started without `-Q` consumes every queue (all are declared
+in task_queues); `make up` and production run one worker per queue.
 
-    celery -A config worker -Q celery -l info      # sweep, drain, alerts, reconciliation
-    celery -A config worker -Q webhooks -l info    # webhook deliveries
+The beat is celery-redbeat's scheduler (config/beat.py): its schedule state and a lock live in
+Redis (REDBEAT_REDIS_URL, by default the broker's), so a beat runs on every host and only the
+lock's holder sends jobs; when it dies, another takes the lock once it expires
+(TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS) and runs what fell due once.
 
 Time limits: every task has a soft limit (SoftTimeLimitExceeded is raised inside it) and a hard
 one (the worker process running it is killed and replaced): TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS
@@ -41,6 +43,8 @@ from celery.signals import (
 from django.conf import settings
 from kombu import Queue
 
+from quotas.keys import beat_key_prefix
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 log = logging.getLogger(__name__)
@@ -51,9 +55,30 @@ app.autodiscover_tasks(["quotas", "billing"])
 # The rebuild of lost quota counters lives with the ledger it reads (billing/rebuild.py).
 app.autodiscover_tasks(["billing"], related_name="rebuild")
 
-DEFAULT_QUEUE = "celery"
-WEBHOOK_QUEUE = "webhooks"
-WORKER_QUEUES = (DEFAULT_QUEUE, WEBHOOK_QUEUE)
+# The queues. The default keeps Celery's name, so messages queued before the split still run.
+DEFAULT_QUEUE = "celery"       # alerts, forecasts, health checks, the ledger backlog check
+LEDGER_QUEUE = "ledger"        # the ledger drain (every few seconds; its delay is the ledger's)
+SWEEP_QUEUE = "sweep"          # the quota store's upkeep: stale holds, lost counters' rebuild
+WEBHOOK_QUEUE = "webhooks"     # deliveries (a receiver may take its whole deadline) and retries
+REPORTS_QUEUE = "reports"      # the long ones: the daily reconciliation, partitions, retention
+WORKER_QUEUES = (DEFAULT_QUEUE, LEDGER_QUEUE, SWEEP_QUEUE, WEBHOOK_QUEUE, REPORTS_QUEUE)
+
+# Task name (or glob pattern) -> queue; a task not named here runs on DEFAULT_QUEUE. The backlog
+# check is not on the ledger queue on purpose: it alerts when the drain is stuck or no ledger
+# worker runs, which it could not do waiting behind that drain.
+TASK_ROUTES: dict[str, str] = {
+    "billing.tasks.drain_usage": LEDGER_QUEUE,
+    "quotas.tasks.sweep_stale_holds": SWEEP_QUEUE,
+    # Rebuilding a tenant's lost counters is the quota store's upkeep too; it must not wait
+    # behind a report (its tenants' calls wait for it).
+    "billing.rebuild.rebuild_lost_tenants": SWEEP_QUEUE,
+    "billing.tasks.deliver_webhook": WEBHOOK_QUEUE,
+    "billing.tasks.retry_due_webhooks": WEBHOOK_QUEUE,
+    "billing.tasks.reconcile_daily": REPORTS_QUEUE,
+    # The ledger's partition upkeep and retention (their tasks, whatever their module's name).
+    "billing.*partition*": REPORTS_QUEUE,
+    "billing.*retention*": REPORTS_QUEUE,
+}
 
 # Seconds beyond a webhook attempt's total deadline for the task's own database work.
 _WEBHOOK_TASK_MARGIN_S = 20
@@ -76,7 +101,15 @@ def time_limits() -> dict[str, dict[str, float]]:
 app.conf.update(
     task_default_queue=DEFAULT_QUEUE,
     task_queues=tuple(Queue(name, routing_key=name) for name in WORKER_QUEUES),
-    task_routes={"billing.tasks.deliver_webhook": {"queue": WEBHOOK_QUEUE}},
+    task_routes={name: {"queue": queue} for name, queue in TASK_ROUTES.items()},
+    include=list(settings.TOLLGATE_CELERY_INCLUDE),
+    beat_scheduler="config.beat:TollgateBeatScheduler",
+    # RedBeat's settings by their own names: it does not see Django's CELERY_ namespace.
+    redbeat_key_prefix=beat_key_prefix(),
+    redbeat_redis_url=settings.REDBEAT_REDIS_URL,
+    redbeat_redis_options=settings.REDBEAT_REDIS_OPTIONS,
+    redbeat_lock_timeout=settings.TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS,
+    beat_schedule=settings.TOLLGATE_BEAT_SCHEDULE_OVERRIDE or settings.CELERY_BEAT_SCHEDULE,
     task_soft_time_limit=float(settings.TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS),
     task_time_limit=float(settings.TOLLGATE_TASK_TIME_LIMIT_SECONDS),
     task_annotations=time_limits(),

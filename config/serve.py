@@ -1,8 +1,10 @@
 """Serve Tollgate in the foreground: the gateway under uvicorn (several worker processes), a
-Celery worker with beat (sweep, ledger), one for webhook deliveries, and, for a first local run,
+Celery worker per queue (config/celery.py), a Celery beat (celery-redbeat: every host may run
+one, a lock in Redis makes one active; `--no-beat` leaves it out) and, for a first local run,
 the mock upstream the gateway forwards to. Ctrl-C stops them all.
 
-    python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock] [--no-celery]
+    python -m config.serve [--port 8000] [--workers 2] [--mock-port 8099 | --no-mock]
+                           [--no-celery | --no-beat]
 
 `make up` runs this after starting the embedded services, migrating and creating the demo data.
 It refuses to start on a quota Redis that may evict or lose counters (quotas/durability.py).
@@ -80,19 +82,51 @@ def metrics_dir() -> Path:
     return path
 
 
-def celery_commands(schedule: Path) -> list[list[str]]:
-    """The Celery workers to start: one with beat for the default queue (sweep, ledger drain,
-    alerts) and one for webhook deliveries, so a slow receiver never takes their slot."""
-    from config.celery import DEFAULT_QUEUE, WEBHOOK_QUEUE
+def worker_command(queue: str) -> list[str]:
+    """A Celery worker for one queue (config/celery.py WORKER_QUEUES): one process, but two for
+    webhook deliveries, where a receiver may take a whole deadline."""
+    from config.celery import WEBHOOK_QUEUE  # imported late: it loads the settings
 
-    commands = []
-    for queue in (DEFAULT_QUEUE, WEBHOOK_QUEUE):
-        command = [sys.executable, "-m", "celery", "-A", "config", "worker", "--queues", queue,
-                   "--hostname", f"{queue}@%h", "--concurrency", "2", "--loglevel", "WARNING"]
-        if queue == DEFAULT_QUEUE:
-            command += ["--beat", "--schedule", str(schedule)]
-        commands.append(command)
-    return commands
+    return [sys.executable, "-m", "celery", "-A", "config", "worker", "--queues", queue,
+            "--hostname", f"{queue}@%h", "--concurrency", "2" if queue == WEBHOOK_QUEUE else "1",
+            "--loglevel", "WARNING"]
+
+
+def beat_command() -> list[str]:
+    """The beat (celery-redbeat, config/beat.py): every host may run one, the lock in Redis
+    makes one of them active."""
+    return [sys.executable, "-m", "celery", "-A", "config", "beat", "--loglevel", "WARNING"]
+
+
+def celery_commands(*, beat: bool = True) -> list[list[str]]:
+    """A worker per queue, so a slow job (a report, a tarpitting webhook receiver) never takes
+    the slot of the ledger drain or the sweep, and, unless `beat` is off, a beat."""
+    from config.celery import WORKER_QUEUES
+
+    commands = [worker_command(queue) for queue in WORKER_QUEUES]
+    return commands + [beat_command()] if beat else commands
+
+
+def gateway_command(host: str, port: int, workers: int) -> list[str]:
+    """The gateway under uvicorn, as production runs it (README, "Many gateway hosts")."""
+    from django.conf import settings
+
+    return [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", host,
+            "--port", str(port), "--workers", str(workers), "--loop", "uvloop",
+            "--http", "httptools", "--no-access-log",
+            # Tollgate applies TOLLGATE_TRUSTED_PROXIES itself (gateway/client_address.py);
+            # uvicorn's own X-Forwarded-For rule (it trusts loopback) would be a second one.
+            "--no-proxy-headers",
+            # Told to stop, a worker lets its calls in flight finish for this long.
+            "--timeout-graceful-shutdown", str(settings.GATEWAY_SHUTDOWN_DRAIN_SECONDS)]
+
+
+def gateway_stop_seconds() -> int:
+    """How long a stopping gateway may take: its calls' drain, then their detached ends (each
+    bounded by GATEWAY_SHUTDOWN_DRAIN_SECONDS), and some for the flushes."""
+    from django.conf import settings
+
+    return 2 * settings.GATEWAY_SHUTDOWN_DRAIN_SECONDS + 15
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -109,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-mock", action="store_true", help="do not start the mock upstream")
     parser.add_argument("--no-celery", action="store_true",
                         help="do not start the Celery workers (and beat)")
+    parser.add_argument("--no-beat", action="store_true",
+                        help="start the Celery workers without a beat (another host runs one)")
     args = parser.parse_args(argv)
     _refuse_unsafe_quota_store()
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir())}
     children: list[subprocess.Popen[bytes]] = []
+    gateway: subprocess.Popen[bytes] | None = None
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not args.no_mock:
@@ -122,15 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             children.append(mock)
             _wait_for(f"http://127.0.0.1:{args.mock_port}/v1/models", mock, "the mock upstream")
         if not args.no_celery:
-            for command in celery_commands(data_dir() / "celerybeat-schedule"):
+            for command in celery_commands(beat=not args.no_beat):
                 children.append(subprocess.Popen(command, cwd=ROOT, env=env))
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", args.host,
-             "--port", str(args.port), "--workers", str(args.workers), "--loop", "uvloop",
-             "--http", "httptools", "--no-access-log",
-             # Tollgate applies TOLLGATE_TRUSTED_PROXIES itself (gateway/client_address.py);
-             # uvicorn's own X-Forwarded-For rule (it trusts loopback) would be a second one.
-             "--no-proxy-headers"], cwd=ROOT, env=env)
+        gateway = subprocess.Popen(gateway_command(args.host, args.port, args.workers),
+                                   cwd=ROOT, env=env)
         children.append(gateway)
         _wait_for(f"http://{args.host}:{args.port}/healthz", gateway, "the gateway")
         print(f"Tollgate is up: http://{args.host}:{args.port}/v1 (admin: /admin/). Ctrl-C stops.",
@@ -145,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 child.send_signal(signal.SIGINT)
         for child in children:
             try:
-                child.wait(timeout=15)
+                # The gateway finishes its calls in flight first (gateway/shutdown.py).
+                child.wait(timeout=gateway_stop_seconds() if child is gateway else 15)
             except subprocess.TimeoutExpired:
                 child.kill()
 

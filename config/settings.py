@@ -6,6 +6,7 @@ With `DATABASE_URL` and `REDIS_URL` unset, Tollgate uses the embedded services t
 """
 from __future__ import annotations
 
+import json
 import re
 from importlib import resources
 from pathlib import Path
@@ -342,6 +343,12 @@ try:
 except ValueError as _error:
     raise ImproperlyConfigured(f"TOLLGATE_TRUSTED_PROXIES: {_error}") from None
 GATEWAY_LAST_USED_FLUSH_SECONDS = env.float("GATEWAY_LAST_USED_FLUSH_SECONDS", default=5.0)
+# A gateway worker told to stop (SIGTERM: a rolling deploy) stops accepting and lets its calls in
+# flight finish for up to this long (uvicorn's --timeout-graceful-shutdown, whole seconds, which
+# config/serve.py passes), then waits as long again for their detached ends and flushes its
+# buffered writes (gateway/shutdown.py). A call still running then is cut and charged what it
+# produced.
+GATEWAY_SHUTDOWN_DRAIN_SECONDS = _positive_int("GATEWAY_SHUTDOWN_DRAIN_SECONDS", 60)
 # Redis unreachable: refuse with 503 (default, fail closed), or forward unmetered (fail open:
 # every such call is logged at ERROR and marked X-Tollgate-Unmetered).
 GATEWAY_FAIL_OPEN = _bool("GATEWAY_FAIL_OPEN", default=False)
@@ -416,8 +423,11 @@ if GATEWAY_HOLD_END_SECONDS > QUOTA_STALE_HOLD_SECONDS / 2:
 # itself, up to GATEWAY_MAX_BODY_BYTES (gateway/views.py).
 DATA_UPLOAD_MAX_MEMORY_SIZE = REQUEST_MAX_BODY_BYTES
 
-# Celery (config/celery.py): the broker is the Redis server (a standalone one: Celery cannot use
-# a Redis Cluster as its broker, so a cluster deployment sets CELERY_BROKER_URL to another).
+# Celery (config/celery.py). The broker: by default the quota Redis server (a standalone one:
+# Celery cannot use a Redis Cluster as its broker, so a cluster deployment sets
+# CELERY_BROKER_URL to another). A broker that survives a server's loss: Redis with Sentinel
+# (`sentinel://host:26379;sentinel://host2:26379` and TOLLGATE_BROKER_SENTINEL_MASTER, the
+# monitored master's name) or RabbitMQ (`amqp://`).
 def _celery_url(redis_url: str) -> str:
     if redis_url.startswith("unix://"):
         # kombu names a socket's database "virtual_host"; the embedded server uses db 0.
@@ -425,14 +435,87 @@ def _celery_url(redis_url: str) -> str:
     return redis_url
 
 
+_BROKER_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://", "amqp://", "amqps://",
+                   "pyamqp://", "memory://")
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="" if REDIS_CLUSTER else _celery_url(REDIS_URL))
 if not CELERY_BROKER_URL:
-    raise ImproperlyConfigured("REDIS_CLUSTER is set: set CELERY_BROKER_URL to a standalone Redis")
+    raise ImproperlyConfigured("REDIS_CLUSTER is set: set CELERY_BROKER_URL to a standalone Redis "
+                               "(or Redis with Sentinel, sentinel://, or RabbitMQ, amqp://)")
+if not CELERY_BROKER_URL.startswith(_BROKER_SCHEMES):
+    raise ImproperlyConfigured(
+        "CELERY_BROKER_URL must be redis://, rediss://, redis+socket://, sentinel:// or amqp://, "
+        f"got {urlsplit(CELERY_BROKER_URL).scheme or 'no scheme'}:")
+TOLLGATE_BROKER_SENTINEL_MASTER = env.str("TOLLGATE_BROKER_SENTINEL_MASTER", default="")
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+if CELERY_BROKER_URL.startswith("sentinel://"):
+    if not TOLLGATE_BROKER_SENTINEL_MASTER:
+        raise ImproperlyConfigured("CELERY_BROKER_URL is sentinel://: set "
+                                   "TOLLGATE_BROKER_SENTINEL_MASTER to the monitored master's name")
+    CELERY_BROKER_TRANSPORT_OPTIONS["master_name"] = TOLLGATE_BROKER_SENTINEL_MASTER
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True  # a task killed mid-way runs again (they are all idempotent)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ALWAYS_EAGER = False
+# Extra task modules every worker and beat imports (comma-separated dotted names): a site's own
+# tasks, or a test's (tests/support/beat_probe.py).
+TOLLGATE_CELERY_INCLUDE = tuple(env.list("TOLLGATE_CELERY_INCLUDE", default=[]))
+for _module in TOLLGATE_CELERY_INCLUDE:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", _module):
+        raise ImproperlyConfigured(f"TOLLGATE_CELERY_INCLUDE: {_module!r} is not a module name")
+
+# The beat (celery-redbeat, config/beat.py): every host may run one; a lock in Redis makes one
+# active, and its schedule state (each job's last run) lives there too, so a beat taking over
+# neither repeats nor forgets a job. The lock expires TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS after
+# the active beat's last tick; the others try to take it every fifth of that (the beat's longest
+# sleep, CELERY_BEAT_MAX_LOOP_INTERVAL, also bounds the active's ticks, so it renews in time).
+# Whole seconds: RedBeat renews the lock for int(timeout).
+TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS = _positive_int("TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS", 30)
+if TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS > 3600:
+    raise ImproperlyConfigured("TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS must be <= 3600, got "
+                               f"{TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS}")
+CELERY_BEAT_MAX_LOOP_INTERVAL = TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS / 5
+
+
+def _redbeat_redis(broker_url: str) -> tuple[str, dict[str, object]]:
+    """RedBeat's Redis (URL, client options) by default: the broker's, when it is Redis."""
+    if broker_url.startswith("redis+socket://"):
+        return "unix://" + broker_url[len("redis+socket://"):].partition("?")[0] + "?db=0", {}
+    if broker_url.startswith(("redis://", "rediss://")):
+        return broker_url, {}
+    if broker_url.startswith("sentinel://"):
+        # kombu's list of sentinels, `sentinel://[:password@]host:port[/db];sentinel://...`,
+        # in RedBeat's form: a redis-sentinel:// URL and the sentinels among its options.
+        parts = [urlsplit(part) for part in broker_url.split(";") if part]
+        first = parts[0]
+        options: dict[str, object] = {
+            "sentinels": [(part.hostname, part.port or 26379) for part in parts],
+            "service_name": TOLLGATE_BROKER_SENTINEL_MASTER,
+            "db": int(first.path.strip("/") or 0)}
+        if first.password:
+            options["password"] = first.password
+        return "redis-sentinel://", options
+    return "", {}
+
+
+_redbeat_default_url, _redbeat_options = _redbeat_redis(CELERY_BROKER_URL)
+REDBEAT_REDIS_URL = env.str("REDBEAT_REDIS_URL", default="")
+if REDBEAT_REDIS_URL:
+    if not REDBEAT_REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+        raise ImproperlyConfigured(
+            "REDBEAT_REDIS_URL must be redis://, rediss:// or unix:// (a standalone Redis; for "
+            "Sentinel, use a sentinel:// broker: the beat follows it), got "
+            f"{urlsplit(REDBEAT_REDIS_URL).scheme or 'no scheme'}:")
+    _redbeat_options = {}
+elif _redbeat_default_url:
+    REDBEAT_REDIS_URL = _redbeat_default_url
+else:
+    raise ImproperlyConfigured("CELERY_BROKER_URL is not Redis: set REDBEAT_REDIS_URL to a "
+                               "standalone Redis for the beat's lock and schedule")
+# RedBeat's client options (config/celery.py passes them on). A beat that loses Redis retries
+# for a lock timeout, then exits (its supervisor restarts it, as a standby if another took over).
+REDBEAT_REDIS_OPTIONS = {**_redbeat_options, "retry_period": TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS,
+                         "socket_timeout": REDIS_SOCKET_TIMEOUT}
 TOLLGATE_SWEEP_INTERVAL_SECONDS = env.float("TOLLGATE_SWEEP_INTERVAL_SECONDS", default=60.0)
 TOLLGATE_DRAIN_INTERVAL_SECONDS = env.float("TOLLGATE_DRAIN_INTERVAL_SECONDS", default=5.0)
 for _name in ("TOLLGATE_SWEEP_INTERVAL_SECONDS", "TOLLGATE_DRAIN_INTERVAL_SECONDS"):
@@ -598,6 +681,37 @@ CELERY_BEAT_SCHEDULE["reconcile-daily"] = {
     "task": "billing.tasks.reconcile_daily",
     "schedule": crontab(hour=TOLLGATE_RECONCILE_HOUR, minute=15),
 }
+# A schedule that replaces CELERY_BEAT_SCHEDULE (config/celery.py applies it), for a test or a
+# staging run: JSON {"name": {"task": "dotted.task", "every": seconds, "args": [...]}, ...}.
+_BEAT_OVERRIDE_KEYS = {"task", "every", "args"}
+
+
+def _beat_schedule_override() -> dict[str, dict[str, object]]:
+    raw = env.str("TOLLGATE_BEAT_SCHEDULE_OVERRIDE", default="")
+    if not raw.strip():
+        return {}
+    try:
+        entries = json.loads(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"TOLLGATE_BEAT_SCHEDULE_OVERRIDE is not JSON: {exc}") from exc
+    if not isinstance(entries, dict) or not entries:
+        raise ImproperlyConfigured("TOLLGATE_BEAT_SCHEDULE_OVERRIDE must be a non-empty JSON object")
+    schedule: dict[str, dict[str, object]] = {}
+    for name, entry in entries.items():
+        if (not isinstance(entry, dict) or not {"task", "every"} <= set(entry) <= _BEAT_OVERRIDE_KEYS
+                or not isinstance(entry["task"], str)
+                or isinstance(entry["every"], bool)
+                or not isinstance(entry["every"], int | float) or not entry["every"] > 0
+                or not isinstance(entry.get("args", []), list)):
+            raise ImproperlyConfigured(
+                f"TOLLGATE_BEAT_SCHEDULE_OVERRIDE: {name!r} must be {{\"task\": name, \"every\": "
+                "seconds > 0[, \"args\": [...]]}")
+        schedule[name] = {"task": entry["task"], "schedule": float(entry["every"]),
+                          "args": tuple(entry.get("args", []))}
+    return schedule
+
+
+TOLLGATE_BEAT_SCHEDULE_OVERRIDE = _beat_schedule_override()
 
 # Operators' alerts (drift, leaks) go to ADMINS by email: "Name <a@b.c>, ..." in TOLLGATE_ADMINS.
 ADMINS = [(addr.split("<")[0].strip() or addr, addr.split("<")[-1].rstrip(">").strip())

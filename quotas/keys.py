@@ -48,6 +48,10 @@ slot and one script call can touch every scope of a request. Layout:
                                         shard its own hash tag, so they spread over a cluster
     tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
     tg:reconcile:lock:<date>            string: the lock of one day's reconciliation run
+    tg:beat:<job>, tg:beat::schedule    the Celery beat's state (celery-redbeat): each job's
+                                        definition and last run, the jobs by due time
+    tg:beat::lock                       string: the active beat (host:pid:nonce; see
+                                        beat_key_prefix)
     tg:auth:version                     string: count of invalidations published (gateway caches)
     tg:invalidate                       pub/sub channel: cached tenancy data changed
     tg:provider-cooldown                pub/sub channel: an upstream key cools down after a 429
@@ -348,3 +352,12 @@ QUEUE_WAKE_CHANNEL = "tg:queue-wake"
 # An upstream provider key's circuit breaker opened, half-opened or closed (gateway/circuit.py):
 # every gateway skips an open one at once.
 PROVIDER_BREAKER_CHANNEL = "tg:provider-breaker"
+
+
+def beat_key_prefix() -> str:
+    """The Celery beat's keys (celery-redbeat, config/beat.py), on the broker's Redis by default
+    (REDBEAT_REDIS_URL), never a cluster: `tg:beat:<job>` hash {definition, meta: last run},
+    `tg:beat::schedule` zset of the jobs by due time, `tg:beat::statics` set of the jobs from
+    the settings, `tg:beat::lock` string naming the active beat (host:pid:nonce), expiring
+    TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS after its last tick."""
+    return "tg:beat:"

@@ -13,7 +13,10 @@ from tests.gateway.conftest import ROOT
 
 @contextlib.contextmanager
 def celery_worker_process(tmp_path: Path, env: dict[str, str]) -> Iterator[Path]:
-    """A `celery worker --beat` over the test session's services; yields its log file."""
+    """A `celery worker --beat` over the test session's services; yields its log file. The beat
+    is RedBeat's (config/beat.py), its lock in the session's Redis: a short lock timeout, so a
+    worker of an earlier test killed without releasing it delays this one's beat by 5 s only."""
+    env = {"TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS": "5", **env}
     log = tmp_path / "celery.log"
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "config", "worker", "--beat", "--concurrency", "2",

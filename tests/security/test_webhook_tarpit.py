@@ -221,17 +221,22 @@ def test_api_and_console_redelivery_are_queued_too(
 # -- Celery: queues and time limits on the real app --------------------------------------------
 
 
-def test_webhook_delivery_has_its_own_queue_and_everything_else_the_default() -> None:
+def test_webhook_delivery_has_its_own_queue_and_everything_else_another() -> None:
+    """Only webhook work (deliveries, the retry of due ones) is on the webhooks queue; every
+    other job has a queue of its own kind (tests/billing/test_celery_hosts.py checks each)."""
     app.loader.import_default_modules()
     route = app.amqp.router.route
     assert route({}, "billing.tasks.deliver_webhook")["queue"].name == WEBHOOK_QUEUE == "webhooks"
+    webhook_work = {"billing.tasks.deliver_webhook", "billing.tasks.retry_due_webhooks"}
     ours = sorted(n for n in app.tasks if n.startswith(("billing.", "quotas.")))
     assert "billing.tasks.drain_usage" in ours and "quotas.tasks.sweep_stale_holds" in ours
     for name in ours:
-        if name != "billing.tasks.deliver_webhook":
-            assert route({}, name)["queue"].name == DEFAULT_QUEUE, name
-    # A worker started without -Q consumes every declared queue: both.
-    assert set(app.amqp.queues) == set(WORKER_QUEUES) == {"celery", "webhooks"}
+        queue = route({}, name)["queue"].name
+        assert (queue == WEBHOOK_QUEUE) == (name in webhook_work), (name, queue)
+    assert route({}, "billing.tasks.check_quota_thresholds")["queue"].name == DEFAULT_QUEUE
+    # A worker started without -Q consumes every declared queue.
+    assert set(app.amqp.queues) == set(WORKER_QUEUES) == {
+        "celery", "ledger", "sweep", "webhooks", "reports"}
 
 
 def test_a_web_process_publishes_with_tollgates_celery_app() -> None:
@@ -280,14 +285,17 @@ def test_every_task_has_a_soft_and_a_hard_time_limit(settings: Any) -> None:
 
 
 def test_make_up_runs_workers_for_every_queue() -> None:
-    """`make up` (config/serve.py) starts one worker with beat for the default queue and one for
-    webhooks: together they consume every queue, and a slow receiver never takes the slot of
-    the sweep or the drain."""
-    commands = serve.celery_commands(Path("/tmp/beat-schedule"))
-    consumed = [c[c.index("--queues") + 1].split(",") for c in commands]
+    """`make up` (config/serve.py) starts a worker per queue, webhooks among them, and a beat
+    process of its own: together they consume every queue, and a slow receiver never takes the
+    slot of the sweep or the drain."""
+    commands = serve.celery_commands()
+    workers = [c for c in commands if "worker" in c]
+    consumed = [c[c.index("--queues") + 1].split(",") for c in workers]
     assert sorted(q for queues in consumed for q in queues) == sorted(WORKER_QUEUES)
-    assert [("--beat" in c) for c in commands] == [True, False]
-    assert consumed == [[DEFAULT_QUEUE], [WEBHOOK_QUEUE]]
+    assert all(len(queues) == 1 for queues in consumed)
+    assert [WEBHOOK_QUEUE] in consumed and [DEFAULT_QUEUE] in consumed
+    assert not any("--beat" in c for c in commands)
+    assert [c for c in commands if "worker" not in c] == [serve.beat_command()]
 
 
 @pytest.mark.django_db
