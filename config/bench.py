@@ -290,6 +290,7 @@ class Work:
     redis_calls: int = 0
     redis_reads: int = 0
     evalsha: int = 0
+    evalsha_usec: int = 0
     db_xacts: int = 0
     cpu_s: float = 0.0
 
@@ -299,6 +300,7 @@ class Work:
         self.redis_calls += after["redis_calls"] - before["redis_calls"]
         self.redis_reads += after["redis_reads"] - before["redis_reads"]
         self.evalsha += after["evalsha"] - before["evalsha"]
+        self.evalsha_usec += after["evalsha_usec"] - before["evalsha_usec"]
         self.db_xacts += after["db_xacts"] - before["db_xacts"]
         self.cpu_s += cpu_s
 
@@ -500,14 +502,14 @@ def main(argv: list[str] | None = None) -> int:
         # sends); EVALSHA calls are the reserve and settle among them (and checkpoints); Redis
         # counts the commands its scripts run as well, hence the first column.
         print(f"{'per gateway request':<34} {'requests':>8} {'Redis cmds':>10} {'trips':>7} "
-              f"{'EVALSHA':>8} {'DB xacts':>8} {'CPU ms':>7} {'1 core req/s':>12}")
-        print(f"{'':<34} {'':>8} {'(+scripts)':>10} {'(reads)':>7}")
+              f"{'EVALSHA':>8} {'Redis µs':>8} {'DB xacts':>8} {'CPU ms':>7} {'1 core req/s':>12}")
+        print(f"{'':<34} {'':>8} {'(+scripts)':>10} {'(reads)':>7} {'':>8} {'(scripts)':>8}")
         for name, spent in work.items():
             n = max(1, spent.requests)
             per_request_ms = 1000 * spent.cpu_s / n
             print(f"{name:<34} {spent.requests:>8} {spent.redis_calls / n:>10.2f} "
                   f"{spent.redis_reads / n:>7.2f} {spent.evalsha / n:>8.2f} "
-                  f"{spent.db_xacts / n:>8.4f} {per_request_ms:>7.3f} "
+                  f"{spent.evalsha_usec / n:>8.1f} {spent.db_xacts / n:>8.4f} {per_request_ms:>7.3f} "
                   f"{1000 / per_request_ms if per_request_ms else 0:>12.0f}")
         for name, chains in chained.items():
             if chains:
@@ -819,13 +821,17 @@ def _server_counters() -> dict[str, Any]:
     # INFO itself and the per-second PINGs of health checks are not request work.
     calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",))
     evalsha = stats.get("cmdstat_evalsha", {}).get("calls", 0)
+    # The server's time in the scripts (the commands they run included): what a Redis core
+    # spends per request, the figure that sizes the shards (docs/capacity.md).
+    evalsha_usec = stats.get("cmdstat_evalsha", {}).get("usec", 0)
     client.close()
     with connection.cursor() as cursor:
         cursor.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database "
                        "WHERE datname = current_database()")
         xacts = cursor.fetchone()[0]
     connection.close()
-    return {"redis_calls": calls, "redis_reads": reads, "evalsha": evalsha, "db_xacts": xacts}
+    return {"redis_calls": calls, "redis_reads": reads, "evalsha": evalsha,
+            "evalsha_usec": evalsha_usec, "db_xacts": xacts}
 
 
 if __name__ == "__main__":
