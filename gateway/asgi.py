@@ -38,6 +38,7 @@ from django.http import HttpResponseBase
 from gateway import metrics
 from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
 from gateway.observe import Observation
+from gateway.shutdown import drain_worker
 from gateway.startup import flush_active_marks
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,16 @@ class GatewayRouter:
 
         tasks = [asyncio.create_task(handler.listen_for_disconnect(receive)),
                  asyncio.create_task(process())]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # uvicorn cancels a call still running when its graceful shutdown times out
+            # (GATEWAY_SHUTDOWN_DRAIN_SECONDS): it ends below as if its client had left (a
+            # stream drains for its usage and settles, detached: the lifespan shutdown awaits
+            # that, gateway/shutdown.py), then the cancellation goes on.
+            stopping = True
+        else:
+            stopping = False
         # The metered views' Observation (None for the other paths): its ids go on the lines
         # below, logged outside the view's context.
         observation = request.__dict__.get("tollgate_observation")
@@ -161,6 +171,8 @@ class GatewayRouter:
             if not sending.cancelled():
                 _close(response)
         body_file.close()
+        if stopping:
+            raise asyncio.CancelledError
 
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -169,6 +181,12 @@ class GatewayRouter:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                # The calls' detached ends and the buffered writes first (their metrics go in
+                # the tally below), bounded by GATEWAY_SHUTDOWN_DRAIN_SECONDS.
+                try:
+                    await drain_worker()
+                except Exception:  # noqa: BLE001 - the tally and the hooks still run
+                    log.exception("draining the worker at shutdown failed")
                 # The server serves nothing any more: the writes may block the loop (a metrics
                 # write is a few mmap writes; the spans' export is bounded by its timeout).
                 metrics.flush()

@@ -81,6 +81,9 @@ class GatewayRuntime:
     pool: ProviderPool
     db: Database
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # The calls' own detached work (detach: ends of holds and their retries, stream drains,
+    # checkpoints, breaker records): what a stopping worker waits for (gateway/shutdown.py).
+    detached: set[asyncio.Future[Any]] = field(default_factory=set)
     # The upstream client's default headers (as sent) and timeouts, for building requests
     # directly (gateway/forward.py); the client has no base URL, cookies or params to merge.
     upstream_headers: dict[str, str] = field(default_factory=dict)
@@ -112,7 +115,9 @@ class GatewayRuntime:
         garbage collected mid-way (draining a stream, ending a hold, a checkpoint)."""
         task = asyncio.ensure_future(coro)
         self.background.add(task)
+        self.detached.add(task)
         task.add_done_callback(self.background.discard)
+        task.add_done_callback(self.detached.discard)
         return task
 
     async def reserve(self, request: ReserveRequest) -> Reservation:

@@ -80,11 +80,13 @@ def gateway_env(**overrides: str) -> dict[str, str]:
 def start_gateway(tmp: Path, *, workers: int = 4, **env: str) -> GatewayServer:
     port = free_port()
     log = tmp / f"gateway-{port}.log"
+    # As config/serve.py runs it: a worker told to stop lets its calls finish for this long.
+    drain = env.get("GATEWAY_SHUTDOWN_DRAIN_SECONDS", str(settings.GATEWAY_SHUTDOWN_DRAIN_SECONDS))
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1",
          "--port", str(port), "--workers", str(workers), "--loop", "uvloop", "--http",
          "httptools", "--log-level", "warning", "--no-access-log",
-         "--no-proxy-headers"],
+         "--no-proxy-headers", "--timeout-graceful-shutdown", drain],
         cwd=ROOT, env=gateway_env(**env), stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     server = GatewayServer(port, process, log)

@@ -13,6 +13,7 @@ nothing else. The standalone embedded Redis is only their Django cache and Celer
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import signal
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -419,3 +421,177 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
         assert row.output_tokens == stream.tokens()
         assert row.input_tokens + row.output_tokens <= row.held_tokens
     assert {rows[i].status for i in served} == {"settled"}
+
+
+# -- 4. a rolling restart under load -------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One call of the load, as its client saw it."""
+
+    host: int
+    url: str
+    stream: bool
+    started: float
+    ended: float = 0.0
+    status: int | None = None  # None: no answer at all (refused, reset before the headers)
+    request_id: str = ""
+    tokens: int = 0  # the usage the client was given (a stream's final usage chunk)
+    complete: bool = False  # the whole answer: a body with its usage, a stream to [DONE]
+    error: str = ""
+
+    @property
+    def refused(self) -> bool:
+        """Refused before any answer began: no connection, or reset before the headers, or a
+        503 (never forwarded: the upstream's request log says so too)."""
+        return self.status is None or self.status == 503
+
+
+async def one_call(http: httpx.AsyncClient, host: int, url: str, key: str, model: str,
+                   stream: bool) -> Outcome:
+    outcome = Outcome(host, url, stream, time.monotonic())
+    body: dict[str, Any] = {"model": model, "messages": HI, "max_tokens": 50}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with http.stream("POST", f"{url}/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}) as response:
+            outcome.status = response.status_code
+            outcome.request_id = response.headers.get("x-request-id", "")
+            if response.status_code != 200:
+                await response.aread()
+            elif stream:
+                done = False
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: {"):
+                        usage = json.loads(line[6:]).get("usage")
+                        if usage:
+                            outcome.tokens = usage["total_tokens"]
+                outcome.complete = done and outcome.tokens > 0
+            else:
+                outcome.tokens = json.loads(await response.aread())["usage"]["total_tokens"]
+                outcome.complete = True
+    except httpx.HTTPError as exc:
+        outcome.error = repr(exc)
+    outcome.ended = time.monotonic()
+    return outcome
+
+
+async def leave_a_stream(http: httpx.AsyncClient, url: str, key: str, model: str) -> str:
+    """Start a stream, read a few of its chunks and leave (close the connection); its request
+    id."""
+    async with http.stream("POST", f"{url}/chat/completions", headers={
+            "Authorization": f"Bearer {key}"}, json={
+            "model": model, "messages": HI, "stream": True, "max_tokens": 200}) as response:
+        assert response.status_code == 200
+        lines = 0
+        async for line in response.aiter_lines():
+            lines += line.startswith("data: {")
+            if lines >= 3:
+                break
+        return response.headers["x-request-id"]
+
+
+def test_a_rolling_restart_under_load_loses_nothing(
+    hosts: Hosts, make_tenant: MakeTenant, mock_upstream: MockUpstream,
+    cluster_engine: QuotaEngine, redis_cluster_url: str, django_db_blocker: Any,
+) -> None:
+    """18 clients call the three hosts without a pause (streams of about 1.6 s and short calls
+    in turn) while host 0 (two workers) is told to stop (SIGTERM to uvicorn's supervisor) and a
+    new host takes its place on another port, as a load balancer's target list would change.
+    Every call either completed (200 with its whole answer and usage) or was refused before any
+    answer began, and the upstream saw exactly the completed ones (its request log for this
+    test's provider key); the old host finished its streams in flight and exited by itself;
+    the ledger has one settled row per completed call with the tokens the mock produced."""
+    engine = cluster_engine
+    t = make_tenant(plan="enterprise", requests_per_second=-1)
+    base = unique_model("fx-hosts-roll")
+    streamed, plain = f"{base}@chunk_ms=40@output_tokens=40", f"{base}@first_byte_ms=200"
+    long = f"{base}@chunk_ms=40@output_tokens=150"  # about 6 s, longer than the load's calls
+    secret = dedicated_key(django_db_blocker, redis_cluster_url, t, mock_upstream, "roll",
+                           [streamed, plain, long])
+    time.sleep(1.0)  # every worker's pool has the key (published on the cluster)
+    old = hosts.servers[0]
+    outcomes: list[Outcome] = []
+    leavers: list[str] = []  # request ids of the streams whose clients left
+    marks: dict[str, float] = {}
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+
+            async def client(host: int, first_streams: bool) -> None:
+                stream = first_streams
+                while not stop.is_set():
+                    url = hosts.servers[host].base_url  # the load balancer's current target
+                    outcomes.append(await one_call(http, host, url, t.plaintext,
+                                                   streamed if stream else plain, stream))
+                    stream = not stream
+                    if outcomes[-1].status is None:
+                        await asyncio.sleep(0.05)  # a refused connection: try again shortly
+
+            clients = [asyncio.create_task(client(host, i % 2 == 0))
+                       for host in range(3) for i in range(6)]
+
+            def streams_in_flight_on_old() -> bool:
+                return sum(o.complete for o in outcomes) >= 20
+            assert await eventually_async(streams_in_flight_on_old, 60)
+            # Three clients leave their long streams on the old host just before it is told to
+            # stop: each stream's drain (reading the upstream for its usage, then the settle)
+            # goes on detached from its request, after uvicorn has nothing left to wait for;
+            # the lifespan shutdown awaits it (gateway/shutdown.py).
+            leavers.extend(await asyncio.gather(*(
+                leave_a_stream(http, old.base_url, t.plaintext, long) for _ in range(3))))
+            marks["term"] = time.monotonic()
+            old.process.send_signal(signal.SIGTERM)
+            # The replacement starts while the old host drains (start_gateway blocks).
+            await asyncio.to_thread(hosts.start, 0)
+            marks["new"] = time.monotonic()
+            assert await eventually_async(
+                lambda: sum(o.complete and o.url == hosts.urls[0] for o in outcomes) >= 10, 60)
+            stop.set()
+            await asyncio.gather(*clients)
+
+    from tests.gateway.test_e2e_call_end import eventually as eventually_async
+
+    asyncio.run(scenario())
+    # The old host exited by itself (its supervisor and workers), well within its drain.
+    old.process.wait(timeout=2 * DRAIN_SECONDS + 15)
+    assert old.worker_pids() == []
+    log = old.log.read_text()
+    assert "calls' ends not done" not in log and "Cancel" not in log, log[-3000:]
+
+    completed = [o for o in outcomes if o.status == 200 and o.complete]
+    broken = [o for o in outcomes if not o.refused and not (o.status == 200 and o.complete)]
+    assert broken == [], broken[:5]
+    refused = [o for o in outcomes if o.refused]
+    # Calls the old host had in flight when told to stop, streams among them, finished.
+    drained = [o for o in completed if o.url == old.base_url and o.started < marks["term"] < o.ended]
+    assert any(o.stream for o in drained), (len(drained), len(refused))
+    # The upstream saw the completed calls and the leavers' and nothing else: nothing refused
+    # was forwarded.
+    assert mock_requests(mock_upstream, secret) == len(completed) + len(leavers)
+
+    # Every hold ended by its own gateway: none left for the sweep (the leavers' included).
+    assert engine.open_hold_ids(t.tag) == []
+    counter = engine.counter(t.tag, "tenant")
+    bill = billed(mock_upstream, base, secret)
+    assert bill["requests"] == len(completed) + len(leavers)
+    assert counter.pending == 0
+    assert counter.used == bill["total_tokens"]
+    rows = {r.request_id: r for r in drain(engine, django_db_blocker, t.tenant_id)}
+    assert sorted(rows) == sorted([o.request_id for o in completed] + leavers)
+    assert {rows[o.request_id].status for o in completed} == {"settled"}
+    assert sum(o.tokens for o in completed) == sum(
+        rows[o.request_id].input_tokens + rows[o.request_id].output_tokens for o in completed)
+    # The leavers' drains read the upstream to its usage: charged all it produced, not swept.
+    assert all(rows[i].status == "partial" and rows[i].output_tokens == 150 for i in leavers), [
+        (rows[i].status, rows[i].output_tokens) for i in leavers]
+    assert sum(r.input_tokens + r.output_tokens for r in rows.values()) == bill["total_tokens"]
+    print(f"rolling restart: {len(completed)} calls completed ({len(drained)} drained by the "
+          f"old host, {sum(o.stream for o in drained)} streams), {len(refused)} refused before "
+          f"any answer; new host up {marks['new'] - marks['term']:.1f} s after SIGTERM")
