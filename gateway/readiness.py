@@ -93,7 +93,9 @@ def _kombu_check(url: str) -> None:
     options = getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", {})
     with Connection(url, connect_timeout=settings.REDIS_SOCKET_TIMEOUT,
                     transport_options=options) as conn:
-        conn.ensure_connection(max_retries=1)
+        # One retry at once (kombu waits 2 s before it by default: a probe must answer fast).
+        conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0,
+                               timeout=settings.REDIS_SOCKET_TIMEOUT)
 
 
 async def broker_state(url: str) -> str:
