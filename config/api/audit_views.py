@@ -1,5 +1,5 @@
 """Management API: a tenant's audit trail, newest first, filtered by day range, action and
-actor."""
+actor, a page at a time by cursor (config/api/pagination.py AuditCursorPagination)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from config.api.pagination import AuditCursorPagination
 from config.api.tenancy_serializers import AuditEventSerializer, AuditFilterSerializer
 from config.api.tenant_scope import TENANT_ID, TenantScopedAPIView, check_date_params
 from tenants import selectors
@@ -21,6 +22,7 @@ class AuditEventListView(TenantScopedAPIView, GenericAPIView):
     """GET: who did what to the tenant, newest first, filtered by day range, action and actor."""
 
     serializer_class = AuditEventSerializer
+    pagination_class = AuditCursorPagination
 
     def get_queryset(self) -> Any:
         check_date_params(self.request.query_params, "from", "to")

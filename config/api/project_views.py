@@ -75,12 +75,14 @@ def _allotments_in_scope(
     return {name: value for name, value in data.items() if name not in ALLOTMENT_FIELDS}
 
 
-def _project_context(tenant: Tenant) -> dict[str, Any]:
-    return {"usage": usage_today_and_month(tenant, "project")}
+def _project_context(tenant: Tenant, only: list[Project] | None = None) -> dict[str, Any]:
+    # `only`: a page's projects, whose usage alone is summed.
+    return {"usage": usage_today_and_month(tenant, "project", only=only)}
 
 
-def _key_context(tenant: Tenant) -> dict[str, Any]:
-    return {"usage": usage_today_and_month(tenant, "key"), "now": timezone.now()}
+def _key_context(tenant: Tenant, only: list[ApiKey] | None = None) -> dict[str, Any]:
+    # `only`: a page's keys (or the one key), whose usage alone is summed.
+    return {"usage": usage_today_and_month(tenant, "key", only=only), "now": timezone.now()}
 
 
 @extend_schema(parameters=[TENANT_ID])
@@ -96,7 +98,8 @@ class ProjectListView(TenantScopedAPIView, GenericAPIView):
     @extend_schema(responses=ProjectSerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
         page = self.paginate_queryset(self.get_queryset())
-        data = ProjectSerializer(page, many=True, context=_project_context(self.tenant())).data
+        data = ProjectSerializer(page, many=True,
+                                 context=_project_context(self.tenant(), only=page)).data
         return self.get_paginated_response(data)
 
     @extend_schema(request=ProjectCreateSerializer, responses={201: ProjectSerializer})
@@ -138,7 +141,8 @@ class ProjectDetailView(TenantScopedAPIView):
     @extend_schema(responses=ProjectSerializer)
     def get(self, request: Request, tenant_id: str, project_id: str) -> Response:
         project = self._project()
-        return Response(ProjectSerializer(project, context=_project_context(project.tenant)).data)
+        return Response(ProjectSerializer(
+            project, context=_project_context(project.tenant, only=[project])).data)
 
     @extend_schema(request=ProjectUpdateSerializer, responses=ProjectSerializer)
     def patch(self, request: Request, tenant_id: str, project_id: str) -> Response:
@@ -150,7 +154,8 @@ class ProjectDetailView(TenantScopedAPIView):
             services.update_project(project, actor=self.actor, **changes)
         except DjangoValidationError as exc:
             raise service_error(exc) from None
-        return Response(ProjectSerializer(project, context=_project_context(project.tenant)).data)
+        return Response(ProjectSerializer(
+            project, context=_project_context(project.tenant, only=[project])).data)
 
 
 @extend_schema(parameters=[TENANT_ID])
@@ -163,26 +168,45 @@ class KeyListView(TenantScopedAPIView, GenericAPIView):
 
     def get_queryset(self) -> Any:
         tenant = self.tenant()
+        params = self.request.query_params
         project = None
-        if project_id := self.request.query_params.get("project"):
+        if project_id := params.get("project"):
             project = selectors.tenant_projects(tenant).filter(public_id=project_id).first()
             if project is None:
                 raise ValidationError({"project": ["No such project in this tenant."]})
-        state = self.request.query_params.get("status")
-        if state is not None and state not in selectors.KEY_STATUSES:
+        choices = {"status": selectors.KEY_FILTERS, "used": selectors.LAST_USE,
+                   "order": tuple(selectors.KEY_ORDERS)}
+        for name, allowed in choices.items():
+            value = params.get(name)
+            if value is not None and value not in allowed:
+                raise ValidationError({name: [f"Must be one of: {', '.join(allowed)}."]})
+        text = params.get("q", "")
+        if len(text) > selectors.KEY_SEARCH_MAX_LENGTH:
             raise ValidationError(
-                {"status": [f"Must be one of: {', '.join(selectors.KEY_STATUSES)}."]}
-            )
-        return selectors.tenant_keys(tenant, project=project, status=state)
+                {"q": [f"At most {selectors.KEY_SEARCH_MAX_LENGTH} characters."]})
+        return selectors.search_keys(
+            tenant, text=text, project=project, status=params.get("status"),
+            used=params.get("used"), order=params.get("order", "newest"),
+        )
 
     @extend_schema(parameters=[
         OpenApiParameter("project", OpenApiTypes.STR, description="Only this project's (prj_...)."),
-        OpenApiParameter("status", OpenApiTypes.STR, enum=list(selectors.KEY_STATUSES),
-                         description="Only keys in this state."),
+        OpenApiParameter("status", OpenApiTypes.STR, enum=list(selectors.KEY_FILTERS),
+                         description="Only keys in this state; rotating: active, with the "
+                         "previous secret of a rotation still in its grace period."),
+        OpenApiParameter("q", {"type": "string", "maxLength": selectors.KEY_SEARCH_MAX_LENGTH},
+                         description="Part of the key's name (any case), or its exact id."),
+        OpenApiParameter("used", OpenApiTypes.STR, enum=list(selectors.LAST_USE),
+                         description="Last used within a day, a week, 30 days; idle: not in "
+                         "30 days (or never); never."),
+        OpenApiParameter("order", OpenApiTypes.STR, enum=list(selectors.KEY_ORDERS),
+                         description="newest (default), oldest, name or last_used (never-used "
+                         "keys last); ties are broken the same way on every page."),
     ], responses=ApiKeySerializer(many=True))
     def get(self, request: Request, tenant_id: str) -> Response:
         page = self.paginate_queryset(self.get_queryset())
-        data = ApiKeySerializer(page, many=True, context=_key_context(self.tenant())).data
+        data = ApiKeySerializer(page, many=True,
+                                context=_key_context(self.tenant(), only=page)).data
         return self.get_paginated_response(data)
 
     @extend_schema(request=KeyIssueSerializer, responses={201: IssuedApiKeySerializer})
@@ -220,7 +244,8 @@ class KeyDetailView(_KeyView):
     @extend_schema(responses=ApiKeySerializer)
     def get(self, request: Request, tenant_id: str, key_id: str) -> Response:
         api_key = self._key()
-        return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)
+        return Response(ApiKeySerializer(
+            api_key, context=_key_context(self.tenant(), only=[api_key])).data)
 
     @extend_schema(request=KeyUpdateSerializer, responses=ApiKeySerializer)
     def patch(self, request: Request, tenant_id: str, key_id: str) -> Response:
@@ -232,7 +257,8 @@ class KeyDetailView(_KeyView):
             services.update_key(api_key, actor=self.actor, **changes)
         except DjangoValidationError as exc:
             raise service_error(exc) from None
-        return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)
+        return Response(ApiKeySerializer(
+            api_key, context=_key_context(self.tenant(), only=[api_key])).data)
 
 
 @extend_schema(parameters=[TENANT_ID, KEY_ID])
@@ -251,7 +277,7 @@ class KeyRotateView(_KeyView):
         except (KeyRevoked, KeyExpired) as exc:
             raise ValidationError({"non_field_errors": [str(exc)]}) from None
         fresh = selectors.tenant_keys(self.tenant()).get(pk=issued.api_key.pk)
-        context = {**_key_context(self.tenant()), "plaintext": issued.plaintext}
+        context = {**_key_context(self.tenant(), only=[fresh]), "plaintext": issued.plaintext}
         return secret_response(IssuedApiKeySerializer(fresh, context=context).data)
 
 
@@ -263,4 +289,5 @@ class KeyRevokeView(_KeyView):
     def post(self, request: Request, tenant_id: str, key_id: str) -> Response:
         api_key = self._key(manage=True)
         services.revoke_key(api_key, actor=self.actor)
-        return Response(ApiKeySerializer(api_key, context=_key_context(self.tenant())).data)
+        return Response(ApiKeySerializer(
+            api_key, context=_key_context(self.tenant(), only=[api_key])).data)

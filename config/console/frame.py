@@ -25,6 +25,7 @@ from tenants.models import ApiKey, Project, Tenant
 NAV: list[tuple[str, str]] = [
     ("console-dashboard", "Dashboard"),
     ("console-projects", "Projects & keys"),
+    ("console-keys", "API keys"),
     ("console-limits", "Limits & plan"),
     ("console-webhooks", "Webhooks"),
     ("console-reports", "Reports"),

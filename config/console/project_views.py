@@ -146,7 +146,7 @@ def keys_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         "filtered": any(request.GET.get(name) for name in ("q", "project", "status", "used")),
     }
     return render_page(request, tenant, "console/keys.html", context,
-                       nav="console-projects", status=status)
+                       nav="console-keys", status=status)
 
 
 @require_http_methods(["GET", "POST"])
@@ -227,7 +227,7 @@ def _key_page(
         "rotate_form": rotate_form or RotateKeyForm(),
     }
     return render_page(request, tenant, "console/key_detail.html", context,
-                       nav="console-projects", status=status)
+                       nav="console-keys", status=status)
 
 
 def _key_allotment_lines(tenant: Tenant, api_key: ApiKey) -> list[Any]:

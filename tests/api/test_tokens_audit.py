@@ -83,8 +83,9 @@ def test_audit_events_filters_newest_first(world: World) -> None:
     assert everything["results"][0]["action"] == "key.issued"
     assert everything["results"][0]["actor"] == "user:owner"
 
+    # The trail is paged by cursor (no count: counting a million events cost every page).
     issued = client.get(audit_url(world), {"action": "key.issued", "actor": "owner"}).json()
-    assert issued["count"] == 1
+    assert len(issued["results"]) == 1 and issued["next"] is None
     family = client.get(audit_url(world), {"action": "key."}).json()
     assert {e["action"] for e in family["results"]} == {"key.issued", "key.revoked"}
     today = timezone.now().date().isoformat()

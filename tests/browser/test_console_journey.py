@@ -1,7 +1,8 @@
 """The console's main journey in Chromium, against a running system: log in, create a project,
 issue a key and read it once, call /v1 with it through the openai SDK, see the dashboard's usage
-change, rotate and revoke the key (each time the old secret gets a 401), download the month's
-CSV. Screenshots of the dashboard and the keys page at laptop and phone width."""
+change, find the key on the keys page (by project, by name, by status), rotate and revoke it
+(each time the old secret gets a 401), download the month's CSV. Screenshots of the dashboard,
+the projects page and the keys page at laptop and phone width."""
 from __future__ import annotations
 
 import csv
@@ -103,12 +104,24 @@ def test_console_journey(
     key_url = page.url
     expect(page.get_by_role("heading", name="Key browser")).to_be_visible()
     assert plaintext not in page.content()
+    # The projects page counts the project's keys and links to them; the keys page lists
+    # them masked, and finds one by name.
     page.goto(f"{base}/projects/")
+    assert plaintext not in page.content()
+    page.get_by_role("link", name="1 key").click()
+    expect(page.get_by_role("heading", name="API keys")).to_be_visible()
     expect(page.get_by_role("link", name="browser")).to_be_visible()
     assert plaintext not in page.content()
     expect(page.locator("code", has_text=plaintext[:16])).to_be_visible()  # the masked form
     page.reload()
     assert plaintext not in page.content()
+    page.goto(f"{base}/keys/")
+    page.get_by_label("Search").fill("brow")
+    page.get_by_role("button", name="Search").click()
+    expect(page.get_by_role("link", name="browser")).to_be_visible()
+    page.get_by_label("Search").fill("no-such-key")
+    page.get_by_role("button", name="Search").click()
+    expect(page.get_by_text("No keys match these filters.")).to_be_visible()
 
     # /v1 through the official SDK, then the dashboard's gauge moves.
     reply = chat(console_server, plaintext)
@@ -123,7 +136,8 @@ def test_console_journey(
     assert now_used >= before + reply.usage.total_tokens, (before, now_used, reply.usage)
 
     screenshots_and_layout(page, f"{base}/", "dashboard")
-    screenshots_and_layout(page, f"{base}/projects/", "keys")
+    screenshots_and_layout(page, f"{base}/projects/", "projects")
+    screenshots_and_layout(page, f"{base}/keys/", "keys")
 
     # Rotate, immediately: the old secret is refused, the new one works.
     page.goto(key_url)
@@ -142,6 +156,14 @@ def test_console_journey(
     page.get_by_role("button", name="Revoke key").click()
     expect(page.get_by_text("Key browser revoked.")).to_be_visible()
     late_calls += refused_soon(console_server, rotated)
+    # The keys page's status filter: revoked now, no longer active.
+    page.goto(f"{base}/keys/")
+    page.get_by_label("Status").select_option("revoked")
+    page.get_by_role("button", name="Search").click()
+    expect(page.get_by_role("link", name="browser")).to_be_visible()
+    page.get_by_label("Status").select_option("active")
+    page.get_by_role("button", name="Search").click()
+    expect(page.get_by_text("No keys match these filters.")).to_be_visible()
 
     # The month's CSV has the calls. The ledger is drained every 5 s by Celery; here directly.
     from billing.ledger import drain_all
