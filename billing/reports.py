@@ -12,6 +12,13 @@ per tenant over a calendar month in UTC (tenants' cycles differ; the platform's 
 Figures are sums of the ledger's integers, so the totals equal the ledger to the micro-dollar;
 money is printed in US dollars with six decimals (exact: micro-dollars / 10^6).
 
+They are read from the ledger's daily rollup (billing.UsageRollup, billing/rollups.py): a
+tenant report from the rollup of its local days in the period's zone for every day the period
+holds whole and the tenant's days were in that zone all day, and from raw rows (UsageRecord) for
+the rest: a period cut mid-day at a change of cycle, and days before the tenant's days moved to
+the period's zone (their rollups are in the zone of that time). The platform report reads the UTC
+rollups only. Rows are ordered by day, then by text in code point order.
+
 Columns (tenant report): day, project, api_key, model, requests, input_tokens, output_tokens,
 cached_input_tokens, cache_write_tokens, reasoning_tokens, cost_usd, then the sweep and its
 corrections (below), then window_start, window_end (ISO 8601 with the zone's offset) and
@@ -51,14 +58,12 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from zoneinfo import ZoneInfo
 
-from django.db.models import Count, Q, Sum
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import Q
 
-from billing.models import UsageRecord
+from billing.rollups import UTC_ZONE, DayPlan, sums, whole_days
 from gateway.usage import TOKEN_CLASSES
 from quotas.cycles import Span, report_span
 from tenants.models import Tenant
@@ -110,17 +115,15 @@ def usd(micros: int) -> Decimal:
     return Decimal(micros).scaleb(-6).quantize(Decimal("0.000001"))
 
 
-_CORRECTED = Q(corrected_at__isnull=False)
-_SUMS = {"requests": Count("id"), "input_tokens": Sum("input_tokens"),
-         "output_tokens": Sum("output_tokens"),
-         **{name: Sum(name) for name in CLASS_COLUMNS},
-         "cost": Sum("cost_micros"),
-         "swept": Count("id", filter=Q(status=UsageRecord.Status.SWEPT)),
-         "corrected": Count("id", filter=_CORRECTED),
-         "sweep_charged": Coalesce(Sum("swept_cost_micros", filter=_CORRECTED), 0),
-         "corrected_cost": Coalesce(Sum("cost_micros", filter=_CORRECTED), 0)}
 _SUMMED = ("requests", "input_tokens", "output_tokens", *CLASS_COLUMNS, "cost", "swept",
            "corrected", "sweep_charged", "corrected_cost")
+
+
+def _named(groups: list[dict]) -> list[dict]:
+    """billing.rollups.sums rows with the report's names (cost for cost_micros)."""
+    for g in groups:
+        g["cost"] = g.pop("cost_micros")
+    return groups
 
 
 def _totals(groups: list[dict]) -> dict[str, int]:
@@ -142,13 +145,9 @@ def tenant_report(tenant: Tenant, span: Span) -> Report:
     """The tenant's calls that ended in the window `span` (quotas.cycles: report_span,
     recent_cycle_windows), by the tenant's local day, project, key and model."""
     window = (span.start.isoformat(), span.end.isoformat(), span.zone)
-    groups = list(
-        UsageRecord.objects.filter(tenant=tenant, ended_at__gte=span.start, ended_at__lt=span.end)
-        .annotate(day=TruncDate("ended_at", tzinfo=ZoneInfo(span.zone)))
-        .values("day", "project__slug", "api_key__public_id", "served_model")
-        .annotate(**_SUMS)
-        .order_by("day", "project__slug", "api_key__public_id", "served_model")
-    )
+    plan = whole_days(tenant, span.zone, span.start, span.end)
+    groups = _named(sums(plan, ("day", "project__slug", "api_key__public_id", "served_model"),
+                         Q(tenant=tenant)))
     rows = [(g["day"].isoformat(), g["project__slug"] or "(deleted)",
              g["api_key__public_id"] or "(deleted)", g["served_model"], g["requests"],
              *_token_cells(g), *_sweep_cells(g), *window)
@@ -170,12 +169,10 @@ def tenant_period(tenant: Tenant, period: str) -> Report:
 
 
 def platform_month(month: Month) -> Report:
-    groups = list(
-        UsageRecord.objects.filter(ended_at__gte=month.start, ended_at__lt=month.end)
-        .values("tenant__slug", "tenant__plan__name")
-        .annotate(**_SUMS)
-        .order_by("tenant__slug")
-    )
+    utc = month.start.date()
+    days = [utc + timedelta(days=n) for n in range((month.end.date() - utc).days)]
+    # The platform's month is UTC's: every row has its UTC rollup, no raw row is read.
+    groups = _named(sums(DayPlan(UTC_ZONE, days, []), ("tenant__slug", "tenant__plan__name")))
     rows = [(g["tenant__slug"], g["tenant__plan__name"], g["requests"], *_token_cells(g),
              *_sweep_cells(g)) for g in groups]
     t = _totals(groups)

@@ -343,6 +343,12 @@ ROLLUP_SUMS: dict[str, Any] = {
 SUMMED = tuple(RAW_SUMS)
 
 
+def _aliased(aggregates: dict[str, Any]) -> dict[str, Any]:
+    """Aliases apart from the columns' names (an alias named like a column would be what a
+    later aggregate of that column reads)."""
+    return {f"sum_{name}": value for name, value in aggregates.items()}
+
+
 def _raw_rows(plan: DayPlan, filters: Q) -> QuerySet[UsageRecord] | None:
     if not plan.raw:
         return None
@@ -365,17 +371,17 @@ def sums(plan: DayPlan, fields: Sequence[str], filters: Q = Q(),
         parts.append(UsageRollup.objects.filter(rollup_filters if rollup_filters is not None
                                                 else filters)
                      .filter(zone=plan.zone, day__in=plan.days)
-                     .values(*fields).annotate(**ROLLUP_SUMS).order_by())
+                     .values(*fields).annotate(**_aliased(ROLLUP_SUMS)).order_by())
     raw = _raw_rows(plan, filters)
     if raw is not None:
-        parts.append(raw.values(*fields).annotate(**RAW_SUMS).order_by())
+        parts.append(raw.values(*fields).annotate(**_aliased(RAW_SUMS)).order_by())
     for part in parts:
         for row in part:
             key = tuple(row[f] for f in fields)
             into = merged.setdefault(key, {**{f: row[f] for f in fields},
                                            **dict.fromkeys(SUMMED, 0)})
             for name in SUMMED:
-                into[name] += int(row[name] or 0)
+                into[name] += int(row[f"sum_{name}"] or 0)
     return [merged[k] for k in sorted(merged, key=_sort_key) if merged[k]["requests"]]
 
 

@@ -5,6 +5,11 @@ Days are the tenant's local days, in the time zone of its days now (quotas.cycle
 month from its billing day...), as its quota counters count them. The ledger is a few seconds
 behind the Redis counters (it is drained every 5 s); live "remaining" figures come from the quota
 counters instead (quotas/status.py).
+
+The figures are sums of the ledger's daily rollup (billing.UsageRollup, billing/rollups.py) for
+the local days it holds whole, and of raw ledger rows only for the rest (a window cut mid-day at
+a change of cycle, days before the tenant's days moved to their current zone): a read costs a
+row per (day, project, key, model...) group, not a row per request.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from datetime import UTC, date, datetime, time, timedelta, tzinfo
 from typing import Any, Literal
 from zoneinfo import ZoneInfo
 
-from django.db.models import Count, QuerySet, Sum
-from django.db.models.functions import TruncDate
+from django.db.models import Q, QuerySet
 
 from billing.models import UsageRecord
+from billing.rollups import UTC_ZONE, sums, whole_days
 from gateway.usage import TOKEN_CLASSES
 from quotas.cycles import current_windows, time_zone_of
 from tenants.models import ApiKey, Project, Tenant
@@ -28,15 +33,6 @@ GROUPINGS: dict[str, tuple[str, ...]] = {
     "project": ("project__public_id", "project__slug"),
     "key": ("api_key__public_id", "api_key__name"),
     "model": ("served_model",),
-}
-# The token classes, each part of a total (of input_tokens: cached and cache-write input; of
-# output_tokens: reasoning), as the ledger keeps them (gateway/usage.py).
-_SUMS = {
-    "requests": Count("id"),
-    "input_tokens": Sum("input_tokens"),
-    "output_tokens": Sum("output_tokens"),
-    **{name: Sum(name) for name in TOKEN_CLASSES},
-    "cost_micros": Sum("cost_micros"),
 }
 
 
@@ -70,6 +66,21 @@ def _between(tenant: Tenant, start: datetime, end: datetime, *, project: str | N
     return rows
 
 
+def _filters(tenant: Tenant, project: str | None = None, key: str | None = None) -> Q:
+    """Rows of the tenant (both models), of one project or API key by public id (looked up
+    through the tenant, so another tenant's id simply matches nothing)."""
+    found = Q(tenant=tenant)
+    if project is not None:
+        found &= Q(project__public_id=project)
+    if key is not None:
+        found &= Q(api_key__public_id=key)
+    return found
+
+
+def _zone_name(zone: tzinfo | None) -> str:
+    return getattr(zone, "key", None) or UTC_ZONE
+
+
 def usage_totals(
     tenant: Tenant, start: date, end: date, group_by: tuple[str, ...] = ("day",), *,
     project: str | None = None, key: str | None = None,
@@ -81,49 +92,43 @@ def usage_totals(
     project / key (public ids) narrow the rows to one project or API key.
     """
     zone = tenant_zone(tenant)
-    return _totals(records(tenant, start, end, project=project, key=key, zone=zone), group_by,
-                   zone)
+    return _totals(tenant, day_start(start, zone), day_start(end + timedelta(days=1), zone),
+                   group_by, zone, _filters(tenant, project, key))
 
 
 def window_totals(tenant: Tenant, start: datetime, end: datetime,
                   group_by: tuple[str, ...] = ("project",)) -> list[dict[str, Any]]:
     """usage_totals over the calls that ended in [start, end) (a cycle window)."""
-    return _totals(_between(tenant, start, end), group_by, start.tzinfo or UTC)
+    return _totals(tenant, start, end, group_by, start.tzinfo or UTC, _filters(tenant))
 
 
-def _totals(found: QuerySet[UsageRecord], group_by: tuple[str, ...],
-            zone: tzinfo) -> list[dict[str, Any]]:
+def _totals(tenant: Tenant, start: datetime, end: datetime, group_by: tuple[str, ...],
+            zone: tzinfo, filters: Q) -> list[dict[str, Any]]:
     unknown = [name for name in group_by if name not in GROUPINGS]
     if unknown:
         raise ValueError(f"Unknown grouping {unknown[0]!r}; known: {', '.join(GROUPINGS)}")
     fields = [field for name in group_by for field in GROUPINGS[name]]
-    rows = (
-        found
-        .annotate(day=TruncDate("ended_at", tzinfo=zone))
-        .values(*fields)
-        .annotate(**_SUMS)
-        .order_by(*fields)
-    )
+    plan = whole_days(tenant, _zone_name(zone), start, end)
     out = []
-    for row in rows:
+    for row in sums(plan, fields or ["tenant"], filters):
         item: dict[str, Any] = {}
-        if "day" in row:
+        if "day" in fields:
             item["day"] = row["day"].isoformat()
-        if "project__public_id" in row:
+        if "project__public_id" in fields:
             item["project"] = row["project__public_id"]
             item["project_slug"] = row["project__slug"]
-        if "api_key__public_id" in row:
+        if "api_key__public_id" in fields:
             item["key"] = row["api_key__public_id"]
             item["key_name"] = row["api_key__name"]
-        if "served_model" in row:
+        if "served_model" in fields:
             item["model"] = row["served_model"]
         item.update(
             requests=row["requests"],
-            input_tokens=row["input_tokens"] or 0,
-            output_tokens=row["output_tokens"] or 0,
-            total_tokens=(row["input_tokens"] or 0) + (row["output_tokens"] or 0),
-            **{name: row[name] or 0 for name in TOKEN_CLASSES},
-            cost_micros=row["cost_micros"] or 0,
+            input_tokens=row["input_tokens"],
+            output_tokens=row["output_tokens"],
+            total_tokens=row["input_tokens"] + row["output_tokens"],
+            **{name: row[name] for name in TOKEN_CLASSES},
+            cost_micros=row["cost_micros"],
         )
         out.append(item)
     return out
@@ -131,8 +136,9 @@ def _totals(found: QuerySet[UsageRecord], group_by: tuple[str, ...],
 
 def total_tokens(tenant: Tenant, start: datetime, end: datetime) -> int:
     """Input + output tokens of the tenant's calls that ended in [start, end)."""
-    sums = _between(tenant, start, end).aggregate(i=Sum("input_tokens"), o=Sum("output_tokens"))
-    return (sums["i"] or 0) + (sums["o"] or 0)
+    return sum(row["total_tokens"]
+               for row in _totals(tenant, start, end, (), start.tzinfo or UTC,
+                                  _filters(tenant)))
 
 
 def usage_today_and_month(
@@ -148,10 +154,11 @@ def usage_today_and_month(
     out: dict[str, dict[str, int]] = {}
     column = "project_id" if by == "project" else "api_key_id"
     for window, span in (("today", day), ("month", cycle)):
-        found = _between(tenant, span.start, span.end)
+        found = _filters(tenant)
         if only is not None:
-            found = found.filter(**{f"{column}__in": [row.pk for row in only]})
-        for row in _totals(found, (by,), span.start.tzinfo or UTC):
+            found &= Q(**{f"{column}__in": [row.pk for row in only]})
+        for row in _totals(tenant, span.start, span.end, (by,), span.start.tzinfo or UTC,
+                           found):
             ref = row.get(by)
             if ref:
                 out.setdefault(ref, {"today": 0, "month": 0})[window] = row["total_tokens"]

@@ -41,6 +41,7 @@ from tenants.services import (
 )
 from tests.support.routes import management_routes
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 N = 2
 # A ceiling well above the busiest page (the dashboard); the equality of the two sizes is what
@@ -146,7 +147,7 @@ class Scene:
                                       (acme, world.web, on_web.api_key),
                                       (acme, world.web, world.issued.api_key),
                                       (other, None, None)):
-                UsageRecord.objects.create(
+                create_usage(
                     request_id=f"req-{i}-{tenant.slug}-{key.pk if key else 0}", tenant=tenant,
                     project=proj, api_key=key, model=f"model-{i}", served_model=f"model-{i}",
                     input_tokens=100, output_tokens=50, cost_micros=1234,

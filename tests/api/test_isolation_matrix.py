@@ -63,6 +63,7 @@ from tenants.selectors import effective_limits
 from tenants.services import issue_management_token, update_project
 from tests.support.routes import management_routes
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 # -- access kinds -----------------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ def _side(world: World, tenant: Tenant, project: Project, key: ApiKey, member: s
                                accept_url=lambda secret: f"/console/invite/{secret}/").invitation
     model = f"{slug}-secret-model"  # the usage API, dashboard chart and reports name it
     for when in (timezone.now(), datetime(2025, 1, 15, 12, tzinfo=UTC)):
-        UsageRecord.objects.create(
+        create_usage(
             request_id=f"req-{slug}-{when:%Y%m%d}", tenant=tenant, project=project, api_key=key,
             model=model, served_model=model, input_tokens=100, output_tokens=50,
             cost_micros=1234, status=UsageRecord.Status.SETTLED, started_at=when, ended_at=when)

@@ -285,12 +285,13 @@ def test_key_and_project_usage_today_and_this_month(world: World) -> None:
     from django.utils import timezone
 
     from billing.models import UsageRecord
+    from tests.billing.rollup_events import create_usage
 
     now = timezone.now()
     earlier_this_month = now.replace(day=1, hour=0, minute=0, second=1)
     for request_id, when, tokens in (("u-today", now, 100), ("u-month", earlier_this_month, 40),
                                      ("u-old", now - timedelta(days=40), 1000)):
-        UsageRecord.objects.create(
+        create_usage(
             request_id=request_id, tenant=world.acme, project=world.web,
             api_key=world.issued.api_key, model="gpt-4o", served_model="gpt-4o",
             input_tokens=tokens, output_tokens=0, cost_micros=0,

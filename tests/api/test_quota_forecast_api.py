@@ -13,6 +13,7 @@ from quotas.runtime import get_engine
 from tenants.selectors import effective_limits
 from tenants.services import set_tenant_limits
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 
 def test_quota_lists_the_forecast_of_each_limited_scope(world: World) -> None:
@@ -29,7 +30,7 @@ def test_quota_lists_the_forecast_of_each_limited_scope(world: World) -> None:
     now = datetime.now(UTC)
     for i in range(40):
         when = now - timedelta(minutes=6 * i + 2)
-        UsageRecord.objects.create(
+        create_usage(
             request_id=f"fq-{i}", tenant=world.acme, project=world.web,
             api_key=world.issued.api_key, model="gpt-4o", served_model="gpt-4o",
             input_tokens=60, output_tokens=0, cost_micros=0,

@@ -15,6 +15,7 @@ from billing.models import UsageRecord
 from billing.reports import tenant_period, to_csv
 from tenants.services import issue_management_token
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def ledger(world: World) -> World:
             ("r1", world.acme, world.web, world.issued.api_key, 100),
             ("r2", world.acme, world.web, world.issued.api_key, 50),
             ("r3", world.globex, world.app, world.other_issued.api_key, 7)):
-        UsageRecord.objects.create(
+        create_usage(
             request_id=rid, tenant=tenant, project=project, api_key=key, model="gpt-4o",
             served_model="gpt-4o", input_tokens=tokens, output_tokens=tokens, cost_micros=tokens,
             status=UsageRecord.Status.SETTLED, started_at=moment, ended_at=moment)

@@ -14,6 +14,7 @@ from quotas.status import quota_status
 from tenants.selectors import effective_limits
 from tenants.services import set_tenant_limits
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 
 def _reserve(world: World, request_id: str, amount: int):
@@ -59,7 +60,7 @@ def test_quota_status_never_shows_another_tenants_counters(world: World) -> None
 
 def _record(world: World, request_id: str, when: datetime, model: str, tokens: int,
             tenant=None, project=None, api_key=None) -> UsageRecord:
-    return UsageRecord.objects.create(
+    return create_usage(
         request_id=request_id, tenant=tenant or world.acme, project=project or world.web,
         api_key=api_key or world.issued.api_key, model=model, served_model=model,
         input_tokens=tokens, output_tokens=tokens // 2, cost_micros=tokens * 3,

@@ -19,6 +19,7 @@ from quotas.runtime import get_engine
 from tenants.selectors import effective_limits
 from tenants.services import create_project, issue_key, set_tenant_limits
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 
 def _usage(world: World) -> str:
@@ -31,7 +32,7 @@ def _quota(world: World) -> str:
 
 def _record(world: World, rid: str, when: datetime, tokens: int, *, project=None, key=None,
             tenant=None, model: str = "gpt-4o") -> None:
-    UsageRecord.objects.create(
+    create_usage(
         request_id=rid, tenant=tenant or world.acme, project=project or world.web,
         api_key=key or world.issued.api_key, model=model, served_model=model,
         input_tokens=tokens, output_tokens=1, cost_micros=tokens * 10,
@@ -153,13 +154,13 @@ def test_usage_includes_the_token_classes(ledger: World) -> None:
     """Cached input, cache writes and reasoning per group (parts of the input and output
     totals), for members too (they are tokens, not finance data)."""
     now = datetime.now(UTC)
-    UsageRecord.objects.create(
+    create_usage(
         request_id="claude-1", tenant=ledger.acme, project=ledger.web,
         api_key=ledger.issued.api_key, model="claude-sonnet-4-5",
         served_model="claude-sonnet-4-5", input_tokens=10_000, output_tokens=1_000,
         cached_input_tokens=6_000, cache_write_tokens=2_000, reasoning_tokens=400,
         cost_micros=30_300, status=UsageRecord.Status.SETTLED, started_at=now, ended_at=now)
-    UsageRecord.objects.create(
+    create_usage(
         request_id="claude-2", tenant=ledger.acme, project=ledger.web,
         api_key=ledger.issued.api_key, model="claude-sonnet-4-5",
         served_model="claude-sonnet-4-5", input_tokens=500, output_tokens=10,

@@ -17,6 +17,7 @@ from billing.models import UsageRecord
 from billing.reports import Month, platform_month, tenant_period, to_csv, to_xlsx, usd
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant, issue_key
+from tests.billing.rollup_events import create_usage
 
 pytestmark = pytest.mark.django_db
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.django_db
 def record(tenant: Tenant, rid: str, day: int, model: str, inp: int, out: int, cost: int,
            project=None, key=None, status: str = "settled", month: int = 11) -> None:
     moment = datetime(2026, month, day, 12, tzinfo=UTC)
-    UsageRecord.objects.create(
+    create_usage(
         request_id=rid, tenant=tenant, project=project, api_key=key, model=model,
         served_model=model, input_tokens=inp, output_tokens=out, cost_micros=cost,
         status=status, started_at=moment, ended_at=moment)
@@ -166,14 +167,14 @@ def test_reports_show_swept_rows_and_the_corrections_of_late_settles(ledger) -> 
     key = web.api_keys.get()
     moment = datetime(2026, 11, 1, 12, tzinfo=UTC)
     # Corrected upward: the sweep charged the input and 40 output tokens, the stream went on.
-    UsageRecord.objects.create(
+    create_usage(
         request_id="late-up", tenant=acme, project=web, api_key=key, model="gpt-4o",
         served_model="gpt-4o", input_tokens=100, output_tokens=250, cost_micros=2_750,
         held_tokens=1000, status="settled", sweep_basis="streaming", swept_input_tokens=100,
         swept_output_tokens=40, swept_cost_micros=650, corrected_at=moment, started_at=moment,
         ended_at=moment)
     # Corrected downward: the sweep charged the whole hold, the upstream had produced nothing.
-    UsageRecord.objects.create(
+    create_usage(
         request_id="late-down", tenant=acme, project=web, api_key=key, model="gpt-4o",
         served_model="gpt-4o", held_tokens=1000, status="released", sweep_basis="forwarded",
         swept_input_tokens=100, swept_output_tokens=900, swept_cost_micros=9_250,
@@ -210,13 +211,13 @@ def test_reports_show_the_token_classes_with_totals(ledger) -> None:
     key = web.api_keys.get()
     moment = datetime(2026, 11, 3, 12, tzinfo=UTC)
     for rid, classes in (("c1", (6_000, 2_000, 400)), ("c2", (1_000, 0, 0))):
-        UsageRecord.objects.create(
+        create_usage(
             request_id=rid, tenant=acme, project=web, api_key=key, model="claude-sonnet-4-5",
             served_model="claude-sonnet-4-5", input_tokens=10_000, output_tokens=1_000,
             cached_input_tokens=classes[0], cache_write_tokens=classes[1],
             reasoning_tokens=classes[2], cost_micros=30_300, status="settled",
             started_at=moment, ended_at=moment)
-    UsageRecord.objects.create(
+    create_usage(
         request_id="g-cached", tenant=globex, model="gpt-4o", served_model="gpt-4o",
         input_tokens=100, output_tokens=10, cached_input_tokens=64, cost_micros=290,
         status="settled", started_at=moment, ended_at=moment)

@@ -24,6 +24,7 @@ from quotas.status import refused_today
 from tenants.selectors import effective_limits
 from tenants.services import set_tenant_limits
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 
 def _page(world: World, user) -> Client:
@@ -45,7 +46,7 @@ def _reserve(world: World, request_id: str, amount: int):
 
 
 def _record(world: World, rid: str, when: datetime, model: str, tokens: int) -> None:
-    UsageRecord.objects.create(
+    create_usage(
         request_id=rid, tenant=world.acme, project=world.web, api_key=world.issued.api_key,
         model=model, served_model=model, input_tokens=tokens, output_tokens=0,
         cost_micros=tokens, status=UsageRecord.Status.SETTLED, started_at=when, ended_at=when)

@@ -26,6 +26,7 @@ from quotas.windows import Calendar, WindowKind
 from tenants.selectors import effective_limits
 from tenants.services import set_tenant_limits
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 
 def _burn(world: World, per_hour: int) -> None:
@@ -35,7 +36,7 @@ def _burn(world: World, per_hour: int) -> None:
     now = datetime.now(UTC)
     for i in range(50):
         when = now - timedelta(minutes=6 * i + 3)
-        UsageRecord.objects.create(
+        create_usage(
             request_id=f"burn-{i}", tenant=world.acme, project=world.web,
             api_key=world.issued.api_key, model="gpt-4o", served_model="gpt-4o",
             input_tokens=per_hour // 10, output_tokens=0, cost_micros=0,

