@@ -172,7 +172,7 @@ def test_three_hosts_run_each_job_once_per_period_and_a_standby_beat_takes_over(
 @pytest.mark.slow
 def test_a_slow_job_on_one_queue_does_not_delay_another_queues(
         processes: Processes, private_redis: PrivateRedis) -> None:  # noqa: F811
-    """The workers `make up` starts for two queues (config/serve.py): a long report keeps its
+    """The workers `make up` starts for two queues (config/serve.py): a long report (4 s) keeps its
     worker busy, a ledger job sent after it runs at once on its own worker."""
     client = private_redis.client()
     for queue in (REPORTS_QUEUE, LEDGER_QUEUE):
@@ -180,7 +180,7 @@ def test_a_slow_job_on_one_queue_does_not_delay_another_queues(
     broker = f"redis+socket://{private_redis.folder / 'redis.sock'}"
     with app.connection_for_write(broker) as connection:
         for n in (1, 2):
-            app.send_task("tests.support.beat_probe.hold", args=(f"report{n}", 6.0),
+            app.send_task("tests.support.beat_probe.hold", args=(f"report{n}", 4.0),
                           queue=REPORTS_QUEUE, connection=connection)
         wait_for(lambda: "report1:start" in client.lrange(events_key(), 0, -1), 40,
                  "the first report started\n" + processes.logs())
@@ -241,6 +241,76 @@ def test_config_serve_runs_a_worker_per_queue_and_a_beat_unless_told_not_to() ->
     # The active beat renews its lock at least every fifth of its timeout.
     assert app.conf.beat_max_loop_interval * 5 == settings.TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS
     assert os.path.basename(sys.executable) in {os.path.basename(c[0]) for c in commands}
+
+
+@dataclass(frozen=True)
+class Sentinel:
+    master_port: int
+    sentinel_port: int
+    master_name: str = "tollgate"
+
+    def master(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.master_port, decode_responses=True)
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[Sentinel]:
+    """A Redis master and one Sentinel monitoring it, on loopback ports of their own."""
+    from config.embedded import free_port, redis_server_binary
+
+    found = Sentinel(free_port(), free_port())
+    folder = tmp_path / "sentinel"
+    folder.mkdir()
+    (folder / "sentinel.conf").write_text(
+        f"port {found.sentinel_port}\nbind 127.0.0.1\n"
+        f"sentinel monitor {found.master_name} 127.0.0.1 {found.master_port} 1\n")
+    servers = [
+        subprocess.Popen([redis_server_binary(), "--port", str(found.master_port), "--bind",
+                          "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]),
+        subprocess.Popen([redis_server_binary(), str(folder / "sentinel.conf"), "--sentinel",
+                          "--dir", str(folder)])]
+    try:
+        import redis
+
+        asking = redis.Redis(port=found.sentinel_port, decode_responses=True)
+        wait_for(lambda: _master_addr(asking, found.master_name), 20, "the sentinel is up")
+        yield found
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
+
+
+def _master_addr(client: Any, name: str) -> Any:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    try:
+        return client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", name)
+    except RedisConnectionError:  # not listening yet
+        return None
+
+
+@pytest.mark.slow
+def test_broker_and_beat_through_redis_sentinel(
+        processes: Processes, private_redis: PrivateRedis, sentinel: Sentinel) -> None:  # noqa: F811
+    """CELERY_BROKER_URL=sentinel://... with TOLLGATE_BROKER_SENTINEL_MASTER: the worker and the
+    beat find the master through the Sentinel (kombu's transport, RedBeat's sentinel client);
+    the queues, the beat's lock and its schedule are on that master."""
+    processes.env.update(CELERY_BROKER_URL=f"sentinel://127.0.0.1:{sentinel.sentinel_port}",
+                         TOLLGATE_BROKER_SENTINEL_MASTER=sentinel.master_name)
+    processes.start("worker", [sys.executable, "-m", "celery", "-A", "config", "worker",
+                               "--concurrency", "1", "--loglevel", "WARNING"])
+    beat = processes.start("beat", serve.beat_command())
+    client = private_redis.client()  # the quota Redis, where the probe records its runs
+    wait_for(lambda: len(runs(client, "probe-2s")) >= 2, 40,
+             "the job ran through the sentinel's master\n" + processes.logs())
+    master = sentinel.master()
+    assert lock_holder(master) == beat.pid
+    assert master.exists(beat_key_prefix() + "probe-2s", beat_key_prefix() + ":schedule") == 2
+    assert master.exists("_kombu.binding." + DEFAULT_QUEUE)  # kombu's routing table for it
+    assert client.get(LOCK_KEY) is None  # nothing of the beat's on the quota Redis
 
 
 def settings_of(env: dict[str, str], expression: str) -> subprocess.CompletedProcess[str]:
