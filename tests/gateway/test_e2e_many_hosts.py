@@ -595,3 +595,46 @@ def test_a_rolling_restart_under_load_loses_nothing(
     print(f"rolling restart: {len(completed)} calls completed ({len(drained)} drained by the "
           f"old host, {sum(o.stream for o in drained)} streams), {len(refused)} refused before "
           f"any answer; new host up {marks['new'] - marks['term']:.1f} s after SIGTERM")
+
+
+def test_a_stream_longer_than_the_drain_is_cut_and_charged_what_it_produced(
+    hosts: Hosts, make_tenant: MakeTenant, cluster_engine: QuotaEngine,
+    django_db_blocker: Any,
+) -> None:
+    """A host whose drain (2 s) is shorter than a stream in flight (10 s): at the drain's end
+    uvicorn cancels the call, which ends as if its client had left (the stream is read for up
+    to GATEWAY_STREAM_DRAIN_SECONDS more, then settled with the text counted); the lifespan
+    awaits that settle, and the host exits with no hold left for the sweep."""
+    from tests.gateway.test_e2e_call_end import ClientStream, eventually
+
+    engine = cluster_engine
+    host = start_gateway(hosts.tmp, workers=1, **{
+        **hosts.env, "GATEWAY_SHUTDOWN_DRAIN_SECONDS": "2", "GATEWAY_STREAM_DRAIN_SECONDS": "1"})
+    try:
+        t = make_tenant(plan="enterprise", requests_per_second=-1)
+        model = f"{unique_model('fx-hosts-cut')}@chunk_ms=100@output_tokens=100"
+        stream = ClientStream()
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                task = asyncio.create_task(stream.run(
+                    http, f"{host.base_url}/chat/completions", t.plaintext, model))
+                assert await eventually(lambda: stream.chunks >= 5, 30), stream.chunks
+                host.process.send_signal(signal.SIGTERM)
+                await task
+
+        asyncio.run(scenario())
+        host.process.wait(timeout=30)  # by itself: 2 s of drain, then at most 2 s of ends
+    finally:
+        host.stop()
+    assert 5 <= stream.chunks < 100  # cut: some of the answer, not all of it
+    assert engine.open_hold_ids(t.tag) == []
+    [event] = usage_events(engine, t.tag)
+    assert (event["outcome"], event["event"]["outcome"]) == (
+        "settled", "client_disconnected_counted")
+    # At least what the client received (the drain may have read a little more: produced).
+    charged_in, charged_out = event["event"]["in"], event["event"]["out"]
+    assert stream.tokens() <= charged_out < 100
+    assert charged_in + charged_out == int(event["actual"]) <= int(event["held"])
+    [row] = drain(engine, django_db_blocker, t.tenant_id)
+    assert (row.status, row.output_tokens) == ("partial", charged_out)
