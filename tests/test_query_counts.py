@@ -54,7 +54,10 @@ ANONYMOUS_ONLY = {"console-login"}  # a signed-in user is sent on
 # Query strings that take a route down another path (filters, groupings), counted too.
 VARIANTS: dict[str, tuple[str, ...]] = {
     "api-usage": ("?group_by=day,project,key,model",),
-    "api-key-list": ("?status=active", "?project={project_id}"),
+    "api-key-list": ("?status=active", "?project={project_id}", "?status=rotating&order=name",
+                     "?q=k&used=idle&order=last_used"),
+    "console-keys": ("?status=rotating&sort=last_used", "?project={project_id}&q=k&used=idle"),
+    "api-audit-events": ("?action=key.",),
 }
 
 READS = [pytest.param(name, query, id=name + query)
