@@ -1,4 +1,5 @@
-"""The Celery app, its queues and its beat schedule (in code, so every deployment runs the same jobs).
+"""The Celery app, its queues and its beat schedule (in code: every deployment runs the same
+jobs).
 
     celery -A config worker -Q ledger -l info     # a worker per queue (QUEUES below) ...
     celery -A config beat -l info                 # ... and a beat on every host, or on one

@@ -294,7 +294,8 @@ def _master_addr(client: Any, name: str) -> Any:
 
 @pytest.mark.slow
 def test_broker_and_beat_through_redis_sentinel(
-        processes: Processes, private_redis: PrivateRedis, sentinel: Sentinel) -> None:  # noqa: F811
+        processes: Processes, private_redis: PrivateRedis,  # noqa: F811
+        sentinel: Sentinel) -> None:
     """CELERY_BROKER_URL=sentinel://... with TOLLGATE_BROKER_SENTINEL_MASTER: the worker and the
     beat find the master through the Sentinel (kombu's transport, RedBeat's sentinel client);
     the queues, the beat's lock and its schedule are on that master."""
@@ -314,9 +315,9 @@ def test_broker_and_beat_through_redis_sentinel(
 
 
 def settings_of(env: dict[str, str], expression: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", f"import config.settings as s; print({expression})"],
-                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=60)
+    script = f"import config.settings as s; print({expression})"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize(("env", "message"), [
