@@ -33,7 +33,13 @@ Over-hold usage (invariant 2: the hold bounds the bill, a tokenizer error may st
 comes from the ledger (UsageRecord.over_hold_tokens, filled by the drain), not from the counters'
 `over` field: the counters expire two days after their window and every scope of a call (tenant,
 project, key, model) adds the same excess to its own, so they can give neither a durable total
-nor a count of calls. A partial index keeps the query cheap however long the ledger is.
+nor a count of calls.
+
+The ledger families (rows by status, corrections, over-hold) are one query over the ledger's UTC
+daily rollup (billing.UsageRollup, kept by the drain: billing/rollups.py), summed per (status,
+corrected): its size grows with days times groups, never with requests, and it outlives the raw
+rows that retention drops (so the counters never go down when a month is dropped). Rows drained
+before the rollup existed count once `manage.py rollup_rebuild` has run.
 
 The breaker families list the provider keys from PostgreSQL and read each key's breakers from
 Redis (gateway/circuit.py, quotas/breakers.py); their transition counts live in the breakers'
@@ -63,7 +69,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from billing.ledger import usage_backlog
-from billing.models import UsageRecord, WebhookDelivery
+from billing.models import UsageRecord, UsageRollup, WebhookDelivery
+from billing.rollups import UTC_ZONE
 from gateway import metrics as request_metrics
 from gateway.catalog import load_catalog
 from gateway.models import ProviderKey
@@ -119,28 +126,42 @@ def _counts(model: Any, statuses: Iterable[str]) -> list[tuple[dict[str, object]
     return [({"status": status}, int(found.get(status, 0))) for status in statuses]
 
 
-def usage_record_counts() -> list[tuple[dict[str, object], int]]:
+def _ledger_sums() -> dict[tuple[str, bool], tuple[int, int, int]]:
+    """(status, corrected) -> (rows, over-hold calls, over-hold tokens), summed over the UTC
+    rollups (billing.UsageRollup: every row once) - a row per (tenant, day, group), never a
+    scan of the ledger's rows."""
+    found = (UsageRollup.objects.filter(zone=UTC_ZONE).order_by()
+             .values_list("status", "corrected")
+             .annotate(n=Sum("requests"), calls=Sum("over_hold_requests"),
+                       tokens=Sum("over_hold_tokens")))
+    return {(status, bool(corrected)): (int(n or 0), int(calls or 0), int(tokens or 0))
+            for status, corrected, n, calls, tokens in found}
+
+
+def usage_record_counts(sums: dict[tuple[str, bool], tuple[int, int, int]] | None = None,
+                        ) -> list[tuple[dict[str, object], int]]:
     """Ledger rows by status, a corrected row counted as swept (what it was recorded as), so a
     correction never makes a counter go down."""
-    found = dict(UsageRecord.objects.order_by().values_list("status").annotate(n=Count("pk")))
-    corrected = dict(UsageRecord.objects.filter(corrected_at__isnull=False).order_by()
-                     .values_list("status").annotate(n=Count("pk")))
-    for status, n in corrected.items():
-        found[status] = found.get(status, 0) - n
-        found[UsageRecord.Status.SWEPT] = found.get(UsageRecord.Status.SWEPT, 0) + n
+    sums = _ledger_sums() if sums is None else sums
+    found: dict[str, int] = {}
+    for (status, corrected), (n, _calls, _tokens) in sums.items():
+        recorded = UsageRecord.Status.SWEPT if corrected else status
+        found[recorded] = found.get(recorded, 0) + n
     return [({"status": status}, int(found.get(status, 0)))
             for status in UsageRecord.Status.values]
 
 
-def corrections() -> int:
-    return UsageRecord.objects.filter(corrected_at__isnull=False).count()
+def corrections(sums: dict[tuple[str, bool], tuple[int, int, int]] | None = None) -> int:
+    sums = _ledger_sums() if sums is None else sums
+    return sum(n for (_status, corrected), (n, _c, _t) in sums.items() if corrected)
 
 
-def over_hold() -> tuple[int, int]:
-    """(calls whose usage exceeded their hold, tokens above the holds), from the ledger."""
-    sums = UsageRecord.objects.filter(over_hold_tokens__gt=0).aggregate(
-        n=Count("pk"), tokens=Sum("over_hold_tokens"))
-    return int(sums["n"] or 0), int(sums["tokens"] or 0)
+def over_hold(sums: dict[tuple[str, bool], tuple[int, int, int]] | None = None,
+              ) -> tuple[int, int]:
+    """(calls whose usage exceeded their hold, tokens above the holds), from the rollup."""
+    sums = _ledger_sums() if sums is None else sums
+    return (sum(calls for _n, calls, _t in sums.values()),
+            sum(tokens for _n, _c, tokens in sums.values()))
 
 
 def reconciliation_difference_rate() -> float:
@@ -198,7 +219,8 @@ def breaker_samples(client: Any, catalog: Any = None,
 def _database_families(client: Any) -> list[Metric]:
     """The families read from PostgreSQL (each with Redis figures), all or none: built before
     any is handed to the scrape, so an outage halfway leaves them all out."""
-    over_calls, over_tokens = over_hold()
+    ledger = _ledger_sums()
+    over_calls, over_tokens = over_hold(ledger)
     states, transitions = breaker_samples(client)
     return [
         _gauge("tollgate_open_holds",
@@ -206,10 +228,10 @@ def _database_families(client: Any) -> list[Metric]:
                (({"tenant": slug}, n) for slug, n in open_holds(client))),
         _counter("tollgate_usage_records_total",
                  "Ledger rows by the status they were recorded with (swept: holds the gateway "
-                 "never ended, corrected later or not).", usage_record_counts()),
+                 "never ended, corrected later or not).", usage_record_counts(ledger)),
         _counter("tollgate_usage_corrections_total",
                  "Swept ledger rows corrected by a settle or release that came after the sweep.",
-                 [({}, corrections())]),
+                 [({}, corrections(ledger))]),
         _counter("tollgate_over_hold_requests_total",
                  "Calls whose actual usage exceeded their hold (token estimate too low).",
                  [({}, over_calls)]),

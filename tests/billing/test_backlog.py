@@ -14,7 +14,7 @@ from django.core import mail
 from django.db import OperationalError
 from django.db.models import Count
 
-from billing import metrics
+from billing import ledger, metrics
 from billing.alerts import check_ledger_backlog
 from billing.ledger import drain_all, usage_backlog
 from billing.models import UsageRecord
@@ -109,7 +109,8 @@ def test_a_hundred_thousand_events_wait_out_an_outage_then_land_exactly_once(
         raise OperationalError("connection to server failed: Connection refused")
 
     with monkeypatch.context() as outage:
-        outage.setattr(UsageRecord.objects, "bulk_create", refuse)
+        # The drain's insert (billing.rollups.insert_records: the rows and their rollup).
+        outage.setattr(ledger, "insert_records", refuse)
         for _ in range(3):  # the beat keeps trying; every run fails, nothing is deleted
             with pytest.raises(OperationalError):
                 drain_usage()
