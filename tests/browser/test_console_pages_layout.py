@@ -19,6 +19,7 @@ MODELS = {"gpt-4o": 9_000, "gpt-4o-mini": 26_000, "text-embedding-3-small": 4_00
 def _seed_month(tenant_public_id: str) -> None:
     """Two projects with limits, keys, and 30 days of ledger rows for three models."""
     from billing.models import UsageRecord
+    from billing.rollups import insert_records  # rows and rollup, as the drain writes
     from tenants.models import Tenant
     from tenants.services import create_project, issue_key, set_tenant_limits
 
@@ -41,7 +42,7 @@ def _seed_month(tenant_public_id: str) -> None:
                 project=key.project, api_key=key, model=model, served_model=model,
                 input_tokens=tokens * 3 // 4, output_tokens=tokens // 4, cost_micros=tokens,
                 status=UsageRecord.Status.SETTLED, started_at=when, ended_at=when))
-    UsageRecord.objects.bulk_create(rows)
+    insert_records(rows)
     _settle_live(tenant, [row for row in rows if row.ended_at == now])
 
 

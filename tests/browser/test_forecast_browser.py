@@ -21,6 +21,7 @@ def _busy_day(django_db_blocker: Any, tenant_public_id: str) -> None:
     from datetime import UTC, datetime, timedelta
 
     from billing.models import UsageRecord
+    from billing.rollups import insert_records  # rows and rollup, as the drain writes
     from quotas.engine import ReserveRequest
     from quotas.keys import tenant_tag
     from quotas.limits import request_limits
@@ -36,7 +37,7 @@ def _busy_day(django_db_blocker: Any, tenant_public_id: str) -> None:
         project = create_project(tenant, "web", actor="test")
         api_key = issue_key(project, actor="test", name="ci").api_key
         now = datetime.now(UTC)
-        UsageRecord.objects.bulk_create([UsageRecord(
+        insert_records([UsageRecord(
             request_id=f"{tenant_public_id}-{i}", tenant=tenant, project=project,
             api_key=api_key, model="gpt-4o", served_model="gpt-4o", input_tokens=400,
             output_tokens=0, cost_micros=0, status=UsageRecord.Status.SETTLED,
