@@ -1,7 +1,7 @@
 """Benchmark: the ledger's readers and the drain at a small and a large ledger, in one run.
 
     python -m config.bench_ledger [--rows 20000000] [--small 20000] [--tenants 50] [--months 3]
-                                  [--drain-events 10000] [--repeat 3]
+                                  [--drain-events 10000] [--repeat 3] [--migration-rows 0]
 
 A config module, like config/bench.py: it starts its own embedded Redis and PostgreSQL
 (config/embedded.py) in a temporary directory, migrates, makes `--tenants` tenants (one of them,
@@ -21,6 +21,9 @@ and its rollups and:
    does (the quota engine's reserve, then settle with the event; not timed) and times
    billing.ledger.drain_tenant until the stream is empty: rows per second into the ledger of
    that size (the insert, the rollups in the same transaction, and the XDEL).
+
+With `--migration-rows N`, first: the ledger taken back to the plain table before migration
+0013, N rows COPYed into it, and `migrate billing 0013` timed (partitioning an existing ledger).
 
 Printed: the load and rollup times, the table's size, each reader's time and the drain's rate,
 per size. docs/benchmarks.md ("The ledger at scale") keeps the figures of a run.
@@ -148,9 +151,11 @@ _COPY_COLUMNS = ("request_id", "started_at", "ended_at", "recorded_at", "correct
                  *_TEMPLATE_COLUMNS)
 
 
-def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int = 15) -> float:
+def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int = 15, *,
+         partitioned: bool = True) -> float:
     """COPY `rows` synthetic usage rows, ended evenly over the last `months` months up to now
-    (started and recorded at their end); returns the seconds taken."""
+    (started and recorded at their end); returns the seconds taken. `partitioned`: the ledger
+    is (its months are made first); else it is the plain table before migration 0013."""
     from django.db import connection
 
     from billing.partitions import create_month, ensure_partitions, month_of, shift
@@ -158,9 +163,10 @@ def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int 
     assert set(_COPY_COLUMNS) == set(_columns()), "the ledger's columns changed"
     now = datetime.now(UTC)
     first = shift(month_of(now), -(months - 1))
-    for n in range(months):
-        create_month(shift(first, n))
-    ensure_partitions(now)
+    if partitioned:
+        for n in range(months):
+            create_month(shift(first, n))
+        ensure_partitions(now)
     rng = random.Random(seed)
     templates = _templates(tenants, rng)
     base = first.start.timestamp()
@@ -180,6 +186,24 @@ def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int 
         with connection.cursor() as cursor, cursor.cursor.copy(sql) as copy:
             copy.write("".join(lines))
         done += count
+    return time.perf_counter() - started
+
+
+def migration_time(rows: int, tenants: list[tuple[int, int, int]], months: int) -> float:
+    """The ledger back to the plain table of migration 0012 (empty), `rows` rows COPYed into it,
+    then `migrate billing 0013` timed: what partitioning an existing ledger of that size takes
+    (one transaction; the drain waits for it). The ledger is partitioned again at the end."""
+    from django.core.management import call_command
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup")
+    call_command("migrate", "billing", "0012", verbosity=0)
+    load(rows, tenants, months, partitioned=False)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE billing_usagerecord")
+    started = time.perf_counter()
+    call_command("migrate", "billing", verbosity=0)
     return time.perf_counter() - started
 
 
@@ -305,12 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--months", type=int, default=3)
     parser.add_argument("--drain-events", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--migration-rows", type=int, default=0,
+                        help="First time migration 0013 over a plain ledger of this many rows "
+                             "(0: not measured).")
     args = parser.parse_args(argv)
     if min(args.rows, args.small, args.tenants, args.months, args.drain_events,
            args.repeat) <= 0:
         parser.error("every count must be > 0")
     with services():
         tenants = _setup_tenants(args.tenants)
+        if args.migration_rows > 0:
+            seconds = migration_time(args.migration_rows, tenants, args.months)
+            print(f"\n== migration 0013 over a plain ledger of {args.migration_rows:,} rows: "
+                  f"{seconds:.1f} s ({args.migration_rows / seconds:,.0f} rows/s) ==")
         for rows in (args.small, args.rows):
             _print(run_size(rows, tenants, args.months, args.drain_events, args.repeat))
     return 0
