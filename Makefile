@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up down test test-browser ci bench bench-ledger bench-abuse bench-quota clean
+.PHONY: install up down test test-browser ci bench bench-ledger bench-background bench-abuse bench-quota clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # Settings refuse to load without TOLLGATE_ENV (config/settings.py): the quick start and the
 # benchmarks are development; `make test` runs as test (tests/session_env.py).
-up bench bench-ledger bench-quota down clean: export TOLLGATE_ENV ?= development
+up bench bench-ledger bench-background bench-quota down clean: export TOLLGATE_ENV ?= development
 
 # Bring the whole system up on embedded defaults: Redis and PostgreSQL from pip packages under
 # .data/, migrations, the demo tenant / project / key (printed once), the mock upstream on :8099
@@ -57,6 +57,13 @@ bench: $(STAMP)
 ROWS ?= 20000000
 bench-ledger: $(STAMP)
 	$(PY) -m config.bench_ledger --rows $(ROWS) $(ARGS)
+
+# The background jobs (drain, sweep, alert and health detectors) at 100,000 tenants of which 10
+# are active, on its own embedded services: one run of each before the index of active tenants
+# and with it, and their full walk (docs/benchmarks.md, "Background jobs at 100,000 tenants").
+# ARGS adds options (--tenants, --active, --no-before).
+bench-background: $(STAMP)
+	$(PY) -m config.bench_background $(ARGS)
 
 # Small calls of one tenant on one gateway worker alone, beside a stream of 400 KB prompts, and
 # beside a flood of random API keys from one client address and from a new address per request

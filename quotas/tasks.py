@@ -31,8 +31,8 @@ def sweep_stale_holds() -> int:
     The tenants of the index of active tenants only (quotas/active.py; a tenant with an open
     hold stays in it), so an idle tenant costs nothing; on the job's full walk
     (TOLLGATE_ACTIVE_FULL_WALK_SECONDS, or at once when the index was lost) every tenant in
-    PostgreSQL is probed, pipelined, and those with holds or undrained events are marked again
-    (a gateway worker killed before its flush). The keyspace is never scanned. Then the index
+    PostgreSQL is probed for open holds, pipelined, and those with some are marked again (a
+    gateway worker killed before its flush). The keyspace is never scanned. Then the index
     forgets the tenants idle for TOLLGATE_ACTIVE_RETENTION_SECONDS. Two workers running this at
     once are harmless: the sweep script ends a hold only while it is open, exactly once, and a
     removal from the index never drops a tenant marked since. Each swept hold leaves a usage
@@ -43,7 +43,8 @@ def sweep_stale_holds() -> int:
     settings = active.ActiveSettings.from_django()
     run = active.visit(client, active.SWEEP, settings)
     if run.full:
-        work = active.probe(client, list(run.tenants))
+        # Holds only: the drain's own full walk finds (and marks) the streams with events.
+        work = active.probe(client, list(run.tenants), events=False)
         active.remark_busy(client, work, settings.shards)
         tenant_ids = [tenant_id for tenant_id, found in work.items() if found.holds]
     else:

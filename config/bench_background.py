@@ -1,0 +1,230 @@
+"""Benchmark: the background jobs at 100,000 tenants of which 10 are active.
+
+    python -m config.bench_background [--tenants 100000] [--active 10] [--events 10]
+                                      [--repeat 5] [--no-before]
+
+A config module, like config/bench_ledger.py: it starts its own embedded Redis and PostgreSQL
+(config/embedded.py) in a temporary directory, migrates, and bulk-inserts `--tenants` tenants
+(Tenant.objects.bulk_create, 5,000 a statement: no service, no audit, they are idle). `--active`
+of them then call as the gateway does through the quota engine (which marks them in the index
+of active tenants, quotas/active.py): `--events` reserve + settle each, and one hold left open.
+
+Timed (the jobs' task functions, as a Celery worker runs them; the index's full walk recorded
+just before, so each run visits the index only):
+
+- before (unless --no-before): what each job did per run before the index, on the same data:
+  the drain's one XRANGE per tenant of PostgreSQL and the sweep's one engine.sweep per tenant;
+- billing.tasks.drain_usage with the active tenants' events waiting (the rows written), then
+  idle runs (nothing waiting; the median of --repeat);
+- quotas.tasks.sweep_stale_holds with the open holds stale (the engine's stale threshold set to
+  1 s for the bench), then idle runs;
+- the detectors' tasks (check_quota_thresholds, check_pending_health, check_quota_forecasts);
+- the backstop: one drain run and one sweep run doing their full walk (every tenant probed,
+  pipelined).
+
+docs/benchmarks.md ("Background jobs at 100,000 tenants") keeps the figures of a run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BULK = 5_000
+
+
+@contextmanager
+def services() -> Iterator[Path]:
+    """Embedded Redis and PostgreSQL in a temporary directory, migrated, Django set up; stopped
+    and removed on exit."""
+    data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-background-", dir="/tmp"))
+    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
+                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
+    os.environ.pop("DATABASE_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    from config import embedded
+
+    embedded.start_all(data_dir, persistent=False)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        import django
+
+        django.setup()
+        yield data_dir
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        embedded.stop_all(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def bulk_tenants(count: int) -> list[int]:
+    """`count` idle tenants on the free plan, inserted in bulk; their ids, ascending."""
+    from tenants.models import Plan, Tenant
+
+    plan = Plan.objects.get(name="free")
+    for start in range(0, count, BULK):
+        Tenant.objects.bulk_create([Tenant(slug=f"bg-{i:06d}", name=f"bg {i}", plan=plan)
+                                    for i in range(start, min(start + BULK, count))])
+    return list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
+
+
+def make_active(engine: Any, tenant_ids: list[int], events: int, prefix: str = "bg") -> None:
+    """Calls as the gateway makes them: `events` reserve + settle per tenant (each leaves a
+    usage event for the drain) and one hold left open (for the sweep)."""
+    from quotas.engine import ReserveRequest, ScopeLimit
+    from quotas.keys import tenant_tag
+    from quotas.windows import WindowKind
+
+    limits = (ScopeLimit("tenant", WindowKind.DAY, 10**12),)
+    meta = json.dumps({"m": "gpt-4o", "served": "gpt-4o", "ep": "chat/completions"})
+    event = json.dumps({"in": 300, "out": 120, "st": 200, "lat": 700, "outcome": "complete",
+                        "pk": None, "stream": False, "soft": False})
+    for tenant_id in tenant_ids:
+        tag = tenant_tag(tenant_id)
+        for i in range(events):
+            hold = engine.reserve(ReserveRequest(tag, f"{prefix}-{tag}-{i}", 1000, limits,
+                                                 meta=meta)).hold
+            engine.settle(hold, 420, event)
+        engine.reserve(ReserveRequest(tag, f"{prefix}-{tag}-open", 1000, limits, meta=meta))
+
+
+def walked_now(client: Any) -> None:
+    """Every job's full walk done just now: the runs below visit the index only."""
+    from quotas import active
+
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    for job in active.JOBS:
+        active.walked(client, active.Visit(job, True, (), (), now_ms))
+
+
+def timed(work: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = work()
+    return time.perf_counter() - started, result
+
+
+def median_of(work: Callable[[], Any], repeat: int) -> float:
+    return statistics.median(timed(work)[0] for _ in range(repeat))
+
+
+def before(engine: Any, tenant_ids: list[int]) -> tuple[float, float]:
+    """One run of each job as it was before the index: the drain read every tenant's stream
+    (one XRANGE each, the tenants from PostgreSQL), the sweep swept every tenant (one
+    engine.sweep each). On idle tenants that is all they did."""
+    from quotas import keys
+    from tenants.models import Tenant
+
+    client = engine.client
+
+    def drain() -> None:
+        for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+            client.xrange(keys.usage_stream_key(keys.tenant_tag(tenant_id)), count=500)
+
+    def sweep() -> None:
+        for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
+            engine.sweep(keys.tenant_tag(tenant_id))
+
+    return timed(drain)[0], timed(sweep)[0]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from billing import tasks as billing_tasks
+    from billing.models import UsageRecord
+    from quotas import active, keys, runtime
+    from quotas import tasks as quota_tasks
+    from quotas.engine import EngineSettings, QuotaEngine
+
+    figures: dict[str, Any] = {}
+    figures["insert_s"], ids = timed(lambda: bulk_tenants(args.tenants))
+    # Holds are stale after 1 s for the bench's sweep (QUOTA_STALE_HOLD_SECONDS cannot go below
+    # twice the gateway's call deadline); everything else as configured.
+    base = runtime.get_engine()
+    engine = QuotaEngine(base.client, dataclasses.replace(base.settings, stale_hold_s=1))
+    runtime._engine = engine
+    active_ids = ids[:: max(len(ids) // args.active, 1)][: args.active]
+    make_active(engine, active_ids, args.events)
+    walked_now(engine.client)
+    if not args.no_before:
+        # At the configured stale threshold: the old sweep's cost, without ending the holds
+        # the new one is timed on.
+        figures["before"] = before(base, ids)
+    time.sleep(1.1)  # the open holds are stale now
+
+    rows_before = UsageRecord.objects.count()
+    figures["drain_busy_s"], moved = timed(billing_tasks.drain_usage)
+    figures["drain_moved"] = moved
+    figures["rows"] = UsageRecord.objects.count() - rows_before
+    figures["drain_idle_s"] = median_of(billing_tasks.drain_usage, args.repeat)
+    figures["sweep_busy_s"], swept = timed(quota_tasks.sweep_stale_holds)
+    figures["swept"] = swept
+    figures["sweep_idle_s"] = median_of(quota_tasks.sweep_stale_holds, args.repeat)
+    billing_tasks.drain_usage()  # the swept holds' events
+    figures["thresholds_s"] = median_of(billing_tasks.check_quota_thresholds, args.repeat)
+    figures["pending_s"] = median_of(billing_tasks.check_pending_health, args.repeat)
+    figures["forecasts_s"] = median_of(billing_tasks.check_quota_forecasts, args.repeat)
+    # The backstop: the same jobs when their full walk is due (every tenant, pipelined probes).
+    for shard in range(engine.settings.active_shards):
+        engine.client.zrem(keys.active_shard_key(shard), keys.active_walk_member(active.DRAIN),
+                           keys.active_walk_member(active.SWEEP))
+    figures["drain_full_s"] = timed(billing_tasks.drain_usage)[0]
+    figures["sweep_full_s"] = timed(quota_tasks.sweep_stale_holds)[0]
+    return figures
+
+
+def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    ms = 1000
+    print(f"\n== {args.tenants:,} tenants, {args.active} active "
+          f"({args.events} settled calls and 1 open hold each) ==")
+    print(f"  tenants inserted in {figures['insert_s']:.1f} s")
+    if "before" in figures:
+        drain_s, sweep_s = figures["before"]
+        print(f"  before the index (one call per tenant): drain run {drain_s * ms:,.0f} ms, "
+              f"sweep run {sweep_s * ms:,.0f} ms")
+    print(f"  drain run, {figures['drain_moved']} events waiting ({figures['rows']} rows "
+          f"written): {figures['drain_busy_s'] * ms:.1f} ms; idle: "
+          f"{figures['drain_idle_s'] * ms:.1f} ms (median of {args.repeat})")
+    print(f"  sweep run, {figures['swept']} stale holds ended: "
+          f"{figures['sweep_busy_s'] * ms:.1f} ms; idle: {figures['sweep_idle_s'] * ms:.1f} ms")
+    print(f"  threshold catch-up {figures['thresholds_s'] * ms:.1f} ms, pending health "
+          f"{figures['pending_s'] * ms:.1f} ms, forecasts {figures['forecasts_s'] * ms:.1f} ms")
+    print(f"  backstop (full walk, every tenant probed): drain {figures['drain_full_s'] * ms:,.0f}"
+          f" ms, sweep {figures['sweep_full_s'] * ms:,.0f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tenants", type=int, default=100_000)
+    parser.add_argument("--active", type=int, default=10)
+    parser.add_argument("--events", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-before", action="store_true",
+                        help="skip the one-call-per-tenant runs (they take seconds)")
+    args = parser.parse_args(argv)
+    if min(args.tenants, args.active, args.events, args.repeat) <= 0:
+        parser.error("every count must be > 0")
+    if args.active > args.tenants:
+        parser.error("--active must not exceed --tenants")
+    with services():
+        report(args, run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
