@@ -181,8 +181,11 @@ class GatewayRouter:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                # The calls' detached ends and the buffered writes first (their metrics go in
-                # the tally below), bounded by GATEWAY_SHUTDOWN_DRAIN_SECONDS.
+                # The tally so far first (a drain that outlasts the process manager's patience
+                # must not take the figures with it), then the calls' detached ends and the
+                # buffered writes, bounded by GATEWAY_SHUTDOWN_DRAIN_SECONDS, whose figures go in
+                # the tally written below.
+                metrics.flush()
                 try:
                     await drain_worker()
                 except Exception:  # noqa: BLE001 - the tally and the hooks still run

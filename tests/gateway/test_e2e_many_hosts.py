@@ -9,6 +9,8 @@ nothing else. The standalone embedded Redis is only their Django cache and Celer
    what they knew (sweep_basis `streaming`).
 4. A rolling restart under load (SIGTERM, a new host started) loses nothing: every call completes
    and is settled, or was refused before the upstream saw it; the ledger is exact.
+5. A stream longer than a stopping host's drain is cut at the drain and charged what it
+   produced, not left to the sweep.
 """
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def test_a_call_cancelled_by_the_servers_shutdown_ends_as_if_its_client_had_left
     assert gone == ["gone"]
 
 
-def test_the_lifespan_shutdown_drains_the_worker_before_the_tally(
+def test_the_lifespan_shutdown_writes_the_tally_before_and_after_draining_the_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     order: list[str] = []
@@ -162,7 +162,7 @@ def test_the_lifespan_shutdown_drains_the_worker_before_the_tally(
 
     router = GatewayRouter(ASGIHandler(), {}, on_shutdown=(lambda: order.append("hook"),))
     asyncio.run(router({"type": "lifespan"}, receive, send))
-    assert order[:2] == ["drain", "tally"] and order[-1] == "hook"
+    assert order[:3] == ["tally", "drain", "tally"] and order[-1] == "hook"
     assert [m["type"] for m in sent] == ["lifespan.startup.complete",
                                          "lifespan.shutdown.complete"]
 
