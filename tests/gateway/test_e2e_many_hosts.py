@@ -340,12 +340,15 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
     hosts: Hosts, host_2_restored: None, own_mock_upstream: tuple[MockUpstream, Any], make_tenant: MakeTenant,
     cluster_engine: QuotaEngine, redis_cluster_url: str, django_db_blocker: Any,
 ) -> None:
-    """12 streams on host 2 (its own settings, above) from a mock upstream of the test's own.
-    Once every client has some of its answer, the upstream freezes (SIGSTOP) and the holds'
-    checkpoints catch up with what each client received; host 2 is SIGKILLed. Hosts 0 and 1
-    go on serving. The sweep task (quotas.tasks.sweep_stale_holds, on the cluster, with the
-    killed host's stale threshold) ends the 12 holds charging each the input estimate plus what
-    its client received (sweep_basis `streaming`), and the ledger's rows say so."""
+    """12 streams and 4 plain calls (whose upstream answers after 8 s) on host 2 (its own
+    settings, above) from a mock upstream of the test's own. Once every stream's client has some
+    of its answer, the upstream freezes (SIGSTOP) and the holds' checkpoints catch up: each
+    stream's with what its client received, each plain call's `forwarded`; host 2 is SIGKILLed.
+    Hosts 0 and 1 go on serving. The sweep task (quotas.tasks.sweep_stale_holds, on the
+    cluster, with the killed host's stale threshold) ends the 16 holds as the integrity rules
+    say: a stream the input estimate plus what its client received (sweep_basis `streaming`), a
+    forwarded plain call its whole hold (`forwarded`: it may have produced up to its cap); the
+    ledger's rows say so."""
     from quotas.tasks import sweep_stale_holds
     from tests.gateway.test_e2e_call_end import ClientStream, eventually
 
@@ -353,10 +356,12 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
     mock, mock_process = own_mock_upstream
     t = make_tenant(plan="enterprise", requests_per_second=-1)
     model = f"{unique_model('fx-hosts-kill')}@chunk_ms=50@output_tokens=200"
-    dedicated_key(django_db_blocker, redis_cluster_url, t, mock, "kill", [model])
+    slow = f"{unique_model('fx-hosts-kill')}@first_byte_ms=8000"
+    dedicated_key(django_db_blocker, redis_cluster_url, t, mock, "kill", [model, slow])
     hosts.servers[2].stop()
     victim = hosts.start(2, **VICTIM_ENV)  # started after the key: its pool has it
     streams = [ClientStream() for _ in range(12)]
+    plain_ids: list[str] = []
     survivors: list[httpx.Response] = []
 
     def hold(stream: ClientStream) -> dict[str, str]:
@@ -367,13 +372,27 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
         async with httpx.AsyncClient(timeout=60, limits=limits) as http:
             tasks = [asyncio.create_task(s.run(http, f"{victim.base_url}/chat/completions",
                                                t.plaintext, model)) for s in streams]
+
+            async def plain() -> None:
+                try:
+                    await http.post(f"{victim.base_url}/chat/completions", json={
+                        "model": slow, "messages": HI, "max_tokens": 20},
+                        headers={"Authorization": f"Bearer {t.plaintext}"})
+                except httpx.HTTPError:
+                    pass  # dies with the host
+
+            tasks += [asyncio.create_task(plain()) for _ in range(4)]
             assert await eventually(lambda: all(s.chunks >= 5 for s in streams), 60), \
                 [s.chunks for s in streams]
             os.kill(mock_process.pid, signal.SIGSTOP)  # nothing more comes from upstream
 
             def checkpoints_caught_up() -> bool:
+                open_ids = set(engine.open_hold_ids(t.tag))
+                plain_ids[:] = sorted(open_ids - {s.request_id for s in streams})
                 return all((h := hold(s)).get("phase") == "streaming"
-                           and int(h.get("progress", -1)) == s.tokens() for s in streams)
+                           and int(h.get("progress", -1)) == s.tokens() for s in streams) \
+                    and len(plain_ids) == 4 and all(engine.client.hget(
+                        hold_key(t.tag, i), "phase") == "forwarded" for i in plain_ids)
 
             assert await eventually(checkpoints_caught_up, 30), [
                 (hold(s).get("progress"), s.tokens()) for s in streams]
@@ -384,7 +403,7 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
     asyncio.run(scenario())
     assert all(s.error is not None for s in streams)  # every stream died with its host
     ids = {s.request_id for s in streams}
-    assert set(engine.open_hold_ids(t.tag)) == ids
+    assert set(engine.open_hold_ids(t.tag)) == ids | set(plain_ids)
 
     # The other two hosts serve on (through the shared provider key and mock).
     for url in hosts.urls[:2]:
@@ -400,7 +419,7 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
             return engine.open_hold_ids(t.tag) == []
 
         assert wait_until(sweep, timeout=VICTIM_STALE_SECONDS + 30)
-    assert sum(swept) >= 12
+    assert sum(swept) >= 16
 
     events = {e["request_id"]: e for e in usage_events(engine, t.tag)}
     assert {events[i]["outcome"] for i in ids} == {"swept"}
@@ -409,6 +428,9 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
         assert int(event["out"]) == stream.tokens() >= stream.chunks >= 5
         assert int(event["in"]) > 0
         assert int(event["in"]) + int(event["out"]) == int(event["actual"]) <= int(event["held"])
+    for request_id in plain_ids:
+        assert events[request_id]["outcome"] == "swept"
+        assert int(events[request_id]["actual"]) == int(events[request_id]["held"])
     served = {r.headers["x-request-id"] for r in survivors}
     assert {events[i]["outcome"] for i in served} == {"settled"}
     counter = engine.counter(t.tag, "tenant")
@@ -416,12 +438,16 @@ def test_a_host_killed_mid_stream_leaves_two_serving_and_its_holds_swept(
     assert counter.used == sum(int(e["actual"]) for e in events.values())
 
     rows = {r.request_id: r for r in drain(engine, django_db_blocker, t.tenant_id)}
-    assert set(rows) == ids | served
+    assert set(rows) == ids | set(plain_ids) | served
     for stream in streams:
         row = rows[stream.request_id]
         assert (row.status, row.sweep_basis) == ("swept", "streaming")
         assert row.output_tokens == stream.tokens()
         assert row.input_tokens + row.output_tokens <= row.held_tokens
+    for request_id in plain_ids:
+        row = rows[request_id]
+        assert (row.status, row.sweep_basis) == ("swept", "forwarded")
+        assert row.input_tokens + row.output_tokens == row.held_tokens
     assert {rows[i].status for i in served} == {"settled"}
 
 
