@@ -300,7 +300,8 @@ def whole_days(tenant: Tenant, zone: str, start: datetime, end: datetime) -> Day
             break
         lo, hi = max(day_from, start), min(day_to, end)
         whole = lo == day_from and hi == day_to
-        if whole and zone != UTC_ZONE and changes:
+        if whole and zone != UTC_ZONE:
+            # Also for a tenant that never changed: `zone` may not be its zone at all.
             a, b = _ms(day_from), _ms(day_to)
             points = [a, *(c for c in changes if a < c < b), b - 1]
             whole = all(zones.at(tenant.pk, p) == zone for p in points)

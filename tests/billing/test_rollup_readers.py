@@ -205,3 +205,12 @@ def test_a_released_and_an_unmetered_call_count_as_requests(client: redis.Redis)
     assert [(r["requests"], r["total_tokens"]) for r in rows] == [(2, 100)]
 
 
+
+
+def test_a_zone_the_tenant_never_had_is_read_from_raw_rows(client: redis.Redis) -> None:
+    tenant, _ = drained(client, "read-never", "UTC")
+    tz = ZoneInfo(KOLKATA)
+    start, end = datetime(2026, 11, 1, tzinfo=tz), datetime(2026, 12, 1, tzinfo=tz)
+    report = tenant_report(tenant, Span("2026-11", start, end, KOLKATA))
+    assert sorted(r[:15] for r in report.rows) == expected_rows(tenant, KOLKATA, start, end)
+    assert report.rows
