@@ -177,7 +177,8 @@ def scope_gauges(status: QuotaStatus, tenant: Tenant,
 def live_status(tenant: Tenant, ledger_month: dict[str, int] | None = None,
                 month_label: str = "This month") -> LiveStatus | None:
     try:
-        status = quota_status(tenant)
+        # No key's counters: the dashboard draws the tenant's and the projects' gauges only.
+        status = quota_status(tenant, keys=())
         refused = refused_today(tenant)
         # Only the scopes the dashboard draws gauges for: the tenant and its projects.
         forecasts = scope_forecasts(tenant, kinds=(TENANT, PROJECT))

@@ -494,6 +494,7 @@ def scope_forecasts(tenant: Tenant, *, engine: Any = None, active_only: bool = F
                     calendar: Calendar | None = None,
                     kinds: Collection[str] = ALL_KINDS,
                     exclude: Callable[[set[str]], Collection[tuple[str, str]]] | None = None,
+                    keys: Collection[ApiKey] | None = None,
                     ) -> list[ScopeForecast]:
     """The forecasts of the tenant's limited counters in their current windows (the tenant's
     calendar, quotas.cycles.calendar_for). Used so far: the live counters, read in one round
@@ -505,10 +506,15 @@ def scope_forecasts(tenant: Tenant, *, engine: Any = None, active_only: bool = F
     `exclude(window ids)`: the (scope, window id) pairs to leave out before their history is
     read, asked once with the current windows' ids, and only when a counter is left (the beat:
     the scopes already warned in these windows). No counter left: no ledger read at all.
-    Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
+    `keys`: of the keys, only these (the page of keys a listing shows) rather than every
+    limited key of the tenant. Raises quotas.engine.QuotaStoreUnavailable when Redis is down."""
     settings = settings or ForecastSettings.from_django()
     engine = engine or get_engine()
-    projects, api_keys = _limited(tenant, kinds)
+    projects, api_keys = _limited(tenant, kinds if keys is None else
+                                  [kind for kind in kinds if kind != KEY])
+    if keys is not None and KEY in kinds:
+        api_keys = [k for k in keys if k.revoked_at is None
+                    and (k.tokens_per_day is not None or k.tokens_per_month is not None)]
     counters = [c for c in forecast_counters(tenant, projects, api_keys) if c.kind in kinds]
     if not counters:
         return []

@@ -187,8 +187,19 @@ class AllotmentStandingSerializer(serializers.Serializer):
     allotments = AllotmentFiguresSerializer(many=True)
 
 
+class KeyScopePageSerializer(serializers.Serializer):
+    """Which keys' scopes a /quota or /limits document lists (config/api/key_scopes.py)."""
+
+    count = serializers.IntegerField(help_text="Unrevoked keys (each has a day counter).")
+    limit = serializers.IntegerField()
+    offset = serializers.IntegerField()
+    next = serializers.URLField(allow_null=True,
+                                help_text="The next page of keys' scopes; null on the last.")
+
+
 class QuotaResponseSerializer(serializers.Serializer):
     scopes = ScopeStatusSerializer(many=True)
+    keys = KeyScopePageSerializer(help_text="The keys whose scopes are listed, a page of them.")
     open_holds = serializers.IntegerField()
     refused_today = RefusedTodaySerializer()
     allotments = AllotmentStandingSerializer(help_text="Allotments and the shared pool per "

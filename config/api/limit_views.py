@@ -26,6 +26,7 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from config.api.key_scopes import KEY_SCOPE_PARAMETERS, key_scope_page
 from config.api.service_errors import service_error
 from config.api.tenancy_serializers import (
     PaceResumeSerializer,
@@ -181,16 +182,18 @@ def _change_cycle(tenant: Tenant, changes: dict[str, Any], actor: str) -> str:
     return describe_change(done)
 
 
-def limits_representation(tenant: Tenant) -> tuple[dict[str, Any], bool]:
-    """The limits document of a tenant and whether its live part could be read."""
+def limits_representation(tenant: Tenant, request: Request) -> tuple[dict[str, Any], bool]:
+    """The limits document of a tenant and whether its live part could be read; the live part
+    lists the scopes of the page of keys `request` asks for (config/api/key_scopes.py)."""
     limits = selectors.effective_limits(tenant)
+    keys, key_page = key_scope_page(request, tenant)
     try:
-        live_status = quota_status(tenant)
+        live_status = quota_status(tenant, keys=keys)
     except QuotaStoreUnavailable:
         live = None
     else:
         live = {"open_holds": live_status.open_holds,
-                "scopes": [scope.as_dict() for scope in live_status.scopes]}
+                "scopes": [scope.as_dict() for scope in live_status.scopes], "keys": key_page}
     document = {
         "plan": PlanSerializer(tenant.plan).data,
         "effective": {
@@ -228,7 +231,7 @@ class TenantLimitsView(TenantScopedAPIView):
 
     def _respond(self, tenant: Tenant, *, changed: bool = False, cycle_change: str = ""
                  ) -> Response:
-        document, live = limits_representation(tenant)
+        document, live = limits_representation(tenant, self.request)
         if cycle_change:
             document["cycle"]["change"] = cycle_change
         if live:
@@ -238,7 +241,8 @@ class TenantLimitsView(TenantScopedAPIView):
         code = status.HTTP_200_OK if changed else status.HTTP_503_SERVICE_UNAVAILABLE
         return Response({"detail": LIVE_UNAVAILABLE, **document}, status=code)
 
-    @extend_schema(responses={200: TenantLimitsSerializer,
+    @extend_schema(parameters=KEY_SCOPE_PARAMETERS,
+                   responses={200: TenantLimitsSerializer,
                               503: OpenApiResponse(description=LIVE_UNAVAILABLE)})
     def get(self, request: Request, tenant_id: str) -> Response:
         return self._respond(self.tenant())

@@ -11,6 +11,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from billing.webhooks import MAX_GRACE_SECONDS
+from config.api.billing_serializers import KeyScopePageSerializer
 from config.api.strict_types import StrictJSONTypes
 from tenants import selectors
 from tenants.management_tokens import masked_token
@@ -400,6 +401,7 @@ class LimitScopeStatusSerializer(serializers.Serializer):
 class LiveStatusSerializer(serializers.Serializer):
     open_holds = serializers.IntegerField()
     scopes = LimitScopeStatusSerializer(many=True)
+    keys = KeyScopePageSerializer(help_text="The keys whose scopes are listed, a page of them.")
 
 
 class AllotmentWindowSerializer(serializers.Serializer):

@@ -18,6 +18,7 @@ from config.api.billing_serializers import (
     UsageQuerySerializer,
     UsageResponseSerializer,
 )
+from config.api.key_scopes import KEY_SCOPE_PARAMETERS, key_scope_page
 from config.api.tenant_scope import (
     TenantScopedAPIView,
     check_date_params,
@@ -87,21 +88,24 @@ class QuotaView(TenantScopedAPIView):
     holds, today's refused requests by reason, and the allotments: per window the shared pool
     and each allotment's used, borrowed and left. 503 when Redis is unreachable."""
 
-    @extend_schema(responses={200: QuotaResponseSerializer, 503: ErrorSerializer})
+    @extend_schema(parameters=KEY_SCOPE_PARAMETERS,
+                   responses={200: QuotaResponseSerializer, 503: ErrorSerializer})
     def get(self, request: Request, tenant_id: str) -> Response:
         tenant: Tenant = self.tenant()
+        keys, key_page = key_scope_page(request, tenant)
         try:
-            status = quota_status(tenant)
+            status = quota_status(tenant, keys=keys)
             refused = refused_today(tenant)
             allotments = allotment_standing(tenant)
             day, _ = current_windows(tenant)
             forecasts = {(f.kind, f.ref, f.window_kind.value): f.forecast.as_dict()
-                         for f in scope_forecasts(tenant)}
+                         for f in scope_forecasts(tenant, keys=keys)}
         except QuotaStoreUnavailable:
             return Response({"detail": LIVE_UNAVAILABLE}, status=503)
         return Response({
             "scopes": [{**s.as_dict(), "forecast": forecasts.get((s.kind, s.ref, s.window))}
                        for s in status.scopes],
+            "keys": key_page,
             "open_holds": status.open_holds,
             # Per window: the shared pool, and each allotment with what was used of it and
             # borrowed beyond it (what the console's limits page shows).

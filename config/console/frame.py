@@ -5,7 +5,7 @@ Redis is down: pages then say so) and the page that shows a new secret once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any
 
@@ -112,10 +112,13 @@ def tenant_key(tenant: Tenant, public_id: str) -> ApiKey:
     return api_key
 
 
-def live_status(tenant: Tenant) -> QuotaStatus | None:
-    """The live counters, or None when the quota store is down (pages then say so)."""
+def live_status(tenant: Tenant, *, keys: Iterable[ApiKey] | None = None
+                ) -> QuotaStatus | None:
+    """The live counters, or None when the quota store is down (pages then say so). `keys`:
+    only these keys' counters (quotas.status.quota_status); a page that shows no key's passes
+    none, since a tenant may have thousands."""
     try:
-        return quota_status(tenant)
+        return quota_status(tenant, keys=keys)
     except QuotaStoreUnavailable:
         return None
 

@@ -75,7 +75,7 @@ def _limits_page(
 ) -> HttpResponse:
     """`bound`: the one submitted form (by its prefix) to show with its errors."""
     bound = bound or {}
-    live = live_status(tenant)
+    live = live_status(tenant, keys=())  # no key's counters here: they are on each key's page
     by_scope: dict[tuple[str, str, str], Any] = {}
     if live is not None:
         by_scope = {(s.kind, s.ref, s.window): s for s in live.scopes}

@@ -207,7 +207,7 @@ def _key_page(
 ) -> HttpResponse:
     now = timezone.now()
     usage = usage_today_and_month(tenant, "key", only=[api_key])
-    live = live_status(tenant)
+    live = live_status(tenant, keys=[api_key] if api_key.revoked_at is None else [])
     live_scopes = ([s for s in live.scopes if s.kind == "key" and s.ref == api_key.public_id]
                    if live is not None else [])
     context = {

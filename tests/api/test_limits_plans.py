@@ -144,7 +144,7 @@ def test_limits_owner_member_outsider(world: World) -> None:
 def test_limits_with_redis_down_is_503_with_static_part(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def down(tenant: Tenant) -> None:
+    def down(tenant: Tenant, **kwargs: object) -> None:
         raise QuotaStoreUnavailable("connection refused")
 
     monkeypatch.setattr("config.api.limit_views.quota_status", down)
@@ -186,7 +186,7 @@ def test_alert_thresholds_by_admin_overrides_by_operator(world: World) -> None:
 def test_saved_limits_answer_200_even_with_redis_down(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def down(tenant: Tenant) -> None:
+    def down(tenant: Tenant, **kwargs: object) -> None:
         raise QuotaStoreUnavailable("connection refused")
 
     monkeypatch.setattr("config.api.limit_views.quota_status", down)

@@ -49,7 +49,9 @@ def test_limits_page_without_allotments_says_so(quota: World) -> None:
     assert 'data-testid="allotments-none"' in html
     assert "No allotments: every project and key draws from the tenant's whole quota." in html
     assert f'<label for="id_p-{quota.web.public_id}-allotment_tokens_per_day">' in html
-    assert f'<label for="id_k-{quota.issued.api_key.public_id}-allotment_tokens_per_month">' in html
+    # A key's allotment is set on its own page (the limits page has no per-key forms).
+    key_page = text(login(quota.owner).get(url(quota, f"keys/{quota.issued.api_key.public_id}")))
+    assert '<label for="id_allotment_tokens_per_month">' in key_page
 
 
 def test_an_owner_allots_to_a_project_and_a_key_on_the_limits_page(quota: World) -> None:
@@ -64,9 +66,8 @@ def test_an_owner_allots_to_a_project_and_a_key_on_the_limits_page(quota: World)
     assert event.data["changes"]["allotment_tokens_per_day"] == {"from": None, "to": 600}
 
     key = quota.issued.api_key
-    prefix = f"k-{key.public_id}"
-    response = owner.post(url(quota, "limits"), {
-        "form": prefix, f"{prefix}-allotment_tokens_per_day": "250"})
+    response = owner.post(url(quota, f"keys/{key.public_id}"), {
+        "name": key.name, "allotment_tokens_per_day": "250"})  # on the key's own page
     assert response.status_code == 302
     key.refresh_from_db()
     assert key.allotment_tokens_per_day == 250

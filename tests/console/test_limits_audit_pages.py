@@ -67,7 +67,7 @@ def test_limits_page_member_reads_outsider_404(world: World) -> None:
 
 
 def test_limits_page_when_redis_is_down(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    def down(tenant: Tenant) -> None:
+    def down(tenant: Tenant, **kwargs: object) -> None:
         raise QuotaStoreUnavailable("down")
 
     monkeypatch.setattr("config.console.frame.quota_status", down)

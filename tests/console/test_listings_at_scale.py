@@ -263,3 +263,42 @@ def test_listing_queries_and_size_do_not_grow(world: World, django_assert_num_qu
     # A page is at most its page size (50 keys or events), whatever the tenant holds.
     assert large < 120_000, large
     assert small <= large
+
+
+# -- the key scopes of /quota and /limits ------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["quota", "limits"])
+def test_key_scopes_come_a_page_at_a_time(world: World, path: str) -> None:
+    made = add_keys(world, 3, prefix="scoped")
+    revoke_key(made[0], actor="test")  # a revoked key has no live counter: never listed
+    live = {world.issued.api_key.public_id, made[1].public_id, made[2].public_id}
+    api = world.client(world.owner)
+
+    def document(url: str) -> dict[str, Any]:
+        response = api.get(url)
+        assert response.status_code == 200, response.content[:300]
+        body = response.json()
+        return body if path == "quota" else body["live"]
+
+    url: str | None = f"/api/tenants/{world.acme.public_id}/{path}?key_limit=2"
+    seen: list[str] = []
+    pages = 0
+    while url:
+        body = document(url)
+        assert body["keys"]["count"] == 3 and body["keys"]["limit"] == 2
+        refs = {s["id"] for s in body["scopes"] if s["scope"] == "key"}
+        assert len(refs) <= 2
+        seen += sorted(refs)
+        # The tenant's and projects' scopes are on every page.
+        assert any(s["scope"] == "tenant" for s in body["scopes"])
+        assert any(s["scope"] == "project" for s in body["scopes"])
+        url = body["keys"]["next"]
+        pages += 1
+    assert pages == 2 and sorted(seen) == sorted(live)
+    none = document(f"/api/tenants/{world.acme.public_id}/{path}?key_limit=0")
+    assert not [s for s in none["scopes"] if s["scope"] == "key"]
+    assert none["keys"] == {"count": 3, "limit": 0, "offset": 0, "next": None}
+    for bad in ("key_limit=201", "key_limit=-1", "key_offset=x"):
+        response = api.get(f"/api/tenants/{world.acme.public_id}/{path}?{bad}")
+        assert response.status_code == 400 and bad.split("=")[0] in response.json()
