@@ -198,7 +198,7 @@ def _stage(cursor: Any, attnames: list[str], batch: list[UsageRecord]) -> None:
     columns = ", ".join(f.column for f in _fields())
     cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "
                    f"SELECT {columns} FROM {_RAW_TABLE} WITH NO DATA")
-    cursor.execute(f"TRUNCATE {_STAGE}")  # a second insert in the same transaction
+    cursor.execute(f"DELETE FROM {_STAGE}")  # a second insert in the same transaction
     raw = cursor.cursor  # Django's wrapper has no copy(); psycopg's cursor does
     with raw.copy(f"COPY {_STAGE} ({columns}) FROM STDIN") as copy:
         for row in batch:
