@@ -68,6 +68,10 @@ class GatewayRouter:
         self.routes = routes
         self.prefixes = tuple((prefixes or {}).items())
         self.on_shutdown = tuple(on_shutdown)
+        # The /v1 calls in flight (their server tasks): a stopping worker's drain waits for
+        # them first, since a call uvicorn cancelled detaches its end only once it has run its
+        # cancellation (gateway/shutdown.py).
+        self.calls: set[asyncio.Task[Any]] = set()
 
     def _view(self, path: str) -> View | None:
         view = self.routes.get(path)
@@ -90,6 +94,10 @@ class GatewayRouter:
             return
         handler = self.django_app
         arrived = time.perf_counter()
+        task = asyncio.current_task()
+        if task is not None:
+            self.calls.add(task)
+            task.add_done_callback(self.calls.discard)
         try:
             body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES,
                                          _body_deadline())
@@ -187,7 +195,7 @@ class GatewayRouter:
                 # the tally written below.
                 metrics.flush()
                 try:
-                    await drain_worker()
+                    await drain_worker(self.calls)
                 except Exception:  # noqa: BLE001 - the tally and the hooks still run
                     log.exception("draining the worker at shutdown failed")
                 # The server serves nothing any more: the writes may block the loop (a metrics

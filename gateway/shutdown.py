@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
+from typing import Any
 
 from django.conf import settings
 
@@ -29,18 +31,25 @@ from gateway.runtime import GatewayRuntime
 log = logging.getLogger(__name__)
 
 
-async def drain_worker() -> None:
+async def drain_worker(calls: Collection[asyncio.Task[Any]] = ()) -> None:
     """Finish this worker's detached work and buffered writes (a worker that served nothing has
-    no runtime and nothing to do)."""
+    no runtime and nothing to do). `calls`: the router's calls in flight."""
     runtime = startup._runtime  # built on the first request (gateway/startup.py)
     if runtime is None:
         return
-    await drain(runtime, float(settings.GATEWAY_SHUTDOWN_DRAIN_SECONDS))
+    await drain(runtime, float(settings.GATEWAY_SHUTDOWN_DRAIN_SECONDS), calls)
 
 
-async def drain(runtime: GatewayRuntime, timeout: float) -> None:
+async def drain(runtime: GatewayRuntime, timeout: float,
+                calls: Collection[asyncio.Task[Any]] = ()) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    # Calls uvicorn cancelled at its graceful timeout are still running their cancellation
+    # (ending as if their clients had left): they detach their ends as they finish. uvicorn
+    # sends the lifespan shutdown at once, without waiting for them.
+    running = {call for call in calls if not call.done()}
+    if running:
+        await asyncio.wait(running, timeout=max(deadline - loop.time(), 0.01))
     # The calls' ends first: they may detach more (a settle that found Redis away retries in a
     # task of its own), so until none is left or the time is up.
     while runtime.detached:
