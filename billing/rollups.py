@@ -35,7 +35,6 @@ rollups of a range from the raw rows (for rows drained before the rollup existed
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
@@ -49,11 +48,9 @@ from django.utils import timezone as dj_timezone
 
 from billing.models import UsageRecord, UsageRollup
 from quotas.cycles import Timeline, schedule_for
-from quotas.windows import CycleSchedule
 from quotas.models import CyclePeriod
+from quotas.windows import CycleSchedule
 from tenants.models import Tenant
-
-log = logging.getLogger(__name__)
 
 UTC_ZONE = "UTC"
 GROUP_FIELDS: tuple[str, ...] = UsageRollup.GROUP_FIELDS
@@ -205,7 +202,8 @@ def _stage(cursor: Any, attnames: list[str], batch: list[UsageRecord]) -> None:
             copy.write_row([getattr(row, name) for name in attnames])
 
 
-def insert_records(rows: Sequence[UsageRecord], zone_of: ZoneOf | None = None) -> list[UsageRecord]:
+def insert_records(rows: Sequence[UsageRecord],
+                   zone_of: ZoneOf | None = None) -> list[UsageRecord]:
     """Insert these ledger rows (COPY to a staging table, one INSERT ... SELECT), skipping
     request ids already in the ledger, and add the inserted ones to the rollup; returns the
     inserted rows (their ids set). Call inside a transaction (the drain's): rows and rollup
@@ -360,17 +358,15 @@ def _raw_rows(plan: DayPlan, filters: Q) -> QuerySet[UsageRecord] | None:
             .annotate(day=TruncDate("ended_at", tzinfo=ZoneInfo(plan.zone))))
 
 
-def sums(plan: DayPlan, fields: Sequence[str], filters: Q = Q(),
-         rollup_filters: Q | None = None) -> list[dict[str, Any]]:
+def sums(plan: DayPlan, fields: Sequence[str], filters: Q = Q()) -> list[dict[str, Any]]:
     """Sums (SUMMED) per group of `fields` (names both models resolve: "day", "served_model",
     "project__slug", "api_key__public_id", "tenant__slug"...) over the plan's rollup days and raw
-    intervals; `filters` narrow both (rollup_filters, when given, the rollup instead). Sorted by
+    intervals; `filters` (fields both models have) narrow both. Sorted by
     `fields` (None last), integers (0 for nothing)."""
     merged: dict[tuple[Any, ...], dict[str, Any]] = {}
     parts: list[QuerySet[Any]] = []
     if plan.days:
-        parts.append(UsageRollup.objects.filter(rollup_filters if rollup_filters is not None
-                                                else filters)
+        parts.append(UsageRollup.objects.filter(filters)
                      .filter(zone=plan.zone, day__in=plan.days)
                      .values(*fields).annotate(**_aliased(ROLLUP_SUMS)).order_by())
     raw = _raw_rows(plan, filters)

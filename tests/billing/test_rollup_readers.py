@@ -174,8 +174,9 @@ def test_the_platform_month_reads_utc_rollups_only(client: redis.Redis) -> None:
     assert raw_queries(queries) == []
     for tenant in (kolkata, utc):
         [row] = [r for r in report.rows if r[0] == tenant.slug]
-        raws = UsageRecord.objects.filter(tenant=tenant, ended_at__gte=datetime(2026, 11, 1, tzinfo=UTC),
-                                          ended_at__lt=datetime(2026, 12, 1, tzinfo=UTC))
+        raws = UsageRecord.objects.filter(
+            tenant=tenant, ended_at__gte=datetime(2026, 11, 1, tzinfo=UTC),
+            ended_at__lt=datetime(2026, 12, 1, tzinfo=UTC))
         assert row[2] == raws.count()
         assert row[8] == usd(sum(raws.values_list("cost_micros", flat=True)))
 
