@@ -375,11 +375,27 @@ class Backlog:
 
 
 def _usage_streams(client: Any) -> list[str]:
-    """Every tenant's usage stream key. The tenants come from PostgreSQL; when it is down (the
-    very time events pile up) the streams are found by a SCAN of Redis instead."""
+    """The usage streams that may hold events: those of the index of active tenants
+    (quotas/active.py: a tenant stays in it while its stream has events), the ones of tenants
+    still in PostgreSQL. When PostgreSQL is down (the very time events pile up) the index alone,
+    read from Redis. When the index is not whole (a shard without the drain's full-walk member:
+    lost, or never walked), every tenant's stream, from PostgreSQL, or found by a SCAN of Redis
+    while PostgreSQL is down. A stream the index missed (a gateway worker killed before its
+    flush) is counted from the drain's next full walk on, which drains it too."""
+    settings = active.ActiveSettings.from_django()
+    indexed, walks, _now_ms = active.read_index(client, settings.shards)
+    whole = all(keys.active_walk_member(active.DRAIN) in walked for walked in walks)
     try:
-        tenant_ids = list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
+        if whole:
+            tenant_ids = active.existing_tenant_ids(
+                sorted({int(i.tenant) for i in indexed if i.tenant.isdigit()}))
+        else:
+            tenant_ids = list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
     except DatabaseError:
+        if whole:
+            log.warning("tenants unreadable (PostgreSQL down?): the usage streams of the index "
+                        "of active tenants")
+            return sorted({keys.usage_stream_key(i.tenant) for i in indexed})
         log.warning("tenants unreadable (PostgreSQL down?): scanning Redis for usage streams")
         pattern = keys.usage_stream_pattern()
         return sorted(str(k) for k in client.scan_iter(match=pattern, count=1000,

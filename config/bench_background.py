@@ -18,7 +18,8 @@ just before, so each run visits the index only):
   idle runs (nothing waiting; the median of --repeat);
 - quotas.tasks.sweep_stale_holds with the open holds stale (the engine's stale threshold set to
   1 s for the bench), then idle runs;
-- the detectors' tasks (check_quota_thresholds, check_pending_health, check_quota_forecasts);
+- the detectors' tasks (check_quota_thresholds, check_pending_health, check_quota_forecasts)
+  and the backlog measure (billing.ledger.usage_backlog: check_ledger_backlog, /metrics);
 - the backstop: one drain run and one sweep run doing their full walk (every tenant probed,
   pipelined).
 
@@ -124,10 +125,11 @@ def median_of(work: Callable[[], Any], repeat: int) -> float:
     return statistics.median(timed(work)[0] for _ in range(repeat))
 
 
-def before(engine: Any, tenant_ids: list[int]) -> tuple[float, float]:
+def before(engine: Any, tenant_ids: list[int]) -> tuple[float, float, float]:
     """One run of each job as it was before the index: the drain read every tenant's stream
     (one XRANGE each, the tenants from PostgreSQL), the sweep swept every tenant (one
-    engine.sweep each). On idle tenants that is all they did."""
+    engine.sweep each), the backlog (check_ledger_backlog, /metrics) measured every tenant's
+    stream (pipelined XLEN + XRANGE). On idle tenants that is all they did."""
     from quotas import keys
     from tenants.models import Tenant
 
@@ -141,11 +143,18 @@ def before(engine: Any, tenant_ids: list[int]) -> tuple[float, float]:
         for tenant_id in Tenant.objects.order_by("pk").values_list("pk", flat=True):
             engine.sweep(keys.tenant_tag(tenant_id))
 
-    return timed(drain)[0], timed(sweep)[0]
+    def backlog() -> None:  # the backlog alert's and /metrics' gauges: every tenant's stream
+        from billing.ledger import usage_backlog
+
+        usage_backlog(client, [keys.usage_stream_key(keys.tenant_tag(t)) for t in
+                               Tenant.objects.order_by("pk").values_list("pk", flat=True)])
+
+    return timed(drain)[0], timed(sweep)[0], timed(backlog)[0]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from billing import tasks as billing_tasks
+    from billing.ledger import usage_backlog
     from billing.models import UsageRecord
     from quotas import active, keys, runtime
     from quotas import tasks as quota_tasks
@@ -179,6 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures["thresholds_s"] = median_of(billing_tasks.check_quota_thresholds, args.repeat)
     figures["pending_s"] = median_of(billing_tasks.check_pending_health, args.repeat)
     figures["forecasts_s"] = median_of(billing_tasks.check_quota_forecasts, args.repeat)
+    figures["backlog_s"] = median_of(lambda: usage_backlog(engine.client), args.repeat)
     # The backstop: the same jobs when their full walk is due (every tenant, pipelined probes).
     for shard in range(engine.settings.active_shards):
         engine.client.zrem(keys.active_shard_key(shard), keys.active_walk_member(active.DRAIN),
@@ -194,16 +204,17 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
           f"({args.events} settled calls and 1 open hold each) ==")
     print(f"  tenants inserted in {figures['insert_s']:.1f} s")
     if "before" in figures:
-        drain_s, sweep_s = figures["before"]
-        print(f"  before the index (one call per tenant): drain run {drain_s * ms:,.0f} ms, "
-              f"sweep run {sweep_s * ms:,.0f} ms")
+        drain_s, sweep_s, backlog_s = figures["before"]
+        print(f"  before the index (every tenant): drain run {drain_s * ms:,.0f} ms, "
+              f"sweep run {sweep_s * ms:,.0f} ms, backlog {backlog_s * ms:,.0f} ms")
     print(f"  drain run, {figures['drain_moved']} events waiting ({figures['rows']} rows "
           f"written): {figures['drain_busy_s'] * ms:.1f} ms; idle: "
           f"{figures['drain_idle_s'] * ms:.1f} ms (median of {args.repeat})")
     print(f"  sweep run, {figures['swept']} stale holds ended: "
           f"{figures['sweep_busy_s'] * ms:.1f} ms; idle: {figures['sweep_idle_s'] * ms:.1f} ms")
     print(f"  threshold catch-up {figures['thresholds_s'] * ms:.1f} ms, pending health "
-          f"{figures['pending_s'] * ms:.1f} ms, forecasts {figures['forecasts_s'] * ms:.1f} ms")
+          f"{figures['pending_s'] * ms:.1f} ms, forecasts {figures['forecasts_s'] * ms:.1f} ms, "
+          f"backlog (alert, /metrics) {figures['backlog_s'] * ms:.1f} ms")
     print(f"  backstop (full walk, every tenant probed): drain {figures['drain_full_s'] * ms:,.0f}"
           f" ms, sweep {figures['sweep_full_s'] * ms:,.0f} ms")
 

@@ -224,3 +224,53 @@ def test_an_index_redis_lost_is_walked_at_once_and_rebuilt(engine: QuotaEngine) 
     assert active.visit(engine.client, active.SWEEP).why == "index lost"
     sweep_stale_holds()
     assert not active.visit(engine.client, active.SWEEP).full
+
+
+def test_the_backlog_reads_the_index_and_scans_redis_only_when_it_is_lost(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backlog gauges and alert (billing.ledger.usage_backlog) read the streams of the
+    index's tenants, also while PostgreSQL is down; an idle tenant's stream is not read. With
+    the index lost, every tenant's stream: PostgreSQL's list, or a SCAN of Redis while it is
+    down."""
+    from django.db import OperationalError
+
+    from billing.ledger import usage_backlog
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    busy, idle = tenant(), tenant()
+    busy_tag, idle_tag = tenant_tag(busy.pk), tenant_tag(idle.pk)
+    engine = QuotaEngine(client)
+    hold = engine.reserve(ReserveRequest(busy_tag, f"{busy_tag}-1", 100, LIMITS, meta=META)).hold
+    assert hold is not None
+    engine.settle(hold, 50, EVENT)
+    walked_now(client)
+    calls: list[str] = []
+    spy = _Spy(client, calls)
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection to server failed: Connection refused")
+
+    for readable in (True, False):
+        calls.clear()
+        with monkeypatch.context() as outage:
+            if not readable:
+                outage.setattr(Tenant.objects, "filter", down)
+                outage.setattr(Tenant.objects, "order_by", down)
+            backlog = usage_backlog(spy)
+        assert backlog.events >= 1
+        assert any(f"{{t{busy_tag}}}" in c for c in calls)
+        assert not [c for c in calls if f"{{t{idle_tag}}}" in c or c.startswith("scan_iter")]
+
+    for shard in range(active.ActiveSettings.from_django().shards):  # the index is lost
+        client.delete(keys.active_shard_key(shard))
+    calls.clear()
+    usage_backlog(spy)  # every tenant of PostgreSQL
+    assert any(f"{{t{idle_tag}}}" in c for c in calls)
+    calls.clear()
+    with monkeypatch.context() as outage:
+        outage.setattr(Tenant.objects, "order_by", down)
+        usage_backlog(spy)  # PostgreSQL down too: Redis is scanned
+    assert [c for c in calls if c.startswith("scan_iter")]
+    client.delete(keys.usage_stream_key(busy_tag))
+    walked_now(client)
+    client.close()
