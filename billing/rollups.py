@@ -35,6 +35,7 @@ rollups of a range from the raw rows (for rows drained before the rollup existed
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
@@ -166,11 +167,17 @@ def add_to_rollups(totals: dict[Group, Sums]) -> None:
 ZoneOf = Callable[[int, int], str]  # (tenant id, instant in ms) -> zone name
 
 
-_STAGE = "usage_drain_stage"
-
-
 def _fields() -> list[Any]:
     return [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
+
+
+def _stage_name() -> str:
+    """The staging table's name, after the ledger's columns and types: a temporary table lives
+    as long as its connection (under PgBouncer, a pooled server connection), so after a
+    migration that changes the columns a connection opened before it gets a table of the new
+    shape instead of COPYing into the old one (which stays behind, empty, until it closes)."""
+    shape = ",".join(f"{f.column} {f.db_type(connection)}" for f in _fields())
+    return "usage_drain_stage_" + hashlib.sha256(shape.encode()).hexdigest()[:12]
 
 
 def _insert_sql() -> tuple[str, list[str]]:
@@ -181,7 +188,7 @@ def _insert_sql() -> tuple[str, list[str]]:
     # the conflict needs no target. A swept row and its correction end at different times: either
     # is inserted only while no row has its request id (the other one came first), a lookup by
     # the request_id index that only these rare rows pay.
-    sql = (f"INSERT INTO {_RAW_TABLE} ({columns}) SELECT {columns} FROM {_STAGE} "
+    sql = (f"INSERT INTO {_RAW_TABLE} ({columns}) SELECT {columns} FROM {_stage_name()} "
            f"AS x WHERE (x.status <> 'swept' AND x.corrected_at IS NULL) "
            f"OR NOT EXISTS (SELECT 1 FROM {_RAW_TABLE} u WHERE u.request_id = x.request_id) "
            f"ON CONFLICT DO NOTHING RETURNING id, request_id")
@@ -193,11 +200,12 @@ def _stage(cursor: Any, attnames: list[str], batch: list[UsageRecord]) -> None:
     temporary table emptied at every commit, created on first use. Binding the batch as query
     parameters instead made psycopg quote every value in Python (half the drain's time)."""
     columns = ", ".join(f.column for f in _fields())
-    cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "
+    stage = _stage_name()
+    cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
                    f"SELECT {columns} FROM {_RAW_TABLE} WITH NO DATA")
-    cursor.execute(f"DELETE FROM {_STAGE}")  # a second insert in the same transaction
+    cursor.execute(f"DELETE FROM {stage}")  # a second insert in the same transaction
     raw = cursor.cursor  # Django's wrapper has no copy(); psycopg's cursor does
-    with raw.copy(f"COPY {_STAGE} ({columns}) FROM STDIN") as copy:
+    with raw.copy(f"COPY {stage} ({columns}) FROM STDIN") as copy:
         for row in batch:
             copy.write_row([getattr(row, name) for name in attnames])
 
