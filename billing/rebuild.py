@@ -46,7 +46,7 @@ from django.db.models import Count, F, Q, Sum
 from billing.ledger import record_from_event
 from billing.models import UsageRecord
 from billing.prices import PriceBook
-from quotas import keys
+from quotas import active, keys
 from quotas.cycles import schedule_for
 from quotas.engine import QuotaEngine, RebuildCounter, ScopeLimit, Unit
 from quotas.keys import tenant_tag
@@ -362,15 +362,24 @@ def lost_tenants(engine: QuotaEngine, tenant_ids: Iterable[int]) -> list[int]:
 def rebuild_lost_tenants(limit: int = 200) -> int:
     """Beat job: rebuild up to `limit` tenants whose epoch marker is missing, so their next call
     finds its counters ready instead of waiting for the rebuild. Safe on several workers (the
-    per-tenant lock); what is left over is taken by the next run."""
+    per-tenant lock); what is left over is taken by the next run.
+
+    The tenants of the index of active tenants (quotas/active.py); every tenant on the job's
+    full walk (TOLLGATE_ACTIVE_FULL_WALK_SECONDS), at once when the index was lost, which is what
+    a Redis that lost its data shows (its index shards go with the counters). An idle tenant
+    whose marker went alone is rebuilt by the full walk, or by its next call."""
     engine = get_engine()
-    ids = list(Tenant.objects.filter(status=Tenant.Status.ACTIVE).order_by("pk")
-               .values_list("pk", flat=True))
+    run = active.visit(engine.client, active.REBUILD)
+    tenants = Tenant.objects.filter(status=Tenant.Status.ACTIVE)
+    if not run.full:
+        tenants = tenants.filter(pk__in=run.tenants)
+    ids = list(tenants.order_by("pk").values_list("pk", flat=True))
     done = 0
     for start in range(0, len(ids), 1000):
         for tenant_id in lost_tenants(engine, ids[start:start + 1000]):
             if done >= limit:
-                return done
+                return done  # the walk goes on next run: not recorded as done
             if rebuild_tenant(tenant_tag(tenant_id), engine=engine).rebuilt:
                 done += 1
+    active.walked(engine.client, run)
     return done

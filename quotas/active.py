@@ -64,7 +64,8 @@ SWEEP = "sweep"
 THRESHOLDS = "thresholds"
 PENDING = "pending"
 FORECASTS = "forecasts"
-JOBS = (DRAIN, SWEEP, THRESHOLDS, PENDING, FORECASTS)
+REBUILD = "rebuild"  # billing.rebuild.rebuild_lost_tenants
+JOBS = (DRAIN, SWEEP, THRESHOLDS, PENDING, FORECASTS, REBUILD)
 
 # Tenants per pipelined round trip when probing many (a full walk).
 _CHUNK = 1000

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from billing.models import UsageRecord
+from billing.rebuild import rebuild_lost_tenants
 from billing.tasks import (
     check_pending_health,
     check_quota_forecasts,
@@ -148,6 +149,7 @@ def test_an_idle_tenant_costs_the_jobs_no_redis_call(redis_url: str,
     check_quota_thresholds()
     check_pending_health()
     check_quota_forecasts()
+    rebuild_lost_tenants()
 
     def naming(tag: str) -> list[str]:
         return [c for c in calls if f"{{t{tag}}}" in c]
@@ -272,5 +274,27 @@ def test_the_backlog_reads_the_index_and_scans_redis_only_when_it_is_lost(
         usage_backlog(spy)  # PostgreSQL down too: Redis is scanned
     assert [c for c in calls if c.startswith("scan_iter")]
     client.delete(keys.usage_stream_key(busy_tag))
+    walked_now(client)
+    client.close()
+
+
+def test_an_idle_tenant_whose_marker_went_is_rebuilt_by_the_full_walk(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rebuild_lost_tenants visits the index: an idle tenant whose epoch marker is gone (and
+    nothing else of its) is left to its next call, or to the job's full walk, which a lost
+    index starts at once."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    monkeypatch.setattr(runtime, "_engine", QuotaEngine(client, EngineSettings.from_django()))
+    idle = tenant()
+    tag = tenant_tag(idle.pk)
+    client.delete(keys.epoch_key(tag))
+    walked_now(client)
+    rebuild_lost_tenants()
+    assert not client.exists(keys.epoch_key(tag))  # not visited
+    for shard in range(active.ActiveSettings.from_django().shards):  # the index is lost
+        client.delete(keys.active_shard_key(shard))
+    assert rebuild_lost_tenants() >= 1
+    assert client.exists(keys.epoch_key(tag))
+    assert active.visit(client, active.REBUILD).why == ""  # the walk is recorded
     walked_now(client)
     client.close()
