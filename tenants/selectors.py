@@ -288,12 +288,14 @@ def key_in_rotation(api_key: ApiKey, *, now: datetime | None = None) -> bool:
     return in_rotation(api_key, api_key.secrets.all(), now or timezone.now())
 
 
-def _usable_secret_count(now: datetime) -> Subquery:
-    # The SQL twin of key_usability for a secret of an active key: not revoked, not expired.
-    usable = (ApiKeySecret.objects.filter(api_key=OuterRef("pk"), revoked_at__isnull=True)
-              .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-              .order_by().values("api_key").annotate(n=Count("pk")).values("n"))
-    return Subquery(usable, output_field=IntegerField())
+def _keys_with_usable_secrets(tenant: Tenant, now: datetime) -> QuerySet[ApiKeySecret]:
+    """The ids of the tenant's keys with more than one secret usable at `now`: the SQL twin of
+    key_usability for a secret of an active key (not revoked, not expired). One grouped pass
+    over the tenant's secrets, not a count per key (a correlated subquery per row of 20,000)."""
+    return (ApiKeySecret.objects.filter(api_key__project__tenant=tenant, revoked_at__isnull=True)
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+            .order_by().values("api_key").annotate(n=Count("pk")).filter(n__gt=1)
+            .values("api_key"))
 
 
 def tenant_keys(
@@ -314,8 +316,7 @@ def tenant_keys(
             Q(expires_at__isnull=True) | Q(expires_at__gt=now)
         )
         if status == "rotating":
-            keys = keys.annotate(_usable_secrets=_usable_secret_count(now)).filter(
-                _usable_secrets__gt=1)
+            keys = keys.filter(pk__in=_keys_with_usable_secrets(tenant, now))
     elif status is not None:
         raise ValueError(f"Unknown key status {status!r}; expected one of {', '.join(KEY_FILTERS)}")
     secrets = Prefetch("secrets", queryset=ApiKeySecret.objects.order_by("-created_at", "-id"))

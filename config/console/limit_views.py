@@ -33,12 +33,16 @@ from config.console.frame import (
     tenant_project,
 )
 from config.console.paging import numbered_page, query_without_page
-from config.console.project_views import PROJECTS_PAGE_SIZE
 from quotas.cycles import cycle_standing
 from quotas.engine import QuotaStoreUnavailable
 from quotas.pace import Trip, resume_trip, tenant_trips
 from tenants import selectors, services
 from tenants.models import Tenant
+
+
+# Each project row is a form of six fields, and rendering a field's widget costs about half a
+# millisecond: ten a page keeps the page within its budget (docs/benchmarks.md).
+LIMITS_PROJECTS_PAGE_SIZE = 10
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def _limits_page(
     # The projects' forms a page at a time; keys have no form here (a tenant may have
     # thousands): each key's limits are edited on its own page, found through the keys page.
     listing = numbered_page(selectors.tenant_projects(tenant), request.GET.get("page"),
-                            PROJECTS_PAGE_SIZE)
+                            LIMITS_PROJECTS_PAGE_SIZE)
     projects = []
     for project in listing.rows:
         prefix = f"p-{project.public_id}"

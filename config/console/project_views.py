@@ -144,6 +144,8 @@ def keys_page(request: HttpRequest, tenant: Tenant) -> HttpResponse:
         "rows": [_key_row(api_key, usage, now) for api_key in listing.rows],
         "query": query_without_page(request.GET),
         "filtered": any(request.GET.get(name) for name in ("q", "project", "status", "used")),
+        "project_choices": form.fields["project"].choices,
+        "project_value": request.GET.get("project", ""),
     }
     return render_page(request, tenant, "console/keys.html", context,
                        nav="console-keys", status=status)
