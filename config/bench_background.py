@@ -191,8 +191,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures["backlog_s"] = median_of(lambda: usage_backlog(engine.client), args.repeat)
     # The backstop: the same jobs when their full walk is due (every tenant, pipelined probes).
     for shard in range(engine.settings.active_shards):
-        engine.client.zrem(keys.active_shard_key(shard), keys.active_walk_member(active.DRAIN),
-                           keys.active_walk_member(active.SWEEP))
+        engine.client.zrem(keys.active_shard_key(shard),
+                           *(keys.active_walk_member(job, engine.settings.active_shards)
+                             for job in (active.DRAIN, active.SWEEP)))
     figures["drain_full_s"] = timed(billing_tasks.drain_usage)[0]
     figures["sweep_full_s"] = timed(quota_tasks.sweep_stale_holds)[0]
     return figures

@@ -30,9 +30,10 @@ How a tenant with work could be missed, and what closes each way:
   GATEWAY_ACTIVE_FLUSH_SECONDS of first calls): the backstop below, within
   TOLLGATE_ACTIVE_FULL_WALK_SECONDS (1 h). Only tenants not already in the index are exposed
   (an active tenant stays indexed for the retention after its last mark);
-- Redis losing the index (a flush, a failover to a replica behind): every shard holds one
-  `~<job>` member per job, scored by that job's last full walk; a job that finds its member
-  missing in any shard walks every tenant at once, and only then puts the member back;
+- Redis losing the index (a flush, a failover to a replica behind), or a change of
+  TOLLGATE_ACTIVE_SHARDS (tenants move between shards): every shard holds one
+  `~<job>@<shards>` member per job, scored by that job's last full walk; a job that finds its
+  member missing in any shard walks every tenant at once, and only then puts the member back;
 - a settle, release or correction arriving late (a correction up to QUOTA_TOMBSTONE_SECONDS after
   the reserve), or a fail-open call's usage event appended when Redis answers again: each goes
   through the engine, which marks;
@@ -231,7 +232,7 @@ def visit(client: Any, job: str, settings: ActiveSettings | None = None) -> Visi
     tenant when the job's full walk is due (its last one older than full_walk_s) or the index
     was lost (a shard without the job's member). Call `walked` after a full walk completes."""
     settings = settings or ActiveSettings.from_django()
-    member = keys.active_walk_member(job)
+    member = keys.active_walk_member(job, settings.shards)
     indexed, walks, now_ms = read_index(client, settings.shards)
     last = [walked.get(member) for walked in walks]
     why = ""
@@ -252,7 +253,7 @@ def walked(client: Any, run: Visit, settings: ActiveSettings | None = None) -> N
     if not run.full:
         return
     settings = settings or ActiveSettings.from_django()
-    member = keys.active_walk_member(run.job)
+    member = keys.active_walk_member(run.job, settings.shards)
     pipe = client.pipeline(transaction=False)
     for shard in range(settings.shards):
         pipe.zadd(keys.active_shard_key(shard), {member: run.now_ms})

@@ -43,7 +43,7 @@ slot and one script call can touch every scope of a request. Layout:
     tg:active:{a<shard>}                zset of the tenants with something for the background
                                         jobs to do (holds, undrained events, fresh usage), score
                                         = when last marked (ms, that shard's Redis clock), plus
-                                        one `~<job>` member per job: its last full walk
+                                        one `~<job>@<shards>` member per job: its last full walk
                                         (quotas/active.py); shard = crc32(tenant) % shards, each
                                         shard its own hash tag, so they spread over a cluster
     tg:ledger:backlog-alerted           string: operators were told about the ledger backlog
@@ -307,11 +307,13 @@ def active_shard_key(shard: int) -> str:
 _WALK_PREFIX = "~"
 
 
-def active_walk_member(job: str) -> str:
-    """The member of every shard whose score is `job`'s last full walk (quotas/active.py)."""
+def active_walk_member(job: str, shards: int) -> str:
+    """The member of every shard whose score is `job`'s last full walk (quotas/active.py), for
+    an index of `shards` shards: after a change of the count no shard has it, so every job walks
+    every tenant once (a tenant may have moved to another shard)."""
     if not re.fullmatch(r"[a-z_]{1,32}", job):
         raise ValueError(f"invalid job name: {job!r}")
-    return _WALK_PREFIX + job
+    return f"{_WALK_PREFIX}{job}@{int(shards)}"
 
 
 def is_active_walk_member(member: str) -> bool:

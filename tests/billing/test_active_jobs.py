@@ -298,3 +298,21 @@ def test_an_idle_tenant_whose_marker_went_is_rebuilt_by_the_full_walk(
     assert active.visit(client, active.REBUILD).why == ""  # the walk is recorded
     walked_now(client)
     client.close()
+
+
+def test_a_new_shard_count_makes_every_job_walk_every_tenant_once(redis_url: str) -> None:
+    """Tenants move between shards when TOLLGATE_ACTIVE_SHARDS changes: the full-walk members
+    name the count, so none is found and every job walks (and re-marks) once."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    walked_now(client)
+    now = active.ActiveSettings.from_django()
+    assert not active.visit(client, active.DRAIN, now).full
+    fewer = dataclasses.replace(now, shards=now.shards // 2)
+    run = active.visit(client, active.DRAIN, fewer)
+    assert run.full and run.why == "index lost"
+    active.walked(client, run, fewer)
+    assert not active.visit(client, active.DRAIN, fewer).full
+    for shard in range(fewer.shards):
+        client.zrem(keys.active_shard_key(shard),
+                    keys.active_walk_member(active.DRAIN, fewer.shards))
+    client.close()

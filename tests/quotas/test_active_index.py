@@ -75,7 +75,8 @@ def test_forget_removes_only_members_not_marked_within_the_idle_time(
         assert removed == (1 if tenant == old else 0)
     assert score(client, old) is None and score(client, fresh) is not None
     with pytest.raises(redis.ResponseError, match="job member"):
-        forget(keys=[keys.active_shard_key(0)], args=[5_000, keys.active_walk_member("drain")])
+        forget(keys=[keys.active_shard_key(0)],
+               args=[5_000, keys.active_walk_member("drain", SHARDS)])
 
 
 def test_the_sync_engine_marks_every_operation_and_can_be_told_not_to(
