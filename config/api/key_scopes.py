@@ -15,7 +15,7 @@ from drf_spectacular.utils import OpenApiParameter
 from rest_framework.request import Request
 from rest_framework.utils.urls import replace_query_param
 
-from config.api.pagination import MAX_LIMIT, MAX_OFFSET, _bounded_int
+from config.api.pagination import MAX_LIMIT, MAX_OFFSET, bounded_int
 from quotas.status import live_keys
 from tenants.models import ApiKey, Tenant
 
@@ -36,8 +36,8 @@ def key_scope_page(request: Request, tenant: Tenant) -> tuple[list[ApiKey], dict
     """The page of live keys asked for, and the `keys` part of the document:
     {"count", "limit", "offset", "next"} (next: null on the last page). A bad value is a 400
     naming the parameter."""
-    limit = _bounded_int(request, "key_limit", KEY_SCOPES_DEFAULT, 0, MAX_LIMIT)
-    offset = _bounded_int(request, "key_offset", 0, 0, MAX_OFFSET)
+    limit = bounded_int(request, "key_limit", KEY_SCOPES_DEFAULT, 0, MAX_LIMIT)
+    offset = bounded_int(request, "key_offset", 0, 0, MAX_OFFSET)
     keys = live_keys(tenant)
     count = keys.count()
     page = list(keys[offset:offset + limit]) if limit else []

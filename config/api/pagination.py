@@ -26,7 +26,9 @@ MAX_LIMIT: Final = 200
 MAX_OFFSET: Final = 1_000_000_000
 
 
-def _bounded_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+def bounded_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """The whole number `name` of the query (default when absent), low..high, or a 400 naming
+    it: also for the other paged parts of a document (config/api/key_scopes.py)."""
     raw = request.query_params.get(name)
     if raw is None:
         return default
@@ -44,10 +46,10 @@ class BoundedLimitOffsetPagination(LimitOffsetPagination):
     max_limit = MAX_LIMIT
 
     def get_limit(self, request: Request) -> int:
-        return _bounded_int(request, self.limit_query_param, self.default_limit, 1, MAX_LIMIT)
+        return bounded_int(request, self.limit_query_param, self.default_limit, 1, MAX_LIMIT)
 
     def get_offset(self, request: Request) -> int:
-        return _bounded_int(request, self.offset_query_param, 0, 0, MAX_OFFSET)
+        return bounded_int(request, self.offset_query_param, 0, 0, MAX_OFFSET)
 
     def get_schema_operation_parameters(self, view: Any) -> list[dict[str, Any]]:
         return [
@@ -75,7 +77,7 @@ class AuditCursorPagination(BasePagination):
     limit_query_param = "limit"
 
     def paginate_queryset(self, queryset: Any, request: Request, view: Any = None) -> list[Any]:
-        size = _bounded_int(request, self.limit_query_param,
+        size = bounded_int(request, self.limit_query_param,
                             api_settings.PAGE_SIZE or MAX_LIMIT, 1, MAX_LIMIT)
         after = None
         if (raw := request.query_params.get(self.cursor_query_param)) is not None:

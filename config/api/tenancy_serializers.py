@@ -166,12 +166,14 @@ class ApiKeySerializer(serializers.ModelSerializer):
     project = serializers.CharField(source="project.public_id", read_only=True)
     masked = serializers.SerializerMethodField()
     status = serializers.SerializerMethodField(help_text="active, expired or revoked")
+    rotating = serializers.SerializerMethodField(
+        help_text="Active, with the previous secret of a rotation still in its grace period.")
     usage = serializers.SerializerMethodField()
 
     class Meta:
         model = ApiKey
         fields = [
-            "id", "project", "name", "masked", "status", "tokens_per_day", "tokens_per_month",
+            "id", "project", "name", "masked", "status", "rotating", "tokens_per_day", "tokens_per_month",
             "requests_per_minute", "max_concurrency", "allowed_models", "pace_share_percent",
             "pace_spend_micros", "allotment_tokens_per_day", "allotment_tokens_per_month",
             "expires_at",
@@ -188,6 +190,10 @@ class ApiKeySerializer(serializers.ModelSerializer):
     @extend_schema_field(OpenApiTypes.STR)
     def get_status(self, api_key: ApiKey) -> str:
         return selectors.key_status(api_key, now=self._now())
+
+    @extend_schema_field(OpenApiTypes.BOOL)
+    def get_rotating(self, api_key: ApiKey) -> bool:
+        return selectors.key_in_rotation(api_key, now=self._now())
 
     @extend_schema_field(UsageSerializer)
     def get_usage(self, api_key: ApiKey) -> dict[str, int]:

@@ -109,6 +109,7 @@ def test_keys_page_filters_by_name_project_status_and_last_use(world: World) -> 
         body = api.get(keys_api(world), query).json()
         assert {row["name"] for row in body["results"]} == expected, query
         assert body["count"] == len(expected)
+        assert all(row["rotating"] == (row["name"] == "rotating-one") for row in body["results"])
     # Another tenant's key is not found by its id.
     assert names(q=world.other_issued.api_key.public_id) == set()
 
