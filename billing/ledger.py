@@ -45,7 +45,7 @@ from django.db import DatabaseError, transaction
 
 from billing.models import UsageRecord
 from billing.prices import PriceBook
-from billing.rollups import ZoneOf, Zones, insert_records, move_corrected
+from billing.rollups import LedgerRow, ZoneOf, Zones, insert_records, move_corrected
 from gateway.bodies import Endpoint
 from gateway.dialects import provider_kind
 from gateway.models import ProviderKey, ProviderKind
@@ -55,7 +55,7 @@ from quotas import active, keys
 from quotas.cycles import calendar_for
 from quotas.keys import tenant_tag
 from quotas.windows import Calendar, Window, WindowKind
-from tenants.models import ApiKey, Project, Tenant
+from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,10 @@ def _kind_of(endpoint: str) -> str:
         return ProviderKind.OPENAI.value
 
 
-def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> UsageRecord:
-    """The ledger row of one usage event (unsaved). For a "corrected" event: the row as the
-    correction leaves it, swept_* holding what the sweep had charged (from the event)."""
+def ledger_row(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> LedgerRow:
+    """The ledger row of one usage event (the one home of its computation; the drain inserts it
+    as it is). For a "corrected" event: the row as the correction leaves it, swept_* holding
+    what the sweep had charged (from the event)."""
     meta, details = _json(fields.get("meta")), _json(fields.get("event"))
     outcome = fields["outcome"]
     actual = _count(fields.get("actual"))
@@ -171,7 +172,7 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
     served = str(meta.get("served") or model)
     held = _count(fields.get("held"))
     price = prices.price(served, ended, _kind_of(str(meta.get("ep") or "")))
-    record = UsageRecord(
+    record = LedgerRow(
         request_id=fields["request_id"],
         tenant_id=tenant_id,
         project_id=_int(meta.get("p")),
@@ -210,30 +211,37 @@ def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook)
     return record
 
 
-def _drop_dangling_references(records: list[UsageRecord]) -> None:
-    """A project, key or provider key deleted since the call must not fail the whole batch."""
-    for field, model in (("project_id", Project), ("api_key_id", ApiKey),
-                         ("provider_key_id", ProviderKey)):
-        wanted = {getattr(r, field) for r in records if getattr(r, field) is not None}
-        if not wanted:
-            continue
-        existing = set(model.objects.filter(pk__in=wanted).values_list("pk", flat=True))
-        for record in records:
-            if getattr(record, field) not in existing:
-                setattr(record, field, None)
+def record_from_event(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> UsageRecord:
+    """The ledger row of one usage event as an (unsaved) UsageRecord: `ledger_row`'s values."""
+    return UsageRecord(**ledger_row(tenant_id, fields, prices).values())
 
 
-def _apply_corrections(corrections: list[UsageRecord], zone_of: ZoneOf | None = None) -> int:
+def _drop_dangling_provider_keys(records: list[LedgerRow]) -> None:
+    """A provider key deleted since the call must not fail the whole batch. For corrections,
+    whose provider key goes onto the swept row by an UPDATE; the insert resolves its own rows'
+    references (billing.rollups.insert_records)."""
+    wanted = {r.provider_key_id for r in records if r.provider_key_id is not None}
+    if not wanted:
+        return
+    existing = set(ProviderKey.objects.filter(pk__in=wanted).order_by()
+                   .values_list("pk", flat=True))
+    for record in records:
+        if record.provider_key_id not in existing:
+            record.provider_key_id = None
+
+
+def _apply_corrections(corrections: list[LedgerRow], zone_of: ZoneOf | None = None) -> int:
     """Correct the swept rows of these "corrected" events, each once; returns how many rows
     this call corrected. Runs inside the batch's transaction, after its rows were inserted; the
     rollup moves with each row (billing/rollups.py)."""
-    by_id: dict[str, UsageRecord] = {}
+    by_id: dict[str, LedgerRow] = {}
     for record in corrections:
         by_id.setdefault(record.request_id, record)  # a redelivered duplicate: the same event
     # A correction whose swept row is not in the ledger becomes the row, already corrected (and
     # is summed as such). Where the swept row exists this inserts nothing (and waits for a
     # concurrent drainer's insert of it to commit, so the update below sees that row).
     insert_records(list(by_id.values()), zone_of)
+    _drop_dangling_provider_keys(list(by_id.values()))
     rows = list(UsageRecord.objects.select_for_update().filter(
         request_id__in=list(by_id), status=UsageRecord.Status.SWEPT, corrected_at__isnull=True)
         .order_by("pk"))
@@ -275,7 +283,10 @@ class _Batch:
 
 
 def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
-                 calendar_of_tenant: Callable[[], Calendar]) -> _Batch:
+                 calendar_of_tenant: Callable[[], Calendar], zones: Zones) -> _Batch:
+    """One batch of the tenant's stream in one transaction. Round trips: XRANGE; then, when it
+    has events, CREATE TEMP TABLE IF NOT EXISTS, COPY, the INSERT, the rollup's upsert and
+    COMMIT (billing.rollups.insert_records; corrections add theirs); XDEL after the commit."""
     stream = keys.usage_stream_key(tenant_tag(tenant_id))
     entries = client.xrange(stream, count=batch)
     if not entries:
@@ -283,20 +294,24 @@ def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
     # The tenant's windows (its day and cycle: quotas.cycles), read only when it has events.
     calendar = calendar_of_tenant()
     out = _Batch(events=len(entries))
-    records: list[UsageRecord] = []
-    corrections: list[UsageRecord] = []
+    records: list[LedgerRow] = []
+    corrections: list[LedgerRow] = []
+    # The instants [lo, hi) where the windows last added are the event's too (the day's is
+    # within the month's): most events of a batch fall in them, and skip the lookups.
+    lo = hi = 0
     for _entry_id, fields in entries:
         try:
-            record = record_from_event(tenant_id, fields, prices)
+            record = ledger_row(tenant_id, fields, prices)
         except (KeyError, ValueError):
             log.error("malformed usage event %r in %s: dropped", fields, stream)
             continue
         (corrections if fields["outcome"] == _CORRECTED else records).append(record)
         created_ms = int(fields.get("created") or fields["ended"])
-        out.windows.update(calendar.window(kind, created_ms) for kind in _ALERT_WINDOW_KINDS)
-    _drop_dangling_references(records + corrections)
+        if not lo <= created_ms < hi:
+            found = [calendar.window(kind, created_ms) for kind in _ALERT_WINDOW_KINDS]
+            out.windows.update(found)
+            lo, hi = max(w.start_ms for w in found), min(w.end_ms for w in found)
     # The zone of each row's local day in the rollup, from the calendar loaded above.
-    zones = Zones()
     zones.add_schedule(tenant_id, calendar.schedule)
     with transaction.atomic():
         # One INSERT for the batch; only the rows it inserted are summed into the rollup.
@@ -310,13 +325,15 @@ def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
     return out
 
 
-def _calendar_of(tenant_id: int) -> Callable[[], Calendar]:
-    """The tenant's Calendar, loaded (one query) on first use and kept for the drain run."""
+def _calendar_of(tenant_id: int, tenant: Tenant | None = None) -> Callable[[], Calendar]:
+    """The tenant's Calendar, from `tenant` (loaded with its plan by the caller) or loaded (one
+    query) on first use, and kept for the drain run."""
     loaded: list[Calendar] = []
 
     def calendar() -> Calendar:
         if not loaded:
-            loaded.append(calendar_for(Tenant.objects.select_related("plan").get(pk=tenant_id)))
+            one = tenant or Tenant.objects.select_related("plan").get(pk=tenant_id)
+            loaded.append(calendar_for(one))
         return loaded[0]
 
     return calendar
@@ -326,7 +343,7 @@ def drain_tenant(client: Any, tenant_id: int, *, batch: int = 500,
                  prices: PriceBook | None = None) -> int:
     """Move one batch of a tenant's usage events into the ledger; returns how many."""
     return _drain_batch(client, tenant_id, batch, prices or PriceBook.load(),
-                        _calendar_of(tenant_id)).events
+                        _calendar_of(tenant_id), Zones()).events
 
 
 def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20,
@@ -334,22 +351,29 @@ def drain_all(client: Any, *, batch: int = 500, max_batches_per_tenant: int = 20
     """Drain these tenants' streams (default: every tenant in PostgreSQL; the drain_usage job
     passes the index of active tenants', quotas/active.py), bounded work per run: the next run
     continues. Which streams have events is asked first, pipelined (active.probe: one round trip
-    per thousand tenants), so only those are read; the price book too is loaded only then."""
+    per thousand tenants), so only those are read; the price book and those tenants (one query,
+    with their plans: their calendars) are loaded only then, once per run."""
     ids = list(tenant_ids) if tenant_ids is not None else active.all_tenant_ids()
     work = active.probe(client, ids, holds=False)
     busy = [tenant_id for tenant_id in ids if work[tenant_id].events]
     if not busy:
         return DrainResult(0, 0, {}, 0, probed=len(ids))
     prices = PriceBook.load()
+    loaded = Tenant.objects.select_related("plan").in_bulk(busy)
+    # Per run: the tenants' schedules, and a Timeline where a row predates its cycle in force.
+    zones = Zones()
+    for tenant in loaded.values():
+        zones.add(tenant)
     total = tenants = corrected = 0
     windows: dict[int, frozenset[Window]] = {}
     for tenant_id in busy:
         moved = 0
         seen: set[Window] = set()
-        # The windows the events were charged to, in the tenant's own (the gateway's) calendar.
-        calendar = _calendar_of(tenant_id)
+        # The windows the events were charged to, in the tenant's own (the gateway's) calendar;
+        # a tenant deleted since the probe fails its batch as before (its .get() raises).
+        calendar = _calendar_of(tenant_id, loaded.get(tenant_id))
         for _ in range(max_batches_per_tenant):
-            done = _drain_batch(client, tenant_id, batch, prices, calendar)
+            done = _drain_batch(client, tenant_id, batch, prices, calendar, zones)
             moved += done.events
             corrected += done.corrected
             seen |= done.windows

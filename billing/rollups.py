@@ -35,7 +35,10 @@ rollups of a range from the raw rows (for rows drained before the rollup existed
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
@@ -115,7 +118,7 @@ def _ms(moment: datetime) -> int:
 # -- writing: what the drain calls ----------------------------------------------------------------
 
 
-def _contribution(row: UsageRecord) -> Sums:
+def _contribution(row: Row) -> Sums:
     """What one ledger row adds to its group (SUM_FIELDS order)."""
     over = row.over_hold_tokens or 0
     return [1, row.input_tokens, row.output_tokens, row.cached_input_tokens,
@@ -124,7 +127,7 @@ def _contribution(row: UsageRecord) -> Sums:
             row.swept_cost_micros or 0]
 
 
-def _groups_of(row: UsageRecord, zone: str) -> list[Group]:
+def _groups_of(row: Row, zone: str) -> list[Group]:
     """The row's group on its UTC day and on its local day in `zone` (one when zone is UTC)."""
     base = (row.project_id, row.api_key_id, row.provider_key_id, row.model, row.served_model,
             str(row.status), row.corrected_at is not None)
@@ -135,7 +138,7 @@ def _groups_of(row: UsageRecord, zone: str) -> list[Group]:
     return out
 
 
-def _add(totals: dict[Group, Sums], row: UsageRecord, zone: str, sign: int = 1) -> None:
+def _add(totals: dict[Group, Sums], row: Row, zone: str, sign: int = 1) -> None:
     values = _contribution(row)
     for group in _groups_of(row, zone):
         current = totals.setdefault(group, [0] * len(SUM_FIELDS))
@@ -171,83 +174,155 @@ def _fields() -> list[Any]:
     return [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
 
 
+_ATTNAMES: tuple[str, ...] = tuple(f.attname for f in _fields())
+
+
+class _RowMethods:
+    __slots__ = ()
+    id: int | None
+
+    @property
+    def pk(self) -> int | None:
+        return self.id
+
+    @pk.setter
+    def pk(self, value: int | None) -> None:
+        self.id = value
+
+    def values(self) -> dict[str, Any]:
+        """The columns' values by attname (to build a UsageRecord)."""
+        return {name: getattr(self, name) for name in _ATTNAMES}
+
+
+# A ledger row's values before the insert, without a Django model instance: the drain builds
+# one per usage event, and constructing a UsageRecord (signals, field descriptors, defaults)
+# was about 40 % of its CPU per event. Its attributes are UsageRecord's (attnames with their
+# defaults; recorded_at None until the insert; `id`/`pk` once inserted), so the insert, the
+# rollup and the corrections read either. A generated dataclass: its __init__ is plain
+# assignments.
+LedgerRow = dataclasses.make_dataclass(
+    "LedgerRow",
+    [("id", int | None, dataclasses.field(default=None))]
+    + [(f.attname, Any, dataclasses.field(
+        default=None if f.attname == "recorded_at" else f.get_default())) for f in _fields()],
+    bases=(_RowMethods,), slots=True)
+LedgerRow.__module__ = __name__
+Row = UsageRecord | LedgerRow
+
+
+@functools.cache
 def _stage_name() -> str:
     """The staging table's name, after the ledger's columns and types: a temporary table lives
     as long as its connection (under PgBouncer, a pooled server connection), so after a
     migration that changes the columns a connection opened before it gets a table of the new
-    shape instead of COPYing into the old one (which stays behind, empty, until it closes)."""
+    shape instead of COPYing into the old one (which stays behind, empty, until it closes).
+    Computed once per process: the columns are the code's."""
     shape = ",".join(f"{f.column} {f.db_type(connection)}" for f in _fields())
     return "usage_drain_stage_" + hashlib.sha256(shape.encode()).hexdigest()[:12]
 
 
-def _insert_sql() -> tuple[str, list[str]]:
-    names = [f.column for f in _fields()]
-    columns = ", ".join(names)
+# The references a row may hold to something deleted since the call (a project, a key, a
+# provider key): the insert sets them to NULL rather than fail the whole batch.
+_NULLABLE_REFERENCES = ("project_id", "api_key_id", "provider_key_id")
+
+
+@functools.cache
+def _insert_sql() -> str:
+    fields = _fields()
+    columns = ", ".join(f.column for f in fields)
+    selected = []
+    for f in fields:
+        if f.attname in _NULLABLE_REFERENCES:
+            target = f.related_model._meta
+            selected.append(f"(SELECT r.{target.pk.column} FROM {target.db_table} r "
+                            f"WHERE r.{target.pk.column} = x.{f.column})")
+        else:
+            selected.append(f"x.{f.column}")
+    # The staged rows are deleted by the statement that reads them (a second insert in the same
+    # transaction, the corrections', stages its own; the commit empties the table anyway).
     # The ledger is partitioned by month (billing/partitions.py): its dedupe key is
     # (request_id, ended_at), which a redelivered event hits (it carries the same ended_at), so
     # the conflict needs no target. A swept row and its correction end at different times: either
     # is inserted only while no row has its request id (the other one came first), a lookup by
     # the request_id index that only these rare rows pay.
-    sql = (f"INSERT INTO {_RAW_TABLE} ({columns}) SELECT {columns} FROM {_stage_name()} "
-           f"AS x WHERE (x.status <> 'swept' AND x.corrected_at IS NULL) "
-           f"OR NOT EXISTS (SELECT 1 FROM {_RAW_TABLE} u WHERE u.request_id = x.request_id) "
-           f"ON CONFLICT DO NOTHING RETURNING id, request_id")
-    return sql, [f.attname for f in _fields()]
+    return (f"WITH staged AS (DELETE FROM {_stage_name()} RETURNING *) "
+            f"INSERT INTO {_RAW_TABLE} ({columns}) SELECT {', '.join(selected)} FROM staged "
+            f"AS x WHERE (x.status <> 'swept' AND x.corrected_at IS NULL) "
+            f"OR NOT EXISTS (SELECT 1 FROM {_RAW_TABLE} u WHERE u.request_id = x.request_id) "
+            f"ON CONFLICT DO NOTHING RETURNING id, request_id, "
+            f"{', '.join(_NULLABLE_REFERENCES)}")
 
 
-def _stage(cursor: Any, attnames: list[str], batch: list[UsageRecord]) -> None:
-    """The batch COPYed (psycopg's C row formatting) into this connection's staging table: a
-    temporary table emptied at every commit, created on first use. Binding the batch as query
-    parameters instead made psycopg quote every value in Python (half the drain's time)."""
+@functools.cache
+def _stage_sql() -> tuple[str, str]:
+    """(create the staging table if this connection has none, COPY into it)."""
     columns = ", ".join(f.column for f in _fields())
     stage = _stage_name()
-    cursor.execute(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-                   f"SELECT {columns} FROM {_RAW_TABLE} WITH NO DATA")
-    cursor.execute(f"DELETE FROM {stage}")  # a second insert in the same transaction
+    return (f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+            f"SELECT {columns} FROM {_RAW_TABLE} WITH NO DATA",
+            f"COPY {stage} ({columns}) FROM STDIN")
+
+
+_row_values = operator.attrgetter(*_ATTNAMES)
+
+
+def _stage(cursor: Any, batch: Sequence[Row]) -> None:
+    """The batch COPYed (psycopg's C row formatting) into this connection's staging table: a
+    temporary table emptied at every commit, created on first use (checked per transaction:
+    under PgBouncer the next transaction may run on another server connection). Binding the
+    batch as query parameters instead made psycopg quote every value in Python (half the
+    drain's time)."""
+    create, copy_sql = _stage_sql()
+    cursor.execute(create)
     raw = cursor.cursor  # Django's wrapper has no copy(); psycopg's cursor does
-    with raw.copy(f"COPY {stage} ({columns}) FROM STDIN") as copy:
+    with raw.copy(copy_sql) as copy:
         for row in batch:
-            copy.write_row([getattr(row, name) for name in attnames])
+            copy.write_row(_row_values(row))
 
 
-def insert_records(rows: Sequence[UsageRecord],
-                   zone_of: ZoneOf | None = None) -> list[UsageRecord]:
-    """Insert these ledger rows (COPY to a staging table, one INSERT ... SELECT), skipping
-    request ids already in the ledger, and add the inserted ones to the rollup; returns the
-    inserted rows (their ids set). Call inside a transaction (the drain's): rows and rollup
-    commit together. `zone_of` gives the tenant's zone at an instant (default: a `Zones` of
-    this call)."""
-    unique: dict[str, UsageRecord] = {}
+def insert_records(rows: Sequence[Row], zone_of: ZoneOf | None = None) -> list[Row]:
+    """Insert these ledger rows (UsageRecord or LedgerRow: COPY to a staging table, one
+    INSERT ... SELECT), skipping request ids already in the ledger, and add the inserted ones to
+    the rollup; returns the inserted rows (their ids set; a project, key or provider key
+    deleted since the call set to None). Call inside a transaction (the drain's): rows and
+    rollup commit together, and no savepoint is taken (an error fails the caller's
+    transaction, which is what the drain wants). `zone_of` gives the tenant's zone at an
+    instant (default: a `Zones` of this call).
+
+    Statements: CREATE TEMP TABLE IF NOT EXISTS, COPY, the INSERT, the rollup's upsert (none
+    when nothing was inserted)."""
+    unique: dict[str, Row] = {}
     for row in rows:
         unique.setdefault(row.request_id, row)  # a duplicate within the batch: the same event
     if not unique:
         return []
     zone_of = zone_of or Zones().at
-    sql, attnames = _insert_sql()
     now = dj_timezone.now()
     batch = list(unique.values())
     for row in batch:
         if row.recorded_at is None:
             row.recorded_at = now  # auto_now_add, which a raw INSERT does not apply
-    with transaction.atomic(), connection.cursor() as cursor:
-        _stage(cursor, attnames, batch)
-        cursor.execute(sql)
-        inserted = {request_id: pk for pk, request_id in cursor.fetchall()}
+    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
+        _stage(cursor, batch)
+        cursor.execute(_insert_sql())
+        inserted = {r[1]: r for r in cursor.fetchall()}
         totals: dict[Group, Sums] = {}
         out = []
         for row in batch:
-            pk = inserted.get(row.request_id)
-            if pk is None:
+            found = inserted.get(row.request_id)
+            if found is None:
                 continue
-            row.pk = pk
-            row._state.adding, row._state.db = False, "default"
+            row.pk, row.project_id, row.api_key_id, row.provider_key_id = (
+                found[0], found[2], found[3], found[4])
+            if isinstance(row, UsageRecord):
+                row._state.adding, row._state.db = False, "default"
             out.append(row)
             _add(totals, row, zone_of(row.tenant_id, _ms(row.ended_at)))
         add_to_rollups(totals)
     return out
 
 
-def move_corrected(pairs: Iterable[tuple[UsageRecord, UsageRecord]],
+def move_corrected(pairs: Iterable[tuple[Row, Row]],
                    zone_of: ZoneOf | None = None) -> None:
     """Move corrected rows in the rollup: each (row before, row after) its correction, in the
     correction's transaction. Both have the same ended_at (so the same days)."""
