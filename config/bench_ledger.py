@@ -1,6 +1,6 @@
 """Benchmark: the ledger's readers and the drain at a small and a large ledger, in one run.
 
-    python -m config.bench_ledger [--rows 20000000] [--small 20000] [--tenants 50] [--months 3]
+    python -m config.bench_ledger [--rows 20000000] [--small 20000] [--tenants 5] [--months 2]
                                   [--drain-events 10000] [--repeat 3] [--migration-rows 0]
 
 A config module, like config/bench.py: it starts its own embedded Redis and PostgreSQL
@@ -11,7 +11,11 @@ and its rollups and:
 1. writes that many synthetic usage rows with COPY (psycopg's COPY FROM STDIN, in batches), spread
    evenly over the last `--months` months up to now (each in its month partition: the months are
    made first), 7 models, mostly settled rows with some partial, released, swept, corrected and
-   over-hold ones; then fills the daily rollups from those rows (billing.rollups.rebuild, every
+   over-hold ones. Each day's first rows are one per rollup group (tenant x model x status,
+   corrected apart; every tenant has one key), the rest random: the group set, and so the
+   rollup's row count that the readers' cost follows, is the same at both sizes (the defaults, 5
+   tenants x 7 models x 6 statuses x ~31-59 days = 6,510-12,390 groups, fit in 20,000 rows);
+   then fills the daily rollups from those rows (billing.rollups.rebuild, every
    tenant, every zone) and ANALYZEs;
 2. times, once cold and then `--repeat` times (the median printed): the big tenant's report of
    the last whole month (billing.reports.tenant_period), the platform report of that month
@@ -25,8 +29,9 @@ and its rollups and:
 With `--migration-rows N`, first: the ledger taken back to the plain table before migration
 0013, N rows COPYed into it, and `migrate billing 0013` timed (partitioning an existing ledger).
 
-Printed: the load and rollup times, the table's size, each reader's time and the drain's rate,
-per size. docs/benchmarks.md ("The ledger at scale") keeps the figures of a run.
+Printed: the load and rollup times, the table's size, the rollup's row count (beside the groups
+expected), each reader's time and the drain's rate, per size. docs/benchmarks.md ("The ledger at
+scale") keeps the figures of a run.
 """
 from __future__ import annotations
 
@@ -107,11 +112,30 @@ def _columns() -> list[str]:
     return [f.column for f in UsageRecord._meta.concrete_fields if not f.primary_key]
 
 
+def _row(ids: tuple[int, int, int], model: str, status: str, corrected: bool,
+         rng: random.Random) -> str:
+    """One row's columns other than the request id and the times, as COPY text (tab separated,
+    NULL as \\N). `corrected`: a swept row corrected afterwards (stored as settled)."""
+    tenant, project, key = ids
+    inp = rng.randint(50, 4000)
+    out_tokens = 0 if status == "released" else rng.randint(10, 1500)
+    held = inp + 1500
+    if status == "settled" and rng.random() < 0.01:
+        out_tokens = 1500 + rng.randint(1, 500)  # the tokenizer's estimate was low
+    values = [
+        tenant, project, key, None, "chat/completions", model, model, inp, out_tokens,
+        inp // 4, 0, 0, held, inp * 3 + out_tokens * 12, "settled" if corrected else status,
+        "complete", 200, rng.randint(80, 9000), "t" if rng.random() < 0.5 else "f", "f",
+        "forwarded" if status == "swept" else "",
+        inp if corrected else None, 1500 if corrected else None,
+        inp * 3 + 1500 * 12 if corrected else None, max(inp + out_tokens - held, 0)]
+    return "\t".join("\\N" if v is None else str(v) for v in values)
+
+
 def _templates(tenants: list[tuple[int, int, int]], rng: random.Random,
                count: int = 4096) -> list[tuple[str, bool]]:
-    """`count` rows' columns other than the request id and the times, as COPY text (tab
-    separated, NULL as \\N), each with whether it is a corrected row; the big tenant in
-    BIG_SHARE of them. Rows pick one at random: building each row in Python would make the
+    """`count` random rows (see _row), each with whether it is a corrected row; the big tenant
+    in BIG_SHARE of them. Rows pick one at random: building each row in Python would make the
     script, not PostgreSQL, the bottleneck of the load."""
     model_names = [m for m, _ in MODELS]
     model_weights = [w for _, w in MODELS]
@@ -120,23 +144,27 @@ def _templates(tenants: list[tuple[int, int, int]], rng: random.Random,
     others = tenants[1:] or tenants
     out = []
     for _ in range(count):
-        tenant, project, key = tenants[0] if rng.random() < BIG_SHARE else rng.choice(others)
+        ids = tenants[0] if rng.random() < BIG_SHARE else rng.choice(others)
         model = rng.choices(model_names, model_weights)[0]
         status = rng.choices(status_names, status_weights)[0]
-        inp = rng.randint(50, 4000)
-        out_tokens = 0 if status == "released" else rng.randint(10, 1500)
-        held = inp + 1500
-        if status == "settled" and rng.random() < 0.01:
-            out_tokens = 1500 + rng.randint(1, 500)  # the tokenizer's estimate was low
         corrected = status == "swept" and rng.random() < 0.3
-        values = [
-            tenant, project, key, None, "chat/completions", model, model, inp, out_tokens,
-            inp // 4, 0, 0, held, inp * 3 + out_tokens * 12, "settled" if corrected else status,
-            "complete", 200, rng.randint(80, 9000), "t" if rng.random() < 0.5 else "f", "f",
-            "forwarded" if status == "swept" else "",
-            inp if corrected else None, 1500 if corrected else None,
-            inp * 3 + 1500 * 12 if corrected else None, max(inp + out_tokens - held, 0)]
-        out.append(("\t".join("\\N" if v is None else str(v) for v in values), corrected))
+        out.append((_row(ids, model, status, corrected, rng), corrected))
+    return out
+
+
+def groups(tenants: list[tuple[int, int, int]], rng: random.Random) -> list[tuple[str, bool]]:
+    """One row (see _row) per rollup group of a day: every tenant (its one key) x model x
+    status, a corrected swept row counted as its own status (the rollup keeps it apart), in a
+    shuffled order so that a day with fewer rows than groups still gets a fair sample.
+
+    load() writes these first on each day and random rows after, so that the rollup's group set
+    is the same at 20 thousand rows as at 20 million: the readers' cost follows the number of
+    rollup rows, and without this the small size would have fewer of them (measuring the data's
+    shape, not its size)."""
+    out = [(_row(ids, model, status, corrected, rng), corrected)
+           for ids in tenants for model, _ in MODELS
+           for status, corrected in [(s, False) for s, _ in STATUSES] + [("swept", True)]]
+    rng.shuffle(out)
     return out
 
 
@@ -169,17 +197,25 @@ def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int 
         ensure_partitions(now)
     rng = random.Random(seed)
     templates = _templates(tenants, rng)
+    cover = groups(tenants, rng)
     base = first.start.timestamp()
     step = (now.timestamp() - base) / rows
     sql = f"COPY billing_usagerecord ({', '.join(_COPY_COLUMNS)}) FROM STDIN"
     started = time.perf_counter()
     done = 0
+    day, in_day = -1, 0  # the current UTC day (days since the epoch) and its rows so far
     while done < rows:
         count = min(COPY_BATCH, rows - done)
         lines = []
         for i in range(done, done + count):
-            template, corrected = templates[rng.getrandbits(12)]
-            ended = datetime.fromtimestamp(base + step * i, UTC)
+            at_s = base + step * i
+            if int(at_s // 86400) != day:
+                day, in_day = int(at_s // 86400), 0
+            # Each day's first rows are one per group (groups()), the rest random.
+            template, corrected = (cover[in_day] if in_day < len(cover)
+                                   else templates[rng.getrandbits(12)])
+            in_day += 1
+            ended = datetime.fromtimestamp(at_s, UTC)
             at = ended.isoformat()
             fixed = (ended + timedelta(minutes=11)).isoformat() if corrected else "\\N"
             lines.append(f"bench-{i:010d}\t{at}\t{at}\t{at}\t{fixed}\t{template}\n")
@@ -279,8 +315,11 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
     from django.db import connection
 
     from billing import dashboard, metrics
+    from billing.forecast import scope_forecasts
+    from billing.models import UsageRecord, UsageRollup
     from billing.partitions import month_of, shift
     from billing.reports import platform_month, tenant_period
+    from quotas.limits import PROJECT, TENANT
     from quotas.runtime import get_engine
     from tenants.models import Tenant
 
@@ -292,13 +331,23 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
         cursor.execute("ANALYZE billing_usagerecord")
         cursor.execute("ANALYZE billing_usagerollup")
     big = Tenant.objects.select_related("plan").get(pk=tenants[0][0])
+    now = datetime.now(UTC)
+    days = (now.date() - shift(month_of(now), -(months - 1)).start.date()).days + 1
     last_month = shift(month_of(datetime.now(UTC)), -1)
     client = get_engine().client
     figures: dict[str, Any] = {
         "rows": rows, "load_s": loaded, "rollups_s": rolled, "size": table_size(),
+        "rollup_rows": UsageRollup.objects.count(),
+        "groups": len(tenants) * len(MODELS) * (len(STATUSES) + 1) * days,
         "tenant_report": timed(lambda: tenant_period(big, str(last_month)), repeat),
         "platform_report": timed(lambda: platform_month(last_month), repeat),
         "dashboard": timed(lambda: dashboard.build(big), repeat),
+        # The dashboard's forecasts sum the raw rows of today by hour (billing.forecast), the
+        # one part of it that grows with the requests rather than with the rollup's rows.
+        "forecasts": timed(lambda: scope_forecasts(big, kinds=(TENANT, PROJECT)), repeat),
+        "today_rows": UsageRecord.objects.filter(
+            tenant=big, ended_at__gte=now.replace(hour=0, minute=0, second=0,
+                                                  microsecond=0)).count(),
         "metrics": timed(lambda: metrics.render(client), repeat),
     }
     written, seconds = drain_rate(tenants[0], events)
@@ -308,15 +357,20 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
 
 def _print(figures: dict[str, Any]) -> None:
     rows = figures["rows"]
-    print(f"\n== {rows:,} rows ({figures['size']} with indexes) ==")
+    print(f"\n== {rows:,} rows ({figures['size']} with indexes), "
+          f"{figures['rollup_rows']:,} rollup rows (of {figures['groups']:,} groups: tenants x "
+          f"models x statuses x days) ==")
     print(f"  load (COPY): {figures['load_s']:.1f} s ({rows / figures['load_s']:,.0f} rows/s); "
           f"rollups from raw rows: {figures['rollups_s']:.1f} s")
     for name, label in (("tenant_report", "tenant month report (big tenant, last month)"),
                         ("platform_report", "platform month report (last month)"),
                         ("dashboard", "dashboard build (big tenant)"),
+                        ("forecasts", "  of which the forecasts (big tenant's raw rows of today "
+                                      f"by hour: {figures['today_rows']:,} rows)"),
                         ("metrics", "/metrics scrape (billing collector)")):
         cold, warm = figures[name]
-        print(f"  {label}: cold {cold * 1000:,.0f} ms, then median {warm * 1000:,.0f} ms")
+        print(f"  {label}: cold {cold * 1000:,.0f} ms, then median {warm * 1000:,.0f} ms "
+              f"({figures['rollup_rows']:,} rollup rows)")
     written, seconds = figures["drain"]
     print(f"  drain: {written:,} events in {seconds:.2f} s = {written / seconds:,.0f} rows/s")
 
@@ -325,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=20_000_000)
     parser.add_argument("--small", type=int, default=20_000)
-    parser.add_argument("--tenants", type=int, default=50)
-    parser.add_argument("--months", type=int, default=3)
+    parser.add_argument("--tenants", type=int, default=5)
+    parser.add_argument("--months", type=int, default=2)
     parser.add_argument("--drain-events", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--migration-rows", type=int, default=0,
