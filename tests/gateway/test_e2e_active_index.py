@@ -8,9 +8,7 @@ from typing import Any
 
 import pytest
 
-from quotas import active, keys
-from quotas.keys import tenant_tag
-from quotas.runtime import get_engine
+from tests.support.active_index import indexed
 from tests.gateway.conftest import (
     GatewayServer,
     MakeTenant,
@@ -20,13 +18,6 @@ from tests.gateway.conftest import (
 )
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
-
-
-def indexed(tenant_id: int) -> bool:
-    tag = tenant_tag(tenant_id)
-    shards = active.ActiveSettings.from_django().shards
-    return get_engine().client.zscore(keys.active_shard_key(active.shard_of(tag, shards)),
-                                      tag) is not None
 
 
 def call(server: GatewayServer, plaintext: str) -> None:

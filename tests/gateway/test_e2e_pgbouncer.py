@@ -30,7 +30,9 @@ from tests.gateway.conftest import (
     committed,
     gateway_env,
     start_gateway,
+    wait_until,
 )
+from tests.support.active_index import indexed
 from tests.support.console_http import issue_key, log_in, owner_of
 from tests.support.pgbouncer import PgBouncer, pgbouncer, show  # noqa: F401 - fixture
 
@@ -95,6 +97,9 @@ def test_console_api_v1_and_the_drain_through_pgbouncer(
             messages=[{"role": "user", "content": "through pgbouncer"}])
         assert answer.usage is not None
         tokens = answer.usage.total_tokens
+        # The drain visits the index of active tenants, which the gateway worker writes every
+        # second: run it once the call's tenant is there (else it may find nothing to drain).
+        assert wait_until(lambda: indexed(t.tenant_id), timeout=10)
 
         drain = subprocess.run(
             [sys.executable, "-c", DRAIN], cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -1,0 +1,15 @@
+"""Whether a tenant is in the index of active tenants (quotas/active.py) that the background
+jobs visit: a gateway worker writes its marks every GATEWAY_ACTIVE_FLUSH_SECONDS, so a test that
+runs a job right after a call waits for this first."""
+from __future__ import annotations
+
+from quotas import active, keys
+from quotas.keys import tenant_tag
+from quotas.runtime import get_engine
+
+
+def indexed(tenant_id: int) -> bool:
+    tag = tenant_tag(tenant_id)
+    shards = active.ActiveSettings.from_django().shards
+    return get_engine().client.zscore(keys.active_shard_key(active.shard_of(tag, shards)),
+                                      tag) is not None
