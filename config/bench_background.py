@@ -31,47 +31,22 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 BULK = 5_000
 
 
-@contextmanager
-def services() -> Iterator[Path]:
-    """Embedded Redis and PostgreSQL in a temporary directory, migrated, Django set up; stopped
-    and removed on exit."""
-    data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-background-", dir="/tmp"))
-    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
-                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
-    os.environ.pop("DATABASE_URL", None)
-    os.environ.pop("REDIS_URL", None)
+def services() -> AbstractContextManager[Path]:
+    """This benchmark's own embedded Redis and PostgreSQL (config.embedded.scratch_system)."""
     from config import embedded
 
-    embedded.start_all(data_dir, persistent=False)
-    try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
-                       check=True)
-        import django
-
-        django.setup()
-        yield data_dir
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        embedded.stop_all(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
+    return embedded.scratch_system("bench-background")
 
 
 def bulk_tenants(count: int) -> list[int]:
@@ -158,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from billing.models import UsageRecord
     from quotas import active, keys, runtime
     from quotas import tasks as quota_tasks
-    from quotas.engine import EngineSettings, QuotaEngine
+    from quotas.engine import QuotaEngine
 
     figures: dict[str, Any] = {}
     figures["insert_s"], ids = timed(lambda: bulk_tenants(args.tenants))

@@ -25,20 +25,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-ROOT = Path(__file__).resolve().parent.parent
 BUDGET_MS = 100.0
 BUDGET_KB = 200.0
 BATCH = 5_000
@@ -47,32 +42,11 @@ ACTIONS = ("key.issued", "key.rotated", "key.revoked", "key.updated", "project.c
            "token.issued")
 
 
-@contextmanager
-def services() -> Iterator[Path]:
-    """Embedded Redis and PostgreSQL in a temporary directory, migrated, Django set up; stopped
-    and removed on exit."""
-    data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-console-", dir="/tmp"))
-    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
-                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
-    os.environ.pop("DATABASE_URL", None)
-    os.environ.pop("REDIS_URL", None)
+def services() -> AbstractContextManager[Path]:
+    """This benchmark's own embedded Redis and PostgreSQL (config.embedded.scratch_system)."""
     from config import embedded
 
-    embedded.start_all(data_dir, persistent=False)
-    try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
-                       check=True)
-        import django
-
-        django.setup()
-        yield data_dir
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        embedded.stop_all(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
+    return embedded.scratch_system("bench-console")
 
 
 def make_tenant(projects: int, keys: int, events: int, seed: int = 15) -> dict[str, Any]:
@@ -203,8 +177,11 @@ def measure(client: Any, url: str, repeat: int) -> tuple[float, float, int, int]
 
 def follow(client: Any, url: str, hops: int) -> str:
     """The URL `hops` pages deeper through the audit API's `next` links."""
-    for _ in range(hops):
+    for hop in range(hops):
         url = client.get(url).json()["next"]
+        if url is None:
+            raise SystemExit(f"the audit trail ends after {hop + 1} pages, not {hops}: "
+                             "give more --events")
         parsed = urlparse(url)
         url = f"{parsed.path}?{parsed.query}"
     return url
