@@ -26,8 +26,10 @@ The forecast also says when the limit (the counter's limit plus any recharged cr
 reached at that pace, if before the window ends, and its percentage of the limit.
 
 Windows come only from quotas.cycles.calendar_for(tenant) (the tenant's day and cycle); history
-is read from the ledger per UTC hour (an hour's tokens counted as spread evenly over it), and an
-hour of the day is the local hour of the middle of that UTC hour.
+is read per UTC hour from the ledger's hourly table (billing.UsageHourly, kept by the drain in
+the transaction of its rows: the same sums as the raw rows', read as a row per scope and hour
+rather than a row per request; an hour's tokens counted as spread evenly over it), and an hour
+of the day is the local hour of the middle of that UTC hour.
 """
 from __future__ import annotations
 
@@ -42,10 +44,9 @@ from zoneinfo import ZoneInfo
 
 from django.conf import settings as django_settings
 from django.core.cache import cache
-from django.db.models import F, Q, Sum
-from django.db.models.functions import Trunc
+from django.db.models import Q, Sum
 
-from billing.models import UsageRecord
+from billing.models import UsageHourly
 from quotas.cycles import calendar_for
 from quotas.keys import tenant_tag
 from quotas.limits import KEY, PROJECT, TENANT, Counter, standing_counters
@@ -387,24 +388,28 @@ def _moment(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
-# UsageRecord columns a scope's history is summed by (the tenant's: no column, every row).
+# UsageHourly columns a scope's history is summed by (the tenant's: no column, every row).
 _COLUMN = {PROJECT: "project_id", KEY: "api_key_id"}
 
 
 def _ledger_hours(tenant: Tenant, kinds: Collection[str], start_ms: int, end_ms: int,
                   ) -> dict[tuple[str, int | None], dict[int, int]]:
-    """Tokens per UTC hour in [start_ms, end_ms) of the tenant and, for `kinds` (project, key),
-    of each of its projects or keys, in ONE grouped query: {(kind, pk): {hour ms: tokens}}, the
-    tenant's under (TENANT, None) as the sum of every row. A query per scope was an N+1 on the
-    dashboard and GET /quota (one per limited project and key)."""
+    """Tokens per UTC hour of the hours starting in [start_ms, end_ms) (`start_ms` an hour
+    start; the hour containing `end_ms` holds what was drained of it so far) of the tenant and,
+    for `kinds` (project, key), of each of its projects or keys, in ONE grouped query of the
+    hourly table: {(kind, pk): {hour ms: tokens}}, the tenant's under (TENANT, None) as the sum
+    of every row. A query per scope was an N+1 on the dashboard and GET /quota (one per limited
+    project and key); summing the raw rows of the hours was 85 ms of the dashboard's 100 at 20
+    million ledger rows (docs/benchmarks.md). A project or key deleted since keeps its id here
+    (its raw rows' is NULL): it is no scope forecast, and the tenant's sum counts its rows
+    either way."""
     columns = [_COLUMN[kind] for kind in (PROJECT, KEY) if kind in kinds]
-    rows = (UsageRecord.objects
-            .filter(tenant=tenant, ended_at__gte=_moment(start_ms), ended_at__lt=_moment(end_ms))
-            .annotate(hour=Trunc("ended_at", "hour", tzinfo=UTC)).values("hour", *columns)
-            .annotate(tokens=Sum(F("input_tokens") + F("output_tokens"))).order_by())
+    rows = (UsageHourly.objects
+            .filter(tenant=tenant, hour__gte=_moment(start_ms), hour__lt=_moment(end_ms))
+            .values("hour", *columns).annotate(sum_tokens=Sum("tokens")).order_by())
     out: dict[tuple[str, int | None], dict[int, int]] = {}
     for row in rows:
-        tokens = int(row["tokens"] or 0)
+        tokens = int(row["sum_tokens"] or 0)
         if not tokens:
             continue
         hour = int(row["hour"].timestamp() * 1000)
@@ -433,7 +438,8 @@ def load_histories(tenant: Tenant, counters: Sequence[Counter], projects: Mappin
     """Per counter scope: its tokens per UTC hour from `history_days` before today up to now.
 
     The past days come from the shared cache (one entry per scope, computed at most once an
-    hour), today's hours live. One ledger query per tenant whatever the number of scopes: today
+    hour), today's hours live. One query of the ledger's hourly table per tenant whatever the
+    number of scopes: today
     only when every scope's past is cached, or since the history's start, split at today, when
     one is not (then the missing scopes are cached). No counter: no query."""
     if not counters:

@@ -184,6 +184,46 @@ class UsageRollup(models.Model):
         return f"{self.tenant_id} {self.zone} {self.day} {self.served_model} {self.status}"
 
 
+class UsageHourly(models.Model):
+    """The ledger's tokens per UTC hour: one row per (tenant, hour, project, key), kept in the
+    same transaction (and statement) as the drain's inserts and corrections and the daily rollup
+    (billing/rollups.py), so that usage forecasts (billing/forecast.py) read a row per scope and
+    hour instead of a row per request. `hour` is the start of the UTC hour the row's ended_at
+    falls in; `tokens` is input + output (what forecasts burn); a correction changes a swept
+    row's tokens in place, so its delta goes to the hour the row ended in.
+
+    Kept only TOLLGATE_FORECAST_HISTORY_DAYS + 2 days (billing.rollups.prune_hourly, from the
+    daily partition task): forecasts read no further back. project / api_key keep the id without
+    a database constraint, like UsageRollup's.
+    """
+
+    # No index of their own: the group's unique index (tenant first) is the one every reader
+    # and the drain's upsert use, and each more index is one more write per drained group.
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+",
+                               db_index=False)
+    hour = models.DateTimeField()
+    project = models.ForeignKey("tenants.Project", on_delete=models.DO_NOTHING, null=True,
+                                db_constraint=False, db_index=False, related_name="+")
+    api_key = models.ForeignKey("tenants.ApiKey", on_delete=models.DO_NOTHING, null=True,
+                                db_constraint=False, db_index=False, related_name="+")
+    requests = models.BigIntegerField(default=0)
+    tokens = models.BigIntegerField(default=0)
+
+    GROUP_FIELDS = ("tenant", "hour", "project", "api_key")
+    SUM_FIELDS = ("requests", "tokens")
+
+    class Meta:
+        constraints = [
+            # NULLS NOT DISTINCT: a call without a project or key (or whose were deleted) is one
+            # group. Also the forecasts' index: (tenant, hour range).
+            models.UniqueConstraint(fields=["tenant", "hour", "project", "api_key"],
+                                    name="usage_hourly_group", nulls_distinct=False),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.hour:%Y-%m-%d %H:00} {self.tokens}"
+
+
 class LedgerExport(models.Model):
     """A raw ledger month written to CSV (`manage.py ledger_export`, billing/retention.py), and
     when retention dropped its partition. Retention drops a month only if its export's row count

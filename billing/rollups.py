@@ -1,5 +1,8 @@
 """The ledger summed per day (billing.UsageRollup): kept by the drain, rebuilt from raw rows,
-checked against them, and read by the reports, the usage API, the dashboard and /metrics.
+checked against them, and read by the reports, the usage API, the dashboard and /metrics; and
+its tokens per UTC hour (billing.UsageHourly), kept and rebuilt the same way, read by the usage
+forecasts (billing/forecast.py) and kept TOLLGATE_FORECAST_HISTORY_DAYS + 2 days
+(`prune_hourly`).
 
 Writing (the only writers of the ledger's rows and of the rollup; billing/ledger.py calls them
 inside the drain's transaction):
@@ -15,7 +18,10 @@ inside the drain's transaction):
 - `add_to_rollups`: the contributions summed in Python per group, then one INSERT ... ON
   CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col + EXCLUDED.col, groups in a
   stable (sorted) order, so two drains upserting overlapping groups lock them in the same order
-  and cannot deadlock each other.
+  and cannot deadlock each other. The hourly sums (tenant, UTC hour, project, key: requests and
+  input + output tokens) are upserted the same way by a data-modifying CTE of that same
+  statement: the hourly table costs the drain no round trip. A correction's token delta goes to
+  the hour the row ended in (ended_at does not change).
 
 Which rows a usage row is summed into: its UTC day (zone "UTC") and its local day in the zone
 the tenant's days were in when the call ended (`Zones`: quotas.cycles' schedule, or its
@@ -45,12 +51,13 @@ from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone as dj_timezone
 
-from billing.models import UsageRecord, UsageRollup
+from billing.models import UsageHourly, UsageRecord, UsageRollup
 from quotas.cycles import Timeline, schedule_for
 from quotas.models import CyclePeriod
 from quotas.windows import CycleSchedule
@@ -68,6 +75,20 @@ _GROUP_TYPES = ("bigint", "text", "date", "bigint", "bigint", "bigint", "text", 
 
 Group = tuple[Any, ...]  # values of _GROUP_COLUMNS
 Sums = list[int]  # values of SUM_FIELDS
+_HOURLY_TABLE = UsageHourly._meta.db_table
+_HOURLY_COLUMNS = ("tenant_id", "hour", "project_id", "api_key_id")
+_HOURLY_TYPES = ("bigint", "timestamptz", "bigint", "bigint")
+HOURLY_SUMS: tuple[str, ...] = UsageHourly.SUM_FIELDS  # requests, tokens (input + output)
+HourGroup = tuple[Any, ...]  # values of _HOURLY_COLUMNS
+
+
+@dataclass
+class Totals:
+    """A batch's deltas: per daily rollup group (SUM_FIELDS order) and per hourly group
+    (HOURLY_SUMS order)."""
+
+    days: dict[Group, Sums] = dataclasses.field(default_factory=dict)
+    hours: dict[HourGroup, Sums] = dataclasses.field(default_factory=dict)
 
 
 # -- the zone of a row ----------------------------------------------------------------------------
@@ -138,33 +159,63 @@ def _groups_of(row: Row, zone: str) -> list[Group]:
     return out
 
 
-def _add(totals: dict[Group, Sums], row: Row, zone: str, sign: int = 1) -> None:
+def hour_of(moment: datetime) -> datetime:
+    """The start of the UTC hour `moment` falls in (a UsageHourly row's `hour`)."""
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _add(totals: Totals, row: Row, zone: str, sign: int = 1) -> None:
     values = _contribution(row)
     for group in _groups_of(row, zone):
-        current = totals.setdefault(group, [0] * len(SUM_FIELDS))
+        current = totals.days.setdefault(group, [0] * len(SUM_FIELDS))
         for i, value in enumerate(values):
             current[i] += sign * value
+    hourly = totals.hours.setdefault(
+        (row.tenant_id, hour_of(row.ended_at), row.project_id, row.api_key_id), [0, 0])
+    hourly[0] += sign
+    hourly[1] += sign * (row.input_tokens + row.output_tokens)
 
 
 def _sort_key(group: Group) -> tuple[Any, ...]:
     return tuple((value is None, value if value is not None else 0) for value in group)
 
 
-def add_to_rollups(totals: dict[Group, Sums]) -> None:
-    """Upsert these per-group deltas (one statement), in a stable group order."""
-    items = sorted(((g, s) for g, s in totals.items() if any(s)), key=lambda i: _sort_key(i[0]))
+def _upsert(table: str, constraint: str, group_columns: Sequence[str],
+            group_types: Sequence[str], sum_columns: Sequence[str],
+            deltas: dict[tuple[Any, ...], Sums]) -> tuple[str, list[Any]] | None:
+    """The INSERT ... ON CONFLICT adding these per-group deltas, groups in a stable order, and
+    its parameters (one array per column); None when every delta is zero."""
+    items = sorted(((g, s) for g, s in deltas.items() if any(s)), key=lambda i: _sort_key(i[0]))
     if not items:
-        return
+        return None
     columns = [list(col) for col in zip(*(g for g, _ in items), strict=True)]
     sums = [list(col) for col in zip(*(s for _, s in items), strict=True)]
-    arrays = ", ".join([f"%s::{t}[]" for t in _GROUP_TYPES] + ["%s::bigint[]"] * len(SUM_FIELDS))
-    names = ", ".join((*_GROUP_COLUMNS, *SUM_FIELDS))
-    updates = ", ".join(f"{c} = {_ROLLUP_TABLE}.{c} + EXCLUDED.{c}" for c in SUM_FIELDS)
+    arrays = ", ".join([f"%s::{t}[]" for t in group_types] + ["%s::bigint[]"] * len(sum_columns))
+    names = ", ".join((*group_columns, *sum_columns))
+    updates = ", ".join(f"{c} = {table}.{c} + EXCLUDED.{c}" for c in sum_columns)
     # The rows are inserted in unnest's order (the sorted one): row locks are taken in it.
-    sql = (f"INSERT INTO {_ROLLUP_TABLE} ({names}) SELECT * FROM unnest({arrays}) "
-           f"ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET {updates}")
+    return (f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}) "
+            f"ON CONFLICT ON CONSTRAINT {constraint} DO UPDATE SET {updates}",
+            [*columns, *sums])
+
+
+def add_to_rollups(totals: Totals) -> None:
+    """Upsert these deltas into the daily rollup and the hourly table in ONE statement (the
+    hourly upsert a data-modifying CTE of the daily one: no round trip more for the drain),
+    each in a stable group order. Every statement of this shape takes its locks in the same
+    order (PostgreSQL runs an unreferenced data-modifying CTE after the main statement)."""
+    daily = _upsert(_ROLLUP_TABLE, "usage_rollup_group", _GROUP_COLUMNS, _GROUP_TYPES,
+                    SUM_FIELDS, totals.days)
+    hourly = _upsert(_HOURLY_TABLE, "usage_hourly_group", _HOURLY_COLUMNS, _HOURLY_TYPES,
+                     HOURLY_SUMS, totals.hours)
+    if daily is None and hourly is None:
+        return
+    if daily is None or hourly is None:
+        sql, params = daily or hourly  # type: ignore[misc]
+    else:
+        sql, params = f"WITH hourly AS ({hourly[0]}) {daily[0]}", [*hourly[1], *daily[1]]
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*columns, *sums])
+        cursor.execute(sql, params)
 
 
 ZoneOf = Callable[[int, int], str]  # (tenant id, instant in ms) -> zone name
@@ -289,8 +340,8 @@ def insert_records(rows: Sequence[Row], zone_of: ZoneOf | None = None) -> list[R
     transaction, which is what the drain wants). `zone_of` gives the tenant's zone at an
     instant (default: a `Zones` of this call).
 
-    Statements: CREATE TEMP TABLE IF NOT EXISTS, COPY, the INSERT, the rollup's upsert (none
-    when nothing was inserted)."""
+    Statements: CREATE TEMP TABLE IF NOT EXISTS, COPY, the INSERT, the rollups' upsert (daily
+    and hourly in one statement; none when nothing was inserted)."""
     unique: dict[str, Row] = {}
     for row in rows:
         unique.setdefault(row.request_id, row)  # a duplicate within the batch: the same event
@@ -306,7 +357,7 @@ def insert_records(rows: Sequence[Row], zone_of: ZoneOf | None = None) -> list[R
         _stage(cursor, batch)
         cursor.execute(_insert_sql())
         inserted = {r[1]: r for r in cursor.fetchall()}
-        totals: dict[Group, Sums] = {}
+        totals = Totals()
         out = []
         for row in batch:
             found = inserted.get(row.request_id)
@@ -325,9 +376,10 @@ def insert_records(rows: Sequence[Row], zone_of: ZoneOf | None = None) -> list[R
 def move_corrected(pairs: Iterable[tuple[Row, Row]],
                    zone_of: ZoneOf | None = None) -> None:
     """Move corrected rows in the rollup: each (row before, row after) its correction, in the
-    correction's transaction. Both have the same ended_at (so the same days)."""
+    correction's transaction. Both have the same ended_at (so the same days, and the same UTC
+    hour: the hourly table gets the tokens' delta there, requests unchanged)."""
     zone_of = zone_of or Zones().at
-    totals: dict[Group, Sums] = {}
+    totals = Totals()
     for before, after in pairs:
         zone = zone_of(before.tenant_id, _ms(before.ended_at))
         _add(totals, before, zone, -1)
@@ -573,11 +625,44 @@ def _rebuild_into(tenant_id: int, zone: str, lo: datetime, hi: datetime) -> None
         cursor.execute(sql, [zone, zone, tenant_id, lo, hi])
 
 
+_HOURLY_REBUILD = (
+    f"INSERT INTO {_HOURLY_TABLE} ({', '.join((*_HOURLY_COLUMNS, *HOURLY_SUMS))}) "
+    f"SELECT tenant_id, date_trunc('hour', ended_at, 'UTC'), project_id, api_key_id, count(*), "
+    f"coalesce(sum(input_tokens + output_tokens), 0) FROM {_RAW_TABLE} WHERE tenant_id = %s "
+    f"AND ended_at >= %s AND ended_at < %s GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4 "
+    f"ON CONFLICT ON CONSTRAINT usage_hourly_group DO UPDATE SET "
+    f"{', '.join(f'{c} = {_HOURLY_TABLE}.{c} + EXCLUDED.{c}' for c in HOURLY_SUMS)}")
+
+
+def hourly_kept_since(now: datetime | None = None) -> datetime:
+    """The first UTC hour the hourly table keeps: TOLLGATE_FORECAST_HISTORY_DAYS + 2 days back
+    (forecasts read the history days before the tenant's today, at most a day before now)."""
+    days = settings.TOLLGATE_FORECAST_HISTORY_DAYS + 2
+    return hour_of((now or dj_timezone.now()) - timedelta(days=days))
+
+
+def prune_hourly(now: datetime | None = None) -> int:
+    """Delete the hourly rows older than `hourly_kept_since`; returns how many. Daily (the
+    partition upkeep task, billing.tasks.ensure_ledger_partitions)."""
+    deleted, _ = UsageHourly.objects.filter(hour__lt=hourly_kept_since(now)).delete()
+    return deleted
+
+
+def _rebuild_hourly(tenant_id: int, lo: datetime, hi: datetime) -> None:
+    """The tenant's hourly rows of [lo, hi) (UTC day bounds) from its raw rows: those older
+    than the table keeps are deleted, not recomputed (the daily prune would drop them)."""
+    UsageHourly.objects.filter(tenant_id=tenant_id, hour__gte=lo, hour__lt=hi).delete()
+    lo = max(lo, hourly_kept_since())
+    if lo < hi:
+        with connection.cursor() as cursor:
+            cursor.execute(_HOURLY_REBUILD, [tenant_id, lo, hi])
+
+
 def rebuild(start: date, end: date, *, tenant: Tenant | None = None,
             force: bool = False) -> int:
     """Recompute the rollups of days [start, end) (every zone: the UTC days and the tenants'
-    local days) from the raw rows, per tenant in one transaction each; returns the number of
-    tenants rebuilt. Raises RawRowsMissing (before changing anything of that tenant) when a UTC
+    local days) and the hourly rows of those UTC days (within the hours the table keeps) from
+    the raw rows, per tenant in one transaction each; returns the number of tenants rebuilt. Raises RawRowsMissing (before changing anything of that tenant) when a UTC
     day has rollups but no raw rows, unless `force`: the raw rows were dropped and the rollup
     is all that is left of them.
 
@@ -594,6 +679,7 @@ def rebuild(start: date, end: date, *, tenant: Tenant | None = None,
                 _check_raw_present(one.pk, start, end)
             UsageRollup.objects.filter(tenant=one, day__gte=start, day__lt=end).delete()
             _rebuild_into(one.pk, UTC_ZONE, day_start(start, utc), day_start(end, utc))
+            _rebuild_hourly(one.pk, day_start(start, utc), day_start(end, utc))
             # Local days: rows up to 14 h either side of the UTC range may fall on them.
             pad = timedelta(days=1)
             for lo, hi, zone in _zone_intervals(one, day_start(start, utc) - pad,

@@ -20,6 +20,7 @@ from billing.ledger import DrainResult, drain_all
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.partitions import ensure_partitions
 from billing.retention import apply_retention
+from billing.rollups import prune_hourly
 from billing.webhooks import (
     clear_expired_previous_secrets,
     deliver,
@@ -244,11 +245,18 @@ def reconcile_daily(day: str | None = None) -> dict[str, object]:
 @shared_task
 def ensure_ledger_partitions() -> int:
     """This month's ledger partition and the next two, and the month of any row the default
-    partition caught (its rows moved in). Returns how many partitions were created."""
+    partition caught (its rows moved in); and the hourly usage rows older than
+    TOLLGATE_FORECAST_HISTORY_DAYS + 2 days deleted (billing.rollups.prune_hourly). Returns how
+    many partitions were created."""
     created = ensure_partitions()
     for made in created:
         log.info("ledger partition for %s created (%d rows moved from the default partition)",
                  made.month, made.moved)
+    # The hourly table's upkeep rides on this daily task (always scheduled, unlike retention,
+    # which does nothing by default): hours older than the forecasts read are deleted.
+    pruned = prune_hourly()
+    if pruned:
+        log.info("%d hourly usage rows older than the forecasts' history deleted", pruned)
     return len(created)
 
 

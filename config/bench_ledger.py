@@ -15,8 +15,9 @@ and its rollups and:
    corrected apart; every tenant has one key), the rest random: the group set, and so the
    rollup's row count that the readers' cost follows, is the same at both sizes (the defaults, 5
    tenants x 7 models x 6 statuses x ~31-59 days = 6,510-12,390 groups, fit in 20,000 rows);
-   then fills the daily rollups from those rows (billing.rollups.rebuild, every
-   tenant, every zone) and ANALYZEs;
+   then fills the daily rollups and the hourly table the forecasts read from those rows
+   (billing.rollups.rebuild, every tenant, every zone; hours of the last
+   TOLLGATE_FORECAST_HISTORY_DAYS + 2 days) and ANALYZEs;
 2. times, once cold and then `--repeat` times (the median printed): the big tenant's report of
    the last whole month (billing.reports.tenant_period), the platform report of that month
    (billing.reports.platform_month), the big tenant's dashboard (billing.dashboard.build) and a
@@ -233,7 +234,7 @@ def migration_time(rows: int, tenants: list[tuple[int, int, int]], months: int) 
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup")
+        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup, billing_usagehourly")
     call_command("migrate", "billing", "0012", verbosity=0)
     load(rows, tenants, months, partitioned=False)
     with connection.cursor() as cursor:
@@ -244,7 +245,8 @@ def migration_time(rows: int, tenants: list[tuple[int, int, int]], months: int) 
 
 
 def fill_rollups(months: int) -> float:
-    """The daily rollups of every loaded day, computed by SQL from the raw rows."""
+    """The daily rollups of every loaded day and the hourly table's hours, computed by SQL from
+    the raw rows."""
     from billing.partitions import month_of, shift
     from billing.rollups import rebuild
 
@@ -316,7 +318,7 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
 
     from billing import dashboard, metrics
     from billing.forecast import scope_forecasts
-    from billing.models import UsageRecord, UsageRollup
+    from billing.models import UsageHourly, UsageRecord, UsageRollup
     from billing.partitions import month_of, shift
     from billing.reports import platform_month, tenant_period
     from quotas.limits import PROJECT, TENANT
@@ -324,12 +326,13 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
     from tenants.models import Tenant
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup")
+        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup, billing_usagehourly")
     loaded = load(rows, tenants, months)
     rolled = fill_rollups(months)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE billing_usagerecord")
         cursor.execute("ANALYZE billing_usagerollup")
+        cursor.execute("ANALYZE billing_usagehourly")
     big = Tenant.objects.select_related("plan").get(pk=tenants[0][0])
     now = datetime.now(UTC)
     days = (now.date() - shift(month_of(now), -(months - 1)).start.date()).days + 1
@@ -342,12 +345,16 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
         "tenant_report": timed(lambda: tenant_period(big, str(last_month)), repeat),
         "platform_report": timed(lambda: platform_month(last_month), repeat),
         "dashboard": timed(lambda: dashboard.build(big), repeat),
-        # The dashboard's forecasts sum the raw rows of today by hour (billing.forecast), the
-        # one part of it that grows with the requests rather than with the rollup's rows.
+        # The dashboard's forecasts read the hourly table (billing.forecast): today's hours of
+        # the big tenant (before it, they summed that many raw rows of today).
         "forecasts": timed(lambda: scope_forecasts(big, kinds=(TENANT, PROJECT)), repeat),
         "today_rows": UsageRecord.objects.filter(
             tenant=big, ended_at__gte=now.replace(hour=0, minute=0, second=0,
                                                   microsecond=0)).count(),
+        "today_hourly": UsageHourly.objects.filter(
+            tenant=big, hour__gte=now.replace(hour=0, minute=0, second=0,
+                                              microsecond=0)).count(),
+        "hourly_rows": UsageHourly.objects.count(),
         "metrics": timed(lambda: metrics.render(client), repeat),
     }
     written, seconds = drain_rate(tenants[0], events)
@@ -359,14 +366,15 @@ def _print(figures: dict[str, Any]) -> None:
     rows = figures["rows"]
     print(f"\n== {rows:,} rows ({figures['size']} with indexes), "
           f"{figures['rollup_rows']:,} rollup rows (of {figures['groups']:,} groups: tenants x "
-          f"models x statuses x days) ==")
+          f"models x statuses x days), {figures['hourly_rows']:,} hourly rows ==")
     print(f"  load (COPY): {figures['load_s']:.1f} s ({rows / figures['load_s']:,.0f} rows/s); "
           f"rollups from raw rows: {figures['rollups_s']:.1f} s")
     for name, label in (("tenant_report", "tenant month report (big tenant, last month)"),
                         ("platform_report", "platform month report (last month)"),
                         ("dashboard", "dashboard build (big tenant)"),
-                        ("forecasts", "  of which the forecasts (big tenant's raw rows of today "
-                                      f"by hour: {figures['today_rows']:,} rows)"),
+                        ("forecasts", "  of which the forecasts (big tenant's hourly rows of "
+                                      f"today: {figures['today_hourly']:,}, for "
+                                      f"{figures['today_rows']:,} raw rows)"),
                         ("metrics", "/metrics scrape (billing collector)")):
         cold, warm = figures[name]
         print(f"  {label}: cold {cold * 1000:,.0f} ms, then median {warm * 1000:,.0f} ms "

@@ -4,14 +4,14 @@ same group set), and rollups that verify against the rows (the bench's figures a
 drain could have written). Timings are the bench's to print, not asserted here."""
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import connection
 
-from billing.models import UsageRecord, UsageRollup
+from billing.models import UsageHourly, UsageRecord, UsageRollup
 from billing.partitions import default_name, month_of, shift
-from billing.rollups import UTC_ZONE, rebuild, verify
+from billing.rollups import UTC_ZONE, hourly_kept_since, rebuild, verify
 from config.bench_ledger import MODELS, STATUSES, _setup_tenants, load
 
 pytestmark = pytest.mark.django_db
@@ -43,3 +43,19 @@ def test_the_synthetic_rows_are_valid_ledger_rows_that_the_rollups_match() -> No
     assert rollups.count() == per_day * days
     assert rollups.values("day").distinct().count() == days
     assert rollups.filter(corrected=True).values("day").distinct().count() == days
+    # The hourly table the forecasts read, filled by the same rebuild: the raw rows' requests
+    # and tokens per (tenant, UTC hour, project, key) over the hours it keeps, and none before
+    # (compared from an hour later, and checked to an hour earlier: the hour the table keeps
+    # from may have moved on since the rebuild).
+    kept = hourly_kept_since()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT tenant_id, date_trunc('hour', ended_at, 'UTC'), project_id, api_key_id, "
+            "count(*), sum(input_tokens + output_tokens) FROM billing_usagerecord "
+            "WHERE tenant_id = ANY(%s) AND ended_at >= %s GROUP BY 1, 2, 3, 4",
+            [ids, kept + timedelta(hours=1)])
+        raw = set(cursor.fetchall())
+    hourly = UsageHourly.objects.filter(tenant_id__in=ids)
+    assert raw and set(hourly.filter(hour__gte=kept + timedelta(hours=1)).values_list(
+        "tenant_id", "hour", "project_id", "api_key_id", "requests", "tokens")) == raw
+    assert not hourly.filter(hour__lt=kept - timedelta(hours=1)).exists()

@@ -16,7 +16,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from billing.ledger import drain_all
-from billing.models import UsageRecord, UsageRollup
+from billing.models import UsageHourly, UsageRecord, UsageRollup
 from billing.rollups import verify
 from gateway.providers import create_provider_key
 from tenants.models import Tenant
@@ -30,8 +30,11 @@ DAY = datetime(2026, 11, 3, 12, tzinfo=UTC)
 RUN_STATEMENTS = ["SELECT"] * 5
 # One batch, as captured inside the test's transaction: the drain's transaction is a savepoint
 # here (BEGIN and COMMIT outside a test); the COPY into the staging table goes through
-# psycopg's copy() and is one more round trip, not captured by Django.
-BATCH_STATEMENTS = ["SAVEPOINT", "CREATE", "WITH", "INSERT", "RELEASE"]
+# psycopg's copy() and is one more round trip, not captured by Django. The two WITHs: the insert
+# (WITH staged AS (DELETE ... RETURNING *) INSERT ...), then the rollups' upsert, the hourly
+# table's (billing.UsageHourly, for the forecasts) a data-modifying CTE of the daily one's
+# (WITH hourly AS (INSERT ...) INSERT ...): the same five round trips as before it existed.
+BATCH_STATEMENTS = ["SAVEPOINT", "CREATE", "WITH", "WITH", "RELEASE"]
 
 
 @pytest.fixture
@@ -121,3 +124,7 @@ def test_references_deleted_since_the_call_are_null_in_the_row_and_its_rollup(
                       (kept.pk, kept_key, None, "settled", False, 1),
                       (kept.pk, kept_key, None, "settled", True, 1)}
     assert verify(DAY.date(), DAY.date() + timedelta(days=1), tenant_id=tenant.pk) == []
+    # The hourly table's rows name the same references (the corrected row's tokens in its hour).
+    assert set(UsageHourly.objects.filter(tenant=tenant).values_list(
+        "project_id", "api_key_id", "requests", "tokens")) == {
+        (None, None, 1, 150), (kept.pk, kept_key, 2, 150 + 300)}

@@ -12,7 +12,7 @@ from django.core.management import CommandError, call_command
 from django.db.models import Sum
 
 from billing.ledger import drain_all, drain_tenant
-from billing.models import UsageRecord, UsageRollup
+from billing.models import UsageHourly, UsageRecord, UsageRollup
 from billing.rollups import RawRowsMissing, rebuild, verify
 from tenants.models import Project, Tenant
 from tenants.services import create_project, create_tenant, issue_key
@@ -241,11 +241,17 @@ def test_two_drains_of_one_stream_keep_the_rollup_equal_to_the_raw_rows(
             assert rollup_sums(tenant, "UTC") == raw
             assert rollup_sums(tenant, KOLKATA) == raw
             assert verify(date(2026, 10, 1), date(2027, 1, 1), tenant_id=tenant.pk) == []
+            # The hourly table (upserted in the rollup's statement) counted once too.
+            hourly = UsageHourly.objects.filter(tenant=tenant).aggregate(
+                r=Sum("requests"), t=Sum("tokens"))
+            assert (hourly["r"], hourly["t"]) == (
+                raw["requests"], raw["input_tokens"] + raw["output_tokens"])
 
         committed(django_db_blocker, check)
     finally:
         def clean() -> None:
             UsageRollup.objects.filter(tenant=tenant).delete()
+            UsageHourly.objects.filter(tenant=tenant).delete()
             UsageRecord.objects.filter(tenant=tenant).delete()
         committed(django_db_blocker, clean)
 

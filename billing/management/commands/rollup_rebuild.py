@@ -1,8 +1,10 @@
 """python manage.py rollup_rebuild [--tenant SLUG] [--day YYYY-MM-DD | --month YYYY-MM] [--force]
 
-Recompute the daily rollup of the ledger (billing.UsageRollup) from its raw rows
-(billing/rollups.py rebuild): for rows drained before the rollup existed (migration 0012), or to
-repair a range that `verify` reports. Without --day / --month: every day from the first raw row's
+Recompute the daily rollup of the ledger (billing.UsageRollup) and its hourly table
+(billing.UsageHourly, the hours of the range within the last TOLLGATE_FORECAST_HISTORY_DAYS + 2
+days) from its raw rows (billing/rollups.py rebuild): for rows drained before the rollup
+existed (migration 0012) or before the hourly table did (0014), or to repair a range that
+`verify` reports. Without --day / --month: every day from the first raw row's
 to the last one's (UTC, padded a day for the tenants' local days). Each tenant is rebuilt in one
 transaction, beside a running drain (see rebuild's docstring).
 
@@ -45,7 +47,8 @@ def _range(options: dict[str, Any]) -> tuple[date, date] | None:
 
 
 class Command(BaseCommand):
-    help = "Recompute the ledger's daily rollup from its raw rows, then check it against them."
+    help = ("Recompute the ledger's daily rollup and hourly table from its raw rows, then check "
+            "the daily rollup against them.")
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--tenant", metavar="SLUG", help="Only this tenant.")
