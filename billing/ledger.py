@@ -287,8 +287,8 @@ def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
                  read: list[Any] | None = None) -> _Batch:
     """One batch of the tenant's stream in one transaction. Round trips: XRANGE (unless the
     caller `read` the batch already); then, when it has events, CREATE TEMP TABLE IF NOT
-    EXISTS, COPY, the INSERT, the rollup's upsert and COMMIT (billing.rollups.insert_records;
-    corrections add theirs); XDEL after the commit."""
+    EXISTS, COPY, the INSERT, the rollups' upsert (daily and hourly: one statement) and COMMIT
+    (billing.rollups.insert_records; corrections add theirs); XDEL after the commit."""
     stream = keys.usage_stream_key(tenant_tag(tenant_id))
     entries = read if read is not None else client.xrange(stream, count=batch)
     if not entries:
