@@ -38,21 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # The bench's synthetic traffic: models with their share of calls and a price per token pair.
 MODELS = (("gpt-4o-mini", 40), ("gpt-4o", 20), ("claude-haiku-4-5", 15),
@@ -62,32 +57,11 @@ BIG_SHARE = 0.2  # of all rows, the big tenant's
 COPY_BATCH = 200_000
 
 
-@contextmanager
-def services() -> Iterator[Path]:
-    """Embedded Redis and PostgreSQL in a temporary directory, migrated, Django set up; stopped
-    and removed on exit."""
-    data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-ledger-", dir="/tmp"))
-    os.environ.update({"TOLLGATE_DATA_DIR": str(data_dir), "TOLLGATE_ENV": "development",
-                       "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
-    os.environ.pop("DATABASE_URL", None)
-    os.environ.pop("REDIS_URL", None)
+def services() -> AbstractContextManager[Path]:
+    """This benchmark's own embedded Redis and PostgreSQL (config.embedded.scratch_system)."""
     from config import embedded
 
-    embedded.start_all(data_dir, persistent=False)
-    try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
-                       check=True)
-        import django
-
-        django.setup()
-        yield data_dir
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        embedded.stop_all(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
+    return embedded.scratch_system("bench-ledger")
 
 
 def _setup_tenants(count: int) -> list[tuple[int, int, int]]:
