@@ -244,6 +244,37 @@ def _with_key(definition: str) -> tuple[list[str], str]:
     return columns, f"{match[1]} ({', '.join(columns)}){match[3]}"
 
 
+def _set_aside(cursor: Any, table: str, old: str, partitioning: str) -> None:
+    """Rename `table` (and its identity sequence) to `old` and create `table` again like it,
+    with `partitioning` (a PARTITION BY clause, or empty), without indexes or constraints: the
+    two ways of migration 0013 (partition_existing, unpartition)."""
+    cursor.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
+    (sequence,) = cursor.fetchone()
+    cursor.execute(f"ALTER TABLE {_ident(table)} RENAME TO {_ident(old)}")
+    if sequence:
+        # Its name goes to the new table's identity sequence (the old one goes with the table).
+        cursor.execute(f"ALTER SEQUENCE {sequence} RENAME TO {_ident(old + '_id_seq')}")
+    cursor.execute(
+        f"CREATE TABLE {_ident(table)} (LIKE {_ident(old)} INCLUDING DEFAULTS INCLUDING IDENTITY "
+        f"INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS){partitioning}")
+
+
+def _move_rows(cursor: Any, table: str, old: str, *, cascade: bool) -> int:
+    """Copy every row of `old` into `table` with their ids, drop `old` (with its partitions when
+    `cascade`), and start `table`'s identity sequence after the highest id. Returns the rows."""
+    cursor.execute(f"INSERT INTO {_ident(table)} OVERRIDING SYSTEM VALUE "
+                   f"SELECT * FROM {_ident(old)}")
+    moved = cursor.rowcount
+    cursor.execute(f"SELECT max(id) FROM {_ident(old)}")
+    (top,) = cursor.fetchone()
+    cursor.execute(f"DROP TABLE {_ident(old)}{' CASCADE' if cascade else ''}")
+    cursor.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
+    (new_sequence,) = cursor.fetchone()
+    if new_sequence and top is not None:
+        cursor.execute("SELECT setval(%s, %s)", [new_sequence, top])
+    return moved
+
+
 def partition_existing(cursor: Any, table: str = TABLE, *, now: datetime | None = None,
                        ahead: int = MONTHS_AHEAD) -> int:
     """Turn the plain table `table` into one partitioned by month on `ended_at`, keeping its
@@ -259,15 +290,7 @@ def partition_existing(cursor: Any, table: str = TABLE, *, now: datetime | None 
         return 0
     constraints, indexes = _definitions(cursor, table)
     old = f"{table}_unpartitioned"
-    cursor.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
-    (sequence,) = cursor.fetchone()
-    cursor.execute(f"ALTER TABLE {_ident(table)} RENAME TO {_ident(old)}")
-    if sequence:
-        # Its name goes to the new table's identity sequence (the old one goes with the table).
-        cursor.execute(f"ALTER SEQUENCE {sequence} RENAME TO {_ident(old + '_id_seq')}")
-    cursor.execute(
-        f"CREATE TABLE {_ident(table)} (LIKE {_ident(old)} INCLUDING DEFAULTS INCLUDING IDENTITY "
-        f"INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY RANGE ({KEY})")
+    _set_aside(cursor, table, old, f" PARTITION BY RANGE ({KEY})")
     cursor.execute(f"SELECT DISTINCT date_trunc('month', {KEY} AT TIME ZONE 'UTC') "
                    f"FROM {_ident(old)}")
     months = {Month(m.year, m.month) for (m,) in cursor.fetchall()}
@@ -277,16 +300,7 @@ def partition_existing(cursor: Any, table: str = TABLE, *, now: datetime | None 
         _create_partition(cursor, month, table)
     cursor.execute(f"CREATE TABLE {_ident(default_name(table))} PARTITION OF {_ident(table)} "
                    "DEFAULT")
-    cursor.execute(f"INSERT INTO {_ident(table)} OVERRIDING SYSTEM VALUE "
-                   f"SELECT * FROM {_ident(old)}")
-    moved = cursor.rowcount
-    cursor.execute(f"SELECT max(id) FROM {_ident(old)}")
-    (top,) = cursor.fetchone()
-    cursor.execute(f"DROP TABLE {_ident(old)}")
-    cursor.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
-    (new_sequence,) = cursor.fetchone()
-    if new_sequence and top is not None:
-        cursor.execute("SELECT setval(%s, %s)", [new_sequence, top])
+    moved = _move_rows(cursor, table, old, cascade=False)
     has_request_index = False
     for name, kind, definition in constraints:
         if kind in ("p", "u"):
@@ -317,24 +331,8 @@ def unpartition(cursor: Any, like_index: str, table: str = TABLE) -> int:
         return 0
     constraints, indexes = _definitions(cursor, table)
     old = f"{table}_partitioned"
-    cursor.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
-    (sequence,) = cursor.fetchone()
-    cursor.execute(f"ALTER TABLE {_ident(table)} RENAME TO {_ident(old)}")
-    if sequence:
-        cursor.execute(f"ALTER SEQUENCE {sequence} RENAME TO {_ident(old + '_id_seq')}")
-    cursor.execute(
-        f"CREATE TABLE {_ident(table)} (LIKE {_ident(old)} INCLUDING DEFAULTS INCLUDING IDENTITY "
-        "INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS)")
-    cursor.execute(f"INSERT INTO {_ident(table)} OVERRIDING SYSTEM VALUE "
-                   f"SELECT * FROM {_ident(old)}")
-    moved = cursor.rowcount
-    cursor.execute(f"SELECT max(id) FROM {_ident(old)}")
-    (top,) = cursor.fetchone()
-    cursor.execute(f"DROP TABLE {_ident(old)} CASCADE")
-    cursor.execute("SELECT pg_get_serial_sequence(%s, 'id')", [table])
-    (new_sequence,) = cursor.fetchone()
-    if new_sequence and top is not None:
-        cursor.execute("SELECT setval(%s, %s)", [new_sequence, top])
+    _set_aside(cursor, table, old, "")
+    moved = _move_rows(cursor, table, old, cascade=True)
     for name, kind, definition in constraints:
         if kind in ("p", "u"):
             match = _KEY_COLUMNS.match(definition)
