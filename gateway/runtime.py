@@ -81,9 +81,9 @@ class GatewayRuntime:
     pool: ProviderPool
     db: Database
     background: set[asyncio.Task[None]] = field(default_factory=set)
-    # The calls' own detached work (detach: ends of holds and their retries, stream drains,
-    # checkpoints, breaker records): what a stopping worker waits for (gateway/shutdown.py).
-    detached: set[asyncio.Future[Any]] = field(default_factory=set)
+    # Of those, the worker's own loops (spawn: the listener, the flushers), which a stopping
+    # worker cancels; the rest is the calls' detached work, which it waits for.
+    loops: set[asyncio.Task[Any]] = field(default_factory=set)
     # The upstream client's default headers (as sent) and timeouts, for building requests
     # directly (gateway/forward.py); the client has no base URL, cookies or params to merge.
     upstream_headers: dict[str, str] = field(default_factory=dict)
@@ -106,7 +106,9 @@ class GatewayRuntime:
         task = asyncio.get_running_loop().create_task(
             coro_factory(), context=contextvars.Context())  # type: ignore[arg-type]
         self.background.add(task)
+        self.loops.add(task)
         task.add_done_callback(self.background.discard)
+        task.add_done_callback(self.loops.discard)
         return task
 
     def detach(self, coro: Coroutine[Any, Any, T] | asyncio.Future[T]) -> asyncio.Future[T]:
@@ -115,10 +117,15 @@ class GatewayRuntime:
         garbage collected mid-way (draining a stream, ending a hold, a checkpoint)."""
         task = asyncio.ensure_future(coro)
         self.background.add(task)
-        self.detached.add(task)
         task.add_done_callback(self.background.discard)
-        task.add_done_callback(self.detached.discard)
         return task
+
+    @property
+    def detached(self) -> set[asyncio.Future[Any]]:
+        """The calls' own detached work still running (detach: ends of holds and their retries,
+        stream drains, checkpoints, breaker records): what a stopping worker waits for
+        (gateway/shutdown.py). Derived from `background`, so a call's detach stays one set add."""
+        return self.background - self.loops
 
     async def reserve(self, request: ReserveRequest) -> Reservation:
         """engine.reserve (see _reserve); a refusal by a pace counter trips the scope's burn-rate
