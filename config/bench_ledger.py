@@ -42,7 +42,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -173,30 +173,44 @@ def load(rows: int, tenants: list[tuple[int, int, int]], months: int, seed: int 
     rng = random.Random(seed)
     templates = _templates(tenants, rng)
     cover = groups(tenants, rng)
-    base = first.start.timestamp()
-    step = (now.timestamp() - base) / rows
+    base, end = first.start.timestamp(), now.timestamp()
+    # Every UTC day from the first month's start to today, each with one row per group
+    # (groups()) spread over the part of the day that has passed, so that the group set is
+    # the same whatever the size and whatever the hour of the run (today may have begun minutes
+    # ago); the other rows random, ended evenly over the whole span.
+    day_starts = [float(d) for d in range(int(base), int(end), 86400)]
+    covering = len(day_starts) * len(cover)
+    if rows < covering:
+        raise ValueError(f"{rows} rows cannot cover {len(cover)} groups on {len(day_starts)} "
+                         f"days: at least {covering}")
+
+    def stamped() -> Iterator[tuple[float, tuple[str, bool]]]:
+        for start in day_starts:
+            span = min(start + 86400, end) - start
+            for j, row in enumerate(cover):
+                yield start + span * (j + 0.5) / len(cover), row
+        step = (end - base) / max(rows - covering, 1)
+        for i in range(rows - covering):
+            yield base + step * i, templates[rng.getrandbits(12)]
+
     sql = f"COPY billing_usagerecord ({', '.join(_COPY_COLUMNS)}) FROM STDIN"
     started = time.perf_counter()
-    done = 0
-    day, in_day = -1, 0  # the current UTC day (days since the epoch) and its rows so far
-    while done < rows:
-        count = min(COPY_BATCH, rows - done)
-        lines = []
-        for i in range(done, done + count):
-            at_s = base + step * i
-            if int(at_s // 86400) != day:
-                day, in_day = int(at_s // 86400), 0
-            # Each day's first rows are one per group (groups()), the rest random.
-            template, corrected = (cover[in_day] if in_day < len(cover)
-                                   else templates[rng.getrandbits(12)])
-            in_day += 1
-            ended = datetime.fromtimestamp(at_s, UTC)
-            at = ended.isoformat()
-            fixed = (ended + timedelta(minutes=11)).isoformat() if corrected else "\\N"
-            lines.append(f"bench-{i:010d}\t{at}\t{at}\t{at}\t{fixed}\t{template}\n")
-        with connection.cursor() as cursor, cursor.cursor.copy(sql) as copy:
-            copy.write("".join(lines))
-        done += count
+    lines: list[str] = []
+
+    def copy() -> None:
+        with connection.cursor() as cursor, cursor.cursor.copy(sql) as out:
+            out.write("".join(lines))
+        lines.clear()
+
+    for i, (at_s, (template, corrected)) in enumerate(stamped()):
+        ended = datetime.fromtimestamp(at_s, UTC)
+        at = ended.isoformat()
+        fixed = (ended + timedelta(minutes=11)).isoformat() if corrected else "\\N"
+        lines.append(f"bench-{i:010d}\t{at}\t{at}\t{at}\t{fixed}\t{template}\n")
+        if len(lines) == COPY_BATCH:
+            copy()
+    if lines:
+        copy()
     return time.perf_counter() - started
 
 
