@@ -70,6 +70,61 @@ def _c_packing(connection_class: type[Any]) -> type[Any]:
     return CPackingConnection
 
 
+class _BlockingPool(redis.asyncio.BlockingConnectionPool):
+    """redis-py's blocking pool, with the common case taken at once: a free connection, nobody
+    waiting for one. redis-py takes every connection under an asyncio.Condition and a timeout,
+    through an async context manager, a deprecation wrapper and observability hooks, and gives
+    it back under the condition with a re-authentication event: about a tenth of a gateway
+    call's CPU for its two script calls. Here a take pops a free connection and checks it as
+    redis-py does (ensure_connection), and a give-back returns it to the free list; whenever a
+    caller waits (all connections in use), the pool is in maintenance mode, or connections
+    re-authenticate with a streaming credential provider, both go through redis-py's own path,
+    which hands freed connections to the waiters in turn.
+
+    It reads the pool's lists of free and used connections and its maintenance flag, which are
+    not a public interface: tests/quotas/test_client_pool.py pins the behaviour on the installed
+    redis-py, and a redis-py without them gets its own path (_FAST_POOL below)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slow_takers = 0  # callers in redis-py's take: maybe waiting for a connection
+        # Streaming credentials re-authenticate connections on their give-back (redis-py's
+        # release event): only redis-py's path does that.
+        self._fast = _FAST_POOL and self.connection_kwargs.get("credential_provider") is None
+
+    async def get_connection(self, command_name: Any = None, *keys: Any,
+                             **options: Any) -> Any:
+        free = self._available_connections
+        if free and self._fast and not self._slow_takers and not self._in_maintenance:
+            connection = free.pop()
+            self._in_use_connections.add(connection)
+            try:
+                await self.ensure_connection(connection)
+            except BaseException:
+                await self.release(connection)
+                raise
+            return connection
+        self._slow_takers += 1
+        try:
+            return await super().get_connection()
+        finally:
+            self._slow_takers -= 1
+
+    async def release(self, connection: Any) -> None:
+        if not self._fast or self._slow_takers or self._in_maintenance:
+            await super().release(connection)  # wakes a waiter
+            return
+        self._in_use_connections.remove(connection)
+        if connection.should_reconnect():
+            await connection.disconnect()
+        self._available_connections.append(connection)
+
+
+# The redis-py internals _BlockingPool reads (checked once: without them, redis-py's own path).
+_FAST_POOL = all(hasattr(redis.asyncio.BlockingConnectionPool(), name) for name in (
+    "_available_connections", "_in_use_connections", "_in_maintenance", "ensure_connection"))
+
+
 def make_redis(url: str | None = None, *, cluster: bool | None = None) -> redis.Redis | redis.RedisCluster:
     url = url or settings.REDIS_URL
     if settings.REDIS_CLUSTER if cluster is None else cluster:
@@ -156,7 +211,7 @@ def make_async_redis(
     if settings.REDIS_CLUSTER if cluster is None else cluster:
         return WaitingRedisCluster.from_url(
             url, max_connections=settings.REDIS_MAX_CONNECTIONS, **_options(asynchronous=True))
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
+    pool = _BlockingPool.from_url(
         url, max_connections=settings.REDIS_MAX_CONNECTIONS, timeout=settings.REDIS_SOCKET_TIMEOUT,
         **_options(asynchronous=True))
     # The class the URL chose (TCP, TLS or a Unix socket), packing in C. (The cluster client
