@@ -65,6 +65,22 @@ def _c_packing(connection_class: type[Any]) -> type[Any]:
                 return [hiredis.pack_command(args)]
             return super().pack_command(*args)
 
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            # redis-py writes every command through asyncio.wait_for (a task of its own, per
+            # command) to bound the drain by the socket timeout; but a drain with the whole
+            # command in the kernel's buffer returns at once. So: write, and only when the
+            # transport kept some of it wait for the rest the way redis-py does (its drain,
+            # under its timeout, with its error handling). A reset the drain would have raised
+            # is raised by the read that follows, as the same ConnectionError (retried alike).
+            writer = self._writer
+            if (type(command) is list and writer is not None and not self.health_check_interval
+                    and not writer.transport.is_closing()):
+                writer.writelines(command)
+                if not writer.transport.get_write_buffer_size():
+                    return
+                command = []
+            await super().send_packed_command(command, check_health)
+
     CPackingConnection.__name__ = CPackingConnection.__qualname__ = (
         f"CPacking{connection_class.__name__}")
     return CPackingConnection
@@ -110,6 +126,13 @@ class _BlockingPool(redis.asyncio.BlockingConnectionPool):
         finally:
             self._slow_takers -= 1
 
+    async def ensure_connection(self, connection: Any) -> None:
+        # redis-py's check, without its connect() (a retry loop around a coroutine that
+        # returns at once) when the connection is up and has nothing unread: it is ready.
+        if connection.is_connected and not await connection.can_read():
+            return
+        await super().ensure_connection(connection)
+
     async def release(self, connection: Any) -> None:
         if not self._fast or self._slow_takers or self._in_maintenance:
             await super().release(connection)  # wakes a waiter
@@ -123,6 +146,36 @@ class _BlockingPool(redis.asyncio.BlockingConnectionPool):
 # The redis-py internals _BlockingPool reads (checked once: without them, redis-py's own path).
 _FAST_POOL = all(hasattr(redis.asyncio.BlockingConnectionPool(), name) for name in (
     "_available_connections", "_in_use_connections", "_in_maintenance", "ensure_connection"))
+
+
+class _ScriptCallingRedis(redis.asyncio.Redis):
+    """redis-py's asyncio client with its EVALSHA (the hot path's only command: a reserve and a
+    settle per call) sent the short way: a connection from the pool, redis-py's own retry
+    (disconnect, then once more) around writing the packed command and reading the reply, the
+    connection given back. redis-py's execute_command wraps the same steps in per-command
+    observability hooks (each an awaited call that finds no collector: Tollgate does not turn
+    redis-py's OpenTelemetry on), an HIMPORT check and three more coroutines. Every other
+    command, and any call with options, a single-connection client or another pool, goes
+    through redis-py as before."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        pool = self.connection_pool
+        if (args[0] != "EVALSHA" or options or self.single_connection_client
+                or type(pool) is not _BlockingPool):
+            return await super().execute_command(*args, **options)
+        conn = await pool.get_connection()
+        try:
+            return await conn.retry.call_with_retry(
+                lambda: _round_trip(conn, args),
+                lambda error, failures: conn.disconnect(error=error, failure_count=failures),
+                with_failure_count=True)
+        finally:
+            await pool.release(conn)
+
+
+async def _round_trip(conn: Any, args: tuple[Any, ...]) -> Any:
+    await conn.send_packed_command(conn.pack_command(*args))
+    return await conn.read_response()
 
 
 def make_redis(url: str | None = None, *, cluster: bool | None = None) -> redis.Redis | redis.RedisCluster:
@@ -217,4 +270,4 @@ def make_async_redis(
     # The class the URL chose (TCP, TLS or a Unix socket), packing in C. (The cluster client
     # builds its nodes' connections itself and keeps redis-py's packer.)
     pool.connection_class = _c_packing(pool.connection_class)
-    return redis.asyncio.Redis(connection_pool=pool)
+    return _ScriptCallingRedis(connection_pool=pool)
