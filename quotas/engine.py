@@ -26,6 +26,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     ConnectionError,
+    NoScriptError,
     ResponseError,
     TimeoutError,
 )
@@ -1285,8 +1286,16 @@ class AsyncQuotaEngine:
 
     async def _run(self, name: str, call_keys: list[str], args: list[Any]) -> Any:
         # _store_errors, inline: the hot path's two calls skip making a context manager each.
+        # EVALSHA straight from the client: redis-py's script object copies the keys and
+        # arguments into a new tuple and imports its Pipeline class on every call; it runs
+        # only when the server does not know the script yet (NOSCRIPT: it loads the script
+        # and sends it again, as before).
+        script = self._scripts[name]
         try:
-            return await self._scripts[name](keys=call_keys, args=args)
+            try:
+                return await self.client.evalsha(script.sha, len(call_keys), *call_keys, *args)
+            except NoScriptError:
+                return await script(keys=call_keys, args=args)
         except (*_UNREACHABLE, ResponseError) as exc:
             raise _unavailable(exc) from exc
 

@@ -65,6 +65,30 @@ def test_scripts_are_reloaded_after_a_script_flush(engine: QuotaEngine, client: 
     assert engine.settle(result.hold, 1).outcome == "settled"
 
 
+@pytest.mark.parametrize("kind", ["standalone", pytest.param("cluster", marks=pytest.mark.cluster)])
+def test_async_scripts_are_reloaded_after_a_script_flush(
+    request: pytest.FixtureRequest, kind: str, tenant: str
+) -> None:
+    # The async engine sends EVALSHA itself and falls back to redis-py's script object on
+    # NOSCRIPT (which loads the script and sends it again): through the gateway's own client.
+    url = request.getfixturevalue("redis_cluster_url" if kind == "cluster" else "redis_url")
+
+    async def scenario() -> None:
+        client = make_async_redis(url, cluster=kind == "cluster")
+        engine = AsyncQuotaEngine(client)
+        assert (await engine.reserve(ReserveRequest(tenant, "a", 1, LIMITS))).admitted
+        await client.script_flush()  # every node of a cluster
+        result = await engine.reserve(ReserveRequest(tenant, "b", 1, LIMITS))
+        assert result.admitted
+        await client.script_flush()
+        assert (await engine.settle(result.hold, 1)).outcome == "settled"
+        day = await engine.counter(tenant, "tenant")
+        assert (day.used, day.pending) == (1, 1)  # "a" still held, "b" settled at 1
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_unreachable_redis_raises_quota_store_unavailable(tenant: str) -> None:
     dead = make_redis(f"redis://127.0.0.1:{free_port()}/0", cluster=False)
     engine = QuotaEngine(dead)
