@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import json
 import logging
 import tempfile
@@ -307,10 +308,21 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline: float
     open by trickling it."""
     if _declared_too_large(scope, limit):
         raise BodyRefused("too_large", limit)
-    body = tempfile.SpooledTemporaryFile(max_size=1024 * 1024, mode="w+b")
-    size = 0
+    message = await _receive_by(receive, deadline, limit)
+    if message["type"] == "http.disconnect":
+        raise RequestAborted
+    chunk = message.get("body", b"")
+    if len(chunk) > limit:
+        raise BodyRefused("too_large", limit)
+    if not message.get("more_body", False) and len(chunk) <= _SPOOL_BYTES:
+        # The whole body in one message (a usual call): where the spooled file below would
+        # keep it too, without its wrapper.
+        return io.BytesIO(chunk)
+    body = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES, mode="w+b")
+    size = len(chunk)
     try:
-        while True:
+        body.write(chunk)
+        while message.get("more_body", False):
             message = await _receive_by(receive, deadline, limit)
             if message["type"] == "http.disconnect":
                 raise RequestAborted
@@ -319,13 +331,15 @@ async def _read_body(scope: Scope, receive: Receive, limit: int, deadline: float
             if size > limit:
                 raise BodyRefused("too_large", limit)
             body.write(chunk)
-            if not message.get("more_body", False):
-                break
     except BaseException:
         body.close()
         raise
     body.seek(0)
     return body
+
+
+# A body up to this size is kept in memory, a larger one spooled to a temporary file.
+_SPOOL_BYTES = 1024 * 1024
 
 
 def _v1_refusal(error: GatewayError, request_id: str) -> HttpResponseBase:

@@ -8,6 +8,7 @@ Rebuild the snapshot with load_catalog() when models, prices, aliases or provide
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -106,6 +107,7 @@ def load_catalog() -> Catalog:
                       PriceBook.load())
 
 
+@functools.lru_cache(maxsize=64, typed=True)  # a handful of factors, each checked once
 def _ratio(safety_factor: Decimal) -> tuple[int, int]:
     # Exact integer arithmetic: a float or a rounded Decimal division could put the hold one
     # token below the bound it must be.

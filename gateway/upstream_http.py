@@ -269,11 +269,14 @@ class NativeTransport(httpx.AsyncBaseTransport):
             request.headers["content-length"] = str(len(body))
         head = _request_head(request)
 
-        try:
-            async with asyncio.timeout(timeouts.get("pool")):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout("No upstream connection became free in time.") from None
+        if self._slots.locked():  # every slot in use: wait for one, up to the pool timeout
+            try:
+                async with asyncio.timeout(timeouts.get("pool")):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("No upstream connection became free in time.") from None
+        else:
+            await self._slots.acquire()  # a free slot: taken at once, no timer to arm
         conn: _Connection | None = None
         try:
             conn = await self._connection(origin, timeouts.get("connect"))
