@@ -166,14 +166,19 @@ def hour_of(moment: datetime) -> datetime:
 
 def _add(totals: Totals, row: Row, zone: str, sign: int = 1) -> None:
     values = _contribution(row)
+    if sign != 1:
+        values = [sign * value for value in values]
+    days = totals.days
     for group in _groups_of(row, zone):
-        current = totals.days.setdefault(group, [0] * len(SUM_FIELDS))
-        for i, value in enumerate(values):
-            current[i] += sign * value
-    hourly = totals.hours.setdefault(
-        (row.tenant_id, hour_of(row.ended_at), row.project_id, row.api_key_id), [0, 0])
-    hourly[0] += sign
-    hourly[1] += sign * (row.input_tokens + row.output_tokens)
+        current = days.get(group)
+        # A new list each time (map: the sums in C, per row of a batch): the lists in `days`
+        # are never changed in place, so one `values` may stand for both of the row's groups.
+        days[group] = values if current is None else list(map(operator.add, current, values))
+    hour = (row.tenant_id, hour_of(row.ended_at), row.project_id, row.api_key_id)
+    hourly = totals.hours.get(hour)
+    tokens = sign * (row.input_tokens + row.output_tokens)
+    totals.hours[hour] = [sign, tokens] if hourly is None else [hourly[0] + sign,
+                                                                  hourly[1] + tokens]
 
 
 def _sort_key(group: Group) -> tuple[Any, ...]:
@@ -326,7 +331,9 @@ def _stage(cursor: Any, batch: Sequence[Row]) -> None:
     create, copy_sql = _stage_sql()
     cursor.execute(create)
     raw = cursor.cursor  # Django's wrapper has no copy(); psycopg's cursor does
-    with raw.copy(copy_sql) as copy:
+    # Django's exceptions for psycopg's (a value the column refuses is a django.db.DataError,
+    # as from any other statement: the drain tells such a batch from PostgreSQL being down).
+    with connection.wrap_database_errors, raw.copy(copy_sql) as copy:
         for row in batch:
             copy.write_row(_row_values(row))
 

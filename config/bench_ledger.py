@@ -24,8 +24,9 @@ and its rollups and:
    /metrics scrape (billing.metrics.render, the collector /metrics serves);
 3. puts `--drain-events` usage events on the big tenant's Redis usage stream the way the gateway
    does (the quota engine's reserve, then settle with the event; not timed) and times
-   billing.ledger.drain_tenant until the stream is empty: rows per second into the ledger of
-   that size (the insert, the rollups in the same transaction, and the XDEL).
+   billing.ledger.drain_all over that tenant (what the drain_usage job runs) until the stream is
+   empty: rows per second into the ledger of that size (the insert, the rollups in the same
+   transaction, and the XDEL).
 
 With `--migration-rows N`, first: the ledger taken back to the plain table before migration
 0013, N rows COPYed into it, and `migrate billing 0013` timed (partitioning an existing ledger).
@@ -261,7 +262,7 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
 def drain_rate(tenant_ids: tuple[int, int, int], events: int) -> tuple[int, float]:
     """`events` usage events on the tenant's stream as the gateway makes them, then the drain
     timed until the stream is empty: (rows written, seconds)."""
-    from billing.ledger import drain_tenant
+    from billing.ledger import drain_all
     from billing.models import UsageRecord
     from quotas.engine import QuotaEngine, ReserveRequest, ScopeLimit
     from quotas.keys import tenant_tag
@@ -284,7 +285,8 @@ def drain_rate(tenant_ids: tuple[int, int, int], events: int) -> tuple[int, floa
         engine.settle(hold, 420, event, actual_money=300 * 3 + 120 * 12)
     before = UsageRecord.objects.filter(request_id__startswith=prefix).count()
     started = time.perf_counter()
-    while drain_tenant(client, tenant, batch=500):
+    # As the drain_usage job does (its defaults: batches of 500, 20 a tenant per run).
+    while drain_all(client, tenant_ids=[tenant]).events:
         pass
     seconds = time.perf_counter() - started
     written = UsageRecord.objects.filter(request_id__startswith=prefix).count() - before

@@ -80,11 +80,14 @@ class Usage:
 
     @classmethod
     def from_event(cls, details: dict[str, Any]) -> Usage | None:
-        """The usage an event carries; None without both totals (an event that has no split)."""
-        values = {name: token_count(details.get(short, 0)) for name, short in EVENT_FIELDS.items()}
-        if details.get("in") is None or details.get("out") is None or None in values.values():
-            return None
-        return cls.of(values["input_tokens"], values["output_tokens"],  # type: ignore[arg-type]
-                      cached=values["cached_input_tokens"] or 0,
-                      cache_write=values["cache_write_tokens"] or 0,
-                      reasoning=values["reasoning_tokens"] or 0)
+        """The usage an event carries; None without both totals or with a count that is not
+        one (an event that has no split). The ledger's drain calls it once per event."""
+        get = details.get
+        values = (get("in"), get("out"), get("ci", 0), get("cw", 0), get("rs", 0))
+        for value in values:
+            # token_count's rule, inline (the event's JSON decodes to plain ints): an integer
+            # >= 0, not a boolean, not None (a total missing).
+            if value.__class__ is not int or value < 0:
+                return None
+        return cls.of(values[0], values[1], cached=values[2], cache_write=values[3],
+                      reasoning=values[4])
