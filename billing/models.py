@@ -31,13 +31,24 @@ class UsageRecord(models.Model):
     # month on ended_at (billing/partitions.py), and PostgreSQL's unique keys on a partitioned
     # table must include the partition key. A redelivered event carries the same ended_at.
     request_id = models.CharField(max_length=128)
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage")
+    # No index of its own: (tenant, ended_at) below serves every lookup by tenant.
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage",
+                               db_index=False)
+    # The three references a call may outlive are not foreign key constraints in PostgreSQL
+    # (db_constraint=False): each constraint is a check per row at every drain commit, together
+    # about a quarter of PostgreSQL's CPU per ledger row (docs/benchmarks.md, "The ledger at
+    # scale"). What they guarded is kept: the drain's insert sets a reference to NULL when its
+    # object no longer exists (billing/rollups.py), and deleting one still sets its rows' to NULL
+    # (Django's on_delete). Only a delete racing a drain's commit can leave the id of a deleted
+    # provider key in a row (projects and keys are archived and revoked, never deleted), which the
+    # readers then show like a deleted one. The tenant stays a constraint (PROTECT).
     project = models.ForeignKey("tenants.Project", on_delete=models.SET_NULL, null=True,
-                                related_name="usage")
+                                related_name="usage", db_constraint=False)
     api_key = models.ForeignKey("tenants.ApiKey", on_delete=models.SET_NULL, null=True,
-                                related_name="usage")
+                                related_name="usage", db_constraint=False)
+    # Its index is (provider_key, served_model, ended_at) below.
     provider_key = models.ForeignKey("gateway.ProviderKey", on_delete=models.SET_NULL, null=True,
-                                     related_name="usage")
+                                     related_name="usage", db_constraint=False, db_index=False)
     endpoint = models.CharField(max_length=32, blank=True)
     model = models.CharField(max_length=200, help_text="The model the client asked for.")
     served_model = models.CharField(max_length=200, help_text="The model forwarded (fallback).")
@@ -81,8 +92,8 @@ class UsageRecord(models.Model):
         # Django keeps `id` as the pk: one identity sequence numbers every partition's rows, so
         # it is unique in practice, and the ORM and the admin address rows by it.
         indexes = [
-            # Corrections find a swept row by request id alone (billing/ledger.py).
-            models.Index(fields=["request_id"], name="usage_request_id"),
+            # (Corrections find a swept row by request id alone, billing/ledger.py: through the
+            # dedupe key usage_request_once, whose first column it is.)
             models.Index(fields=["tenant", "ended_at"]),
             models.Index(fields=["provider_key", "served_model", "ended_at"]),
             # Both are rare rows counted by /metrics on every scrape: partial indexes keep that
