@@ -14,8 +14,10 @@ just before, so each run visits the index only):
 
 - before (unless --no-before): what each job did per run before the index, on the same data:
   the drain's one XRANGE per tenant of PostgreSQL and the sweep's one engine.sweep per tenant;
-- billing.tasks.drain_usage with the active tenants' events waiting (the rows written), then
-  idle runs (nothing waiting; the median of --repeat);
+- billing.tasks.drain_usage with the active tenants' events waiting (the rows written): the
+  process's first run, then its next run with as many new events waiting (a worker drains every
+  5 s: only its first run pays the process's one-time costs), then idle runs (nothing waiting;
+  the median of --repeat);
 - quotas.tasks.sweep_stale_holds with the open holds stale (the engine's stale threshold set to
   1 s for the bench), then idle runs;
 - the detectors' tasks (check_quota_thresholds, check_pending_health, check_quota_forecasts)
@@ -60,9 +62,10 @@ def bulk_tenants(count: int) -> list[int]:
     return list(Tenant.objects.order_by("pk").values_list("pk", flat=True))
 
 
-def make_active(engine: Any, tenant_ids: list[int], events: int, prefix: str = "bg") -> None:
+def make_active(engine: Any, tenant_ids: list[int], events: int, prefix: str = "bg",
+                open_hold: bool = True) -> None:
     """Calls as the gateway makes them: `events` reserve + settle per tenant (each leaves a
-    usage event for the drain) and one hold left open (for the sweep)."""
+    usage event for the drain) and one hold left open (for the sweep) unless not `open_hold`."""
     from quotas.engine import ReserveRequest, ScopeLimit
     from quotas.keys import tenant_tag
     from quotas.windows import WindowKind
@@ -77,7 +80,8 @@ def make_active(engine: Any, tenant_ids: list[int], events: int, prefix: str = "
             hold = engine.reserve(ReserveRequest(tag, f"{prefix}-{tag}-{i}", 1000, limits,
                                                  meta=meta)).hold
             engine.settle(hold, 420, event)
-        engine.reserve(ReserveRequest(tag, f"{prefix}-{tag}-open", 1000, limits, meta=meta))
+        if open_hold:
+            engine.reserve(ReserveRequest(tag, f"{prefix}-{tag}-open", 1000, limits, meta=meta))
 
 
 def walked_now(client: Any) -> None:
@@ -163,6 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures["drain_busy_cpu_s"] = time.process_time() - cpu
     figures["drain_moved"] = moved
     figures["rows"] = UsageRecord.objects.count() - rows_before
+    # The same again: a worker drains every 5 s, and only its first run pays this process's
+    # one-time costs (Django compiling the run's queries, the drain's SQL built and cached).
+    make_active(engine, active_ids, args.events, prefix="bg-next", open_hold=False)
+    cpu = time.process_time()
+    figures["drain_next_s"], figures["drain_next_moved"] = timed(billing_tasks.drain_usage)
+    figures["drain_next_cpu_s"] = time.process_time() - cpu
     figures["drain_idle_s"] = median_of(billing_tasks.drain_usage, args.repeat)
     figures["sweep_busy_s"], swept = timed(quota_tasks.sweep_stale_holds)
     figures["swept"] = swept
@@ -194,8 +204,10 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
               f"sweep run {sweep_s * ms:,.0f} ms, backlog {backlog_s * ms:,.0f} ms")
     print(f"  drain run, {figures['drain_moved']} events waiting ({figures['rows']} rows "
           f"written): {figures['drain_busy_s'] * ms:.1f} ms "
-          f"(CPU {figures['drain_busy_cpu_s'] * ms:.1f} ms); idle: "
-          f"{figures['drain_idle_s'] * ms:.1f} ms (median of {args.repeat})")
+          f"(CPU {figures['drain_busy_cpu_s'] * ms:.1f} ms), the process's first run; its "
+          f"next run, {figures['drain_next_moved']} events waiting: "
+          f"{figures['drain_next_s'] * ms:.1f} ms (CPU {figures['drain_next_cpu_s'] * ms:.1f} "
+          f"ms); idle: {figures['drain_idle_s'] * ms:.1f} ms (median of {args.repeat})")
     print(f"  sweep run, {figures['swept']} stale holds ended: "
           f"{figures['sweep_busy_s'] * ms:.1f} ms; idle: {figures['sweep_idle_s'] * ms:.1f} ms")
     print(f"  threshold catch-up {figures['thresholds_s'] * ms:.1f} ms, pending health "
