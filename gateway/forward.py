@@ -278,9 +278,8 @@ class Call:
         headers = {**runtime.upstream_headers,
                    **self.dialect.upstream_headers(upstream.secret, self.client_headers),
                    "Content-Type": "application/json", "X-Request-Id": self.request_id}
-        return httpx.Request("POST", _upstream_url(upstream.base_url, self.parsed.endpoint.value),
-                             content=payload, headers=headers,
-                             extensions={"timeout": runtime.upstream_timeout})
+        return upstream_request(_upstream_url(upstream.base_url, self.parsed.endpoint.value),
+                                payload, headers, {"timeout": runtime.upstream_timeout})
 
     def response_headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         headers = dict(self.headers)
@@ -493,6 +492,31 @@ def _unmetered_backlog() -> UnmeteredBacklog:
 @functools.lru_cache(maxsize=1024)
 def _upstream_url(base_url: str, path: str) -> httpx.URL:
     return httpx.URL(f"{base_url}/{path}")
+
+
+def upstream_request(url: httpx.URL, payload: bytes, headers: Mapping[str, str],
+                     extensions: dict[str, Any]) -> httpx.Request:
+    """`httpx.Request("POST", url, content=payload, headers=headers, extensions=extensions)`:
+    the same request (method, URL, headers in the same order, body, extensions), with the two
+    headers httpx adds for a body in memory (Host first, unless given; Content-Length last,
+    unless given) added here instead. httpx's own build looks every header up again in its
+    case-insensitive list and builds that list twice: a few percent of a call's CPU.
+    tests/gateway/test_upstream_request.py holds it equal to httpx's."""
+    names = {name.lower() for name in headers}
+    raw: list[tuple[str | bytes, str | bytes]] = list(headers.items())
+    if payload and "content-length" not in names:
+        raw.append(("Content-Length", str(len(payload))))
+    first: list[tuple[str | bytes, str | bytes]] = []
+    if "host" not in names and url.host:
+        first.append((b"Host", url.netloc))
+    if not payload and "content-length" not in names and "transfer-encoding" not in names:
+        first.append((b"Content-Length", b"0"))
+    if first:
+        raw[:0] = first
+    request = httpx.Request("POST", url, headers=raw, stream=httpx.ByteStream(payload),
+                            extensions=extensions)
+    request.read()  # as httpx does for a body in memory: request.content is set
+    return request
 
 
 def _retry_after(response: httpx.Response) -> float:
