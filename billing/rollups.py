@@ -316,14 +316,23 @@ def _stage_sql() -> tuple[str, str]:
     stage = _stage_name()
     return (f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
             f"SELECT {columns} FROM {_RAW_TABLE} WITH NO DATA",
-            f"COPY {stage} ({columns}) FROM STDIN")
+            f"COPY {stage} ({columns}) FROM STDIN (FORMAT BINARY)")
+
+
+@functools.cache
+def _stage_types() -> list[str]:
+    """The columns' PostgreSQL types (varchar, int8, timestamptz...) for the binary COPY: each
+    value goes as its binary form, no text to format here or to parse there (about 7 -> 2 us of
+    the drain's CPU per row, and a faster COPY in PostgreSQL). Lengths (varchar(128)) are still
+    checked by the column: a value too long is a DataError as with text."""
+    return [f.db_type(connection).split("(", 1)[0].strip() for f in _fields()]
 
 
 _row_values = operator.attrgetter(*_ATTNAMES)
 
 
 def _stage(cursor: Any, batch: Sequence[Row]) -> None:
-    """The batch COPYed (psycopg's C row formatting) into this connection's staging table: a
+    """The batch COPYed (binary, psycopg's C dumpers) into this connection's staging table: a
     temporary table emptied at every commit, created on first use (checked per transaction:
     under PgBouncer the next transaction may run on another server connection). Binding the
     batch as query parameters instead made psycopg quote every value in Python (half the
@@ -334,6 +343,7 @@ def _stage(cursor: Any, batch: Sequence[Row]) -> None:
     # Django's exceptions for psycopg's (a value the column refuses is a django.db.DataError,
     # as from any other statement: the drain tells such a batch from PostgreSQL being down).
     with connection.wrap_database_errors, raw.copy(copy_sql) as copy:
+        copy.set_types(_stage_types())
         for row in batch:
             copy.write_row(_row_values(row))
 
