@@ -110,7 +110,9 @@ def _moment(ms: Any) -> datetime:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """An integer from the event's JSON (which decodes to plain ints), else None (a boolean
+    too)."""
+    return value if value.__class__ is int else None
 
 
 def _count(value: Any) -> int:
@@ -192,6 +194,7 @@ def ledger_row(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> Led
         usage = Usage()
     input_tokens, output_tokens = usage.input_tokens, usage.output_tokens
     ended = _moment(fields["ended"])
+    created = fields.get("created") or fields["ended"]
     model = str(meta.get("m") or "")
     served = str(meta.get("served") or model)
     held = _count(fields.get("held"))
@@ -218,7 +221,7 @@ def ledger_row(tenant_id: int, fields: dict[str, str], prices: PriceBook) -> Led
         latency_ms=_int(details.get("lat")),
         streamed=bool(details.get("stream")),
         over_soft_limit=bool(details.get("soft")),
-        started_at=_moment(fields.get("created") or fields["ended"]),
+        started_at=(ended if created == fields["ended"] else _moment(created)),
         ended_at=ended,
         sweep_basis=basis,
         over_hold_tokens=over_hold(held, input_tokens, output_tokens),
