@@ -73,5 +73,6 @@ def create_usage(**fields: Any) -> UsageRecord:
     its rollup sums in one transaction). Tests that put rows in the ledger directly and then read
     reports, the usage API or the dashboard use this instead of UsageRecord.objects.create: those
     readers read the rollup, which only the ledger's writers keep."""
-    [row] = insert_records([UsageRecord(**fields)])
+    row = UsageRecord(**fields)
+    insert_records([row], returning=True)
     return row

@@ -140,6 +140,18 @@ def test_a_batch_refused_mid_stream_keeps_it_and_what_follows(client: redis.Redi
     _checked(tenant, 1_000)
 
 
+def test_a_lone_tenant_whose_first_batch_is_refused_keeps_its_whole_stream(
+        client: redis.Redis) -> None:
+    """The one busy tenant of a run drains from its first batch with the next one read ahead:
+    a refused first batch writes nothing, and what was read ahead stays in the stream too."""
+    tenant, project, key = _tenant()
+    ids = _push(client, tenant, project, key, 1_500, poison_at=3)
+    result = drain_all(client, batch=500, tenant_ids=[tenant.pk])
+    assert (result.events, result.tenants, result.refused) == (0, 0, (tenant.pk,))
+    assert _rows(tenant) == [] and _waiting(client, tenant) == ids
+    _checked(tenant, 0)
+
+
 @pytest.mark.e2e
 def test_two_drain_runs_racing_over_the_same_tenants_write_each_event_once(
         client: redis.Redis, django_db_blocker: Any) -> None:
