@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import hashlib
 import operator
+import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DataError, ProgrammingError, connection, transaction
 from django.db.models import Count, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone as dj_timezone
@@ -274,8 +275,8 @@ def _stage_name() -> str:
     migration that changes the columns a connection opened before it gets a table of the new
     shape instead of COPYing into the old one (which stays behind, empty, until it closes).
     Computed once per process: the columns are the code's."""
-    shape = ",".join([f"{f.column} {f.db_type(connection)}" for f in _fields()]
-                     + [f"{_ZONE_COLUMN} text"])
+    shape = ",".join([f"{f.column} {'bigint' if _widened(f) else f.db_type(connection)}"
+                      for f in _fields()] + [f"{_ZONE_COLUMN} text"])
     return "usage_drain_stage_" + hashlib.sha256(shape.encode()).hexdigest()[:12]
 
 
@@ -358,19 +359,34 @@ def _insert_sql() -> str:
 def _stage_sql() -> tuple[str, str]:
     """(create the staging table if this connection has none, COPY into it)."""
     columns = ", ".join(f.column for f in _fields())
+    staged = ", ".join(f"{f.column}::bigint AS {f.column}" if _widened(f) else f.column
+                       for f in _fields())
     stage = _stage_name()
     return (f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-            f"SELECT {columns}, ''::text AS {_ZONE_COLUMN} FROM {_RAW_TABLE} WITH NO DATA",
+            f"SELECT {staged}, ''::text AS {_ZONE_COLUMN} FROM {_RAW_TABLE} WITH NO DATA",
             f"COPY {stage} ({columns}, {_ZONE_COLUMN}) FROM STDIN (FORMAT BINARY)")
+
+
+# Staged as bigint, the ledger's narrower integer columns (http_status smallint, latency_ms
+# integer): psycopg's binary int2 / int4 dumpers wrap a value out of their range (70000 becomes
+# 4464) where text would have been refused, so the value goes as int8 and the INSERT's
+# assignment to the ledger's column checks its range (a DataError: the batch is refused).
+_NARROW_INTEGERS = ("smallint", "integer")
+
+
+def _widened(field: Any) -> bool:
+    return field.db_type(connection) in _NARROW_INTEGERS
 
 
 @functools.cache
 def _stage_types() -> list[str]:
-    """The columns' PostgreSQL types (varchar, int8, timestamptz...) for the binary COPY: each
-    value goes as its binary form, no text to format here or to parse there (about 7 -> 2 us of
-    the drain's CPU per row, and a faster COPY in PostgreSQL). Lengths (varchar(128)) are still
-    checked by the column: a value too long is a DataError as with text."""
-    return [f.db_type(connection).split("(", 1)[0].strip() for f in _fields()] + ["text"]
+    """The staging columns' PostgreSQL types (varchar, int8, timestamptz...) for the binary
+    COPY: each value goes as its binary form, no text to format here or to parse there (about
+    7 -> 2 us of the drain's CPU per row, and a faster COPY in PostgreSQL). Lengths
+    (varchar(128)) are still checked by the column, and ranges by the INSERT (_NARROW_INTEGERS):
+    a value too long or too large is a DataError as with text."""
+    return ["int8" if _widened(f) else f.db_type(connection).split("(", 1)[0].strip()
+            for f in _fields()] + ["text"]
 
 
 _row_values = operator.attrgetter(*_ATTNAMES)
@@ -390,12 +406,21 @@ def _execute_insert(cursor: Any) -> None:
     if settings.DATABASE_PGBOUNCER:
         cursor.execute(sql)
         return
-    name = f"{_stage_name()}_insert"
-    prepared = _PREPARED.setdefault(connection.connection, set())
+    raw = connection.connection
+    # Named after this process and connection too: a server session that already holds one
+    # (PgBouncer in session mode without a reset query hands a session on) cannot collide.
+    name = f"{_stage_name()}_{os.getpid()}_{id(raw) % 10**9}"
+    prepared = _PREPARED.setdefault(raw, set())
     if name not in prepared:
         cursor.execute(f"PREPARE {name} AS {sql}")
         prepared.add(name)
-    cursor.execute(f"EXECUTE {name}")
+    try:
+        cursor.execute(f"EXECUTE {name}")
+    except ProgrammingError:
+        # The session lost it (DISCARD ALL, DEALLOCATE): this batch fails (its events stay in
+        # Redis) and the next transaction prepares it again.
+        prepared.discard(name)
+        raise
 
 
 def _stage(cursor: Any, batch: Sequence[Row], zone_of: ZoneOf) -> None:
@@ -412,10 +437,14 @@ def _stage(cursor: Any, batch: Sequence[Row], zone_of: ZoneOf) -> None:
     # The zones first: finding one may query the tenant (Zones), which must not happen on this
     # connection while its COPY runs.
     zones = [zone_of(row.tenant_id, _ms(row.ended_at)) for row in batch]
-    with connection.wrap_database_errors, raw.copy(copy_sql) as copy:
-        copy.set_types(_stage_types())
-        for row, zone in zip(batch, zones, strict=True):
-            copy.write_row((*_row_values(row), zone))
+    try:
+        with connection.wrap_database_errors, raw.copy(copy_sql) as copy:
+            copy.set_types(_stage_types())
+            for row, zone in zip(batch, zones, strict=True):
+                copy.write_row((*_row_values(row), zone))
+    except OverflowError as exc:
+        # An integer beyond bigint (psycopg refuses to dump it): a value the ledger refuses.
+        raise DataError(f"a value out of range in the batch: {exc}") from exc
 
 
 def insert_records(rows: Sequence[Row], zone_of: ZoneOf | None = None, *,

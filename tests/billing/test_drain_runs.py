@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-from django.db import connection
+from django.db import ProgrammingError, connection
 
 from billing.ledger import drain_all
 from billing.models import UsageRecord, UsageRollup
@@ -150,6 +150,49 @@ def test_a_lone_tenant_whose_first_batch_is_refused_keeps_its_whole_stream(
     assert (result.events, result.tenants, result.refused) == (0, 0, (tenant.pk,))
     assert _rows(tenant) == [] and _waiting(client, tenant) == ids
     _checked(tenant, 0)
+
+
+def test_an_integer_out_of_its_column_range_is_refused_not_wrapped(client: redis.Redis) -> None:
+    """The binary COPY would wrap a status of 70,000 into a smallint (4,464) without a word;
+    staged as bigint, the ledger's column refuses it, like the text COPY did."""
+    tenants = [_tenant() for _ in range(2)]
+    pushed = [_push(client, t, p, k, 5) for t, p, k in tenants]
+    stream = keys.usage_stream_key(tenant_tag(tenants[1][0].pk))
+    fields = ev.settled(f"{tenants[1][0].slug}-odd", DAY, project=tenants[1][1],
+                        key=tenants[1][2])
+    fields["event"] = fields["event"].replace('"st": 200', '"st": 70000')
+    client.xadd(stream, fields)
+    result = drain_all(client, tenant_ids=[t.pk for t, _, _ in tenants])
+    assert result.refused == (tenants[1][0].pk,)
+    assert _rows(tenants[0][0]) == sorted(pushed[0])
+    assert _rows(tenants[1][0]) == [] and len(_waiting(client, tenants[1][0])) == 6
+    assert not UsageRecord.objects.filter(http_status=4464).exists()
+
+
+def test_a_prepared_statement_the_session_lost_is_prepared_again(client: redis.Redis) -> None:
+    """DEALLOCATE ALL (or a pooler's DISCARD ALL) drops the drain's prepared statement: the
+    group's transaction fails, each tenant's batch is written in its own with the statement
+    prepared again; a lone tenant's batch fails its run (events kept) and the next run drains."""
+    tenants = [_tenant() for _ in range(3)]
+    pushed = [_push(client, t, p, k, 4) for t, p, k in tenants]
+    drain_all(client, tenant_ids=[tenants[0][0].pk])  # prepared on this connection
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    more = _push(client, *tenants[0], 2, first=4)
+    result = drain_all(client, tenant_ids=[t.pk for t, _, _ in tenants])
+    assert (result.events, result.refused) == (10, ())
+    for n, (tenant, _, _) in enumerate(tenants):
+        assert _rows(tenant) == sorted(pushed[n] + (more if n == 0 else []))
+        _checked(tenant, len(_rows(tenant)))
+    lone, project, key = _tenant()
+    ids = _push(client, lone, project, key, 3)
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    with pytest.raises(ProgrammingError):
+        drain_all(client, tenant_ids=[lone.pk])
+    assert _waiting(client, lone) == ids and _rows(lone) == []
+    assert drain_all(client, tenant_ids=[lone.pk]).events == 3
+    assert _rows(lone) == sorted(ids) and _waiting(client, lone) == []
 
 
 @pytest.mark.e2e
