@@ -88,21 +88,10 @@ def _json(raw: Any) -> dict[str, Any]:
 
 
 # An event's meta (project, key, model, endpoint) is the same text for every call of one shape,
-# so the drain decodes each distinct one once; ledger_row only reads the dict. Bounded: cleared
-# when this many distinct metas were seen.
-_META_CACHE: dict[str, dict[str, Any]] = {}
-_META_CACHE_MAX = 10_000
-
-
+# so the drain decodes each distinct one once; ledger_row only reads the dict.
+@functools.lru_cache(maxsize=10_000)
 def _meta(raw: Any) -> dict[str, Any]:
-    found = _META_CACHE.get(raw) if raw.__class__ is str else None
-    if found is None:
-        found = _json(raw)
-        if raw.__class__ is str:
-            if len(_META_CACHE) >= _META_CACHE_MAX:
-                _META_CACHE.clear()
-            _META_CACHE[raw] = found
-    return found
+    return _json(raw)
 
 
 def _moment(ms: Any) -> datetime:
@@ -385,9 +374,9 @@ def _read(client: Any, stream: str, batch: int, after: str | None = None) -> lis
 def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
                  calendar_of_tenant: Callable[[], Calendar], zones: Zones) -> _Batch:
     """One batch of the tenant's stream in one transaction. Round trips: XRANGE; then, when it
-    has events, CREATE TEMP TABLE IF NOT EXISTS, COPY, the INSERT, the rollups' upsert (daily
-    and hourly: one statement) and COMMIT (billing.rollups.insert_records; corrections add
-    theirs); XDEL after the commit."""
+    has events, CREATE TEMP TABLE IF NOT EXISTS, COPY, the insert with its rollups (one
+    statement) and COMMIT (billing.rollups.insert_records; corrections add theirs); XDEL after
+    the commit."""
     stream = _stream_of(tenant_id)
     entries = _read(client, stream, batch)
     if not entries:
@@ -559,35 +548,33 @@ def drain_all(client: Any, *, batch: int = DRAIN_BATCH,
             zones.add_schedule(tenant_id, calendar.schedule)
             parsed.append(_parse(tenant_id, _stream_of(tenant_id), first[tenant_id], prices,
                                  calendar))
+        done: dict[int, _Batch] = {}
         if len(parsed) == 1 and len(parsed[0].entry_ids) == batch:
             # One busy tenant with more than a batch waiting: its stream from the first batch,
             # the second read while the first is written.
             [one] = parsed
-            done = _drain_stream(client, one.tenant_id, batch, max_batches_per_tenant, prices,
-                                 calendars[one.tenant_id], zones, refused, first=one)
-            corrected += done.corrected
-            if done.events:
+            done[one.tenant_id] = _drain_stream(
+                client, one.tenant_id, batch, max_batches_per_tenant, prices,
+                calendars[one.tenant_id], zones, refused, first=one)
+        else:
+            corrected += _write_first_batches(client, parsed, zones, refused)
+            for one in parsed:
+                if one.tenant_id in refused:
+                    continue
+                more = (_drain_stream(client, one.tenant_id, batch, max_batches_per_tenant - 1,
+                                      prices, calendars[one.tenant_id], zones, refused,
+                                      after=one.entry_ids[-1])
+                        if len(one.entry_ids) == batch and max_batches_per_tenant > 1
+                        else _Batch())
+                done[one.tenant_id] = _Batch(len(one.entry_ids) + more.events, more.corrected,
+                                             one.windows | more.windows)
+        for tenant_id, its in done.items():
+            corrected += its.corrected
+            if its.events:
                 tenants += 1
-                total += done.events
-            if done.windows:
-                windows[one.tenant_id] = frozenset(done.windows)
-            continue
-        corrected += _write_first_batches(client, parsed, zones, refused)
-        for one in parsed:
-            if one.tenant_id in refused:
-                continue
-            moved, seen = len(one.entry_ids), set(one.windows)
-            if moved == batch and max_batches_per_tenant > 1:
-                more = _drain_stream(client, one.tenant_id, batch, max_batches_per_tenant - 1,
-                                     prices, calendars[one.tenant_id], zones, refused,
-                                     after=one.entry_ids[-1])
-                moved += more.events
-                corrected += more.corrected
-                seen |= more.windows
-            tenants += 1
-            total += moved
-            if seen:
-                windows[one.tenant_id] = frozenset(seen)
+                total += its.events
+            if its.windows:
+                windows[tenant_id] = frozenset(its.windows)
     return DrainResult(total, tenants, windows, corrected, probed=len(ids),
                        refused=tuple(refused))
 

@@ -7,17 +7,18 @@ forecasts (billing/forecast.py) and kept TOLLGATE_FORECAST_HISTORY_DAYS + 2 days
 Writing (the only writers of the ledger's rows and of the rollup; billing/ledger.py calls them
 inside the drain's transaction):
 
-- `insert_records(rows, zones)`: the batch COPYed to a staging table, then one INSERT ... SELECT
-  ON CONFLICT DO NOTHING RETURNING (the unique request id): only the rows this transaction
-  actually inserted are summed, so a redelivered event (its request id already in the ledger,
-  or inserted by a concurrent drain of the same stream, whose commit the insert waits for) is
-  never counted twice. Their sums go to the rollup by `add_to_rollups`.
+- `insert_records(rows, zones)`: the batch COPYed to a staging table, then one statement
+  (`_insert_sql`, prepared once per connection) whose INSERT ... ON CONFLICT DO NOTHING RETURNING
+  (the unique request id) feeds the daily and hourly upserts: only the rows this transaction
+  actually inserted are summed, by PostgreSQL, so a redelivered event (its request id already in
+  the ledger, or inserted by a concurrent drain of the same stream, whose commit the insert
+  waits for) is never counted twice.
 - `move_corrected(before, after, zones)`: a swept row corrected by a late settle or release
   leaves its (status swept, corrected false) group and joins (its new status, corrected true,
   its new provider key) with the swept_* sums, on the same day (ended_at does not change).
-- `add_to_rollups`: the contributions summed in Python per group, then one INSERT ... ON
-  CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col + EXCLUDED.col, groups in a
-  stable (sorted) order, so two drains upserting overlapping groups lock them in the same order
+- `add_to_rollups` (for corrections): the contributions summed in Python per group, then one
+  INSERT ... ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col +
+  EXCLUDED.col, groups in a stable (sorted) order, so two drains upserting overlapping groups lock them in the same order
   and cannot deadlock each other. The hourly sums (tenant, UTC hour, project, key: requests and
   input + output tokens) are upserted the same way by a data-modifying CTE of that same
   statement: the hourly table costs the drain no round trip. A correction's token delta goes to
