@@ -19,8 +19,8 @@ inside the drain's transaction):
 - `add_to_rollups` (for corrections): the contributions summed in Python per group, then one
   INSERT ... ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col +
   EXCLUDED.col, groups in a stable (sorted) order, so two drains upserting overlapping groups
-  lock them in the same order and cannot deadlock each other. The hourly sums (tenant, UTC hour, project, key: requests and
-  input + output tokens) are upserted the same way by a data-modifying CTE of that same
+  lock them in the same order and cannot deadlock each other. The hourly sums (tenant, UTC
+  hour, project, key: requests and input + output tokens) are upserted the same way by a data-modifying CTE of that same
   statement: the hourly table costs the drain no round trip. A correction's token delta goes to
   the hour the row ended in (ended_at does not change).
 
