@@ -16,13 +16,13 @@ inside the drain's transaction):
 - `move_corrected(before, after, zones)`: a swept row corrected by a late settle or release
   leaves its (status swept, corrected false) group and joins (its new status, corrected true,
   its new provider key) with the swept_* sums, on the same day (ended_at does not change).
-- `add_to_rollups` (for corrections): the contributions summed in Python per group, then one
-  INSERT ... ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col +
-  EXCLUDED.col, groups in a stable (sorted) order, so two drains upserting overlapping groups
-  lock them in the same order and cannot deadlock each other. The hourly sums (tenant, UTC
-  hour, project, key: requests and input + output tokens) are upserted the same way by a data-modifying CTE of that same
-  statement: the hourly table costs the drain no round trip. A correction's token delta goes to
-  the hour the row ended in (ended_at does not change).
+- `add_to_rollups` (for corrections): the contributions summed in Python per group, then one INSERT
+  ... ON CONFLICT ON CONSTRAINT usage_rollup_group DO UPDATE SET col = col + EXCLUDED.col, groups in
+  a stable (sorted) order, so two drains upserting overlapping groups lock them in the same order
+  and cannot deadlock each other. The hourly sums (tenant, UTC hour, project, key: requests and
+  input + output tokens) are upserted the same way by a data-modifying CTE of that same statement:
+  the hourly table costs the drain no round trip. A correction's token delta goes to the hour the
+  row ended in (ended_at does not change).
 
 Which rows a usage row is summed into: its UTC day (zone "UTC") and its local day in the zone
 the tenant's days were in when the call ended (`Zones`: quotas.cycles' schedule, or its
