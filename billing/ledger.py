@@ -294,10 +294,33 @@ class DrainResult:
 
 
 @dataclass
-class _Batch:
-    events: int = 0
+class DrainProgress:
+    """What a drain run has committed so far, counted at each commit (the one place a run's
+    figures are added up). drain_all returns it as a DrainResult; a caller that passes its own
+    still has it when the run raises part-way (PostgreSQL gone mid-run), so the threshold check
+    can look at the windows of the batches that did commit (billing.tasks.drain_usage)."""
+
+    events: dict[int, int] = field(default_factory=dict)  # per tenant, committed and deleted
+    windows: dict[int, set[Window]] = field(default_factory=dict)
     corrected: int = 0
-    windows: set[Window] = field(default_factory=set)
+    refused: list[int] = field(default_factory=list)
+    probed: int = 0
+
+    def committed(self, batches: Sequence[_Parsed], corrected: int) -> None:
+        """These batches' transaction committed (their XDEL may still fail: the next run reads
+        them again and inserts nothing twice)."""
+        self.corrected += corrected
+        for one in batches:
+            if one.entry_ids:
+                self.events[one.tenant_id] = self.events.get(one.tenant_id, 0) + len(
+                    one.entry_ids)
+            if one.windows:
+                self.windows.setdefault(one.tenant_id, set()).update(one.windows)
+
+    def result(self) -> DrainResult:
+        return DrainResult(sum(self.events.values()), len(self.events),
+                           {t: frozenset(w) for t, w in self.windows.items()}, self.corrected,
+                           probed=self.probed, refused=tuple(self.refused))
 
 
 @dataclass
@@ -372,7 +395,8 @@ def _read(client: Any, stream: str, batch: int, after: str | None = None) -> lis
 
 
 def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
-                 calendar_of_tenant: Callable[[], Calendar], zones: Zones) -> _Batch:
+                 calendar_of_tenant: Callable[[], Calendar], zones: Zones,
+                 progress: DrainProgress) -> None:
     """One batch of the tenant's stream in one transaction. Round trips: XRANGE; then, when it
     has events, CREATE TEMP TABLE IF NOT EXISTS, COPY, the insert with its rollups (one
     statement) and COMMIT (billing.rollups.insert_records; corrections add theirs); XDEL after
@@ -380,19 +404,18 @@ def _drain_batch(client: Any, tenant_id: int, batch: int, prices: PriceBook,
     stream = _stream_of(tenant_id)
     entries = _read(client, stream, batch)
     if not entries:
-        return _Batch()
+        return
     # The tenant's windows (its day and cycle: quotas.cycles), read only when it has events.
     calendar = calendar_of_tenant()
     zones.add_schedule(tenant_id, calendar.schedule)
     parsed = _parse(tenant_id, stream, entries, prices, calendar)
-    corrected = _write([parsed], zones)
+    progress.committed([parsed], _write([parsed], zones))
     _delete(client, [parsed])
-    return _Batch(len(entries), corrected, parsed.windows)
 
 
 def _drain_stream(client: Any, tenant_id: int, batch: int, batches: int, prices: PriceBook,
-                  calendar: Calendar, zones: Zones, refused: list[int], *,
-                  first: _Parsed | None = None, after: str = "") -> _Batch:
+                  calendar: Calendar, zones: Zones, progress: DrainProgress, *,
+                  first: _Parsed | None = None, after: str = "") -> None:
     """Up to `batches` batches of the tenant's stream, each in its own transaction as in
     _drain_batch: `first` (read and parsed, not written yet) and those after it, or those after
     entry `after`. The next batch is read from Redis and parsed in a thread while the last one
@@ -401,7 +424,6 @@ def _drain_stream(client: Any, tenant_id: int, batch: int, batches: int, prices:
     the tenant's drain (refused rows: _write_alone), its events and the ones read ahead still in
     the stream."""
     stream = _stream_of(tenant_id)
-    out = _Batch()
 
     def read_and_parse(since: str) -> tuple[int, _Parsed]:
         entries = _read(client, stream, batch, since)
@@ -413,16 +435,11 @@ def _drain_stream(client: Any, tenant_id: int, batch: int, batches: int, prices:
         for n in range(batches):
             ahead = (pool.submit(read_and_parse, parsed.entry_ids[-1])
                      if read == batch and n + 1 < batches else None)
-            if read:
-                out.corrected += _write_alone(client, parsed, zones, refused)
-                if refused and refused[-1] == tenant_id:
-                    break
-                out.events += read
-                out.windows |= parsed.windows
+            if read and not _write_alone(client, parsed, zones, progress):
+                break
             if ahead is None:
                 break
             read, parsed = ahead.result()
-    return out
 
 
 def _calendar_of(tenant_id: int, tenant: Tenant | None = None) -> Callable[[], Calendar]:
@@ -456,8 +473,10 @@ def _first_batches(client: Any, tenant_ids: Sequence[int], batch: int) -> dict[i
 def drain_tenant(client: Any, tenant_id: int, *, batch: int = 500,
                  prices: PriceBook | None = None) -> int:
     """Move one batch of a tenant's usage events into the ledger; returns how many."""
-    return _drain_batch(client, tenant_id, batch, prices or PriceBook.load(),
-                        _calendar_of(tenant_id), Zones()).events
+    progress = DrainProgress()
+    _drain_batch(client, tenant_id, batch, prices or PriceBook.load(), _calendar_of(tenant_id),
+                 Zones(), progress)
+    return sum(progress.events.values())
 
 
 # Errors of a batch's own rows (a value PostgreSQL refuses, a reference gone): the tenant's events
@@ -466,28 +485,29 @@ def drain_tenant(client: Any, tenant_id: int, *, batch: int = 500,
 _ROWS_REFUSED = (DataError, IntegrityError)
 
 
-def _write_alone(client: Any, one: _Parsed, zones: Zones, refused: list[int]) -> int:
+def _write_alone(client: Any, one: _Parsed, zones: Zones, progress: DrainProgress) -> bool:
     """One tenant's batch in its own transaction, then its XDEL; if PostgreSQL refuses its rows,
-    logged, the tenant added to `refused` and its events left in its stream (the backlog's age
-    then grows: check_ledger_backlog alerts). Returns how many swept rows were corrected."""
+    logged, the tenant added to `progress.refused` and its events left in its stream (the
+    backlog's age then grows: check_ledger_backlog alerts). Returns whether it was written."""
     try:
         corrected = _write([one], zones)
     except _ROWS_REFUSED:
         log.exception("usage events of tenant %s refused by PostgreSQL: left in %s",
                       one.tenant_id, one.stream)
-        refused.append(one.tenant_id)
-        return 0
+        progress.refused.append(one.tenant_id)
+        return False
+    progress.committed([one], corrected)
     _delete(client, [one])
-    return corrected
+    return True
 
 
 def _write_first_batches(client: Any, parsed: list[_Parsed], zones: Zones,
-                         refused: list[int]) -> int:
+                         progress: DrainProgress) -> None:
     """The first batches of several tenants in one transaction (one commit for the group, the
     round trips of one batch: at 10 active tenants a run costs about what one tenant's batch
     does), then one pipelined XDEL. If that transaction fails (one tenant's rows refused, a
     deadlock with another drain), each tenant's batch is written in its own (_write_alone), so
-    one tenant's bad rows hold back no other. Returns how many swept rows were corrected."""
+    one tenant's bad rows hold back no other."""
     if len(parsed) > 1:
         try:
             corrected = _write(parsed, zones)
@@ -495,9 +515,11 @@ def _write_first_batches(client: Any, parsed: list[_Parsed], zones: Zones,
             log.warning("the first batches of %d tenants failed together: written one tenant "
                         "at a time", len(parsed), exc_info=True)
         else:
+            progress.committed(parsed, corrected)
             _delete(client, parsed)
-            return corrected
-    return sum(_write_alone(client, one, zones, refused) for one in parsed)
+            return
+    for one in parsed:
+        _write_alone(client, one, zones, progress)
 
 
 # A run's batches: 1,000 events a transaction, at most 10 a tenant (10,000 events a tenant per
@@ -509,7 +531,8 @@ DRAIN_BATCHES_PER_TENANT = 10
 
 def drain_all(client: Any, *, batch: int = DRAIN_BATCH,
               max_batches_per_tenant: int = DRAIN_BATCHES_PER_TENANT,
-              tenant_ids: Sequence[int] | None = None) -> DrainResult:
+              tenant_ids: Sequence[int] | None = None,
+              progress: DrainProgress | None = None) -> DrainResult:
     """Drain these tenants' streams (default: every tenant in PostgreSQL; the drain_usage job
     passes the index of active tenants', quotas/active.py), bounded work per run: the next run
     continues. Which streams have events is asked first, pipelined (active.probe: one round trip
@@ -517,22 +540,22 @@ def drain_all(client: Any, *, batch: int = DRAIN_BATCH,
     with their plans: their calendars) are loaded only then, once per run. The busy tenants'
     first batches are read 20 tenants a round trip and written in one transaction per 20
     (_write_first_batches); a tenant with more than a batch waiting goes on alone, the next
-    batch read while the last is written (_drain_stream)."""
+    batch read while the last is written (_drain_stream). What commits is counted in
+    `progress` (a new one if not given), which a caller keeps when the run raises."""
+    progress = progress if progress is not None else DrainProgress()
     ids = list(tenant_ids) if tenant_ids is not None else active.all_tenant_ids()
     work = active.probe(client, ids, holds=False)
+    progress.probed = len(ids)
     # In id order: concurrent drains insert a group's rows (and take their locks) in one order.
     busy = sorted({tenant_id for tenant_id in ids if work[tenant_id].events})
     if not busy:
-        return DrainResult(0, 0, {}, 0, probed=len(ids))
+        return progress.result()
     prices = PriceBook.load()
     loaded = Tenant.objects.select_related("plan").in_bulk(busy)
     # Per run: the tenants' schedules, and a Timeline where a row predates its cycle in force.
     zones = Zones()
     for tenant in loaded.values():
         zones.add(tenant)
-    total = tenants = corrected = 0
-    windows: dict[int, frozenset[Window]] = {}
-    refused: list[int] = []
     for start in range(0, len(busy), _PREFETCH_TENANTS):
         group = busy[start:start + _PREFETCH_TENANTS]
         first = _first_batches(client, group, batch)
@@ -548,35 +571,22 @@ def drain_all(client: Any, *, batch: int = DRAIN_BATCH,
             zones.add_schedule(tenant_id, calendar.schedule)
             parsed.append(_parse(tenant_id, _stream_of(tenant_id), first[tenant_id], prices,
                                  calendar))
-        done: dict[int, _Batch] = {}
         if len(parsed) == 1 and len(parsed[0].entry_ids) == batch:
             # One busy tenant with more than a batch waiting: its stream from the first batch,
             # the second read while the first is written.
             [one] = parsed
-            done[one.tenant_id] = _drain_stream(
-                client, one.tenant_id, batch, max_batches_per_tenant, prices,
-                calendars[one.tenant_id], zones, refused, first=one)
-        else:
-            corrected += _write_first_batches(client, parsed, zones, refused)
-            for one in parsed:
-                if one.tenant_id in refused:
-                    continue
-                more = (_drain_stream(client, one.tenant_id, batch, max_batches_per_tenant - 1,
-                                      prices, calendars[one.tenant_id], zones, refused,
-                                      after=one.entry_ids[-1])
-                        if len(one.entry_ids) == batch and max_batches_per_tenant > 1
-                        else _Batch())
-                done[one.tenant_id] = _Batch(len(one.entry_ids) + more.events, more.corrected,
-                                             one.windows | more.windows)
-        for tenant_id, its in done.items():
-            corrected += its.corrected
-            if its.events:
-                tenants += 1
-                total += its.events
-            if its.windows:
-                windows[tenant_id] = frozenset(its.windows)
-    return DrainResult(total, tenants, windows, corrected, probed=len(ids),
-                       refused=tuple(refused))
+            _drain_stream(client, one.tenant_id, batch, max_batches_per_tenant, prices,
+                          calendars[one.tenant_id], zones, progress, first=one)
+            continue
+        _write_first_batches(client, parsed, zones, progress)
+        if max_batches_per_tenant < 2:
+            continue
+        for one in parsed:
+            if len(one.entry_ids) == batch and one.tenant_id not in progress.refused:
+                _drain_stream(client, one.tenant_id, batch, max_batches_per_tenant - 1, prices,
+                              calendars[one.tenant_id], zones, progress,
+                              after=one.entry_ids[-1])
+    return progress.result()
 
 
 # -- the backlog: events waiting in Redis for the drain ----------------------------------------

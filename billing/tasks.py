@@ -16,7 +16,7 @@ from billing.alerts import check_thresholds
 from billing.alerts import check_ledger_backlog as check_ledger_backlog_now
 from billing.alerts import check_pending_health as check_pending_health_now
 from billing.forecast_alerts import check_forecasts
-from billing.ledger import DrainResult, drain_all
+from billing.ledger import DrainProgress, DrainResult, drain_all
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.partitions import ensure_partitions
 from billing.retention import apply_retention
@@ -47,7 +47,16 @@ def drain_usage() -> int:
     which marks again those it finds with events."""
     client = get_engine().client
     run = active.visit(client, active.DRAIN)
-    result = drain_all(client, tenant_ids=run.tenants)
+    progress = DrainProgress()
+    try:
+        result = drain_all(client, tenant_ids=run.tenants, progress=progress)
+    except Exception:
+        # PostgreSQL or Redis gone part-way: the batches committed before are in the ledger and
+        # gone from their streams, so the next run will not bring their windows back. Checked
+        # now (a window that has ended since is not in the per-minute check's), then the run
+        # fails as it would have.
+        _alerts_after_drain(progress.result())
+        raise
     if run.full and result.windows:
         active.mark(client, (tenant_tag(t) for t in result.windows))
     active.walked(client, run)

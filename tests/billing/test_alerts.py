@@ -227,6 +227,48 @@ def test_a_settle_at_23_59_59_9_is_alerted_after_midnight_for_its_day(
     assert check_thresholds([acme.pk]) == []  # the beat finds it done
 
 
+def test_a_drain_run_that_fails_part_way_checks_the_windows_it_committed(
+        engine: QuotaEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tenants' last calls of yesterday, drained after midnight; PostgreSQL goes away after
+    the first tenant's batch committed. That batch's events are gone from its stream, so no
+    later run brings its window back, and the per-minute check looks at current windows only:
+    the failing run itself alerts for what it committed, then raises. The second tenant's
+    events wait in its stream, and the next run alerts for them."""
+    from django.db import OperationalError
+
+    from billing import ledger
+    from billing.tasks import drain_usage
+
+    day = yesterday()
+    acme, globex = make_tenant("acme"), make_tenant("globex")
+    for tenant in (acme, globex):
+        counter_in(engine, tenant, day.id, limit=LIMIT, used=9_050)
+        engine.client.xadd(keys.usage_stream_key(tenant_tag(tenant.pk)), {
+            "request_id": f"last-call-{tenant.slug}", "outcome": "settled", "held": 200,
+            "actual": 150, "money": 0, "created": day.end_ms - 100, "ended": day.end_ms + 400,
+            "meta": "{}", "event": json.dumps({"in": 100, "out": 50, "outcome": "complete"})})
+    active.mark(engine.client, [tenant_tag(acme.pk), tenant_tag(globex.pk)])
+    write = ledger._write
+
+    def gone_after_acme(batches: Any, zones: Any) -> int:
+        if any(b.tenant_id == globex.pk for b in batches):
+            raise OperationalError("server closed the connection unexpectedly")
+        return write(batches, zones)
+
+    with monkeypatch.context() as outage:
+        outage.setattr(ledger, "_PREFETCH_TENANTS", 1)  # acme's group commits before globex's
+        outage.setattr(ledger, "_write", gone_after_acme)
+        with pytest.raises(OperationalError):
+            drain_usage()
+    assert fired(acme) == [("tenant", day.id, 10)]
+    assert fired(globex) == []
+    assert engine.client.xlen(keys.usage_stream_key(tenant_tag(acme.pk))) == 0
+    assert engine.client.xlen(keys.usage_stream_key(tenant_tag(globex.pk))) == 1
+    assert drain_usage() == 1
+    assert fired(globex) == [("tenant", day.id, 10)]
+    assert fired(acme) == [("tenant", day.id, 10)]  # once
+
+
 def test_the_beat_checks_the_previous_day_as_well(engine: QuotaEngine) -> None:
     acme = make_tenant("acme")
     day = yesterday()
