@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 from celery import Celery
+from celery.schedules import schedule as celery_schedule
 from celery.signals import (
     setup_logging,
     worker_init,
@@ -99,6 +100,30 @@ def time_limits() -> dict[str, dict[str, float]]:
     }
 
 
+# A crontab entry's period, for its expiry (every crontab job here runs once a day).
+_CRONTAB_PERIOD_S = 86_400.0
+
+
+def with_expiry(schedule: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The beat's entries, each message expiring (Celery's `expires`: a worker discards it unrun)
+    once it is a period old, and never sooner than TOLLGATE_BEAT_EXPIRY_MIN_SECONDS. So a queue
+    whose workers were down for an hour does not run the 720 drains and 60 sweeps it missed
+    back to back when they return: the messages still fresh do the work (every job is
+    idempotent and catches up by itself). The floor is there because a worker judges expiry by
+    its own clock against the beat's: it tolerates that much skew between hosts. An entry that
+    sets its own `expires` keeps it."""
+    floor = float(settings.TOLLGATE_BEAT_EXPIRY_MIN_SECONDS)
+    out: dict[str, dict[str, Any]] = {}
+    for name, entry in schedule.items():
+        every = entry["schedule"]
+        period = float(every) if isinstance(every, int | float) else (
+            every.run_every.total_seconds() if isinstance(every, celery_schedule)
+            else _CRONTAB_PERIOD_S)
+        options = {"expires": max(period, floor), **entry.get("options", {})}
+        out[name] = {**entry, "options": options}
+    return out
+
+
 app.conf.update(
     task_default_queue=DEFAULT_QUEUE,
     task_queues=tuple(Queue(name, routing_key=name) for name in WORKER_QUEUES),
@@ -110,7 +135,8 @@ app.conf.update(
     redbeat_redis_url=settings.REDBEAT_REDIS_URL,
     redbeat_redis_options=settings.REDBEAT_REDIS_OPTIONS,
     redbeat_lock_timeout=settings.TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS,
-    beat_schedule=settings.TOLLGATE_BEAT_SCHEDULE_OVERRIDE or settings.CELERY_BEAT_SCHEDULE,
+    beat_schedule=with_expiry(settings.TOLLGATE_BEAT_SCHEDULE_OVERRIDE
+                              or settings.CELERY_BEAT_SCHEDULE),
     task_soft_time_limit=float(settings.TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS),
     task_time_limit=float(settings.TOLLGATE_TASK_TIME_LIMIT_SECONDS),
     task_annotations=time_limits(),

@@ -475,6 +475,11 @@ if TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS > 3600:
     raise ImproperlyConfigured("TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS must be <= 3600, got "
                                f"{TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS}")
 CELERY_BEAT_MAX_LOOP_INTERVAL = TOLLGATE_BEAT_LOCK_TIMEOUT_SECONDS / 5
+# A periodic job's message that waited this long in its queue, or a period if longer, is
+# discarded unrun by the worker (config/celery.py with_expiry): a queue whose workers were down
+# does not replay every missed period. Workers judge it by their own clock: keep it well above
+# the clock skew between hosts.
+TOLLGATE_BEAT_EXPIRY_MIN_SECONDS = _positive_int("TOLLGATE_BEAT_EXPIRY_MIN_SECONDS", 300)
 
 
 def _redbeat_redis(broker_url: str) -> tuple[str, dict[str, object]]:

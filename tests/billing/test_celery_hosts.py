@@ -30,6 +30,7 @@ from config.celery import (
     WEBHOOK_QUEUE,
     WORKER_QUEUES,
     app,
+    with_expiry,
 )
 from quotas.keys import beat_key_prefix
 from tests.gateway.conftest import ROOT, gateway_env
@@ -227,6 +228,39 @@ def test_every_production_task_is_routed_to_its_queue() -> None:
     for job, entry in settings.CELERY_BEAT_SCHEDULE.items():
         assert entry["task"] in app.tasks, job
 
+
+
+def test_every_periodic_message_expires_after_its_period_or_the_floor(settings: Any) -> None:
+    """A queue whose workers were down must not replay every missed period when they return
+    (an hour of the 5 s drain is 720 messages): each message the beat sends expires a period
+    after it was sent, never sooner than TOLLGATE_BEAT_EXPIRY_MIN_SECONDS (workers judge it by
+    their own clocks). The options reach the message: the beat's entry (RedBeat's, built like
+    Celery's) applies them."""
+    from celery.beat import ScheduleEntry
+    from celery.schedules import crontab, schedule
+
+    assert app.conf.beat_schedule == with_expiry(settings.CELERY_BEAT_SCHEDULE)
+    for job, entry in app.conf.beat_schedule.items():
+        every = entry["schedule"]
+        period = every if isinstance(every, float) else 86_400.0
+        assert entry["options"]["expires"] == max(period, 300.0), job
+        assert ScheduleEntry(name=job, app=app, **{k: v for k, v in entry.items()
+                                                   if k != "name"}).options["expires"] > 0
+    assert app.conf.beat_schedule["drain-usage-ledger"]["options"] == {"expires": 300.0}
+    assert app.conf.beat_schedule["reconcile-daily"]["options"] == {"expires": 86_400.0}
+    settings.TOLLGATE_BEAT_EXPIRY_MIN_SECONDS = 1
+    assert with_expiry({
+        "fast": {"task": "t", "schedule": 5.0},
+        "every": {"task": "t", "schedule": schedule(run_every=120)},
+        "daily": {"task": "t", "schedule": crontab(hour=2, minute=15)},
+        "own": {"task": "t", "schedule": 5.0, "options": {"expires": 2, "queue": "q"}},
+    }) == {
+        "fast": {"task": "t", "schedule": 5.0, "options": {"expires": 5.0}},
+        "every": {"task": "t", "schedule": schedule(run_every=120), "options": {"expires": 120.0}},
+        "daily": {"task": "t", "schedule": crontab(hour=2, minute=15),
+                  "options": {"expires": 86_400.0}},
+        "own": {"task": "t", "schedule": 5.0, "options": {"expires": 2, "queue": "q"}},
+    }
 
 def test_config_serve_runs_a_worker_per_queue_and_a_beat_unless_told_not_to() -> None:
     commands = serve.celery_commands()
