@@ -2,7 +2,11 @@
 the gateway's background health below, read from PostgreSQL and Redis at each scrape by a
 prometheus_client Collector, rendered by prometheus_client (text format 0.0.4).
 
-    tollgate_open_holds{tenant}                 gauge: holds open now (ZCARD of the hold index)
+    tollgate_open_holds                         gauge: holds open now, all tenants (ZCARD of the
+                                                hold index of each tenant of the index of active
+                                                tenants)
+    tollgate_tenant_open_holds{tenant}          gauge: the same, only for the tenants listed in
+                                                TOLLGATE_METRICS_TENANTS (absent when none is)
     tollgate_usage_records_total{status}        counter: ledger rows by the status they were
                                                 recorded with (swept = leaks, corrected or not)
     tollgate_usage_corrections_total            counter: swept rows corrected by a settle or
@@ -58,12 +62,13 @@ time the backlog grows); the families read from PostgreSQL are left out then, an
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django.core.exceptions import FieldError
 from django.db import DatabaseError
-from django.db.models import Count, Sum
+from django.conf import settings
+from django.db.models import Count, Q, Sum
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -74,9 +79,8 @@ from billing.rollups import UTC_ZONE
 from gateway import metrics as request_metrics
 from gateway.catalog import load_catalog
 from gateway.models import ProviderKey
-from quotas import keys
+from quotas import active
 from quotas.breakers import KEY_LEVEL, BreakerStore
-from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 from tenants.models import Tenant
 
@@ -84,7 +88,6 @@ log = logging.getLogger(__name__)
 
 # What generate_latest writes (prometheus_client's CONTENT_TYPE_LATEST names a newer version).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
-_CHUNK = 1000
 
 Samples = Iterable[tuple[dict[str, object], float | int]]
 
@@ -107,18 +110,36 @@ def _counter(name: str, help_text: str, samples: Samples) -> Metric:
     return _family(CounterMetricFamily, name, help_text, samples)
 
 
-def open_holds(client: Any) -> list[tuple[str, int]]:
-    """(tenant slug, open holds) for every tenant, pipelined ZCARD in chunks."""
-    tenants: Sequence[tuple[int, str]] = list(
-        Tenant.objects.order_by("pk").values_list("pk", "slug"))
-    result: list[tuple[str, int]] = []
-    for start in range(0, len(tenants), _CHUNK):
-        chunk = tenants[start:start + _CHUNK]
-        pipe = client.pipeline(transaction=False)
-        for tenant_id, _slug in chunk:
-            pipe.zcard(keys.hold_index_key(tenant_tag(tenant_id)))
-        result += [(slug, int(n)) for (_id, slug), n in zip(chunk, pipe.execute(), strict=True)]
-    return result
+def open_holds(client: Any) -> int:
+    """Every quota hold open now: the ZCARD of the hold index of each tenant of the index of
+    active tenants (quotas/active.py: a tenant with an open hold stays in it), pipelined. So a
+    scrape costs what activity does, not the number of tenants (at 100,000 idle tenants it read
+    every one, and wrote a series for each). When the index is not whole for the sweep (lost,
+    never walked), every tenant's, as the sweep's next run walks them all. A tenant the index
+    missed (a gateway worker killed within a second of its first call) is counted from the
+    sweep's next full walk on, which also sweeps its holds."""
+    tenant_ids = active.indexed_tenant_ids(client, active.SWEEP)
+    if tenant_ids is None:
+        tenant_ids = active.all_tenant_ids()
+    return sum(work.holds for work in active.probe(client, tenant_ids, events=False).values())
+
+
+def listed_open_holds(client: Any) -> list[tuple[str, int]]:
+    """(tenant label, holds open now) of the tenants listed in TOLLGATE_METRICS_TENANTS (by
+    public id or slug; the label is the entry as written): a tenant label only where the
+    operator bounded it (gateway/metrics.py, the request families' rule)."""
+    listed = settings.TOLLGATE_METRICS_TENANTS
+    if not listed:
+        return []
+    found = list(Tenant.objects.filter(Q(public_id__in=listed) | Q(slug__in=listed))
+                 .order_by("pk").values_list("pk", "public_id", "slug"))
+    work = active.probe(client, [pk for pk, _, _ in found], events=False)
+    out: list[tuple[str, int]] = []
+    for pk, public_id, slug in found:
+        label = request_metrics.tenant_label(public_id, slug)
+        if label is not None:
+            out.append((label, work[pk].holds))
+    return out
 
 
 def _counts(model: Any, statuses: Iterable[str]) -> list[tuple[dict[str, object], int]]:
@@ -222,10 +243,16 @@ def _database_families(client: Any) -> list[Metric]:
     ledger = _ledger_sums()
     over_calls, over_tokens = over_hold(ledger)
     states, transitions = breaker_samples(client)
+    listed = listed_open_holds(client)
+    tenant_holds = [_gauge("tollgate_tenant_open_holds",
+                           "Quota holds open now of the tenants listed in "
+                           "TOLLGATE_METRICS_TENANTS.",
+                           (({"tenant": label}, n) for label, n in listed))] if listed else []
     return [
         _gauge("tollgate_open_holds",
-               "Quota holds open now, per tenant (requests in flight or leaked).",
-               (({"tenant": slug}, n) for slug, n in open_holds(client))),
+               "Quota holds open now, all tenants (requests in flight or leaked).",
+               [({}, open_holds(client))]),
+        *tenant_holds,
         _counter("tollgate_usage_records_total",
                  "Ledger rows by the status they were recorded with (swept: holds the gateway "
                  "never ended, corrected later or not).", usage_record_counts(ledger)),

@@ -182,6 +182,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures["pending_s"] = median_of(billing_tasks.check_pending_health, args.repeat)
     figures["forecasts_s"] = median_of(billing_tasks.check_quota_forecasts, args.repeat)
     figures["backlog_s"] = median_of(lambda: usage_backlog(engine.client), args.repeat)
+    # A /metrics scrape's billing families (billing/metrics.py: the open holds, the ledger's
+    # rollup sums, the backlog...), as Prometheus reads them every 15 s or so.
+    from billing import metrics as billing_metrics
+
+    figures["scrape_bytes"] = len(billing_metrics.render(engine.client))
+    figures["scrape_s"] = median_of(lambda: billing_metrics.render(engine.client), args.repeat)
     # The backstop: the same jobs when their full walk is due (every tenant, pipelined probes).
     for shard in range(engine.settings.active_shards):
         engine.client.zrem(keys.active_shard_key(shard),
@@ -213,6 +219,8 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     print(f"  threshold catch-up {figures['thresholds_s'] * ms:.1f} ms, pending health "
           f"{figures['pending_s'] * ms:.1f} ms, forecasts {figures['forecasts_s'] * ms:.1f} ms, "
           f"backlog (alert, /metrics) {figures['backlog_s'] * ms:.1f} ms")
+    print(f"  /metrics scrape, billing families: {figures['scrape_s'] * ms:.1f} ms, "
+          f"{figures['scrape_bytes']:,} bytes (median of {args.repeat})")
     print(f"  backstop (full walk, every tenant probed): drain {figures['drain_full_s'] * ms:,.0f}"
           f" ms, sweep {figures['sweep_full_s'] * ms:,.0f} ms")
 

@@ -227,6 +227,20 @@ def read_index(client: Any, shards: int) -> tuple[list[Indexed], list[dict[str, 
     return tenants, walks, now_ms
 
 
+
+def indexed_tenant_ids(client: Any, job: str,
+                       settings: ActiveSettings | None = None) -> list[int] | None:
+    """The index's tenants still in PostgreSQL, ascending, for a reader that needs the tenants
+    with work now (not a job's run: no full walk is started or recorded); None when the index is
+    not whole for `job` (a shard without its full-walk member: lost, never walked), so the
+    reader takes every tenant, as the job's next run does."""
+    settings = settings or ActiveSettings.from_django()
+    member = keys.active_walk_member(job, settings.shards)
+    indexed, walks, _now_ms = read_index(client, settings.shards)
+    if any(member not in walked for walked in walks):
+        return None
+    return existing_tenant_ids(_tenant_ids(i.tenant for i in indexed))
+
 def visit(client: Any, job: str, settings: ActiveSettings | None = None) -> Visit:
     """Which tenants this run of `job` visits: the index's (those in PostgreSQL), or every
     tenant when the job's full walk is due (its last one older than full_walk_s) or the index
