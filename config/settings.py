@@ -617,12 +617,14 @@ CELERY_BEAT_SCHEDULE["check-quota-forecasts"] = {
 # The index of active tenants (quotas/active.py): the drain, the sweep and the alert and health
 # detectors visit only the tenants in it, so their work follows activity, not the number of
 # tenants. TOLLGATE_ACTIVE_SHARDS sorted sets (each its own hash tag: no single hot key on a
-# cluster); a gateway worker flushes the tenants it served every GATEWAY_ACTIVE_FLUSH_SECONDS; a
-# tenant leaves once it has no open hold and no undrained event and was last marked more than
-# TOLLGATE_ACTIVE_RETENTION_SECONDS ago (above the stale-hold threshold and a detector's period,
-# so each detector sees it after its last call); every job also walks every tenant once per
-# TOLLGATE_ACTIVE_FULL_WALK_SECONDS, the bound on a tenant the index missed (a worker killed
-# before its flush), and at once when it finds the index lost.
+# cluster); a gateway worker flushes the tenants it served every GATEWAY_ACTIVE_FLUSH_SECONDS,
+# and writes a tenant's mark before its first reserve in half the retention (so a worker killed
+# before its flush leaves no hold the index does not know); a tenant leaves once it has no open
+# hold and no undrained event and was last marked more than TOLLGATE_ACTIVE_RETENTION_SECONDS ago
+# (above the stale-hold threshold and a detector's period, so each detector sees it after its
+# last call); every job also walks every tenant once per TOLLGATE_ACTIVE_FULL_WALK_SECONDS, the
+# bound on a tenant the index missed (holds written without the engine), and at once when it
+# finds the index lost.
 TOLLGATE_ACTIVE_SHARDS = _positive_int("TOLLGATE_ACTIVE_SHARDS", 16)
 if TOLLGATE_ACTIVE_SHARDS > 1024:
     raise ImproperlyConfigured(f"TOLLGATE_ACTIVE_SHARDS must be 1-1024, got {TOLLGATE_ACTIVE_SHARDS}")

@@ -17,7 +17,11 @@ refused: a refusal feeds the threshold check's `quota.exhausted`), settle, relea
 usage event, so a call whose task is cancelled while its script runs is marked too:
 - `AsyncQuotaEngine` (the gateway) keeps the tenants in memory and a gateway worker flushes them
   every GATEWAY_ACTIVE_FLUSH_SECONDS (1 s), one script call per shard (gateway/startup.py), and
-  once more at its lifespan shutdown; a failed flush keeps them for the next one.
+  once more at its lifespan shutdown; a failed flush keeps them for the next one. A tenant's
+  first reserve in the worker for half the retention writes its mark first, at once
+  (PendingMarks.unconfirmed): a mark that recent cannot have been forgotten, so the index holds
+  every tenant a live worker has reserved for, also when that worker is killed before its
+  flush.
 - `QuotaEngine` (commands, tests, anything synchronous) marks at once, one call.
 
 Who forgets. The sweep job, after sweeping, takes out the tenants last marked more than
@@ -26,10 +30,11 @@ hold and no undrained usage event (lua/active_forget.lua removes a member only i
 still that old, on the shard's clock, so a mark made after the check keeps the tenant).
 
 How a tenant with work could be missed, and what closes each way:
-- a worker killed (SIGKILL, OOM) between a call's reserve and its next flush (at most
-  GATEWAY_ACTIVE_FLUSH_SECONDS of first calls): the backstop below, within
-  TOLLGATE_ACTIVE_FULL_WALK_SECONDS (1 h). Only tenants not already in the index are exposed
-  (an active tenant stays indexed for the retention after its last mark);
+- a worker killed (SIGKILL, OOM) between a call's reserve and its next flush: the tenant's mark
+  was written before its first reserve in that worker (above), and a later reserve's tenant
+  was marked within half the retention;
+- one member lost from a shard that was not lost whole: the backstop below, within
+  TOLLGATE_ACTIVE_FULL_WALK_SECONDS (1 h);
 - Redis losing the index (a flush, a failover to a replica behind), or a change of
   TOLLGATE_ACTIVE_SHARDS (tenants move between shards): every shard holds one
   `~<job>@<shards>` member per job, scored by that job's last full walk; a job that finds its
@@ -50,7 +55,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,12 +137,39 @@ async def amark(client: Any, tenants: Iterable[str], shards: int) -> None:
 
 @dataclass
 class PendingMarks:
-    """A gateway worker's tenants marked since its last flush (AsyncQuotaEngine)."""
+    """A gateway worker's tenants marked since its last flush (AsyncQuotaEngine), and when each
+    tenant's mark was last written to the index by this worker (`confirmed`, monotonic seconds,
+    oldest first): a tenant not confirmed within `confirm_s` is marked at once before its
+    reserve (`unconfirmed`), so a worker killed before its next flush leaves no hold the index
+    does not know."""
 
     tenants: set[str] = field(default_factory=set)
+    confirm_s: float = 450.0
+    confirmed: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
     def add(self, tenant: str) -> None:
         self.tenants.add(tenant)
+
+    def unconfirmed(self, tenant: str) -> bool:
+        """Whether the index may not hold the tenant: this worker has not written its mark
+        within confirm_s (half the index's retention: a member marked since cannot have been
+        forgotten, lua/active_forget.lua). One dict lookup on the hot path."""
+        at = self.confirmed.get(tenant)
+        return at is None or time.monotonic() - at > self.confirm_s
+
+    def confirm(self, tenants: Iterable[str], at: float) -> None:
+        """These tenants' marks were written (sent at monotonic `at`: their scores are no
+        older); entries older than confirm_s are dropped, so the map holds the tenants of the
+        last confirm_s only."""
+        for tenant in tenants:
+            self.confirmed[tenant] = at
+            self.confirmed.move_to_end(tenant)
+        cutoff = time.monotonic() - self.confirm_s
+        while self.confirmed:
+            tenant, when = next(iter(self.confirmed.items()))
+            if when >= cutoff:
+                break
+            del self.confirmed[tenant]
 
     async def flush(self, client: Any, shards: int) -> int:
         """Write the pending marks; on failure they stay pending for the next flush (the
@@ -143,11 +177,13 @@ class PendingMarks:
         if not self.tenants:
             return 0
         taken, self.tenants = self.tenants, set()
+        sent = time.monotonic()
         try:
             await amark(client, taken, shards)
         except BaseException:
             self.tenants |= taken
             raise
+        self.confirm(taken, sent)
         return len(taken)
 
 

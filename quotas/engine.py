@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -490,6 +491,8 @@ class EngineSettings:
     stale_hold_s: int = 600
     sweep_batch: int = 200
     active_shards: int = 16  # shards of the index of active tenants (quotas/active.py)
+    # How long a tenant stays in that index after its last mark with nothing to do.
+    active_retention_s: int = 900
 
     @classmethod
     def from_django(cls) -> EngineSettings:
@@ -501,6 +504,7 @@ class EngineSettings:
             stale_hold_s=settings.QUOTA_STALE_HOLD_SECONDS,
             sweep_batch=settings.QUOTA_SWEEP_BATCH,
             active_shards=settings.TOLLGATE_ACTIVE_SHARDS,
+            active_retention_s=settings.TOLLGATE_ACTIVE_RETENTION_SECONDS,
         )
 
 
@@ -1263,7 +1267,11 @@ class AsyncQuotaEngine:
     Its reserve, settle, release and fail-open usage events mark their tenant in memory, before
     the script call (a call cancelled while its script runs is marked too); `flush_active`
     writes the marks to the index of active tenants (quotas/active.py), which a gateway worker
-    does every GATEWAY_ACTIVE_FLUSH_SECONDS: no round trip on the hot path."""
+    does every GATEWAY_ACTIVE_FLUSH_SECONDS: no round trip on the hot path. Except a tenant's
+    first reserve in this worker for half the index's retention: its mark is written before
+    the reserve (one more round trip), so a worker killed before its next flush leaves no hold
+    of a tenant the index does not know (the sweep's run would skip it until its hourly full
+    walk, its quota held meanwhile)."""
 
     def __init__(
         self,
@@ -1274,7 +1282,7 @@ class AsyncQuotaEngine:
         self.client = client
         self.settings = settings or EngineSettings()
         self.clock = clock or RedisClock()
-        self.marks = PendingMarks()
+        self.marks = PendingMarks(confirm_s=self.settings.active_retention_s / 2)
         self._calls = _Calls(self.settings, self.clock)
         self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
 
@@ -1299,8 +1307,19 @@ class AsyncQuotaEngine:
         except (*_UNREACHABLE, ResponseError) as exc:
             raise _unavailable(exc) from exc
 
+    async def _mark_now(self, tenant: str) -> None:
+        """The tenant's mark written to its index shard now (lua/active_mark.lua), confirmed
+        for PendingMarks.confirm_s. A failure raises like the reserve's own would (the same
+        Redis, or the same cluster)."""
+        sent = time.monotonic()
+        shard = shard_of(tenant, self.settings.active_shards)
+        await self._run("active_mark", [keys.active_shard_key(shard)], [tenant])
+        self.marks.confirm((tenant,), sent)
+
     async def reserve(self, request: ReserveRequest) -> Reservation:
         self.marks.add(request.tenant)
+        if self.marks.unconfirmed(request.tenant):
+            await self._mark_now(request.tenant)
         for _ in range(_MAX_CLOCK_RETRIES):
             call = self._calls.reserve(request)
             reply = await self._run("reserve", call.keys, call.args)

@@ -95,6 +95,9 @@ def test_the_sync_engine_marks_every_operation_and_can_be_told_not_to(
 
 def test_the_gateway_engine_marks_in_memory_and_flushes_one_call_per_shard(
         redis_url: str, redis_cluster_url: str) -> None:
+    """A tenant's first reserve in a worker writes its mark before the hold (a worker killed
+    before its flush leaves no hold the index does not know); its later calls only mark in
+    memory, written by the flush, one script call per shard."""
     async def scenario(make: Any, sync: Any) -> None:
         aclient = make()
         if isinstance(aclient, redis.asyncio.RedisCluster):
@@ -103,6 +106,13 @@ def test_the_gateway_engine_marks_in_memory_and_flushes_one_call_per_shard(
         tenants = [new_tenant() for _ in range(40)]
         for tenant in tenants:
             reservation = await engine.reserve(ReserveRequest(tenant, "r1", 10, LIMITS))
+            assert reservation.admitted
+            assert score(sync, tenant) is not None  # written before the reserve returned
+        await engine.flush_active()
+        for tenant in tenants:  # as if the sweep had forgotten them (it never does so soon)
+            sync.zrem(keys.active_shard_key(active.shard_of(tenant, SHARDS)), tenant)
+        for tenant in tenants:
+            reservation = await engine.reserve(ReserveRequest(tenant, "r2", 10, LIMITS))
             assert reservation.admitted
         assert engine.marks.tenants == set(tenants)
         assert [score(sync, t) for t in tenants] == [None] * len(tenants)  # not yet flushed
@@ -133,6 +143,42 @@ def test_the_gateway_engine_marks_in_memory_and_flushes_one_call_per_shard(
     asyncio.run(scenario(
         lambda: redis.asyncio.RedisCluster.from_url(redis_cluster_url, decode_responses=True),
         cluster))
+
+
+def test_a_tenant_not_confirmed_for_half_the_retention_is_marked_before_its_reserve(
+        client: redis.Redis | redis.RedisCluster, redis_url: str,
+        redis_cluster_url: str) -> None:
+    """The gateway engine writes a tenant's mark before its reserve when this worker has not
+    written it for half the index's retention (a mark that recent cannot have been forgotten by
+    the sweep); the map of confirmed marks keeps only those of the last half-retention."""
+    async def scenario() -> None:
+        if isinstance(client, redis.RedisCluster):
+            aclient: Any = redis.asyncio.RedisCluster.from_url(redis_cluster_url,
+                                                               decode_responses=True)
+            await aclient.initialize()
+        else:
+            aclient = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        engine = AsyncQuotaEngine(aclient, EngineSettings(active_retention_s=900))
+        assert engine.marks.confirm_s == 450
+        tenant, other = new_tenant(), new_tenant()
+        shard_key = keys.active_shard_key(active.shard_of(tenant, SHARDS))
+        await engine.reserve(ReserveRequest(tenant, "r1", 10, LIMITS))
+        assert score(client, tenant) is not None and not engine.marks.unconfirmed(tenant)
+        client.zrem(shard_key, tenant)
+        await engine.reserve(ReserveRequest(tenant, "r2", 10, LIMITS))
+        assert score(client, tenant) is None  # confirmed 0 s ago: marked in memory only
+        engine.marks.confirmed[tenant] -= 451  # half the retention has passed
+        assert engine.marks.unconfirmed(tenant)
+        await engine.reserve(ReserveRequest(tenant, "r3", 10, LIMITS))
+        assert score(client, tenant) is not None and not engine.marks.unconfirmed(tenant)
+        # The map keeps the last half-retention's confirmations: an older one is dropped at
+        # the next confirm (here: another tenant's first reserve).
+        engine.marks.confirmed[tenant] -= 451
+        await engine.reserve(ReserveRequest(other, "o1", 10, LIMITS))
+        assert tenant not in engine.marks.confirmed and other in engine.marks.confirmed
+        await aclient.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_flush_keeps_the_marks_for_the_next() -> None:
