@@ -90,6 +90,7 @@ def time_limits() -> dict[str, dict[str, float]]:
     """The tasks whose limits differ from the default: (soft, hard) by task name."""
     webhook_soft = settings.TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS + _WEBHOOK_TASK_MARGIN_S
     reconcile_soft = float(settings.TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS)
+    retention_soft = float(settings.TOLLGATE_RETENTION_TIME_LIMIT_SECONDS)
     return {
         # One attempt is bounded by its total deadline: the task needs little more.
         "billing.tasks.deliver_webhook": {"soft_time_limit": webhook_soft,
@@ -97,6 +98,9 @@ def time_limits() -> dict[str, dict[str, float]]:
         # Pages through the upstream's usage API for every provider key.
         "billing.tasks.reconcile_daily": {"soft_time_limit": reconcile_soft,
                                           "time_limit": reconcile_soft + 60},
+        # Exports a month to CSV before dropping it (billing/retention.py): hours at scale.
+        "billing.tasks.ledger_retention": {"soft_time_limit": retention_soft,
+                                           "time_limit": retention_soft + 60},
     }
 
 

@@ -563,10 +563,16 @@ if not 0 < TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS <= 60:
                                f"{TOLLGATE_WEBHOOK_TOTAL_TIMEOUT_SECONDS:g}")
 # Every Celery task's soft and hard time limit (config/celery.py; a soft limit raises inside the
 # task, a hard one kills its worker process). Webhook deliveries get their total deadline plus a
-# margin, the daily reconciliation TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS.
+# margin, the daily reconciliation TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS, the retention
+# TOLLGATE_RETENTION_TIME_LIMIT_SECONDS.
 TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS", 240)
 TOLLGATE_TASK_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_TASK_TIME_LIMIT_SECONDS", 300)
 TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS", 1800)
+# The daily ledger retention (billing.tasks.ledger_retention) may export a whole month to CSV
+# before dropping it (TOLLGATE_LEDGER_EXPORT_DIR): at hundreds of millions of rows that is hours,
+# which the default limit would cut every day, and the month would never be retired.
+TOLLGATE_RETENTION_TIME_LIMIT_SECONDS = _positive_int("TOLLGATE_RETENTION_TIME_LIMIT_SECONDS",
+                                                      6 * 3600)
 if TOLLGATE_TASK_TIME_LIMIT_SECONDS <= TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS:
     raise ImproperlyConfigured("TOLLGATE_TASK_TIME_LIMIT_SECONDS must be above "
                                "TOLLGATE_TASK_SOFT_TIME_LIMIT_SECONDS (the hard limit comes last)")

@@ -282,6 +282,11 @@ def test_every_task_has_a_soft_and_a_hard_time_limit(settings: Any) -> None:
     reconcile = app.tasks["billing.tasks.reconcile_daily"]
     assert reconcile.soft_time_limit == settings.TOLLGATE_RECONCILE_TIME_LIMIT_SECONDS
     assert reconcile.time_limit == reconcile.soft_time_limit + 60
+    # The retention may export a month of hundreds of millions of rows first: hours, not the
+    # default 240 s, which would cut it every day and never retire the month.
+    retention = app.tasks["billing.tasks.ledger_retention"]
+    assert retention.soft_time_limit == settings.TOLLGATE_RETENTION_TIME_LIMIT_SECONDS == 6 * 3600
+    assert retention.time_limit == retention.soft_time_limit + 60
 
 
 def test_make_up_runs_workers_for_every_queue() -> None:
