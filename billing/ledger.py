@@ -274,7 +274,14 @@ def _apply_corrections(corrections: list[LedgerRow], zone_of: ZoneOf | None = No
         row.over_hold_tokens = over_hold(row.held_tokens, row.input_tokens, row.output_tokens)
         moves.append((before, row))
     if rows:
-        UsageRecord.objects.bulk_update(rows, _CORRECTED_FIELDS)
+        # Bounded by the rows' own ended_at: PostgreSQL prunes the UPDATE to their partitions
+        # when planning it. Without the bound it takes ROW EXCLUSIVE on every month's partition,
+        # so it waits behind the retention's SHARE lock on an old month (billing/retention.py)
+        # for as long as that month's check takes.
+        (UsageRecord.objects
+         .filter(ended_at__gte=min(r.ended_at for r in rows),
+                 ended_at__lte=max(r.ended_at for r in rows))
+         .bulk_update(rows, _CORRECTED_FIELDS))
         move_corrected(moves, zone_of)
     return len(rows)
 

@@ -233,3 +233,35 @@ def test_two_drain_runs_racing_over_the_same_tenants_write_each_event_once(
             _checked(tenant, 1_700)
 
     committed(django_db_blocker, check)
+
+
+def test_a_correction_locks_only_its_rows_partitions(client: redis.Redis) -> None:
+    """A late settle's correction updates its swept row within the row's own month: the UPDATE
+    is bounded by the rows' ended_at, so PostgreSQL locks (ROW EXCLUSIVE) only that month's
+    partition. Unbounded, it locked every month's, and so waited behind the retention's SHARE
+    lock on an old month (billing/retention.py) for as long as that month's check took."""
+    tenant, project, key = _tenant()
+    stream = keys.usage_stream_key(tenant_tag(tenant.pk))
+    ended = datetime.now(UTC).replace(microsecond=0)
+    client.xadd(stream, ev.swept("late-1", ended, project=project, key=key))
+    assert drain_all(client, tenant_ids=[tenant.pk]).events == 1
+    client.xadd(stream, ev.corrected("late-1", ended + timedelta(seconds=2), project=project,
+                                     key=key))
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT inhrelid::regclass::text FROM pg_inherits "
+                       "WHERE inhparent = 'billing_usagerecord'::regclass")
+        partitions = {name for (name,) in cursor.fetchall()}
+        cursor.execute("SELECT tableoid::regclass::text FROM billing_usagerecord "
+                       "WHERE request_id = 'late-1'")
+        [(own,)] = cursor.fetchall()
+    assert len(partitions) >= 3  # this month's, the months ahead, the default
+    # The test's transaction keeps every lock the drain's statements took until it ends.
+    assert drain_all(client, tenant_ids=[tenant.pk]).corrected == 1
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT relation::regclass::text FROM pg_locks "
+                       "WHERE pid = pg_backend_pid() AND mode = 'RowExclusiveLock' "
+                       "AND relation IS NOT NULL")
+        locked = {name for (name,) in cursor.fetchall()} & partitions
+    assert locked == {own}
+    row = UsageRecord.objects.get(request_id="late-1")
+    assert row.status == "settled" and row.corrected_at is not None
