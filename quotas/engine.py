@@ -1261,6 +1261,10 @@ class QuotaEngine:
 # -- async --------------------------------------------------------------------------------------
 
 
+# After a failed mark before a reserve, how long reserves skip it (they mark in memory only).
+_MARK_NOW_PAUSE_S = 5
+
+
 class AsyncQuotaEngine:
     """The same engine over `redis.asyncio.Redis` or `redis.asyncio.RedisCluster`.
 
@@ -1283,6 +1287,7 @@ class AsyncQuotaEngine:
         self.settings = settings or EngineSettings()
         self.clock = clock or RedisClock()
         self.marks = PendingMarks(confirm_s=self.settings.active_retention_s / 2)
+        self._mark_now_paused_until = 0.0  # monotonic; see _mark_now
         self._calls = _Calls(self.settings, self.clock)
         self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
 
@@ -1309,11 +1314,23 @@ class AsyncQuotaEngine:
 
     async def _mark_now(self, tenant: str) -> None:
         """The tenant's mark written to its index shard now (lua/active_mark.lua), confirmed
-        for PendingMarks.confirm_s. A failure raises like the reserve's own would (the same
-        Redis, or the same cluster)."""
+        for PendingMarks.confirm_s. The index only guides the background jobs, so a failure
+        never fails the call: on a cluster the shard may live on another master than the
+        tenant's slot, down while the tenant's own is fine. It is logged, the tenant stays
+        pending for the flush, and no mark is tried at once again for _MARK_NOW_PAUSE_S (each
+        would wait for the same dead node on the call's path)."""
+        if time.monotonic() < self._mark_now_paused_until:
+            return
         sent = time.monotonic()
         shard = shard_of(tenant, self.settings.active_shards)
-        await self._run("active_mark", [keys.active_shard_key(shard)], [tenant])
+        try:
+            await self._run("active_mark", [keys.active_shard_key(shard)], [tenant])
+        except QuotaStoreUnavailable:
+            self._mark_now_paused_until = time.monotonic() + _MARK_NOW_PAUSE_S
+            log.warning("could not mark tenant %s active before its reserve; left to the flush, "
+                        "no mark before a reserve for %d s", tenant, _MARK_NOW_PAUSE_S,
+                        exc_info=True)
+            return
         self.marks.confirm((tenant,), sent)
 
     async def reserve(self, request: ReserveRequest) -> Reservation:

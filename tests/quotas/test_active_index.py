@@ -181,6 +181,39 @@ def test_a_tenant_not_confirmed_for_half_the_retention_is_marked_before_its_rese
     asyncio.run(scenario())
 
 
+def test_a_mark_that_fails_before_a_reserve_never_fails_the_call(redis_url: str) -> None:
+    """The index's shard unreachable (on a cluster: another master than the tenant's slot)
+    while the tenant's quota is fine: the reserve goes on, the tenant stays pending for the
+    flush, and the next reserves skip the mark for a few seconds instead of each waiting for
+    the same dead node."""
+    async def scenario() -> None:
+        aclient = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        engine = AsyncQuotaEngine(aclient, EngineSettings())
+        run = engine._run
+        marks_tried: list[str] = []
+
+        async def shard_down(name: str, call_keys: list[str], args: list[Any]) -> Any:
+            if name == "active_mark":
+                marks_tried.append(args[0])
+                raise QuotaStoreUnavailable("quota store unreachable: the shard's master")
+            return await run(name, call_keys, args)
+
+        engine._run = shard_down  # type: ignore[method-assign]
+        tenants = [new_tenant() for _ in range(3)]
+        for tenant in tenants:
+            reservation = await engine.reserve(ReserveRequest(tenant, "r1", 10, LIMITS))
+            assert reservation.admitted
+        assert marks_tried == tenants[:1]  # then paused: one dead round trip, not one a call
+        assert engine.marks.tenants == set(tenants)
+        assert all(engine.marks.unconfirmed(t) for t in tenants)
+        engine._mark_now_paused_until = 0.0  # the pause is over
+        engine._run = run  # type: ignore[method-assign]
+        await engine.reserve(ReserveRequest(tenants[1], "r2", 10, LIMITS))
+        assert not engine.marks.unconfirmed(tenants[1])
+        await aclient.aclose()
+
+    asyncio.run(scenario())
+
 def test_a_failed_flush_keeps_the_marks_for_the_next() -> None:
     async def scenario() -> None:
         dead = redis.asyncio.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
