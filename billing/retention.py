@@ -2,14 +2,17 @@
 older than TOLLGATE_LEDGER_RETENTION_MONTHS once the daily rollups stand in for them.
 
 A month's partition (billing/partitions.py) is dropped only when, in one transaction holding the
-partition against writes (SHARE lock: a late drain or correction into it waits):
+partition against writes (SHARE lock: a late drain or correction into it waits; a correction's
+UPDATE names its rows' month, so one into another month does not):
 1. billing.rollups.verify finds no mismatch between the month's UTC rollups and its raw rows
    (every group and every sum, to the micro-dollar): after the drop the rollups are the only
    record, so they must be exactly the rows';
 2. the month was exported (billing.LedgerExport) and the export's row count is the partition's
    (rows that came after the export would be lost), or the caller forces the drop. The daily task
-   exports the month itself first when TOLLGATE_LEDGER_EXPORT_DIR is set; without it, it drops
-   only months exported by `manage.py ledger_export`, and reports the others as refused.
+   exports the month itself first when TOLLGATE_LEDGER_EXPORT_DIR is set, before taking the lock
+   (an export takes hours at hundreds of millions of rows; a row written meanwhile makes the
+   counts differ: refused, exported again on the next run); without it, it drops only months
+   exported by `manage.py ledger_export`, and reports the others as refused.
 
 Refusals are returned (and logged by the task), never raised: one month's mismatch does not stop
 the check of the next.
@@ -23,6 +26,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import os
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,7 +73,9 @@ def export_month(month: Month, out: Path) -> Exported:
     out.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     rows = 0
-    partial = out.with_name(out.name + ".partial")
+    # Its own name per run: two runs at once (the command beside the beat's) never write into
+    # one file.
+    partial = out.with_name(f"{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
     # One snapshot for the whole copy (REPEATABLE READ would be stricter; a single COPY statement
     # already reads one snapshot).
     with transaction.atomic(), connection.cursor() as cursor, \
@@ -150,23 +157,37 @@ def apply_retention(*, keep_months: int | None = None, now: datetime | None = No
     return outcomes
 
 
+def _current_export(month: Month) -> LedgerExport | None:
+    return LedgerExport.objects.filter(month=month.start.date(), dropped_at__isnull=True).first()
+
+
+def _count(partition: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {connection.ops.quote_name(partition)}")
+        return int(cursor.fetchone()[0])
+
+
 def _retire(month: Month, partition: str, *, dry_run: bool, force: bool,
             export_dir: Path | None) -> Outcome:
+    if export_dir is not None and not dry_run:
+        # The export (hours for hundreds of millions of rows) runs before the partition is
+        # locked, in its own snapshot: the lock below holds only the count, the rollup check
+        # and the drop, not the export (a drain's write into any month would wait for it). A
+        # row written into the month meanwhile shows as a count the export does not match:
+        # refused below, exported again on the next run.
+        export = _current_export(month)
+        if export is None or export.rows != _count(partition):
+            export_month(month, export_dir / f"ledger-{month}.csv")
     with transaction.atomic():
         with connection.cursor() as cursor:
             # Writes into the month wait until the check and the drop are done.
             cursor.execute(f"LOCK TABLE {connection.ops.quote_name(partition)} IN SHARE MODE")
-            cursor.execute(f"SELECT count(*) FROM {connection.ops.quote_name(partition)}")
-            rows = int(cursor.fetchone()[0])
+        rows = _count(partition)
         refused = _refusal(month)
         if refused:
             return Outcome(month, "refused", rows, refused)
-        export = LedgerExport.objects.filter(month=month.start.date(),
-                                             dropped_at__isnull=True).first()
+        export = _current_export(month)
         exported = export is not None and export.rows == rows
-        if not exported and export_dir is not None and not dry_run:
-            export_month(month, export_dir / f"ledger-{month}.csv")
-            exported = True
         if not exported and not force:
             why = ("not exported" if export is None
                    else f"exported with {export.rows} rows, the partition has {rows}")

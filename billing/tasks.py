@@ -269,7 +269,11 @@ def ensure_ledger_partitions() -> int:
     return len(created)
 
 
-@shared_task
+# Acknowledged when a worker takes it, not when it ends (CELERY_TASK_ACKS_LATE is on for the
+# others): it may run for hours, longer than the Redis broker's visibility timeout (1 h) or
+# RabbitMQ's consumer timeout (30 min), after which an unacknowledged message is delivered to a
+# second worker while the first still runs. A run lost with its worker is the next day's.
+@shared_task(acks_late=False)
 def ledger_retention() -> int:
     """Drop the raw months past TOLLGATE_LEDGER_RETENTION_MONTHS that pass their checks
     (billing/retention.py); returns how many were dropped. Refusals are logged as warnings."""

@@ -2,6 +2,8 @@
 its UTC rollups match its raw rows and it was exported; the export is the month's rows."""
 from __future__ import annotations
 
+from typing import Any
+
 import csv
 import hashlib
 from datetime import UTC, datetime, timedelta
@@ -142,6 +144,41 @@ def test_rows_that_came_after_the_export_refuse_the_drop(
     assert "exported with 1 rows, the partition has 2" in outcome.reason
 
 
+def test_the_daily_export_runs_before_the_lock_and_a_row_written_meanwhile_is_kept(
+        client: redis.Redis, acme: Tenant, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task exports the month before it locks the partition (the lock then holds only the
+    count, the rollup check and the drop, not an export of hours). A row the drain writes into
+    the month between the export and the lock is not lost: the count no longer matches the
+    export, the drop is refused, and the next run exports again and drops."""
+    from billing import retention
+
+    month = old_month()
+    drain_into(client, acme, month, {"w1": "gpt-4o", "w2": "gpt-4o-mini"})
+    real_export = retention.export_month
+    exports: list[int] = []
+
+    outside = len(connection.savepoint_ids)  # the test's own transaction
+
+    def export_then_a_late_row(month_: Month, out: Path) -> Any:
+        # Not inside the transaction that locks the partition (its savepoint, in a test).
+        assert len(connection.savepoint_ids) == outside
+        done = real_export(month_, out)
+        exports.append(done.rows)
+        if len(exports) == 1:
+            drain_into(client, acme, month, {"w3": "gpt-4o"}, "late")
+        return done
+
+    monkeypatch.setattr(retention, "export_month", export_then_a_late_row)
+    [first] = apply_retention(keep_months=1, export_dir=tmp_path)
+    assert first.action == "refused" and month_rows(month) == 3
+    assert "exported with 2 rows, the partition has 3" in first.reason
+    [second] = apply_retention(keep_months=1, export_dir=tmp_path)
+    assert (second.action, second.rows) == ("dropped", 3) and exports == [2, 3]
+    assert LedgerExport.objects.get(month=month.start.date()).rows == 3
+    with (tmp_path / f"ledger-{month}.csv").open() as handle:
+        assert len(handle.read().splitlines()) == 1 + 3
+
 def test_retention_off_or_within_the_kept_months_drops_nothing(
         client: redis.Redis, acme: Tenant, tmp_path: Path) -> None:
     month = old_month()
@@ -189,7 +226,7 @@ def test_the_export_is_the_months_rows_with_inert_text(
     export = LedgerExport.objects.get(month=month.start.date())
     assert export.rows == 3
     assert export.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert not (tmp_path / "m.csv.partial").exists()
+    assert not list(tmp_path.glob("*.partial"))  # each run's own .partial, renamed when done
 
 
 def test_the_export_of_a_bad_month_is_refused() -> None:

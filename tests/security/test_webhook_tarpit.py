@@ -287,6 +287,9 @@ def test_every_task_has_a_soft_and_a_hard_time_limit(settings: Any) -> None:
     retention = app.tasks["billing.tasks.ledger_retention"]
     assert retention.soft_time_limit == settings.TOLLGATE_RETENTION_TIME_LIMIT_SECONDS == 6 * 3600
     assert retention.time_limit == retention.soft_time_limit + 60
+    # Acknowledged when taken: unacknowledged for hours, a broker delivers it to a second
+    # worker (Redis after its 1 h visibility timeout). The others acknowledge at their end.
+    assert retention.acks_late is False and sweep.acks_late is True
 
 
 def test_make_up_runs_workers_for_every_queue() -> None:
