@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 from celery import Celery
+from celery.schedules import crontab, maybe_schedule
 from celery.schedules import schedule as celery_schedule
 from celery.signals import (
     setup_logging,
@@ -43,6 +44,7 @@ from celery.signals import (
     worker_process_shutdown,
 )
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
 from quotas.keys import beat_key_prefix
@@ -119,10 +121,15 @@ def with_expiry(schedule: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     floor = float(settings.TOLLGATE_BEAT_EXPIRY_MIN_SECONDS)
     out: dict[str, dict[str, Any]] = {}
     for name, entry in schedule.items():
-        every = entry["schedule"]
-        period = float(every) if isinstance(every, int | float) else (
-            every.run_every.total_seconds() if isinstance(every, celery_schedule)
-            else _CRONTAB_PERIOD_S)
+        # Seconds, a timedelta or a schedule object, as Celery reads the entry.
+        every = maybe_schedule(entry["schedule"])
+        if isinstance(every, crontab):
+            period = _CRONTAB_PERIOD_S
+        elif isinstance(every, celery_schedule):
+            period = every.run_every.total_seconds()
+        else:
+            raise ImproperlyConfigured(f"beat entry {name!r}: no period known for "
+                                       f"{type(every).__name__}")
         options = {"expires": max(period, floor), **entry.get("options", {})}
         out[name] = {**entry, "options": options}
     return out

@@ -234,8 +234,10 @@ def test_every_periodic_message_expires_after_its_period_or_the_floor(settings: 
     """A queue whose workers were down must not replay every missed period when they return
     (an hour of the 5 s drain is 720 messages): each message the beat sends expires a period
     after it was sent, never sooner than TOLLGATE_BEAT_EXPIRY_MIN_SECONDS (workers judge it by
-    their own clocks). The options reach the message: the beat's entry (RedBeat's, built like
-    Celery's) applies them."""
+    their own clocks). The options are on the entries the beat is given (RedBeat stores an
+    entry's options and Celery's beat passes them to apply_async: not exercised here)."""
+    from datetime import timedelta
+
     from celery.beat import ScheduleEntry
     from celery.schedules import crontab, schedule
 
@@ -252,11 +254,13 @@ def test_every_periodic_message_expires_after_its_period_or_the_floor(settings: 
     assert with_expiry({
         "fast": {"task": "t", "schedule": 5.0},
         "every": {"task": "t", "schedule": schedule(run_every=120)},
+        "delta": {"task": "t", "schedule": timedelta(minutes=10)},
         "daily": {"task": "t", "schedule": crontab(hour=2, minute=15)},
         "own": {"task": "t", "schedule": 5.0, "options": {"expires": 2, "queue": "q"}},
     }) == {
         "fast": {"task": "t", "schedule": 5.0, "options": {"expires": 5.0}},
         "every": {"task": "t", "schedule": schedule(run_every=120), "options": {"expires": 120.0}},
+        "delta": {"task": "t", "schedule": timedelta(minutes=10), "options": {"expires": 600.0}},
         "daily": {"task": "t", "schedule": crontab(hour=2, minute=15),
                   "options": {"expires": 86_400.0}},
         "own": {"task": "t", "schedule": 5.0, "options": {"expires": 2, "queue": "q"}},
