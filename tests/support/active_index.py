@@ -13,3 +13,10 @@ def indexed(tenant_id: int) -> bool:
     shards = active.ActiveSettings.from_django().shards
     return get_engine().client.zscore(keys.active_shard_key(active.shard_of(tag, shards)),
                                       tag) is not None
+
+
+def unindex(tenant_id: int) -> None:
+    """Take the tenant out of the index (as the sweep does once it is idle long enough)."""
+    tag = tenant_tag(tenant_id)
+    shards = active.ActiveSettings.from_django().shards
+    get_engine().client.zrem(keys.active_shard_key(active.shard_of(tag, shards)), tag)
