@@ -77,7 +77,8 @@ PLATFORM_COLUMNS = ("tenant", "plan", "requests", "input_tokens", "output_tokens
                     *CLASS_COLUMNS, "cost_usd", *SWEEP_COLUMNS)
 
 
-@dataclass(frozen=True)
+# Ordered (by year, then month): the partitions' upkeep sorts the months it finds.
+@dataclass(frozen=True, order=True)
 class Month:
     year: int
     month: int

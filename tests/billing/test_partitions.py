@@ -136,6 +136,20 @@ def test_the_default_partition_catches_a_month_without_one_and_its_creation_move
     assert partition_of("far-3") == partition_name(FAR)
 
 
+def test_rows_of_several_months_in_the_default_partition_each_get_their_month(
+        acme: Tenant) -> None:
+    """The daily pass finds the months of the rows the default partition caught (sorted, oldest
+    first) and makes each: with two months or more there it failed on sorting them (Month was
+    not ordered), every day, so no partition was made any more, the months ahead included."""
+    later, earlier = shift(FAR, 2), FAR
+    row(acme, "two-later", later.start + timedelta(days=3))
+    row(acme, "two-earlier", earlier.start + timedelta(days=3))
+    row(acme, "two-earlier-b", earlier.start + timedelta(days=4))
+    created = ensure_partitions(now=datetime.now(UTC))
+    assert [(c.month, c.moved) for c in created] == [(earlier, 2), (later, 1)]
+    assert partition_of("two-earlier") == partition_name(earlier)
+    assert partition_of("two-later") == partition_name(later)
+
 def test_a_new_partition_has_every_index_and_check_of_the_ledger(acme: Tenant) -> None:
     create_month(FAR)
     name = partition_name(FAR)
