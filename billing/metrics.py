@@ -62,11 +62,12 @@ time the backlog grows); the families read from PostgreSQL are left out then, an
 from __future__ import annotations
 
 import logging
+from datetime import UTC, date, datetime, timedelta
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django.core.exceptions import FieldError
-from django.db import DatabaseError
+from django.db import DatabaseError, connection, transaction
 from django.conf import settings
 from django.db.models import Count, Q, Sum
 from prometheus_client import CollectorRegistry, generate_latest
@@ -74,7 +75,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from billing.ledger import usage_backlog
-from billing.models import UsageRecord, UsageRollup, WebhookDelivery
+from billing.models import LedgerTotal, UsageRecord, UsageRollup, WebhookDelivery
 from billing.rollups import UTC_ZONE
 from gateway import metrics as request_metrics
 from gateway.catalog import load_catalog
@@ -147,11 +148,18 @@ def _counts(model: Any, statuses: Iterable[str]) -> list[tuple[dict[str, object]
     return [({"status": status}, int(found.get(status, 0))) for status in statuses]
 
 
-def _ledger_sums() -> dict[tuple[str, bool], tuple[int, int, int]]:
+Sums = dict[tuple[str, bool], tuple[int, int, int]]
+
+# The days a scrape sums from the rollups itself; the days before are LedgerTotal's, written
+# once a day. Three: a drain backlog or correction reaching further back is rare (see
+# refresh_closed_days).
+LIVE_DAYS = 3
+
+
+def _rollup_sums(days: Q = Q()) -> Sums:
     """(status, corrected) -> (rows, over-hold calls, over-hold tokens), summed over the UTC
-    rollups (billing.UsageRollup: every row once) - a row per (tenant, day, group), never a
-    scan of the ledger's rows."""
-    found = (UsageRollup.objects.filter(zone=UTC_ZONE).order_by()
+    rollups (billing.UsageRollup: every row once, a row per tenant, day and group) of `days`."""
+    found = (UsageRollup.objects.filter(days, zone=UTC_ZONE).order_by()
              .values_list("status", "corrected")
              .annotate(n=Sum("requests"), calls=Sum("over_hold_requests"),
                        tokens=Sum("over_hold_tokens")))
@@ -159,7 +167,47 @@ def _ledger_sums() -> dict[tuple[str, bool], tuple[int, int, int]]:
             for status, corrected, n, calls, tokens in found}
 
 
-def usage_record_counts(sums: dict[tuple[str, bool], tuple[int, int, int]] | None = None,
+def _ledger_sums() -> Sums:
+    """The ledger counters' sums: LedgerTotal (every day before its `through`) plus the UTC
+    rollups from `through` on, so a scrape reads the last few days' rollup rows whatever the
+    ledger's age; every rollup row while LedgerTotal is empty. A refresh between the two reads
+    changes no rollup row, so the pair is consistent either way."""
+    totals = list(LedgerTotal.objects.all())
+    if not totals:
+        return _rollup_sums()
+    out: Sums = {(t.status, t.corrected): (t.requests, t.over_hold_requests, t.over_hold_tokens)
+                 for t in totals}
+    for group, (n, calls, tokens) in _rollup_sums(Q(day__gte=totals[0].through)).items():
+        base = out.get(group, (0, 0, 0))
+        out[group] = (base[0] + n, base[1] + calls, base[2] + tokens)
+    return out
+
+
+def refresh_closed_days(today: date | None = None) -> date:
+    """Write LedgerTotal anew: the UTC rollups of every day before today - LIVE_DAYS (one sum of
+    every rollup row, once a day instead of at every scrape). Returns its `through`. A rollup
+    row of an earlier day that changes later (a drain backlog of more than LIVE_DAYS days, a
+    `rollup_rebuild`) reaches the counters at the next refresh; a rebuild that lowers a sum
+    makes them go down then (a counter reset to Prometheus)."""
+    through = (today or datetime.now(UTC).date()) - timedelta(days=LIVE_DAYS)
+    sums = _rollup_sums(Q(day__lt=through))
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            # Two refreshes at once write one after the other (same figures).
+            cursor.execute(f"LOCK TABLE {LedgerTotal._meta.db_table} IN EXCLUSIVE MODE")
+        LedgerTotal.objects.all().delete()
+        LedgerTotal.objects.bulk_create(
+            LedgerTotal(through=through, status=status, corrected=corrected, requests=n,
+                        over_hold_requests=calls, over_hold_tokens=tokens)
+            for (status, corrected), (n, calls, tokens) in sums.items())
+        if not sums:  # nothing before `through` yet: a zero row keeps `through` on record
+            LedgerTotal.objects.create(through=through, status=UsageRecord.Status.SETTLED,
+                                       corrected=False, requests=0, over_hold_requests=0,
+                                       over_hold_tokens=0)
+    return through
+
+
+def usage_record_counts(sums: Sums | None = None,
                         ) -> list[tuple[dict[str, object], int]]:
     """Ledger rows by status, a corrected row counted as swept (what it was recorded as), so a
     correction never makes a counter go down."""
@@ -172,12 +220,12 @@ def usage_record_counts(sums: dict[tuple[str, bool], tuple[int, int, int]] | Non
             for status in UsageRecord.Status.values]
 
 
-def corrections(sums: dict[tuple[str, bool], tuple[int, int, int]] | None = None) -> int:
+def corrections(sums: Sums | None = None) -> int:
     sums = _ledger_sums() if sums is None else sums
     return sum(n for (_status, corrected), (n, _c, _t) in sums.items() if corrected)
 
 
-def over_hold(sums: dict[tuple[str, bool], tuple[int, int, int]] | None = None,
+def over_hold(sums: Sums | None = None,
               ) -> tuple[int, int]:
     """(calls whose usage exceeded their hold, tokens above the holds), from the rollup."""
     sums = _ledger_sums() if sums is None else sums

@@ -195,6 +195,28 @@ class UsageRollup(models.Model):
         return f"{self.tenant_id} {self.zone} {self.day} {self.served_model} {self.status}"
 
 
+class LedgerTotal(models.Model):
+    """The UTC rollups summed over every day before `through`, per (status, corrected): what
+    /metrics' ledger counters add the rollups of the days from `through` on to (billing/metrics.py
+    ledger_sums), so a scrape reads the last few days' rollup rows instead of every day's since
+    the first. Written whole once a day (refresh_closed_days, by the ensure_ledger_partitions
+    job); no rows: never written, and a scrape sums every rollup row."""
+
+    through = models.DateField(help_text="The first UTC day not summed here.")
+    status = models.CharField(max_length=16)
+    corrected = models.BooleanField()
+    requests = models.BigIntegerField()
+    over_hold_requests = models.BigIntegerField()
+    over_hold_tokens = models.BigIntegerField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["status", "corrected"],
+                                               name="ledger_total_once")]
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.corrected} before {self.through}"
+
+
 class UsageHourly(models.Model):
     """The ledger's tokens per UTC hour: one row per (tenant, hour, project, key), kept in the
     same transaction (and statement) as the drain's inserts and corrections and the daily rollup

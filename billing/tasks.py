@@ -17,6 +17,7 @@ from billing.alerts import check_ledger_backlog as check_ledger_backlog_now
 from billing.alerts import check_pending_health as check_pending_health_now
 from billing.forecast_alerts import check_forecasts
 from billing.ledger import DrainProgress, DrainResult, drain_all
+from billing.metrics import refresh_closed_days
 from billing.models import WebhookDelivery, WebhookEndpoint
 from billing.partitions import ensure_partitions
 from billing.retention import apply_retention
@@ -254,9 +255,10 @@ def reconcile_daily(day: str | None = None) -> dict[str, object]:
 @shared_task
 def ensure_ledger_partitions() -> int:
     """This month's ledger partition and the next two, and the month of any row the default
-    partition caught (its rows moved in); and the hourly usage rows older than
-    TOLLGATE_FORECAST_HISTORY_DAYS + 2 days deleted (billing.rollups.prune_hourly). Returns how
-    many partitions were created."""
+    partition caught (its rows moved in); the hourly usage rows older than
+    TOLLGATE_FORECAST_HISTORY_DAYS + 2 days deleted (billing.rollups.prune_hourly); and the
+    /metrics ledger totals of the closed days written anew (billing.metrics.refresh_closed_days).
+    Returns how many partitions were created."""
     created = ensure_partitions()
     for made in created:
         log.info("ledger partition for %s created (%d rows moved from the default partition)",
@@ -266,6 +268,8 @@ def ensure_ledger_partitions() -> int:
     pruned = prune_hourly()
     if pruned:
         log.info("%d hourly usage rows older than the forecasts' history deleted", pruned)
+    # Likewise the counters' totals: one sum of every rollup row a day, not one per scrape.
+    log.info("/metrics ledger totals written for the days before %s", refresh_closed_days())
     return len(created)
 
 

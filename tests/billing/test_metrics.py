@@ -2,11 +2,12 @@
 PostgreSQL."""
 from __future__ import annotations
 
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.db.models import Q
 from django.test import Client
 
 from billing import metrics
@@ -203,3 +204,62 @@ def test_corrections_over_hold_usage_and_backlog_are_exported(client: Client, to
     assert got["tollgate_over_hold_tokens_total"] == 31
     assert got["tollgate_usage_backlog_events"] == 0
     assert got["tollgate_usage_backlog_oldest_seconds"] == 0
+
+
+def test_the_ledger_counters_sum_the_closed_days_once_a_day_and_the_last_days_live(
+        redis_url: str) -> None:
+    """The counters are LedgerTotal (every UTC day before today - LIVE_DAYS, written by the
+    daily job) plus the rollups of the days since: equal to the sum of every rollup row, while
+    a scrape reads only the last days'. A late row into a closed day counts from the next
+    refresh on."""
+    import redis
+
+    from billing.ledger import drain_all
+    from billing.models import LedgerTotal
+    from billing.tasks import ensure_ledger_partitions
+    from quotas import keys
+    from tenants.services import create_project, issue_key
+    from tests.billing import rollup_events as ev
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    acme = create_tenant("acme", plan_name="free", actor="t")
+    project = create_project(acme, "web", actor="t")
+    key = issue_key(project, actor="t").api_key.pk
+    stream = keys.usage_stream_key(tenant_tag(acme.pk))
+    now = datetime.now(UTC).replace(microsecond=0)
+
+    def drained(*events: dict[str, str]) -> None:
+        for fields in events:
+            client.xadd(stream, fields)
+        assert drain_all(client, tenant_ids=[acme.pk]).events == len(events)
+
+    drained(ev.settled("d0", now, project=project.pk, key=key),
+            ev.settled("d2", now - timedelta(days=2), project=project.pk, key=key),
+            ev.settled("d10", now - timedelta(days=10), project=project.pk, key=key, out=900,
+                       inp=300),
+            ev.swept("s10", now - timedelta(days=10), project=project.pk, key=key),
+            ev.swept("s40", now - timedelta(days=40), project=project.pk, key=key))
+    drained(ev.corrected("s40", now - timedelta(days=40), project=project.pk, key=key))
+    everything = metrics._rollup_sums()
+    assert LedgerTotal.objects.count() == 0 and metrics._ledger_sums() == everything
+
+    ensure_ledger_partitions()  # the daily job writes the totals
+    through = LedgerTotal.objects.values_list("through", flat=True).distinct().get()
+    assert through == now.date() - timedelta(days=metrics.LIVE_DAYS)
+    assert metrics._ledger_sums() == everything
+    closed = metrics._rollup_sums(Q(day__lt=through))
+    assert {(t.status, t.corrected): (t.requests, t.over_hold_requests, t.over_hold_tokens)
+            for t in LedgerTotal.objects.all()} == closed
+    assert sum(n for n, _, _ in closed.values()) == 3  # d10, s10, s40 (corrected)
+    counted = dict((labels["status"], n) for labels, n in metrics.usage_record_counts())
+    assert (counted["settled"], counted["swept"]) == (3, 2)
+
+    drained(ev.settled("d0-2", now, project=project.pk, key=key))  # today: counted at once
+    assert metrics._ledger_sums() == metrics._rollup_sums()
+    drained(ev.settled("late", now - timedelta(days=20), project=project.pk, key=key))
+    late = metrics._ledger_sums()
+    assert late != metrics._rollup_sums()  # a closed day: not until the next refresh
+    assert sum(n for n, _, _ in late.values()) == sum(
+        n for n, _, _ in metrics._rollup_sums().values()) - 1
+    metrics.refresh_closed_days()
+    assert metrics._ledger_sums() == metrics._rollup_sums()
