@@ -39,11 +39,14 @@ comes from the ledger (UsageRecord.over_hold_tokens, filled by the drain), not f
 project, key, model) adds the same excess to its own, so they can give neither a durable total
 nor a count of calls.
 
-The ledger families (rows by status, corrections, over-hold) are one query over the ledger's UTC
-daily rollup (billing.UsageRollup, kept by the drain: billing/rollups.py), summed per (status,
-corrected): its size grows with days times groups, never with requests, and it outlives the raw
-rows that retention drops (so the counters never go down when a month is dropped). Rows drained
-before the rollup existed count once `manage.py rollup_rebuild` has run.
+The ledger families (rows by status, corrections, over-hold) are billing.LedgerTotal (the UTC
+daily rollup's sums of every day before today - LIVE_DAYS, written once a day:
+refresh_closed_days) plus the UTC rollup rows (billing.UsageRollup, kept by the drain:
+billing/rollups.py) of the days since, summed per (status, corrected): a scrape reads the last
+few days' rollup rows, however old the ledger is. Both outlive the raw rows that retention drops
+(so the counters never go down when a month is dropped). Rows drained before the rollup existed
+count once `manage.py rollup_rebuild` has run (and, for days before LedgerTotal's `through`, the
+next daily refresh).
 
 The breaker families list the provider keys from PostgreSQL and read each key's breakers from
 Redis (gateway/circuit.py, quotas/breakers.py); their transition counts live in the breakers'
@@ -185,16 +188,37 @@ def _ledger_sums() -> Sums:
 
 def refresh_closed_days(today: date | None = None) -> date:
     """Write LedgerTotal anew: the UTC rollups of every day before today - LIVE_DAYS (one sum of
-    every rollup row, once a day instead of at every scrape). Returns its `through`. A rollup
-    row of an earlier day that changes later (a drain backlog of more than LIVE_DAYS days, a
-    `rollup_rebuild`) reaches the counters at the next refresh; a rebuild that lowers a sum
-    makes them go down then (a counter reset to Prometheus)."""
+    the rollups a day instead of at every scrape). Returns its `through`.
+
+    The counters must never go down (Prometheus reads a drop as a reset). The days moving from
+    the scrape's live part into the totals, [old through, new through), are summed with the
+    rollups held still (SHARE lock: drains wait for that one sum): a drain committing into them
+    during the sum would be in a scrape before this commit and in neither part after it. The
+    days before the old `through` are summed without that lock: a late row committed meanwhile
+    was in neither part before and is in neither now, until the next refresh. Refreshes run one
+    at a time (EXCLUSIVE lock on LedgerTotal; scrapes still read it). A rollup row of a closed
+    day that changes later (a drain backlog of more than LIVE_DAYS days, `rollup_rebuild`)
+    reaches the counters at the next refresh; a rebuild that lowers a sum makes them go down
+    then."""
     through = (today or datetime.now(UTC).date()) - timedelta(days=LIVE_DAYS)
-    sums = _rollup_sums(Q(day__lt=through))
+    table = connection.ops.quote_name(LedgerTotal._meta.db_table)
+    rollups = connection.ops.quote_name(UsageRollup._meta.db_table)
     with transaction.atomic():
         with connection.cursor() as cursor:
-            # Two refreshes at once write one after the other (same figures).
-            cursor.execute(f"LOCK TABLE {LedgerTotal._meta.db_table} IN EXCLUSIVE MODE")
+            cursor.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
+        old = LedgerTotal.objects.values_list("through", flat=True).first()
+        if old is not None and through <= old:
+            return old  # nothing moves out of the live part (run twice a day, a clock back)
+        sums = _rollup_sums(Q(day__lt=old)) if old is not None else {}
+        with connection.cursor() as cursor:
+            # Not for long: if drains hold the rollups, the refresh waits for the next day.
+            cursor.execute("SET LOCAL lock_timeout = '10s'")
+            cursor.execute(f"LOCK TABLE {rollups} IN SHARE MODE")
+        moving = _rollup_sums(Q(day__gte=old, day__lt=through) if old is not None
+                              else Q(day__lt=through))
+        for group, (n, calls, tokens) in moving.items():
+            base = sums.get(group, (0, 0, 0))
+            sums[group] = (base[0] + n, base[1] + calls, base[2] + tokens)
         LedgerTotal.objects.all().delete()
         LedgerTotal.objects.bulk_create(
             LedgerTotal(through=through, status=status, corrected=corrected, requests=n,

@@ -223,7 +223,8 @@ def migration_time(rows: int, tenants: list[tuple[int, int, int]], months: int) 
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup, billing_usagehourly")
+        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup, billing_usagehourly, "
+                       "billing_ledgertotal")
     call_command("migrate", "billing", "0012", verbosity=0)
     load(rows, tenants, months, partitioned=False)
     with connection.cursor() as cursor:
@@ -316,7 +317,8 @@ def run_size(rows: int, tenants: list[tuple[int, int, int]], months: int, events
     from tenants.models import Tenant
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup, billing_usagehourly")
+        cursor.execute("TRUNCATE billing_usagerecord, billing_usagerollup, billing_usagehourly, "
+                       "billing_ledgertotal")
     loaded = load(rows, tenants, months)
     rolled = fill_rollups(months)
     with connection.cursor() as cursor:

@@ -7,6 +7,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.db.models import Q
 from django.test import Client
 
@@ -245,7 +246,16 @@ def test_the_ledger_counters_sum_the_closed_days_once_a_day_and_the_last_days_li
 
     ensure_ledger_partitions()  # the daily job writes the totals
     through = LedgerTotal.objects.values_list("through", flat=True).distinct().get()
-    assert through == now.date() - timedelta(days=metrics.LIVE_DAYS)
+    today = datetime.now(UTC).date()  # (the job's own day, unless it just turned midnight)
+    assert through in {now.date() - timedelta(days=metrics.LIVE_DAYS),
+                       today - timedelta(days=metrics.LIVE_DAYS)}
+    # The days that moved out of the scrape's live part were summed with the rollups held
+    # still (the test's transaction keeps the lock): no drain commit fell between the sum and
+    # the totals' commit, so no counter went down at the switch.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT mode FROM pg_locks WHERE pid = pg_backend_pid() "
+                       "AND relation = 'billing_usagerollup'::regclass")
+        assert "ShareLock" in {mode for (mode,) in cursor.fetchall()}
     assert metrics._ledger_sums() == everything
     closed = metrics._rollup_sums(Q(day__lt=through))
     assert {(t.status, t.corrected): (t.requests, t.over_hold_requests, t.over_hold_tokens)
@@ -261,5 +271,8 @@ def test_the_ledger_counters_sum_the_closed_days_once_a_day_and_the_last_days_li
     assert late != metrics._rollup_sums()  # a closed day: not until the next refresh
     assert sum(n for n, _, _ in late.values()) == sum(
         n for n, _, _ in metrics._rollup_sums().values()) - 1
-    metrics.refresh_closed_days()
-    assert metrics._ledger_sums() == metrics._rollup_sums()
+    assert metrics.refresh_closed_days(today) == through  # the same day again: nothing moves
+    assert metrics._ledger_sums() == late
+    tomorrow = metrics.refresh_closed_days(today + timedelta(days=1))
+    assert tomorrow == through + timedelta(days=1)
+    assert metrics._ledger_sums() == metrics._rollup_sums()  # the late row now counts
