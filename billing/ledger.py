@@ -617,8 +617,7 @@ def _usage_streams(client: Any) -> list[str]:
     flush) is counted from the drain's next full walk on, which drains it too."""
     settings = active.ActiveSettings.from_django()
     indexed, walks, _now_ms = active.read_index(client, settings.shards)
-    whole = all(keys.active_walk_member(active.DRAIN, settings.shards) in walked
-                for walked in walks)
+    whole = active.is_whole(walks, active.DRAIN, settings.shards)
     try:
         if whole:
             tenant_ids = active.existing_tenant_ids(

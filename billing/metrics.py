@@ -170,6 +170,15 @@ def _rollup_sums(days: Q = Q()) -> Sums:
             for status, corrected, n, calls, tokens in found}
 
 
+def _plus(sums: Sums, more: Sums) -> Sums:
+    """`sums` with `more` added, group by group."""
+    out = dict(sums)
+    for group, (n, calls, tokens) in more.items():
+        base = out.get(group, (0, 0, 0))
+        out[group] = (base[0] + n, base[1] + calls, base[2] + tokens)
+    return out
+
+
 def _ledger_sums() -> Sums:
     """The ledger counters' sums: LedgerTotal (every day before its `through`) plus the UTC
     rollups from `through` on, so a scrape reads the last few days' rollup rows whatever the
@@ -178,12 +187,9 @@ def _ledger_sums() -> Sums:
     totals = list(LedgerTotal.objects.all())
     if not totals:
         return _rollup_sums()
-    out: Sums = {(t.status, t.corrected): (t.requests, t.over_hold_requests, t.over_hold_tokens)
-                 for t in totals}
-    for group, (n, calls, tokens) in _rollup_sums(Q(day__gte=totals[0].through)).items():
-        base = out.get(group, (0, 0, 0))
-        out[group] = (base[0] + n, base[1] + calls, base[2] + tokens)
-    return out
+    closed: Sums = {(t.status, t.corrected): (t.requests, t.over_hold_requests,
+                                               t.over_hold_tokens) for t in totals}
+    return _plus(closed, _rollup_sums(Q(day__gte=totals[0].through)))
 
 
 def refresh_closed_days(today: date | None = None) -> date:
@@ -214,11 +220,8 @@ def refresh_closed_days(today: date | None = None) -> date:
             # Not for long: if drains hold the rollups, the refresh waits for the next day.
             cursor.execute("SET LOCAL lock_timeout = '10s'")
             cursor.execute(f"LOCK TABLE {rollups} IN SHARE MODE")
-        moving = _rollup_sums(Q(day__gte=old, day__lt=through) if old is not None
-                              else Q(day__lt=through))
-        for group, (n, calls, tokens) in moving.items():
-            base = sums.get(group, (0, 0, 0))
-            sums[group] = (base[0] + n, base[1] + calls, base[2] + tokens)
+        sums = _plus(sums, _rollup_sums(Q(day__gte=old, day__lt=through) if old is not None
+                                        else Q(day__lt=through)))
         LedgerTotal.objects.all().delete()
         LedgerTotal.objects.bulk_create(
             LedgerTotal(through=through, status=status, corrected=corrected, requests=n,

@@ -264,6 +264,13 @@ def read_index(client: Any, shards: int) -> tuple[list[Indexed], list[dict[str, 
 
 
 
+def is_whole(walks: Sequence[dict[str, int]], job: str, shards: int) -> bool:
+    """Whether every shard (read_index's walks) holds `job`'s full-walk member: if one lacks it,
+    the index was lost there (a flush, a failover behind, a new shard count) or never walked."""
+    member = keys.active_walk_member(job, shards)
+    return all(member in walked for walked in walks)
+
+
 def indexed_tenant_ids(client: Any, job: str,
                        settings: ActiveSettings | None = None) -> list[int] | None:
     """The index's tenants still in PostgreSQL, ascending, for a reader that needs the tenants
@@ -271,9 +278,8 @@ def indexed_tenant_ids(client: Any, job: str,
     not whole for `job` (a shard without its full-walk member: lost, never walked), so the
     reader takes every tenant, as the job's next run does."""
     settings = settings or ActiveSettings.from_django()
-    member = keys.active_walk_member(job, settings.shards)
     indexed, walks, _now_ms = read_index(client, settings.shards)
-    if any(member not in walked for walked in walks):
+    if not is_whole(walks, job, settings.shards):
         return None
     return existing_tenant_ids(_tenant_ids(i.tenant for i in indexed))
 
@@ -284,11 +290,10 @@ def visit(client: Any, job: str, settings: ActiveSettings | None = None) -> Visi
     settings = settings or ActiveSettings.from_django()
     member = keys.active_walk_member(job, settings.shards)
     indexed, walks, now_ms = read_index(client, settings.shards)
-    last = [walked.get(member) for walked in walks]
     why = ""
-    if any(ms is None for ms in last):
+    if not is_whole(walks, job, settings.shards):
         why = "index lost"  # or never walked: a new installation, a new shard count
-    elif min(ms for ms in last if ms is not None) <= now_ms - settings.full_walk_s * 1000:
+    elif min(walked[member] for walked in walks) <= now_ms - settings.full_walk_s * 1000:
         why = "due"
     if why:
         ids = all_tenant_ids()

@@ -8,15 +8,16 @@ from quotas.keys import tenant_tag
 from quotas.runtime import get_engine
 
 
-def indexed(tenant_id: int) -> bool:
+def _shard_and_member(tenant_id: int) -> tuple[str, str]:
     tag = tenant_tag(tenant_id)
     shards = active.ActiveSettings.from_django().shards
-    return get_engine().client.zscore(keys.active_shard_key(active.shard_of(tag, shards)),
-                                      tag) is not None
+    return keys.active_shard_key(active.shard_of(tag, shards)), tag
+
+
+def indexed(tenant_id: int) -> bool:
+    return get_engine().client.zscore(*_shard_and_member(tenant_id)) is not None
 
 
 def unindex(tenant_id: int) -> None:
     """Take the tenant out of the index (as the sweep does once it is idle long enough)."""
-    tag = tenant_tag(tenant_id)
-    shards = active.ActiveSettings.from_django().shards
-    get_engine().client.zrem(keys.active_shard_key(active.shard_of(tag, shards)), tag)
+    get_engine().client.zrem(*_shard_and_member(tenant_id))
