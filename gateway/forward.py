@@ -49,6 +49,7 @@ from gateway.providers import Upstream
 from gateway.responses_context import remember_answer
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
+from gateway.upstream_http import read_answer
 from gateway.usage import Usage
 from quotas.engine import (
     CapacityWait,
@@ -668,7 +669,7 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             if response.status_code >= 400:
                 began = obs.upstream_wait()
                 try:
-                    body = await response.aread()
+                    body = await read_answer(response)
                 except httpx.HTTPError:
                     body = b""
                 obs.waited_upstream(_perf() - began)
@@ -771,7 +772,7 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
     began = obs.upstream_wait()
     try:
         async with asyncio.timeout_at(call.deadline):
-            body = await response.aread()
+            body = await read_answer(response)
     except (httpx.HTTPError, TimeoutError):
         # Headers arrived but the body did not (or not within the deadline): the upstream may
         # have produced and billed tokens we cannot see, so charge the worst case we held.

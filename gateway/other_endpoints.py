@@ -54,6 +54,7 @@ from gateway.errors import (
 from gateway.prices import MODEL_NAME_RULE, is_model_name
 from gateway.providers import Upstream
 from gateway.runtime import GatewayRuntime
+from gateway.upstream_http import read_answer
 from gateway.views import (
     _authenticate,
     _count_if_refusal,
@@ -374,7 +375,7 @@ async def send_unmetered(runtime: GatewayRuntime, upstreams: Sequence[Upstream],
                 try:
                     response = await runtime.transport.handle_async_request(build(upstream))
                     try:
-                        body = await response.aread()
+                        body = await read_answer(response)
                     finally:
                         await response.aclose()
                 except httpx.TimeoutException:

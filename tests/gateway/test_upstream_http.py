@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.upstream_http import TRANSPORTS, make_transport
+from gateway.upstream_http import TRANSPORTS, make_transport, read_answer
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUTS = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
@@ -38,6 +38,16 @@ def transports(**differs: str) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("kind", [
         pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason=differs[kind]))
         if kind in differs else kind for kind in TRANSPORTS])
+
+
+# The two ways the gateway reads a whole answer: httpx's aread(), and read_answer (what forward.py
+# uses), which takes the native transport's unencoded body straight from its connection. The
+# body-reading cases run with both, so the shortcut keeps aread's contract.
+readers = pytest.mark.parametrize("how", ["aread", "read_answer"])
+
+
+async def read(response: httpx.Response, how: str) -> bytes:
+    return await (response.aread() if how == "aread" else read_answer(response))
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -102,15 +112,17 @@ def _json_answer(body: bytes = b'{"ok":true}') -> list[bytes | float]:
 
 
 @transports()
+@readers
 @run
-async def test_reuses_one_keep_alive_connection(kind: str) -> None:
+async def test_reuses_one_keep_alive_connection(kind: str, how: str) -> None:
     server = Server(lambda n: _json_answer(b'{"n":%d}' % n))
     async with server as base:
         transport = make_transport(kind, max_connections=4)
         bodies = []
         for _ in range(5):
             response = await transport.handle_async_request(_request(base))
-            bodies.append(await response.aread())
+            bodies.append(await read(response, how))
+            assert response.content == bodies[-1]  # as after aread(): .content is the body
             await response.aclose()
         await transport.aclose()
     assert bodies == [b'{"n":%d}' % n for n in range(1, 6)]
@@ -203,15 +215,16 @@ async def test_silence_before_headers_is_read_timeout_and_frees_the_slot(kind: s
 
 
 @transports()
+@readers
 @run
-async def test_hang_up_mid_body_is_a_protocol_error(kind: str) -> None:
+async def test_hang_up_mid_body_is_a_protocol_error(kind: str, how: str) -> None:
     server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part"],
                     keep_open=False)
     async with server as base:
         transport = make_transport(kind, max_connections=1)
         response = await transport.handle_async_request(_request(base))
         with pytest.raises(httpx.RemoteProtocolError):
-            await response.aread()
+            await read(response, how)
         await transport.aclose()
 
 
@@ -340,8 +353,9 @@ def test_https_upstream_with_certificate_checks(kind: str, tmp_path: Any) -> Non
 
 
 @transports()
+@readers
 @run
-async def test_client_cancelled_mid_body_frees_the_slot(kind: str) -> None:
+async def test_client_cancelled_mid_body_frees_the_slot(kind: str, how: str) -> None:
     # The gateway's view is cancelled when its client leaves, possibly inside response.aread()
     # (gateway/forward.py, _complete), which then never calls aclose(): the transport must give
     # the slot back by itself, as httpx's own transport does.
@@ -350,7 +364,7 @@ async def test_client_cancelled_mid_body_frees_the_slot(kind: str) -> None:
     async with server as base:
         transport = make_transport(kind, max_connections=1)
         response = await transport.handle_async_request(_request(base))
-        reading = asyncio.ensure_future(response.aread())
+        reading = asyncio.ensure_future(read(response, how))
         await asyncio.sleep(0.1)
         reading.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -364,15 +378,16 @@ async def test_client_cancelled_mid_body_frees_the_slot(kind: str) -> None:
 
 
 @transports()
+@readers
 @run
-async def test_failed_body_read_frees_the_slot_without_aclose(kind: str) -> None:
+async def test_failed_body_read_frees_the_slot_without_aclose(kind: str, how: str) -> None:
     server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\npart"]
                     if n == 1 else _json_answer(), keep_open=False)
     async with server as base:
         transport = make_transport(kind, max_connections=1)
         response = await transport.handle_async_request(_request(base))
         with pytest.raises(httpx.RemoteProtocolError):
-            await response.aread()
+            await read(response, how)
         request = _request(base)
         request.extensions["timeout"] = {**TIMEOUTS, "pool": 0.5}
         again = await transport.handle_async_request(request)
@@ -738,3 +753,60 @@ async def test_pieces_that_arrived_before_a_hang_up_are_read_before_its_error(ki
         await response.aclose()
         await transport.aclose()
     assert received == b"data:1data:2"
+
+
+@transports()
+@run
+async def test_read_answer_decodes_an_encoded_body_as_aread_does(kind: str) -> None:
+    # An upstream that compresses its answer: read_answer leaves it to httpx's decoder.
+    import gzip
+
+    packed = gzip.compress(b'{"ok":true}')
+    server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: "
+                               + str(len(packed)).encode() + b"\r\n\r\n" + packed])
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        assert await read_answer(response) == b'{"ok":true}'
+        await response.aclose()
+        again = await transport.handle_async_request(_request(base))
+        assert await read_answer(again) == b'{"ok":true}'
+        await transport.aclose()
+    assert server.connections == 1  # the slot and the connection came back after each read
+
+
+@transports()
+@run
+async def test_read_answer_joins_a_chunked_body_and_frees_the_slot(kind: str) -> None:
+    server = Server(lambda n: [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n", 0.05,
+        b"4\r\ntrue\r\n", 0.05, b"1\r\n}\r\n0\r\n\r\n"])
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        for _ in range(2):  # one slot: the second call waits for none
+            request = _request(base)
+            request.extensions["timeout"] = {**TIMEOUTS, "pool": 0.5}
+            response = await transport.handle_async_request(request)
+            assert await read_answer(response) == b'{"a":true}'
+        await transport.aclose()
+    assert server.connections == 1
+
+
+@transports()
+@run
+async def test_read_answer_silence_mid_body_is_read_timeout_and_frees_the_slot(kind: str) -> None:
+    server = Server(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\npart", 3.0]
+                    if n == 1 else _json_answer())
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        request = _request(base)
+        request.extensions["timeout"] = {**TIMEOUTS, "read": 0.2}
+        response = await transport.handle_async_request(request)
+        with pytest.raises(httpx.ReadTimeout):
+            await read_answer(response)
+        request = _request(base)
+        request.extensions["timeout"] = {**TIMEOUTS, "pool": 0.5}
+        again = await transport.handle_async_request(request)  # not PoolTimeout
+        assert await read_answer(again) == b'{"ok":true}'
+        await transport.aclose()
+    assert server.connections == 2  # the half-read connection was not reused
