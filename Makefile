@@ -49,7 +49,7 @@ ci:
 # run on its own embedded services; prints throughput, latency, Redis and database work per
 # request and the gateway's peak RSS (docs/benchmarks.md).
 bench: $(STAMP)
-	$(PY) -m config.bench
+	$(PY) -m config.bench $(ARGS)
 
 # The ledger's readers (tenant and platform reports, dashboard, /metrics) and the drain at 20,000
 # rows and at ROWS (default 20,000,000) synthetic rows COPYed into the partitioned ledger, on

@@ -53,6 +53,14 @@ starts with another transport, so none always goes first). Printed per round: re
 and the latency added over the mock's (measured directly in the same round), the worker's CPU per
 request (its process CPU time / requests: what the machine's other load changes least) and its
 ratio to the native transport's in the same round; then the spread of each over the rounds.
+
+`--cpu-awake` keeps the machine's CPUs out of their idle states for the run (a PM QoS request:
+/dev/cpu_dma_latency held at 0, which needs root). On a virtual machine whose idle driver halts
+the vCPU (haltpoll), every wake-up of a halted vCPU is slow and finds cold caches; at one client
+the gateway waits five times per call (for the request, the reserve, the upstream, the settle and
+the next request), and on the 2-core machine of docs/benchmarks.md that added about 0.5 ms to
+each call and 0.3 ms to the worker's CPU. The first line printed says which state the run had,
+so two runs are compared only in the same one.
 """
 from __future__ import annotations
 
@@ -63,6 +71,7 @@ import os
 import re
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -439,12 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                         help="after the measurements, keep 16 clients busy this long (plain and "
                              "streaming in turn) and print the gateway worker's RSS every 10 s")
+    parser.add_argument("--cpu-awake", action="store_true",
+                        help="keep the CPUs out of idle states for the run (/dev/cpu_dma_latency "
+                             "held at 0; root): figures without the idle wake-ups' cost")
     parser.add_argument("--gateway-port", type=int, default=18000)
     parser.add_argument("--mock-port", type=int, default=18099)
     args = parser.parse_args(argv)
 
-    with running_system("tgb-", args.gateway_port, args.mock_port,
-                        args.gateway_workers) as (gateway, key):
+    with cpus_kept_awake(args.cpu_awake) as idle_states, \
+            running_system("tgb-", args.gateway_port, args.mock_port,
+                           args.gateway_workers) as (gateway, key):
+        print(f"CPU idle states: {idle_states}")
         # Warm up: every worker loads its caches, scripts and connections (as many as the
         # most clients will need, so no measurement pays for opening them), and each API's
         # first call (its provider key's upstream connections) is not measured either.
@@ -713,6 +727,28 @@ def _setup_queue_tenant() -> str:
                            requests_per_second=1_000_000)
     project = create_project(tenant, "queue", actor="bench")
     return issue_key(project, actor="bench", max_concurrency=1).plaintext
+
+
+CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
+
+
+@contextmanager
+def cpus_kept_awake(wanted: bool, device: Path = CPU_DMA_LATENCY) -> Iterator[str]:
+    """While open, a PM QoS request of 0 us wake-up latency keeps every CPU out of its idle
+    states (the kernel's interface: the request lasts as long as the file stays open). Yields
+    how the run's CPUs idle, for its first line; exits with a clear message when it cannot."""
+    if not wanted:
+        yield "allowed (the machine's default; --cpu-awake holds them off)"
+        return
+    try:
+        fd = os.open(device, os.O_WRONLY)
+    except OSError as exc:
+        raise SystemExit(f"--cpu-awake needs {device} writable (root, on Linux): {exc}") from None
+    try:
+        os.write(fd, struct.pack("i", 0))
+        yield f"held off ({device} = 0 for the run)"
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -143,3 +143,32 @@ def test_every_scenario_is_answered_200_direct_and_through_the_gateway(
                 assert all(chain.continued >= 1 for chain in chains), (scenario, port)
             else:
                 assert chains == []
+
+
+def test_cpu_awake_holds_the_latency_request_for_the_run_only(tmp_path) -> None:
+    # --cpu-awake: the bench's first line says how the CPUs idled, so runs are compared only in
+    # the same state. A plain file stands in for the device where it is not writable.
+    import os
+    import struct
+
+    from config.bench import CPU_DMA_LATENCY, cpus_kept_awake
+
+    with cpus_kept_awake(False) as state:
+        assert state.startswith("allowed")
+    with pytest.raises(SystemExit, match="--cpu-awake needs"):
+        with cpus_kept_awake(True, tmp_path / "missing" / "device"):
+            pass
+    stand_in = tmp_path / "device"
+    stand_in.write_bytes(b"")
+    with cpus_kept_awake(True, stand_in) as state:
+        assert state.startswith("held off")
+        assert stand_in.read_bytes() == struct.pack("i", 0)
+    if os.access(CPU_DMA_LATENCY, os.W_OK):  # root on Linux: the kernel's own aggregate
+        def held() -> bool:  # this process has the device open (its request stands)
+            return any(os.path.realpath(f"/proc/self/fd/{fd}") == str(CPU_DMA_LATENCY)
+                       for fd in os.listdir("/proc/self/fd"))
+
+        with cpus_kept_awake(True):
+            assert struct.unpack("i", CPU_DMA_LATENCY.read_bytes()[:4])[0] == 0
+            assert held()
+        assert not held()
