@@ -16,6 +16,8 @@ import redis.asyncio
 from django.conf import settings
 from redis.backoff import NoBackoff
 
+from quotas.script_pool import ScriptPool
+
 try:
     import hiredis
 except ImportError:  # a declared dependency; without it redis-py packs in Python as usual
@@ -150,19 +152,27 @@ _FAST_POOL = all(hasattr(redis.asyncio.BlockingConnectionPool(), name) for name 
 
 class _ScriptCallingRedis(redis.asyncio.Redis):
     """redis-py's asyncio client with its EVALSHA (the hot path's only command: a reserve and a
-    settle per call) sent the short way: a connection from the pool, redis-py's own retry
-    (disconnect, then once more) around writing the packed command and reading the reply, the
-    connection given back. redis-py's execute_command wraps the same steps in per-command
-    observability hooks (each an awaited call that finds no collector: Tollgate does not turn
-    redis-py's OpenTelemetry on), an HIMPORT check and three more coroutines. Every other
-    command, and any call with options, a single-connection client or another pool, goes
-    through redis-py as before."""
+    settle per call) sent on connections of its own (`scripts`, quotas/script_pool.py: an
+    asyncio protocol per connection, hiredis packing and parsing, redis-py's errors and retry
+    rule). When the URL is one the script pool does not speak (TLS, a credential provider), an
+    EVALSHA goes the short way through redis-py instead: a connection from the pool, redis-py's
+    own retry (disconnect, then once more) around writing the packed command and reading the
+    reply, the connection given back, without redis-py's per-command observability hooks (each
+    an awaited call that finds no collector: Tollgate does not turn redis-py's OpenTelemetry
+    on), its HIMPORT check and three more coroutines. Every other command, and any call with
+    options or arguments hiredis does not pack as redis-py would, goes through redis-py as
+    before."""
+
+    scripts: ScriptPool | None = None
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         pool = self.connection_pool
         if (args[0] != "EVALSHA" or options or self.single_connection_client
                 or type(pool) is not _BlockingPool):
             return await super().execute_command(*args, **options)
+        scripts = self.scripts
+        if scripts is not None and _PLAIN_ARGS.issuperset(map(type, args)):
+            return await scripts.call(args)
         conn = await pool.get_connection()
         try:
             return await conn.retry.call_with_retry(
@@ -171,6 +181,11 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
                 with_failure_count=True)
         finally:
             await pool.release(conn)
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        if self.scripts is not None:
+            await self.scripts.aclose()
+        await super().aclose(close_connection_pool)
 
 
 async def _round_trip(conn: Any, args: tuple[Any, ...]) -> Any:
@@ -270,4 +285,28 @@ def make_async_redis(
     # The class the URL chose (TCP, TLS or a Unix socket), packing in C. (The cluster client
     # builds its nodes' connections itself and keeps redis-py's packer.)
     pool.connection_class = _c_packing(pool.connection_class)
-    return _ScriptCallingRedis(connection_pool=pool)
+    client = _ScriptCallingRedis(connection_pool=pool)
+    client.scripts = _script_pool(pool)
+    return client
+
+
+def _script_pool(pool: redis.asyncio.ConnectionPool) -> ScriptPool | None:
+    """The script connections for the URL `pool` was made from, with the same bounds
+    (REDIS_MAX_CONNECTIONS more connections at most, REDIS_SOCKET_TIMEOUT); None for a URL they
+    do not speak: TLS, or a credential provider (redis-py's path then carries the scripts)."""
+    if hiredis is None:
+        return None
+    kwargs = pool.connection_kwargs
+    kind = pool.connection_class
+    if kwargs.get("credential_provider") is not None or issubclass(
+            kind, redis.asyncio.connection.SSLConnection):
+        return None
+    common = {"size": settings.REDIS_MAX_CONNECTIONS, "timeout": settings.REDIS_SOCKET_TIMEOUT,
+              "db": int(kwargs.get("db") or 0), "username": kwargs.get("username"),
+              "password": kwargs.get("password")}
+    if issubclass(kind, redis.asyncio.connection.UnixDomainSocketConnection):
+        return ScriptPool(path=kwargs["path"], **common)
+    if issubclass(kind, redis.asyncio.connection.Connection):
+        return ScriptPool(host=kwargs.get("host", "localhost"), port=int(kwargs.get("port", 6379)),
+                          **common)
+    return None

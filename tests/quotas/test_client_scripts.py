@@ -1,8 +1,11 @@
 """The gateway's asyncio Redis client sends its script calls (EVALSHA, the hot path's only
-command) the short way (quotas/client.py _ScriptCallingRedis, and the connection's write that
-skips redis-py's per-command task when the kernel takes the whole command). Pinned here on the
-real server: the replies, a connection the server closed, a script the server forgot, a script
-error, a command larger than the socket's buffer, and a server that is gone."""
+command) on connections of their own (quotas/client.py _ScriptCallingRedis, quotas/script_pool.py
+ScriptPool: an asyncio protocol per connection), with redis-py's behaviour. Pinned here on the
+real server: the replies, the pool's bound and reuse, a connection the server closed, a script
+the server forgot, a script error, a command larger than the socket's buffer, a server that is
+gone, a reply lost mid-call, a caller cancelled mid-reply, and a caller waiting for a connection
+past the timeout. The redis-py path the scripts take for a URL the pool does not speak (TLS) is
+pinned too."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +15,7 @@ import pytest
 from redis.exceptions import ConnectionError, ResponseError
 
 from quotas import client as quota_client
+from quotas import script_pool
 from quotas.client import make_async_redis
 
 # Arguments of a reserve call's shape: keys with a hash tag, numbers, JSON, non-ASCII text.
@@ -22,7 +26,13 @@ def _client(url: str) -> quota_client._ScriptCallingRedis:
     client = make_async_redis(url, cluster=False)
     assert type(client) is quota_client._ScriptCallingRedis
     assert isinstance(client.connection_pool, quota_client._BlockingPool)
+    assert isinstance(client.scripts, script_pool.ScriptPool)
     return client
+
+
+def _scripts(client: quota_client._ScriptCallingRedis) -> script_pool.ScriptPool:
+    assert client.scripts is not None
+    return client.scripts
 
 
 def test_script_calls_answer_as_through_redis_py(redis_url: str) -> None:
@@ -34,9 +44,9 @@ def test_script_calls_answer_as_through_redis_py(redis_url: str) -> None:
             reply = await script(keys=keys, args=["r1", '{"m":"gpt-4o-mini","who":"é 漢"}',
                                                   "", 10**12 + i])
             assert reply == [34, "r1", '{"m":"gpt-4o-mini","who":"é 漢"}', "", 10**12 + i + 1]
-        # One caller at a time: one connection, taken and given back on every call.
-        pool = client.connection_pool
-        assert len(pool._available_connections) == 1 and not pool._in_use_connections
+        # One caller at a time: one script connection, taken and given back on every call.
+        scripts = _scripts(client)
+        assert scripts.opened == 1 and len(scripts.free) == 1 and scripts.in_use == 0
         # Other commands still go through redis-py's own path.
         key = f"script-test:{uuid.uuid4().hex}"
         assert await client.set(key, "v", ex=5) is True
@@ -49,8 +59,8 @@ def test_script_calls_answer_as_through_redis_py(redis_url: str) -> None:
 def test_concurrent_script_calls_share_the_pool(redis_url: str) -> None:
     async def scenario() -> None:
         client = _client(redis_url)
-        pool = client.connection_pool
-        pool.max_connections = 3
+        scripts = _scripts(client)
+        scripts.size = 3
         key = f"script-test:{uuid.uuid4().hex}"
         incr = client.register_script("return redis.call('INCR', KEYS[1])")
 
@@ -59,7 +69,8 @@ def test_concurrent_script_calls_share_the_pool(redis_url: str) -> None:
 
         replies = await asyncio.wait_for(asyncio.gather(*(caller() for _ in range(40))), 30)
         assert sorted(r for batch in replies for r in batch) == list(range(1, 1001))
-        assert len(pool._available_connections) == 3 and not pool._in_use_connections
+        # 40 callers on 3 connections: never more, each given back, nobody left waiting.
+        assert scripts.opened == 3 and len(scripts.free) == 3 and not scripts.waiters
         await client.delete(key)
         await client.aclose()
 
@@ -71,19 +82,23 @@ def test_a_connection_the_server_closed_is_retried(redis_url: str) -> None:
         client = _client(redis_url)
         script = client.register_script(ECHO)
         assert (await script(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
-        await client.client_setname("script-test-victim")
-        victims = [c["id"] for c in await client.client_list()
-                   if c.get("name") == "script-test-victim"]
-        assert victims
+        scripts = _scripts(client)
+        (conn,) = scripts.free
         other = make_async_redis(redis_url, cluster=False)
+        # The script connection is the client whose last command was the EVALSHA just sent
+        # (this test's: the only one on this socket's port).
+        port = conn.transport.get_extra_info("sockname")
+        victims = [c["id"] for c in await other.client_list()
+                   if c.get("cmd") == "evalsha" and (not isinstance(port, tuple)
+                                                     or c.get("addr", "").endswith(f":{port[1]}"))]
+        assert victims
         for ident in victims:
             await other.client_kill_filter(_id=ident)
         await other.aclose()
         await asyncio.sleep(0.05)
-        # The pooled connection is dead: the call reconnects (redis-py's retry), no error.
+        # The pooled connection is dead: the call takes a new one, no error.
         assert (await script(keys=["k"], args=["a", "b", "c", 2]))[4] == 3
-        pool = client.connection_pool
-        assert not pool._in_use_connections
+        assert conn.closed and scripts.in_use == 0 and scripts.opened == 1
         await client.aclose()
 
     asyncio.run(scenario())
@@ -112,8 +127,8 @@ def test_a_script_error_is_raised_and_the_connection_kept(redis_url: str) -> Non
         with pytest.raises(ResponseError, match="broken on purpose"):
             await failing()
         assert (await fine(keys=["k"], args=["a", "b", "c", 5]))[4] == 6
-        pool = client.connection_pool
-        assert len(pool._available_connections) == 1 and not pool._in_use_connections
+        scripts = _scripts(client)
+        assert scripts.opened == 1 and len(scripts.free) == 1 and scripts.in_use == 0
         await client.aclose()
 
     asyncio.run(scenario())
@@ -138,50 +153,113 @@ def test_a_server_that_is_gone_fails_the_call(tmp_path: object) -> None:
         script = client.register_script(ECHO)
         with pytest.raises(ConnectionError):
             await script(keys=["k"], args=["a", "b", "c", 1])
-        pool = client.connection_pool
-        assert not pool._in_use_connections
+        scripts = _scripts(client)
+        assert scripts.opened == 0 and scripts.in_use == 0
         await client.aclose()
 
     asyncio.run(scenario())
 
 
-def test_a_reply_lost_mid_call_is_retried_once_then_raised(redis_url: str) -> None:
+def test_a_reply_lost_mid_call_is_retried_once_then_raised(redis_url: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = [0]  # how many script replies are lost from here on
+    failures: list[int] = []
+    real = script_pool._ScriptConnection.data_received
+
+    def data_received(self: script_pool._ScriptConnection, data: bytes) -> None:
+        # Injected fault: the socket breaks while a script's reply is read (a new connection's
+        # own setup has no waiter of a script call yet when budget is spent).
+        if budget[0] and self.waiter is not None:
+            budget[0] -= 1
+            failures.append(1)
+            self._fail(ConnectionError("injected: connection lost mid-reply"))
+            return
+        real(self, data)
+
+    monkeypatch.setattr(script_pool._ScriptConnection, "data_received", data_received)
+
     async def scenario() -> None:
         client = _client(redis_url)
         script = client.register_script(ECHO)
         assert (await script(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
-        (connection,) = client.connection_pool._available_connections
-        real_send, real_read = connection.send_packed_command, connection.read_response
-        sent: list[bytes] = []
-        failures: list[int] = []
-        budget = [1]  # how many script replies are lost from here on
-
-        async def send(command: list[bytes], check_health: bool = True) -> None:
-            await real_send(command, check_health)  # a reconnect's handshake goes first
-            sent.append(b"".join(command))
-
-        async def read(*args: object, **kwargs: object) -> object:
-            # Injected fault: the socket breaks while a script's reply is read (the
-            # connection's own handshake after a reconnect is left alone).
-            if sent and sent[-1].startswith(b"*") and b"EVALSHA" in sent[-1][:32] and budget[0]:
-                budget[0] -= 1
-                failures.append(1)
-                await connection.disconnect()
-                raise ConnectionError("injected: connection lost mid-reply")
-            return await real_read(*args, **kwargs)
-
-        connection.send_packed_command, connection.read_response = send, read
-        # Once: disconnected, reconnected and sent again (redis-py's retry), answered.
+        scripts = _scripts(client)
+        (first,) = scripts.free
+        # Once: the connection closed, the call sent again on a new one, answered.
+        budget[0] = 1
         assert (await script(keys=["k"], args=["a", "b", "c", 2]))[4] == 3
-        assert len(failures) == 1 and connection.is_connected
-        # Twice in a row: the retry's failure is raised, the connection given back.
+        assert len(failures) == 1 and first.closed
+        assert scripts.opened == 1 and len(scripts.free) == 1
+        # Twice in a row: the retry's failure is raised; no connection is kept or lost count of.
         budget[0] = 2
         with pytest.raises(ConnectionError, match="injected"):
             await script(keys=["k"], args=["a", "b", "c", 3])
         assert len(failures) == 3
-        pool = client.connection_pool
-        assert not pool._in_use_connections and connection in pool._available_connections
+        assert scripts.opened == 0 and scripts.in_use == 0 and not scripts.free
         assert (await script(keys=["k"], args=["a", "b", "c", 4]))[4] == 5
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_caller_cancelled_mid_reply_leaves_no_connection_behind(redis_url: str) -> None:
+    # A gateway call whose client left is cancelled, possibly while its script's reply is on
+    # the way: that connection is closed (the late reply must answer nobody), its slot freed.
+    async def scenario() -> None:
+        client = _client(redis_url)
+        slow = client.register_script("local t = redis.call('TIME') "
+                                      "while true do local n = redis.call('TIME') "
+                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 200000 "
+                                      "then return 1 end end")
+        fine = client.register_script(ECHO)
+        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        scripts = _scripts(client)
+        scripts.size = 1
+        await slow()  # loaded, so the next call is one EVALSHA
+        calling = asyncio.ensure_future(slow())
+        await asyncio.sleep(0.05)
+        assert scripts.in_use == 1 and not scripts.free
+        calling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await calling
+        assert scripts.in_use == 0 and scripts.opened == 0
+        # The pool of one connection serves again, on a new connection.
+        assert (await fine(keys=["k"], args=["a", "b", "c", 2]))[4] == 3
+        assert scripts.opened == 1
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_past_the_pool_waits_then_fails_as_redis_py_does(redis_url: str) -> None:
+    async def scenario() -> None:
+        client = _client(redis_url)
+        slow = client.register_script("local t = redis.call('TIME') "
+                                      "while true do local n = redis.call('TIME') "
+                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 300000 "
+                                      "then return 1 end end")
+        fine = client.register_script(ECHO)
+        await slow()
+        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        scripts = _scripts(client)
+        scripts.size, scripts.wait_timeout = 1, 0.1
+        holder = asyncio.ensure_future(slow())
+        await asyncio.sleep(0.02)
+        with pytest.raises(ConnectionError, match="No connection available"):
+            await fine(keys=["k"], args=["a", "b", "c", 2])
+        assert not scripts.waiters
+        scripts.wait_timeout = 5.0
+        # A waiter given the connection when the holder is done.
+        waiting = asyncio.ensure_future(fine(keys=["k"], args=["a", "b", "c", 3]))
+        await asyncio.sleep(0.02)
+        assert len(scripts.waiters) == 1
+        assert await holder == 1
+        assert (await waiting)[4] == 4
+        assert scripts.opened == 1 and scripts.in_use == 0
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_tls_url_keeps_redis_py_path_for_the_scripts() -> None:
+    client = make_async_redis("rediss://localhost:6390/0", cluster=False)
+    assert type(client) is quota_client._ScriptCallingRedis and client.scripts is None

@@ -1,0 +1,309 @@
+"""The connections that carry the gateway's script calls (EVALSHA: a reserve and a settle per
+call), on asyncio protocols of their own, beside redis-py's pool for every other command.
+
+Why not redis-py's connection: each of its round trips goes through an asyncio StreamReader and
+StreamWriter, a read wrapper with a timeout context, its retry helper and the pool's take and
+give-back. For the two script calls of a plain gateway call that was about 12 % of its CPU under
+a profiler; here a call is one `transport.write` of the command hiredis packs, one future the
+protocol resolves with the reply hiredis parses, and one timer. Measured: -5.5 % instructions
+per plain gateway call (callgrind), about -3 % of its worker CPU at 16 clients
+(docs/benchmarks.md). The parsing is hiredis's (the C parser redis-py uses), the error replies
+are redis-py's exception classes (its own parse_error), and the behaviour is redis-py's, pinned
+by tests/quotas/test_client_scripts.py:
+
+- at most `size` connections; a caller past that waits for a freed one up to `wait_timeout`,
+  then gets redis-py's "No connection available." ConnectionError (its BlockingConnectionPool's);
+- connecting and each reply are bounded by `timeout` (redis-py's socket timeouts);
+- a call whose connection breaks or times out is sent again once on a new connection (redis-py's
+  Retry(NoBackoff(), 1), which the other commands keep); the scripts are idempotent per request
+  id, as they must be under redis-py's retry too;
+- an error reply (a script's error_reply, NOSCRIPT) is raised as redis-py raises it, and the
+  connection stays in the pool;
+- a connection whose call failed, timed out or was cancelled mid-reply is closed, never reused
+  (its late reply would answer the next call);
+- an idle connection the server closed is dropped on the next take.
+
+Only plain Redis over TCP or a Unix socket, with an optional AUTH and SELECT: a TLS URL or a
+credential provider keeps redis-py's path for the scripts too (quotas/client.py decides).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import hiredis
+import redis.exceptions
+from redis._parsers.base import BaseParser
+
+_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class _ScriptConnection(asyncio.Protocol):
+    """One connection to Redis carrying one command at a time."""
+
+    def __init__(self) -> None:
+        # Decoded as the gateway's redis-py clients are (decode_responses); error replies made
+        # into redis-py's exceptions by redis-py's own parser (NoScriptError for NOSCRIPT...).
+        self.reader = hiredis.Reader(encoding="utf-8", replyError=BaseParser.parse_error)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[Any] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while True:
+            try:
+                reply = self.reader.gets()
+            except hiredis.ProtocolError as exc:
+                self._fail(redis.exceptions.ConnectionError(f"Protocol error from Redis: {exc}"))
+                return
+            if reply is False:
+                return
+            waiter = self.waiter
+            if waiter is None or waiter.done():
+                # A reply nobody asked for (the late answer of a call that timed out): this
+                # connection can no longer tell which reply answers what.
+                self._fail(redis.exceptions.ConnectionError("Unexpected reply from Redis."))
+                return
+            self.waiter = None
+            waiter.set_result(reply)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._wake(redis.exceptions.ConnectionError(
+            "Connection closed by server." if exc is None else f"Connection lost: {exc!r}"))
+
+    def _fail(self, error: Exception) -> None:
+        self.close()
+        self._wake(error)
+
+    def _wake(self, error: Exception) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    async def request(self, command: bytes, timeout: float, loop: asyncio.AbstractEventLoop,
+                      ) -> Any:
+        """Send one packed command and return its reply (an error reply raised). On any failure
+        or cancellation the connection is closed: a reply may still be on its way."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise redis.exceptions.ConnectionError("Connection closed.")
+        waiter = self.waiter = loop.create_future()
+        # A plain timer rather than asyncio.timeout: it fails the one future, no task is
+        # cancelled and uncancelled.
+        timer = loop.call_at(loop.time() + timeout, _time_out, waiter)
+        try:
+            self.transport.write(command)
+            reply = await waiter
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            timer.cancel()
+            self.waiter = None
+        if isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
+        if isinstance(reply, redis.exceptions.ConnectionError):  # e.g. "max number of clients"
+            self.close()
+            raise reply
+        return reply
+
+
+def _time_out(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(redis.exceptions.TimeoutError("Timeout reading from Redis."))
+
+
+class ScriptPool:
+    """At most `size` script connections to one Redis (see the module's docstring). A pool is
+    bound to the event loop of its first call; a call on another loop (a new one, in tests)
+    starts afresh, since transports cannot move between loops."""
+
+    def __init__(self, *, size: int, timeout: float, wait_timeout: float | None = None,
+                 path: str | None = None, host: str = "localhost", port: int = 6379, db: int = 0,
+                 username: str | None = None, password: str | None = None) -> None:
+        self.size = size
+        self.timeout = timeout
+        self.wait_timeout = timeout if wait_timeout is None else wait_timeout
+        self.path = path
+        self.host, self.port = host, port
+        self.setup = _setup_commands(db, username, password)
+        self.free: list[_ScriptConnection] = []
+        self.opened = 0  # connections open or being opened, free or in use
+        self.waiters: deque[asyncio.Future[_ScriptConnection | None]] = deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def in_use(self) -> int:
+        return self.opened - len(self.free)
+
+    async def call(self, args: Sequence[Any]) -> Any:
+        """`args` sent as one command (hiredis packs str, bytes, int and float); its reply."""
+        command = hiredis.pack_command(tuple(args))
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            self._bind(loop)
+        for attempt in (1, 2):
+            conn = await self._take(loop)
+            try:
+                reply = await conn.request(command, self.timeout, loop)
+            except redis.exceptions.ResponseError:
+                self._give(conn)  # an error reply: the connection is fine
+                raise
+            except _ERRORS:
+                self._lost(conn)
+                if attempt == 2:
+                    raise
+                continue  # once more on a new connection, as redis-py's retry does
+            except BaseException:
+                self._lost(conn)  # cancelled mid-reply: closed by request()
+                raise
+            self._give(conn)
+            return reply
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        for conn in self.free:
+            conn.close()
+        self.opened -= len(self.free)
+        self.free.clear()
+
+    # -- taking and giving back -------------------------------------------------------------
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        for conn in self.free:  # idle connections of a loop that ran before this one
+            try:
+                conn.close()
+            except RuntimeError:  # that loop is closed: its transports went with it
+                pass
+        self.loop = loop
+        self.free, self.opened, self.waiters = [], 0, deque()
+
+    async def _take(self, loop: asyncio.AbstractEventLoop) -> _ScriptConnection:
+        free = self.free
+        while free:
+            conn = free.pop()
+            if not conn.closed:
+                return conn
+            self.opened -= 1  # closed by the server while idle
+        if self.opened < self.size and not self.waiters:
+            return await self._open()
+        waiter: asyncio.Future[_ScriptConnection | None] = loop.create_future()
+        self.waiters.append(waiter)
+        timer = loop.call_at(loop.time() + self.wait_timeout, _no_connection, waiter)
+        try:
+            conn = await waiter
+        except BaseException:
+            timer.cancel()
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # Handed a connection (or a slot) just as this caller was cancelled: pass it on.
+                handed = waiter.result()
+                if handed is None:
+                    self._slot_freed()
+                else:
+                    self._give(handed)
+            else:
+                try:
+                    self.waiters.remove(waiter)
+                except ValueError:
+                    pass
+            raise
+        timer.cancel()
+        if conn is None:  # a slot freed by a connection that closed: open a new one
+            return await self._open(counted=True)
+        return conn
+
+    async def _open(self, counted: bool = False) -> _ScriptConnection:
+        if not counted:
+            self.opened += 1
+        try:
+            return await self._connect()
+        except BaseException:
+            self._slot_freed()
+            raise
+
+    def _give(self, conn: _ScriptConnection) -> None:
+        if conn.closed:
+            self._slot_freed()
+            return
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self.free.append(conn)
+
+    def _lost(self, conn: _ScriptConnection) -> None:
+        conn.close()
+        self._slot_freed()
+
+    def _slot_freed(self) -> None:
+        """A connection closed (or could not be opened): its slot goes to the first waiter, who
+        opens a connection of its own; else the pool has one connection fewer."""
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.opened -= 1
+
+    async def _connect(self) -> _ScriptConnection:
+        """A new connection, ready for scripts. A failed attempt is made once more, as
+        redis-py's connect() does under its retry."""
+        try:
+            return await self._connect_once()
+        except _ERRORS:
+            return await self._connect_once()
+
+    async def _connect_once(self) -> _ScriptConnection:
+        loop = self.loop
+        assert loop is not None
+        where = self.path or f"{self.host}:{self.port}"
+        try:
+            async with asyncio.timeout(self.timeout):
+                if self.path is not None:
+                    _, conn = await loop.create_unix_connection(_ScriptConnection, self.path)
+                else:
+                    _, conn = await loop.create_connection(_ScriptConnection, self.host,
+                                                           self.port)
+        except TimeoutError:
+            raise redis.exceptions.TimeoutError(f"Timeout connecting to {where}.") from None
+        except OSError as exc:
+            raise redis.exceptions.ConnectionError(
+                f"Error connecting to {where}: {exc}") from None
+        try:
+            for command in self.setup:
+                await conn.request(command, self.timeout, loop)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+
+def _no_connection(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(redis.exceptions.ConnectionError("No connection available."))
+
+
+def _setup_commands(db: int, username: str | None, password: str | None) -> list[bytes]:
+    """What redis-py sends on a new connection of these settings (RESP2, no client name)."""
+    commands = []
+    if password is not None:
+        auth = ("AUTH", username, password) if username else ("AUTH", password)
+        commands.append(hiredis.pack_command(auth))
+    if db:
+        commands.append(hiredis.pack_command(("SELECT", db)))
+    return commands
