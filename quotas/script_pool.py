@@ -60,6 +60,9 @@ class _ScriptConnection(asyncio.Protocol):
             try:
                 reply = self.reader.gets()
             except hiredis.ProtocolError as exc:
+                # redis-py raises InvalidResponse, which reached the engine's callers as an
+                # unexpected error; here it is a broken connection (retried, then the store
+                # is unavailable: refused 503, fail closed).
                 self._fail(redis.exceptions.ConnectionError(f"Protocol error from Redis: {exc}"))
                 return
             if reply is False:
@@ -116,9 +119,12 @@ class _ScriptConnection(asyncio.Protocol):
             self.waiter = None
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
-        if isinstance(reply, redis.exceptions.ConnectionError):  # e.g. "max number of clients"
+        first = reply[0] if type(reply) is list and reply else reply
+        if isinstance(first, redis.exceptions.ConnectionError):
+            # e.g. "max number of clients", LOADING (also as an array's first element): raised
+            # as redis-py's parser raises them, and the connection is not reused.
             self.close()
-            raise reply
+            raise first
         return reply
 
 
@@ -128,9 +134,10 @@ def _time_out(waiter: asyncio.Future[Any]) -> None:
 
 
 class ScriptPool:
-    """At most `size` script connections to one Redis (see the module's docstring). A pool is
-    bound to the event loop of its first call; a call on another loop (a new one, in tests)
-    starts afresh, since transports cannot move between loops."""
+    """At most `size` script connections to one Redis (see the module's docstring), used from
+    one event loop at a time: a call on another loop (a new one, in tests) starts afresh, since
+    transports cannot move between loops. `aclose()` closes the idle connections, and the ones
+    in use when they come back; the pool can be used again after it."""
 
     def __init__(self, *, size: int, timeout: float, wait_timeout: float | None = None,
                  path: str | None = None, host: str = "localhost", port: int = 6379, db: int = 0,
@@ -141,10 +148,17 @@ class ScriptPool:
         self.path = path
         self.host, self.port = host, port
         self.setup = _setup_commands(db, username, password)
+        self.generation = 0
+        self._reset(None)
+
+    def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        # A new generation: connections of the previous one are closed when they come back,
+        # and count in no bound any more.
+        self.generation += 1
+        self.loop = loop
         self.free: list[_ScriptConnection] = []
-        self.opened = 0  # connections open or being opened, free or in use
+        self.opened = 0  # this generation's connections open or being opened, free or in use
         self.waiters: deque[asyncio.Future[_ScriptConnection | None]] = deque()
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def in_use(self) -> int:
@@ -156,30 +170,39 @@ class ScriptPool:
         loop = asyncio.get_running_loop()
         if loop is not self.loop:
             self._bind(loop)
-        for attempt in (1, 2):
-            conn = await self._take(loop)
+        generation = self.generation
+        conn = await self._take(loop)  # holds a slot until _give or _lost
+        try:
+            reply = await conn.request(command, self.timeout, loop)
+        except redis.exceptions.ResponseError:
+            self._give(conn, generation)  # an error reply: the connection is fine
+            raise
+        except _ERRORS:
+            # Once more on a new connection in the same slot, as redis-py's retry reconnects
+            # the connection it holds, without waiting for the pool again.
+            try:
+                conn = await self._connect()
+            except BaseException:
+                self._slot_freed(generation)
+                raise
             try:
                 reply = await conn.request(command, self.timeout, loop)
             except redis.exceptions.ResponseError:
-                self._give(conn)  # an error reply: the connection is fine
+                self._give(conn, generation)
                 raise
-            except _ERRORS:
-                self._lost(conn)
-                if attempt == 2:
-                    raise
-                continue  # once more on a new connection, as redis-py's retry does
             except BaseException:
-                self._lost(conn)  # cancelled mid-reply: closed by request()
+                self._lost(conn, generation)
                 raise
-            self._give(conn)
-            return reply
-        raise AssertionError("unreachable")
+        except BaseException:
+            self._lost(conn, generation)  # cancelled mid-reply: closed by request()
+            raise
+        self._give(conn, generation)
+        return reply
 
     async def aclose(self) -> None:
         for conn in self.free:
             conn.close()
-        self.opened -= len(self.free)
-        self.free.clear()
+        self._reset(self.loop)
 
     # -- taking and giving back -------------------------------------------------------------
 
@@ -189,8 +212,7 @@ class ScriptPool:
                 conn.close()
             except RuntimeError:  # that loop is closed: its transports went with it
                 pass
-        self.loop = loop
-        self.free, self.opened, self.waiters = [], 0, deque()
+        self._reset(loop)
 
     async def _take(self, loop: asyncio.AbstractEventLoop) -> _ScriptConnection:
         free = self.free
@@ -198,12 +220,14 @@ class ScriptPool:
             conn = free.pop()
             if not conn.closed:
                 return conn
-            self.opened -= 1  # closed by the server while idle
+            self.opened -= 1  # closed by the server while idle (nobody waits: one was free)
         if self.opened < self.size and not self.waiters:
-            return await self._open()
+            self.opened += 1
+            return await self._open(self.generation)
         waiter: asyncio.Future[_ScriptConnection | None] = loop.create_future()
         self.waiters.append(waiter)
         timer = loop.call_at(loop.time() + self.wait_timeout, _no_connection, waiter)
+        generation = self.generation
         try:
             conn = await waiter
         except BaseException:
@@ -212,9 +236,9 @@ class ScriptPool:
                 # Handed a connection (or a slot) just as this caller was cancelled: pass it on.
                 handed = waiter.result()
                 if handed is None:
-                    self._slot_freed()
+                    self._slot_freed(generation)
                 else:
-                    self._give(handed)
+                    self._give(handed, generation)
             else:
                 try:
                     self.waiters.remove(waiter)
@@ -222,22 +246,24 @@ class ScriptPool:
                     pass
             raise
         timer.cancel()
-        if conn is None:  # a slot freed by a connection that closed: open a new one
-            return await self._open(counted=True)
+        if conn is None:  # the slot of a connection that closed: open one in it
+            return await self._open(generation)
         return conn
 
-    async def _open(self, counted: bool = False) -> _ScriptConnection:
-        if not counted:
-            self.opened += 1
+    async def _open(self, generation: int) -> _ScriptConnection:
+        """A new connection in a slot already counted in `opened`; the slot freed on failure."""
         try:
             return await self._connect()
         except BaseException:
-            self._slot_freed()
+            self._slot_freed(generation)
             raise
 
-    def _give(self, conn: _ScriptConnection) -> None:
+    def _give(self, conn: _ScriptConnection, generation: int) -> None:
+        if generation != self.generation:
+            conn.close()
+            return
         if conn.closed:
-            self._slot_freed()
+            self._slot_freed(generation)
             return
         while self.waiters:
             waiter = self.waiters.popleft()
@@ -246,13 +272,15 @@ class ScriptPool:
                 return
         self.free.append(conn)
 
-    def _lost(self, conn: _ScriptConnection) -> None:
+    def _lost(self, conn: _ScriptConnection, generation: int) -> None:
         conn.close()
-        self._slot_freed()
+        self._slot_freed(generation)
 
-    def _slot_freed(self) -> None:
+    def _slot_freed(self, generation: int) -> None:
         """A connection closed (or could not be opened): its slot goes to the first waiter, who
         opens a connection of its own; else the pool has one connection fewer."""
+        if generation != self.generation:
+            return
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
@@ -261,14 +289,8 @@ class ScriptPool:
         self.opened -= 1
 
     async def _connect(self) -> _ScriptConnection:
-        """A new connection, ready for scripts. A failed attempt is made once more, as
-        redis-py's connect() does under its retry."""
-        try:
-            return await self._connect_once()
-        except _ERRORS:
-            return await self._connect_once()
-
-    async def _connect_once(self) -> _ScriptConnection:
+        """A new connection, ready for scripts: one attempt, as redis-py's asyncio connect()
+        makes (its retry covers only its own errors, not the socket's)."""
         loop = self.loop
         assert loop is not None
         where = self.path or f"{self.host}:{self.port}"
@@ -301,8 +323,8 @@ def _no_connection(waiter: asyncio.Future[Any]) -> None:
 def _setup_commands(db: int, username: str | None, password: str | None) -> list[bytes]:
     """What redis-py sends on a new connection of these settings (RESP2, no client name)."""
     commands = []
-    if password is not None:
-        auth = ("AUTH", username, password) if username else ("AUTH", password)
+    if username or password:
+        auth = ("AUTH", username, password or "") if username else ("AUTH", password)
         commands.append(hiredis.pack_command(auth))
     if db:
         commands.append(hiredis.pack_command(("SELECT", db)))

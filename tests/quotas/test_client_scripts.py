@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 from redis.exceptions import ConnectionError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from quotas import client as quota_client
 from quotas import script_pool
@@ -65,7 +66,11 @@ def test_concurrent_script_calls_share_the_pool(redis_url: str) -> None:
         incr = client.register_script("return redis.call('INCR', KEYS[1])")
 
         async def caller() -> list[int]:
-            return [await incr(keys=[key]) for _ in range(25)]
+            replies = []
+            for _ in range(25):
+                replies.append(await incr(keys=[key]))
+                assert scripts.opened <= 3  # the bound holds all along, not only at the end
+            return replies
 
         replies = await asyncio.wait_for(asyncio.gather(*(caller() for _ in range(40))), 30)
         assert sorted(r for batch in replies for r in batch) == list(range(1, 1001))
@@ -77,7 +82,7 @@ def test_concurrent_script_calls_share_the_pool(redis_url: str) -> None:
     asyncio.run(scenario())
 
 
-def test_a_connection_the_server_closed_is_retried(redis_url: str) -> None:
+def test_an_idle_connection_the_server_closed_is_not_reused(redis_url: str) -> None:
     async def scenario() -> None:
         client = _client(redis_url)
         script = client.register_script(ECHO)
@@ -96,7 +101,7 @@ def test_a_connection_the_server_closed_is_retried(redis_url: str) -> None:
             await other.client_kill_filter(_id=ident)
         await other.aclose()
         await asyncio.sleep(0.05)
-        # The pooled connection is dead: the call takes a new one, no error.
+        # The pooled connection is dead (its close seen while idle): the call takes a new one.
         assert (await script(keys=["k"], args=["a", "b", "c", 2]))[4] == 3
         assert conn.closed and scripts.in_use == 0 and scripts.opened == 1
         await client.aclose()
@@ -263,3 +268,118 @@ def test_a_caller_past_the_pool_waits_then_fails_as_redis_py_does(redis_url: str
 def test_a_tls_url_keeps_redis_py_path_for_the_scripts() -> None:
     client = make_async_redis("rediss://localhost:6390/0", cluster=False)
     assert type(client) is quota_client._ScriptCallingRedis and client.scripts is None
+
+
+def test_a_reply_that_times_out_is_sent_once_more_then_raised(redis_url: str) -> None:
+    # A script slower than the socket timeout (Redis runs one script at a time): the first
+    # attempt times out and its connection is closed (its late reply must answer nobody); the
+    # call is sent once more on a new connection in the same slot, which times out too.
+    async def scenario() -> None:
+        client = _client(redis_url)
+        key = f"script-test:{uuid.uuid4().hex}"
+        slow = client.register_script("redis.call('INCR', KEYS[1]) local t = redis.call('TIME') "
+                                      "while true do local n = redis.call('TIME') "
+                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 150000 "
+                                      "then return 1 end end")
+        fine = client.register_script(ECHO)
+        assert await slow(keys=[key]) == 1  # loaded: the next call is one EVALSHA per attempt
+        scripts = _scripts(client)
+        scripts.timeout = 0.1
+        with pytest.raises(RedisTimeoutError):
+            await slow(keys=[key])
+        assert scripts.opened == 0 and scripts.in_use == 0 and not scripts.free
+        scripts.timeout = 5.0
+        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2  # waits out Redis
+        assert await client.get(key) == "3"  # the first call, then this one sent twice
+        await client.delete(key)
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_queue(redis_url: str) -> None:
+    async def scenario() -> None:
+        client = _client(redis_url)
+        slow = client.register_script("local t = redis.call('TIME') "
+                                      "while true do local n = redis.call('TIME') "
+                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 200000 "
+                                      "then return 1 end end")
+        fine = client.register_script(ECHO)
+        await slow()
+        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        scripts = _scripts(client)
+        scripts.size = 1
+        holder = asyncio.ensure_future(slow())
+        await asyncio.sleep(0.02)
+        waiting = asyncio.ensure_future(fine(keys=["k"], args=["a", "b", "c", 2]))
+        await asyncio.sleep(0.02)
+        assert len(scripts.waiters) == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not scripts.waiters
+        assert await holder == 1
+        assert scripts.opened == 1 and len(scripts.free) == 1  # given back, not handed to it
+        assert (await fine(keys=["k"], args=["a", "b", "c", 3]))[4] == 4
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_url_database_and_user_are_the_scripts_too(redis_url: str) -> None:
+    # AUTH and SELECT on each new script connection, as redis-py sends them: a script must
+    # write where every other command of the client reads.
+    async def scenario() -> None:
+        admin = make_async_redis(redis_url, cluster=False)
+        user, secret = f"tg-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+        await admin.execute_command("ACL", "SETUSER", user, "on", f">{secret}", "~*", "&*",
+                                    "+@all")
+        try:
+            base, _, _ = redis_url.partition("?")
+            scheme, rest = base.split("://", 1)
+            url = f"{scheme}://{user}:{secret}@{rest}?db=5"
+            client = _client(url)
+            key = f"script-test:{uuid.uuid4().hex}"
+            put = client.register_script("return redis.call('SET', KEYS[1], ARGV[1])")
+            assert await put(keys=[key], args=["in-five"]) == "OK"
+            assert await client.get(key) == "in-five"  # redis-py's own connection, db 5
+            assert await admin.exists(key) == 0  # not in the default database
+            await client.delete(key)
+            await client.aclose()
+            wrong = _client(f"{scheme}://{user}:not-{secret}@{rest}?db=5")
+            with pytest.raises(ConnectionError):  # AuthenticationError is one
+                await wrong.evalsha(put.sha, 1, key, "x")
+            assert _scripts(wrong).opened == 0
+            await wrong.aclose()
+        finally:
+            await admin.execute_command("ACL", "DELUSER", user)
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_aclose_closes_idle_connections_and_those_in_use_when_they_come_back(redis_url: str,
+                                                                            ) -> None:
+    async def scenario() -> None:
+        client = _client(redis_url)
+        slow = client.register_script("local t = redis.call('TIME') "
+                                      "while true do local n = redis.call('TIME') "
+                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 100000 "
+                                      "then return 1 end end")
+        fine = client.register_script(ECHO)
+        await slow()
+        await asyncio.gather(fine(keys=["k"], args=["a", "b", "c", 1]), slow())
+        scripts = _scripts(client)
+        idle = list(scripts.free)
+        assert len(idle) == 2
+        holder = asyncio.ensure_future(slow())
+        await asyncio.sleep(0.02)
+        (busy,) = [conn for conn in idle if conn not in scripts.free]
+        await scripts.aclose()
+        assert all(conn.closed for conn in idle if conn is not busy) and not busy.closed
+        assert await holder == 1
+        assert busy.closed and scripts.opened == 0 and not scripts.free
+        assert (await fine(keys=["k"], args=["a", "b", "c", 2]))[4] == 3  # usable again
+        await client.aclose()
+
+    asyncio.run(scenario())
