@@ -264,13 +264,8 @@ class ScriptPool:
             return
         if conn.closed:
             self._slot_freed(generation)
-            return
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(conn)
-                return
-        self.free.append(conn)
+        elif not self._hand(conn):
+            self.free.append(conn)
 
     def _lost(self, conn: _ScriptConnection, generation: int) -> None:
         conn.close()
@@ -279,14 +274,17 @@ class ScriptPool:
     def _slot_freed(self, generation: int) -> None:
         """A connection closed (or could not be opened): its slot goes to the first waiter, who
         opens a connection of its own; else the pool has one connection fewer."""
-        if generation != self.generation:
-            return
+        if generation == self.generation and not self._hand(None):
+            self.opened -= 1
+
+    def _hand(self, handed: _ScriptConnection | None) -> bool:
+        """Give a connection (or, None, a slot) to the first caller still waiting, if any."""
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.opened -= 1
+                waiter.set_result(handed)
+                return True
+        return False
 
     async def _connect(self) -> _ScriptConnection:
         """A new connection, ready for scripts: one attempt, as redis-py's asyncio connect()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError, ResponseError
@@ -34,6 +35,23 @@ def _client(url: str) -> quota_client._ScriptCallingRedis:
 def _scripts(client: quota_client._ScriptCallingRedis) -> script_pool.ScriptPool:
     assert client.scripts is not None
     return client.scripts
+
+
+def _busy(microseconds: int, first: str = "") -> str:
+    """A script keeping Redis busy this long (Redis runs one script at a time): a reply slower
+    than a timeout, or a connection held while others wait. `first`: a command it runs first."""
+    return (f"{first} local t = redis.call('TIME') while true do local n = redis.call('TIME') "
+            f"if (n[1] - t[1]) * 1000000 + n[2] - t[2] > {microseconds} then return 1 end end")
+
+
+async def _slow_and_fine(client: quota_client._ScriptCallingRedis, microseconds: int,
+                         ) -> tuple[Any, Any]:
+    """A busy script and the echo, both loaded (each later call is one EVALSHA)."""
+    slow = client.register_script(_busy(microseconds))
+    fine = client.register_script(ECHO)
+    assert await slow() == 1
+    assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+    return slow, fine
 
 
 def test_script_calls_answer_as_through_redis_py(redis_url: str) -> None:
@@ -211,15 +229,9 @@ def test_a_caller_cancelled_mid_reply_leaves_no_connection_behind(redis_url: str
     # the way: that connection is closed (the late reply must answer nobody), its slot freed.
     async def scenario() -> None:
         client = _client(redis_url)
-        slow = client.register_script("local t = redis.call('TIME') "
-                                      "while true do local n = redis.call('TIME') "
-                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 200000 "
-                                      "then return 1 end end")
-        fine = client.register_script(ECHO)
-        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        slow, fine = await _slow_and_fine(client, 200000)
         scripts = _scripts(client)
         scripts.size = 1
-        await slow()  # loaded, so the next call is one EVALSHA
         calling = asyncio.ensure_future(slow())
         await asyncio.sleep(0.05)
         assert scripts.in_use == 1 and not scripts.free
@@ -238,13 +250,7 @@ def test_a_caller_cancelled_mid_reply_leaves_no_connection_behind(redis_url: str
 def test_a_caller_past_the_pool_waits_then_fails_as_redis_py_does(redis_url: str) -> None:
     async def scenario() -> None:
         client = _client(redis_url)
-        slow = client.register_script("local t = redis.call('TIME') "
-                                      "while true do local n = redis.call('TIME') "
-                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 300000 "
-                                      "then return 1 end end")
-        fine = client.register_script(ECHO)
-        await slow()
-        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        slow, fine = await _slow_and_fine(client, 300000)
         scripts = _scripts(client)
         scripts.size, scripts.wait_timeout = 1, 0.1
         holder = asyncio.ensure_future(slow())
@@ -277,10 +283,7 @@ def test_a_reply_that_times_out_is_sent_once_more_then_raised(redis_url: str) ->
     async def scenario() -> None:
         client = _client(redis_url)
         key = f"script-test:{uuid.uuid4().hex}"
-        slow = client.register_script("redis.call('INCR', KEYS[1]) local t = redis.call('TIME') "
-                                      "while true do local n = redis.call('TIME') "
-                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 150000 "
-                                      "then return 1 end end")
+        slow = client.register_script(_busy(150000, first="redis.call('INCR', KEYS[1])"))
         fine = client.register_script(ECHO)
         assert await slow(keys=[key]) == 1  # loaded: the next call is one EVALSHA per attempt
         scripts = _scripts(client)
@@ -300,13 +303,7 @@ def test_a_reply_that_times_out_is_sent_once_more_then_raised(redis_url: str) ->
 def test_a_cancelled_waiter_leaves_the_queue(redis_url: str) -> None:
     async def scenario() -> None:
         client = _client(redis_url)
-        slow = client.register_script("local t = redis.call('TIME') "
-                                      "while true do local n = redis.call('TIME') "
-                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 200000 "
-                                      "then return 1 end end")
-        fine = client.register_script(ECHO)
-        await slow()
-        assert (await fine(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        slow, fine = await _slow_and_fine(client, 200000)
         scripts = _scripts(client)
         scripts.size = 1
         holder = asyncio.ensure_future(slow())
@@ -362,12 +359,7 @@ def test_aclose_closes_idle_connections_and_those_in_use_when_they_come_back(red
                                                                             ) -> None:
     async def scenario() -> None:
         client = _client(redis_url)
-        slow = client.register_script("local t = redis.call('TIME') "
-                                      "while true do local n = redis.call('TIME') "
-                                      "if (n[1] - t[1]) * 1000000 + n[2] - t[2] > 100000 "
-                                      "then return 1 end end")
-        fine = client.register_script(ECHO)
-        await slow()
+        slow, fine = await _slow_and_fine(client, 100000)
         await asyncio.gather(fine(keys=["k"], args=["a", "b", "c", 1]), slow())
         scripts = _scripts(client)
         idle = list(scripts.free)
