@@ -47,7 +47,7 @@ ci:
 
 # The same load straight at the mock upstream and through the gateway (all checks on), in one
 # run on its own embedded services; prints throughput, latency, Redis and database work per
-# request and the gateway's peak RSS (docs/benchmarks.md).
+# request and the gateway's peak RSS (docs/benchmarks.md). ARGS adds options (e.g. --cpu-awake).
 bench: $(STAMP)
 	$(PY) -m config.bench $(ARGS)
 

@@ -16,7 +16,10 @@ import redis.asyncio
 from django.conf import settings
 from redis.backoff import NoBackoff
 
-from quotas.script_pool import ScriptPool
+try:
+    from quotas.script_pool import ScriptPool
+except ImportError:  # hiredis, or the redis-py parser it reuses, missing: redis-py's path
+    ScriptPool = None  # type: ignore[assignment, misc]
 
 try:
     import hiredis
@@ -152,16 +155,14 @@ _FAST_POOL = all(hasattr(redis.asyncio.BlockingConnectionPool(), name) for name 
 
 class _ScriptCallingRedis(redis.asyncio.Redis):
     """redis-py's asyncio client with its EVALSHA (the hot path's only command: a reserve and a
-    settle per call) sent on connections of its own (`scripts`, quotas/script_pool.py: an
-    asyncio protocol per connection, hiredis packing and parsing, redis-py's errors and retry
-    rule). When the URL is one the script pool does not speak (TLS, a credential provider), an
-    EVALSHA goes the short way through redis-py instead: a connection from the pool, redis-py's
-    own retry (disconnect, then once more) around writing the packed command and reading the
-    reply, the connection given back, without redis-py's per-command observability hooks (each
-    an awaited call that finds no collector: Tollgate does not turn redis-py's OpenTelemetry
-    on), its HIMPORT check and three more coroutines. Every other command, and any call with
-    options or arguments hiredis does not pack as redis-py would, goes through redis-py as
-    before."""
+    settle per call) sent on connections of its own (`scripts`: quotas/script_pool.py). For a
+    URL the script pool does not speak, an EVALSHA goes the short way through redis-py instead:
+    a connection from the pool, redis-py's own retry (disconnect, then once more) around writing
+    the packed command and reading the reply, the connection given back, without redis-py's
+    per-command observability hooks (each an awaited call that finds no collector: Tollgate
+    does not turn redis-py's OpenTelemetry on), its HIMPORT check and three more coroutines.
+    Every other command, and any call with options or arguments hiredis does not pack as
+    redis-py would, goes through redis-py as before."""
 
     scripts: ScriptPool | None = None
 
@@ -290,18 +291,35 @@ def make_async_redis(
     return client
 
 
-def _script_pool(pool: redis.asyncio.ConnectionPool) -> ScriptPool | None:
-    """The script connections for the URL `pool` was made from, with the same bounds
-    (REDIS_MAX_CONNECTIONS more connections at most, REDIS_SOCKET_TIMEOUT); None for a URL they
-    do not speak: TLS, or a credential provider (redis-py's path then carries the scripts)."""
-    if hiredis is None:
+# Connection settings the script pool applies as redis-py does (or that do not change what goes on
+# the wire); a URL or client with any other setting keeps redis-py's path for the scripts.
+_SCRIPT_POOL_KWARGS = frozenset((
+    "host", "port", "path", "db", "username", "password", "socket_timeout",
+    "socket_connect_timeout", "decode_responses", "encoding", "encoding_errors", "retry",
+    "driver_info", "health_check_interval", "himport_registry", "maint_notifications_config",
+    "maint_notifications_pool_handler", "orig_host_address", "orig_socket_timeout",
+    "orig_socket_connect_timeout"))
+
+
+def _script_pool(pool: _BlockingPool) -> ScriptPool | None:
+    """The script connections for the settings `pool` was made with (its URL's included): the
+    same bound (`max_connections` more connections at most), the same waits and timeouts. None
+    for settings they do not implement (TLS, a credential provider, RESP3, a client name,
+    keepalive options, decoding other than UTF-8...): redis-py's path carries the scripts then."""
+    if ScriptPool is None:
         return None
     kwargs = pool.connection_kwargs
     kind = pool.connection_class
-    if kwargs.get("credential_provider") is not None or issubclass(
-            kind, redis.asyncio.connection.SSLConnection):
+    if (not _SCRIPT_POOL_KWARGS.issuperset(kwargs)
+            or issubclass(kind, redis.asyncio.connection.SSLConnection)
+            or not kwargs.get("decode_responses")
+            or str(kwargs.get("encoding", "utf-8")).lower() not in ("utf-8", "utf8")
+            or kwargs.get("encoding_errors", "strict") != "strict"
+            or kwargs.get("health_check_interval")):
         return None
-    common = {"size": settings.REDIS_MAX_CONNECTIONS, "timeout": settings.REDIS_SOCKET_TIMEOUT,
+    timeout = kwargs.get("socket_timeout") or settings.REDIS_SOCKET_TIMEOUT
+    common = {"size": pool.max_connections, "timeout": timeout, "wait_timeout": pool.timeout,
+              "connect_timeout": kwargs.get("socket_connect_timeout") or timeout,
               "db": int(kwargs.get("db") or 0), "username": kwargs.get("username"),
               "password": kwargs.get("password")}
     if issubclass(kind, redis.asyncio.connection.UnixDomainSocketConnection):

@@ -3,13 +3,11 @@ call), on asyncio protocols of their own, beside redis-py's pool for every other
 
 Why not redis-py's connection: each of its round trips goes through an asyncio StreamReader and
 StreamWriter, a read wrapper with a timeout context, its retry helper and the pool's take and
-give-back. For the two script calls of a plain gateway call that was about 12 % of its CPU under
-a profiler; here a call is one `transport.write` of the command hiredis packs, one future the
-protocol resolves with the reply hiredis parses, and one timer. Measured: -5.5 % instructions
-per plain gateway call (callgrind), about -3 % of its worker CPU at 16 clients
-(docs/benchmarks.md). The parsing is hiredis's (the C parser redis-py uses), the error replies
-are redis-py's exception classes (its own parse_error), and the behaviour is redis-py's, pinned
-by tests/quotas/test_client_scripts.py:
+give-back; here a call is one `transport.write` of the command hiredis packs, one future the
+protocol resolves with the reply hiredis parses, and one timer (the figures: docs/benchmarks.md,
+"Issue 16 item 3 against the issue's own baseline"). The parsing is hiredis's (the C parser
+redis-py uses), the error replies are redis-py's exception classes (its own parse_error), and
+the behaviour is redis-py's, pinned by tests/quotas/test_client_scripts.py:
 
 - at most `size` connections; a caller past that waits for a freed one up to `wait_timeout`,
   then gets redis-py's "No connection available." ConnectionError (its BlockingConnectionPool's);
@@ -23,8 +21,9 @@ by tests/quotas/test_client_scripts.py:
   (its late reply would answer the next call);
 - an idle connection the server closed is dropped on the next take.
 
-Only plain Redis over TCP or a Unix socket, with an optional AUTH and SELECT: a TLS URL or a
-credential provider keeps redis-py's path for the scripts too (quotas/client.py decides).
+Only plain Redis over TCP or a Unix socket, RESP2, with an optional AUTH and SELECT: a URL asking
+for anything else (TLS, a credential provider, RESP3, a client name...) keeps redis-py's path for
+the scripts too (quotas/client.py decides).
 """
 from __future__ import annotations
 
@@ -107,7 +106,8 @@ class _ScriptConnection(asyncio.Protocol):
         waiter = self.waiter = loop.create_future()
         # A plain timer rather than asyncio.timeout: it fails the one future, no task is
         # cancelled and uncancelled.
-        timer = loop.call_at(loop.time() + timeout, _time_out, waiter)
+        timer = loop.call_at(loop.time() + timeout, _expire, waiter,
+                             redis.exceptions.TimeoutError, "Timeout reading from Redis.")
         try:
             self.transport.write(command)
             reply = await waiter
@@ -128,9 +128,10 @@ class _ScriptConnection(asyncio.Protocol):
         return reply
 
 
-def _time_out(waiter: asyncio.Future[Any]) -> None:
+def _expire(waiter: asyncio.Future[Any], error: type[Exception], message: str) -> None:
+    """A timer's end: the waiter fails with `error(message)`, unless it was answered."""
     if not waiter.done():
-        waiter.set_exception(redis.exceptions.TimeoutError("Timeout reading from Redis."))
+        waiter.set_exception(error(message))
 
 
 class ScriptPool:
@@ -140,11 +141,13 @@ class ScriptPool:
     in use when they come back; the pool can be used again after it."""
 
     def __init__(self, *, size: int, timeout: float, wait_timeout: float | None = None,
-                 path: str | None = None, host: str = "localhost", port: int = 6379, db: int = 0,
+                 connect_timeout: float | None = None, path: str | None = None,
+                 host: str = "localhost", port: int = 6379, db: int = 0,
                  username: str | None = None, password: str | None = None) -> None:
         self.size = size
         self.timeout = timeout
         self.wait_timeout = timeout if wait_timeout is None else wait_timeout
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.path = path
         self.host, self.port = host, port
         self.setup = _setup_commands(db, username, password)
@@ -202,6 +205,9 @@ class ScriptPool:
     async def aclose(self) -> None:
         for conn in self.free:
             conn.close()
+        for waiter in self.waiters:  # callers waiting for a connection of the closed pool
+            if not waiter.done():
+                waiter.set_exception(redis.exceptions.ConnectionError("Connection pool closed."))
         self._reset(self.loop)
 
     # -- taking and giving back -------------------------------------------------------------
@@ -226,7 +232,8 @@ class ScriptPool:
             return await self._open(self.generation)
         waiter: asyncio.Future[_ScriptConnection | None] = loop.create_future()
         self.waiters.append(waiter)
-        timer = loop.call_at(loop.time() + self.wait_timeout, _no_connection, waiter)
+        timer = loop.call_at(loop.time() + self.wait_timeout, _expire, waiter,
+                             redis.exceptions.ConnectionError, "No connection available.")
         generation = self.generation
         try:
             conn = await waiter
@@ -293,7 +300,7 @@ class ScriptPool:
         assert loop is not None
         where = self.path or f"{self.host}:{self.port}"
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.connect_timeout):
                 if self.path is not None:
                     _, conn = await loop.create_unix_connection(_ScriptConnection, self.path)
                 else:
@@ -311,11 +318,6 @@ class ScriptPool:
             conn.close()
             raise
         return conn
-
-
-def _no_connection(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(redis.exceptions.ConnectionError("No connection available."))
 
 
 def _setup_commands(db: int, username: str | None, password: str | None) -> list[bytes]:

@@ -302,29 +302,49 @@ def test_a_client_leaving_after_done_while_the_settle_is_held_back_still_settles
     assert counter(tenant) == (14, 0)
 
 
-def test_a_client_leaving_while_the_settle_waits_for_a_redis_connection_still_settles() -> None:
-    """The settle's Redis pool wait: a pool of one connection, held by the test at that moment."""
+@pytest.mark.parametrize("pool_kind", ["redis-py", "scripts"])
+def test_a_client_leaving_while_the_settle_waits_for_a_redis_connection_still_settles(
+        pool_kind: str) -> None:
+    """The settle's Redis pool wait: a pool of one connection, held by the test at that moment.
+    Once with redis-py's blocking pool, once with the gateway's client, whose scripts have a pool
+    of their own (quotas/script_pool.py)."""
     tenant = new_tenant()
 
     async def scenario() -> None:
-        pool = redis.asyncio.BlockingConnectionPool.from_url(
-            django_settings.REDIS_URL, max_connections=1, timeout=30, decode_responses=True)
-        engine = async_engine(redis.asyncio.Redis(connection_pool=pool))
+        if pool_kind == "redis-py":
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                django_settings.REDIS_URL, max_connections=1, timeout=30, decode_responses=True)
+            engine = async_engine(redis.asyncio.Redis(connection_pool=pool))
+            take, give, close = pool.get_connection, pool.release, pool.disconnect
+        else:
+            gateway_client = make_async_redis()
+            scripts = gateway_client.scripts
+            assert scripts is not None
+            scripts.size, scripts.wait_timeout = 1, 30.0
+            engine = async_engine(gateway_client)
+
+            async def take() -> Any:
+                return await scripts._take(asyncio.get_running_loop())
+
+            async def give(conn: Any) -> None:
+                scripts._give(conn, scripts.generation)
+
+            close = gateway_client.aclose
         call = await open_call(engine, tenant, stream=True)
         parts = [delta("mock"), delta(" reply"), delta(" the"), usage_chunk(12, 3), DONE]
         received: list[bytes] = []
         client = asyncio.create_task(consume(
             StreamRelay(call, httpx.Response(200, content=chunks_of(parts))), received))
-        taken = await pool.get_connection()  # the pool is empty from here on
+        taken = await take()  # the pool is empty from here on
         assert await eventually(lambda: _true(call.ended))
         assert received[-1] == DONE
         await asyncio.sleep(0.05)  # the settle is queued for a connection
         client.cancel()
         with pytest.raises(asyncio.CancelledError):
             await client
-        await pool.release(taken)
+        await give(taken)
         await settled_background(call)
-        await pool.disconnect()
+        await close()
 
     asyncio.run(scenario())
     [event] = usage_events(tenant)

@@ -810,3 +810,21 @@ async def test_read_answer_silence_mid_body_is_read_timeout_and_frees_the_slot(k
         assert await read_answer(again) == b'{"ok":true}'
         await transport.aclose()
     assert server.connections == 2  # the half-read connection was not reused
+
+
+@transports()
+@run
+async def test_read_answer_of_a_closed_response_fails_as_aread_does(kind: str) -> None:
+    # Closed before its body was read (its connection back in the pool, or carrying another
+    # call): read_answer must not read that connection, as aread() refuses a closed stream.
+    server = Server(lambda n: _json_answer(b'{"n":%d}' % n))
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        response = await transport.handle_async_request(_request(base))
+        await response.aclose()
+        with pytest.raises(httpx.StreamClosed):
+            await read_answer(response)
+        again = await transport.handle_async_request(_request(base))
+        assert await read_answer(again) == b'{"n":2}'
+        assert again.is_closed and again.is_stream_consumed  # as aread() leaves them
+        await transport.aclose()

@@ -271,11 +271,43 @@ def test_a_caller_past_the_pool_waits_then_fails_as_redis_py_does(redis_url: str
     asyncio.run(scenario())
 
 
-def test_a_tls_url_keeps_redis_py_path_for_the_scripts() -> None:
-    client = make_async_redis("rediss://localhost:6390/0", cluster=False)
+@pytest.mark.parametrize("url", [
+    "rediss://localhost:6390/0",  # TLS
+    "redis://localhost:6390/0?protocol=3",  # RESP3
+    "redis://localhost:6390/0?client_name=gateway",
+    "redis://localhost:6390/0?socket_keepalive=true",
+])
+def test_settings_the_script_pool_does_not_speak_keep_redis_py_path(url: str) -> None:
+    client = make_async_redis(url, cluster=False)
     assert type(client) is quota_client._ScriptCallingRedis and client.scripts is None
 
 
+def test_the_url_timeouts_and_the_pool_bound_are_the_script_pool_s() -> None:
+    client = make_async_redis("redis://localhost:6390/3?socket_timeout=5&socket_connect_timeout=1",
+                              cluster=False)
+    scripts = _scripts(client)
+    pool = client.connection_pool
+    assert (scripts.timeout, scripts.connect_timeout) == (5.0, 1.0)
+    assert (scripts.size, scripts.wait_timeout) == (pool.max_connections, pool.timeout)
+
+
+def test_without_the_script_pool_the_scripts_take_redis_py_path(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # hiredis (or the redis-py parser the pool reuses) missing: quotas/client.py's import falls
+    # back, and the scripts go the short way through redis-py's own connections.
+    monkeypatch.setattr(quota_client, "ScriptPool", None)
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        assert client.scripts is None
+        script = client.register_script(ECHO)
+        assert (await script(keys=["k"], args=["a", "b", "c", 1]))[4] == 2
+        assert (await script(keys=["k"], args=["a", "b", "c", 2]))[4] == 3
+        pool = client.connection_pool
+        assert len(pool._available_connections) == 1 and not pool._in_use_connections
+        await client.aclose()
+
+    asyncio.run(scenario())
 def test_a_reply_that_times_out_is_sent_once_more_then_raised(redis_url: str) -> None:
     # A script slower than the socket timeout (Redis runs one script at a time): the first
     # attempt times out and its connection is closed (its late reply must answer nobody); the
@@ -367,10 +399,18 @@ def test_aclose_closes_idle_connections_and_those_in_use_when_they_come_back(red
         holder = asyncio.ensure_future(slow())
         await asyncio.sleep(0.02)
         (busy,) = [conn for conn in idle if conn not in scripts.free]
+        scripts.size = 2
+        second = asyncio.ensure_future(slow())  # takes the other connection
+        await asyncio.sleep(0.02)
+        waiting = asyncio.ensure_future(fine(keys=["k"], args=["a", "b", "c", 9]))
+        await asyncio.sleep(0.02)
+        assert len(scripts.waiters) == 1
         await scripts.aclose()
-        assert all(conn.closed for conn in idle if conn is not busy) and not busy.closed
-        assert await holder == 1
-        assert busy.closed and scripts.opened == 0 and not scripts.free
+        with pytest.raises(ConnectionError, match="pool closed"):  # not left to its timeout
+            await waiting
+        assert not busy.closed
+        assert await holder == 1 and await second == 1
+        assert all(conn.closed for conn in idle) and scripts.opened == 0 and not scripts.free
         assert (await fine(keys=["k"], args=["a", "b", "c", 2]))[4] == 3  # usable again
         await client.aclose()
 
