@@ -38,6 +38,7 @@ from django.http import HttpResponseBase
 
 from gateway import metrics
 from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
+from gateway.forward import SETTLED_BEFORE_BODY
 from gateway.observe import Observation
 from gateway.shutdown import drain_worker
 from gateway.startup import flush_active_marks
@@ -131,7 +132,9 @@ class GatewayRouter:
             sent["response"] = response
             deadline = getattr(response, "tollgate_deadline", None)
             if deadline is None:
-                await handler.send_response(response, send)
+                settled = getattr(response, SETTLED_BEFORE_BODY, None)
+                await handler.send_response(
+                    response, send if settled is None else _body_after(settled, send))
                 return
             # A stream ends at its call's deadline (GATEWAY_CALL_DEADLINE_SECONDS) even when no
             # chunk comes to let the relay notice: a stalled upstream, or a client that stopped
@@ -210,6 +213,23 @@ class GatewayRouter:
                         log.exception("shutdown hook %r failed", hook)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _body_after(settled: Callable[[], Awaitable[None]], send: Send) -> Send:
+    """`send`, whose first body message waits for `settled()`: the answer's headers go out (and
+    the view's return, the headers' encoding) while its hold's end is in flight; the answer's
+    body, only once the hold has ended. The wait is shielded (Call.settled): a client leaving
+    meanwhile cancels this send, never the settle."""
+    waiting = True
+
+    async def sending(message: dict[str, Any]) -> None:
+        nonlocal waiting
+        if waiting and message["type"] == "http.response.body":
+            waiting = False
+            await settled()
+        await send(message)
+
+    return sending
 
 
 def _close(response: HttpResponseBase) -> None:

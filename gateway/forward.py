@@ -78,6 +78,11 @@ _UNMETERED_BACKLOG = 10_000
 EndResult = SettleResult | ReleaseResult
 _perf = time.perf_counter
 
+# The attribute of a non-streamed answer holding what its body waits for: the hold's end
+# (Call.settled). The headers may go out before it; the body, the answer itself, never does, so
+# a client holding its answer holds a settled call, as a stream's settles before its last byte.
+SETTLED_BEFORE_BODY = "tollgate_settled"
+
 
 def _ms_now() -> int:
     return int(time.time() * 1000)
@@ -157,16 +162,25 @@ class Call:
         """Charge the hold with this usage (the first end wins; later calls only wait for it).
         Its tokens and cost are counted here, once, whether the hold's end reaches Redis now,
         on a retry, or never (a fail-open call's usage is real too)."""
+        self.begin_settle(usage, status=status, outcome=outcome)
+        await self._wait_end()
+
+    def begin_settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> None:
+        """Start charging the hold with this usage (the first end wins), without waiting for
+        it: its script is sent at the event loop's next turn. `settled()` waits for it."""
         if self._end is None:
             event = self._event(status, usage, outcome)
             # The price resolved at admission: the one the money hold and the ledger use, each
             # token class at its own price.
             cost = self.admission.estimate.price.cost_of(usage)
+            self._begin_end(self._settle_hold(usage, event, cost))
             obs = self.obs
             assert obs is not None
             metrics.count_usage(obs.model, usage, cost, obs.tenant)
             obs.settled(usage.input_tokens, usage.output_tokens, cost)
-            self._begin_end(self._settle_hold(usage, event, cost))
+
+    async def settled(self) -> None:
+        """Wait for the hold's end begun earlier (shielded: see _wait_end)."""
         await self._wait_end()
 
     async def release(self, status: int, reason: str) -> None:
@@ -792,10 +806,16 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
                       count_stream_text(body.decode("utf-8", "replace"),
                                         call.admission.estimate.info.tokenizer))
         outcome = "gateway_error_counted"
-    await call.settle(usage, outcome=outcome)
+    # The settle's script goes to Redis first; the answer is made while Redis runs it, and its
+    # body leaves only once the hold is settled (SETTLED_BEFORE_BODY: the router sends the
+    # headers meanwhile, gateway/asgi.py; served by Django, the view waits for it).
+    call.begin_settle(usage, outcome=outcome)
+    await asyncio.sleep(0)  # the settle's task takes its turn: its script is sent now
     await call.remember(usage)
-    return HttpResponse(body, status=200, content_type="application/json",
-                        headers=call.response_headers())
+    response = HttpResponse(body, status=200, content_type="application/json",
+                            headers=call.response_headers())
+    setattr(response, SETTLED_BEFORE_BODY, call.settled)
+    return response
 
 
 def _body_usage(call: Call, body: bytes) -> tuple[Usage, str]:

@@ -33,7 +33,7 @@ from gateway.errors import (
     quota_store_unavailable,
     new_request_id,
 )
-from gateway.forward import Call, forward
+from gateway.forward import SETTLED_BEFORE_BODY, Call, forward
 from gateway.headers import rate_headers
 from gateway import metrics, readiness, request_context
 from gateway.observe import Observation
@@ -166,6 +166,10 @@ async def _proxy(endpoint: Endpoint, request: HttpRequest) -> HttpResponse | Str
                                 "server_error", "internal_error").response(
                                     api=api, request_id=request_id)
     if received is None:
+        # Served by Django: nothing sends the headers before the hold's end, so wait for it here.
+        settled = getattr(response, SETTLED_BEFORE_BODY, None)
+        if settled is not None:
+            await settled()
         _finish_on_close(response, obs)
     return _with_request_id(response, request_id, api)
 
