@@ -31,10 +31,11 @@ from django.http import HttpResponse, StreamingHttpResponse
 
 from gateway.admission import Admission, queue_ticket, reserve_meta
 from gateway.auth import KeyContext
-from gateway.bodies import ParsedBody
+from gateway.bodies import Endpoint, ParsedBody
 from gateway.circuit import NO_PROBE, circuit_for
 from gateway.dialects import Dialect, StreamReader, dialect_for
 from gateway.errors import (
+    Api,
     GatewayError,
     queue_timeout,
     upstream_client_error,
@@ -43,7 +44,7 @@ from gateway.errors import (
 )
 from gateway import metrics
 from gateway.listener import publish_cooldown
-from gateway.headers import QUEUE_WAIT_HEADER
+from gateway.headers import QUEUE_WAIT_HEADER, rate_headers
 from gateway.observe import Observation, end_with_error
 from gateway.providers import Upstream
 from gateway.responses_context import remember_answer
@@ -98,7 +99,10 @@ class Call:
     admission: Admission
     request_id: str
     started: float  # time.monotonic() when the request arrived
-    headers: dict[str, str]  # rate / quota / request-id headers for the client
+    # Rate / quota headers for the client; None: made from the reservation when first needed
+    # (rate_limit_headers), which for a non-streamed answer is while its settle runs, off the
+    # path to the upstream.
+    headers: dict[str, str] | None = None
     # The client's headers an upstream of this API is told (anthropic-version, anthropic-beta).
     client_headers: Mapping[str, str] = field(default_factory=dict)
     # The one provider key that may serve the call (a Responses call continuing a response
@@ -106,6 +110,8 @@ class Call:
     pinned: int | None = None
     # What the call reports (gateway/observe.py): made by the view; one of its own otherwise.
     obs: Observation | None = None
+    # The upstream request made while the reserve was in flight (prepare_upstream), if any.
+    prepared: Prepared | None = None
     upstream: Upstream | None = None
     relay: StreamRelay | None = None
     # Handed to an upstream's transport: from here on the upstream may have the call.
@@ -160,8 +166,9 @@ class Call:
 
     async def settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> None:
         """Charge the hold with this usage (the first end wins; later calls only wait for it).
-        Its tokens and cost are counted here, once, whether the hold's end reaches Redis now,
-        on a retry, or never (a fail-open call's usage is real too)."""
+        Its tokens and cost are counted once (at the loop's next turn, begin_settle), whether the
+        hold's end reaches Redis now, on a retry, or never (a fail-open call's usage is real
+        too)."""
         self.begin_settle(usage, status=status, outcome=outcome)
         await self._wait_end()
 
@@ -174,14 +181,25 @@ class Call:
             # token class at its own price.
             cost = self.admission.estimate.price.cost_of(usage)
             self._begin_end(self._settle_hold(usage, event, cost))
-            obs = self.obs
-            assert obs is not None
-            metrics.count_usage(obs.model, usage, cost, obs.tenant)
-            obs.settled(usage.input_tokens, usage.output_tokens, cost)
+            # Counted at the loop's next turn, after the end's task has sent its script: the
+            # tally then runs while Redis does (nothing reads it before the answer is sent).
+            asyncio.get_running_loop().call_soon(self._count_settled, usage, cost)
+
+    def _count_settled(self, usage: Usage, cost: int) -> None:
+        obs = self.obs
+        assert obs is not None
+        metrics.count_usage(obs.model, usage, cost, obs.tenant)
+        obs.settled(usage.input_tokens, usage.output_tokens, cost)
 
     async def settled(self) -> None:
-        """Wait for the hold's end begun earlier (shielded: see _wait_end)."""
-        await self._wait_end()
+        """Wait for the hold's end begun earlier (shielded: see _wait_end). Raises only if
+        cancelled: the answer waiting for it has been made, and an end that failed (a bug:
+        _try_end logs Redis' own failures) is logged here and leaves the hold to the sweep,
+        which charges what it knew."""
+        try:
+            await self._wait_end()
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.exception("ending the hold of %s failed; its answer is sent", self.request_id)
 
     async def release(self, status: int, reason: str) -> None:
         """Free the hold unbilled: only when the upstream produced nothing."""
@@ -283,21 +301,42 @@ class Call:
 
     # -- the upstream -------------------------------------------------------------------------
 
+    def _prepared(self) -> Prepared | None:
+        """The prepared payload and request, if made for this admission's model and output cap
+        (not a fallback model, not a hold shrunk to the headroom)."""
+        prepared = self.prepared
+        if (prepared is None or prepared.upstream is None
+                or (prepared.model, prepared.cap) != (self.admission.model,
+                                                      self.admission.output_cap)):
+            return None
+        return prepared
+
     def payload(self) -> bytes:
+        prepared = self._prepared()
+        if prepared is not None:
+            return prepared.payload
         return self.dialect.payload(self.parsed, self.admission.model, self.admission.output_cap)
 
     def request_for(self, upstream: Upstream, payload: bytes) -> httpx.Request:
-        # What the client's build_request() makes (its default headers and timeouts, read once
-        # in the runtime), without re-merging base URL, cookies and params on every call.
-        runtime = self.runtime
-        headers = {**runtime.upstream_headers,
-                   **self.dialect.upstream_headers(upstream.secret, self.client_headers),
-                   "Content-Type": "application/json", "X-Request-Id": self.request_id}
-        return upstream_request(_upstream_url(upstream.base_url, self.parsed.endpoint.value),
-                                payload, headers, {"timeout": runtime.upstream_timeout})
+        prepared = self._prepared()
+        # The key the call takes now (the pool's candidates, with this call's round-robin turn
+        # and the cooldowns, breakers and keys of this moment) is the one it was made for: the
+        # same object, so neither reloaded nor replaced since.
+        if prepared is not None and prepared.request is not None \
+                and prepared.upstream is upstream and prepared.payload is payload:
+            request, prepared.request = prepared.request, None  # one attempt uses it
+            return request
+        return upstream_request_for(self.runtime, self.dialect, self.parsed.endpoint,
+                                    self.request_id, self.client_headers, upstream, payload)
+
+    def rate_limit_headers(self) -> dict[str, str]:
+        if self.headers is None:
+            self.headers = rate_headers(self.ctx, self.admission.reservation,
+                                        anthropic=self.dialect.api is Api.ANTHROPIC)
+        return self.headers
 
     def response_headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        headers = dict(self.headers)
+        headers = dict(self.rate_limit_headers())
         if self.admission.fallback_from:
             headers["X-Tollgate-Fallback-Model"] = self.admission.model
         if self.admission.soft:
@@ -534,6 +573,63 @@ def upstream_request(url: httpx.URL, payload: bytes, headers: Mapping[str, str],
     return request
 
 
+def upstream_request_for(runtime: GatewayRuntime, dialect: Dialect, endpoint: Endpoint,
+                         request_id: str, client_headers: Mapping[str, str], upstream: Upstream,
+                         payload: bytes) -> httpx.Request:
+    """The request to `upstream`: what the client's build_request() makes (its default headers
+    and timeouts, read once in the runtime), without re-merging base URL, cookies and params on
+    every call."""
+    headers = {**runtime.upstream_headers,
+               **dialect.upstream_headers(upstream.secret, client_headers),
+               "Content-Type": "application/json", "X-Request-Id": request_id}
+    return upstream_request(_upstream_url(upstream.base_url, endpoint.value), payload, headers,
+                            {"timeout": runtime.upstream_timeout})
+
+
+@dataclass
+class Prepared:
+    """The upstream request a call will most likely send: the model and output cap it asked
+    for, to the key the pool would give it now. Made while the call's reserve is in flight, when
+    the worker has nothing else to do (docs/benchmarks.md, "Issue 16 item 3: using the waits").
+    Used only if the admission kept that model and cap, and the call, taking its turn from the
+    pool after the reserve, gets that very key (Call.request_for): a key gone into cooldown,
+    an opened breaker, a reloaded pool or another call's turn in between, and the request is
+    made again as without it."""
+
+    model: str
+    cap: int | None
+    payload: bytes = b""
+    upstream: Upstream | None = None  # None: nothing made (not yet, or no key)
+    request: httpx.Request | None = None  # for `upstream`; taken by the first attempt
+
+
+def prepare_upstream(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+                     output_cap: int | None, request_id: str,
+                     client_headers: Mapping[str, str]) -> Prepared:
+    """A Prepared, filled at the event loop's next turn: call it just before awaiting the
+    reserve, whose script is then in flight."""
+    prepared = Prepared(parsed.model, output_cap)
+    asyncio.get_running_loop().call_soon(_prepare, prepared, runtime, ctx, parsed, request_id,
+                                         client_headers)
+    return prepared
+
+
+def _prepare(prepared: Prepared, runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
+             request_id: str, client_headers: Mapping[str, str]) -> None:
+    dialect = dialect_for(parsed.endpoint)
+    # A look ahead: the turn stays the call's, taken in _answer only if it goes upstream (a
+    # refused call takes none, a fallback one its own model's).
+    candidates = runtime.pool.candidates(prepared.model, ctx.tenant_id, time.time(),
+                                         kind=dialect.provider_kind, take_turn=False)
+    if not candidates:
+        return
+    payload = dialect.payload(parsed, prepared.model, prepared.cap)
+    prepared.request = upstream_request_for(runtime, dialect, parsed.endpoint, request_id,
+                                            client_headers, candidates[0], payload)
+    prepared.payload = payload
+    prepared.upstream = candidates[0]
+
+
 def _retry_after(response: httpx.Response) -> float:
     try:
         return max(1.0, float(response.headers.get("retry-after", "1")))
@@ -764,7 +860,7 @@ async def _wait_for_capacity(call: Call, short: list[tuple[int, Upstream]]) -> U
     if not result.taken:
         return None
     obs.queued_s += waited_ms / 1000
-    call.headers[QUEUE_WAIT_HEADER] = str(already_ms + waited_ms)
+    call.rate_limit_headers()[QUEUE_WAIT_HEADER] = str(already_ms + waited_ms)
     return upstream
 
 

@@ -14,7 +14,6 @@ and breaker_wait() take `kind`, "openai" by default).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -238,7 +237,7 @@ class ProviderPool:
         # the cool-down ends (time.time()). Past it the key is offered again, and the forwarder
         # takes a probe slot in Redis before using it (gateway/circuit.py).
         self._breaker_until: dict[tuple[int, str], float] = {}
-        self._turns: dict[tuple[int, ...], itertools.count[int]] = {}
+        self._turns: dict[tuple[int, ...], int] = {}  # a group of keys' next turn
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -342,15 +341,16 @@ class ProviderPool:
         return any(u.speaks(kind) and u.serves(model) and u.usable_by(tenant_id)
                    for u in self._upstreams)
 
-    def _next_turn(self, group: tuple[int, ...]) -> int:
+    def _next_turn(self, group: tuple[int, ...], take: bool) -> int:
         with self._lock:
-            counter = self._turns.get(group)
-            if counter is None:
-                counter = self._turns[group] = itertools.count()
-            return next(counter)
+            turn = self._turns.get(group, 0)
+            if take:
+                self._turns[group] = turn + 1
+            return turn
 
     def candidates(self, model: str | None, tenant_id: int | None, now: float,
-                   kind: str = ProviderKind.OPENAI.value) -> list[Upstream]:
+                   kind: str = ProviderKind.OPENAI.value, *,
+                   take_turn: bool = True) -> list[Upstream]:
         """Keys of `kind` (the API of the call's endpoint) to try for this model and tenant,
         best first. `model` None: a request that names no model (a moderation without one, a
         conversation): every key of `kind` may take it, and only key-level breakers apply.
@@ -359,7 +359,8 @@ class ProviderPool:
         of equal rank take turns at the front (round robin, per process). Keys dedicated to
         another tenant, keys in cooldown and keys with an open breaker (the key's or the
         model's, still cooling down) are left out. Each call takes a turn: call it once per
-        upstream attempt sequence, and use serves() for existence checks.
+        upstream attempt sequence, and use serves() for existence checks. `take_turn` False:
+        the order the next call would get, leaving the turn to it (a look ahead).
         """
         breakers = bool(self._breaker_until)
         ranked: dict[tuple[bool, int], list[Upstream]] = {}
@@ -377,7 +378,8 @@ class ProviderPool:
         for rank in sorted(ranked, reverse=True):
             group = ranked[rank]
             if len(group) > 1:
-                turn = self._next_turn(tuple(upstream.id for upstream in group)) % len(group)
+                turn = self._next_turn(tuple(upstream.id for upstream in group),
+                                       take_turn) % len(group)
                 group = group[turn:] + group[:turn]
             ordered.extend(group)
         return ordered

@@ -33,8 +33,7 @@ from gateway.errors import (
     quota_store_unavailable,
     new_request_id,
 )
-from gateway.forward import SETTLED_BEFORE_BODY, Call, forward
-from gateway.headers import rate_headers
+from gateway.forward import SETTLED_BEFORE_BODY, Call, forward, prepare_upstream
 from gateway import metrics, readiness, request_context
 from gateway.observe import Observation
 from gateway.refusals import count_refusal
@@ -245,6 +244,8 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
                              request_id: str, started: float, client_headers: dict[str, str],
                              pinned: int | None,
                              obs: Observation) -> HttpResponse | StreamingHttpResponse:
+    prepared = prepare_upstream(runtime, ctx, checked_call.parsed,
+                                checked_call.estimate.output_cap, request_id, client_headers)
     try:
         if obs.span is None:
             admission = await admit(runtime, ctx, checked_call, request_id, obs)
@@ -259,10 +260,8 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
         log.error("FAIL-OPEN: the quota store is unreachable; forwarding %s of tenant %s "
                   "UNMETERED (GATEWAY_FAIL_OPEN is on)", request_id, ctx.tenant_id)
         admission = unmetered(checked_call, request_id)
-    api = dialect_for(checked_call.parsed.endpoint).api
     call = Call(runtime, ctx, checked_call.parsed, admission, request_id, started,
-                rate_headers(ctx, admission.reservation, anthropic=api is Api.ANTHROPIC),
-                client_headers, pinned, obs=obs)
+                client_headers=client_headers, pinned=pinned, obs=obs, prepared=prepared)
     try:
         return await forward(call)
     except QuotaStoreUnavailable:
@@ -271,7 +270,7 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
     except GatewayError as error:
         obs.refusal = error.refusal or ""
         await _count_if_refusal(runtime, ctx, error)
-        return error.response(call.response_headers(), api, request_id)
+        return error.response(call.response_headers(), call.dialect.api, request_id)
     except Exception:
         # A bug must not leave the hold to the sweep: charge what the upstream may have
         # produced, or release when it never answered (Call.abort).

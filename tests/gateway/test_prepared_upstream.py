@@ -1,0 +1,226 @@
+"""The upstream request made while the reserve is in flight (gateway/forward.py Prepared): filled at
+the event loop's next turn, for the key the pool would give the call without taking its turn;
+used only when the admission kept the model and output cap asked for and the call, taking its
+turn after the reserve, gets that very key; taken by one attempt. A fallback model, a hold
+shrunk to the headroom, a key gone into cooldown or another call's turn in between: the request
+is made as without it. Every request equals the one made without it, and the round robin is
+the same with or without it (a refused call takes no turn)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from django.http import HttpResponse
+
+from gateway import views
+from gateway.admission import Admission
+from gateway.bodies import Endpoint, parse_body
+from gateway.dialects import dialect_for
+from gateway.forward import Call, Prepared, prepare_upstream, upstream_request_for
+from gateway.observe import Observation
+from gateway.providers import ProviderPool, Upstream
+from gateway.runtime import GatewayRuntime
+from quotas.engine import Reservation
+
+FIRST = Upstream(1, "pk_first", "http://first.invalid/v1", "sk-first", None, None, priority=2)
+SECOND = Upstream(2, "pk_second", "http://second.invalid/v1", "sk-second", None, None)
+BODY = {"model": "gpt-4o", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+REQUEST_ID = "req_" + "0" * 24
+CTX = SimpleNamespace(tenant_id=5)
+
+
+def _runtime(*upstreams: Upstream) -> GatewayRuntime:
+    """A worker runtime with only what making upstream requests uses."""
+    return GatewayRuntime(engine=None, http=None, transport=None, auth=None,  # type: ignore[arg-type]
+                          catalog=None, pool=ProviderPool(upstreams or (FIRST, SECOND)),
+                          db=None,  # type: ignore[arg-type]
+                          upstream_headers={"User-Agent": "tollgate-test"},
+                          upstream_timeout={"connect": 1.0, "read": 2.0})
+
+
+def _parsed() -> Any:
+    return parse_body(Endpoint.CHAT, json.dumps(BODY).encode())
+
+
+def _admission(model: str, cap: int | None) -> Admission:
+    reservation = Reservation(admitted=True, request_id=REQUEST_ID, granted=120, counters=(),
+                              refused=None, server_time_ms=0, hold=None)
+    estimate = SimpleNamespace(output_cap=100, amount=120, prompt_tokens=20)
+    return Admission(reservation, model, estimate, cap)  # type: ignore[arg-type]
+
+
+def _call(runtime: GatewayRuntime, model: str, cap: int | None,
+          prepared: Prepared | None) -> Call:
+    return Call(runtime, CTX, _parsed(), _admission(model, cap), REQUEST_ID, 0.0,  # type: ignore[arg-type]
+                prepared=prepared)
+
+
+async def _prepared(runtime: GatewayRuntime) -> Prepared:
+    prepared = prepare_upstream(runtime, CTX, _parsed(), 100, REQUEST_ID, {})  # type: ignore[arg-type]
+    assert prepared.upstream is None  # nothing is made before the loop's next turn
+    await asyncio.sleep(0)
+    return prepared
+
+
+def _taken(runtime: GatewayRuntime) -> Upstream:
+    """The key a call that goes upstream takes (forward._answer: the pool's candidates)."""
+    return runtime.pool.candidates("gpt-4o", 5, time.time())[0]
+
+
+def _same_request(a: Any, b: Any) -> None:
+    assert (a.method, a.url, a.headers.raw, a.content, a.extensions) == (
+        b.method, b.url, b.headers.raw, b.content, b.extensions)
+
+
+def _fresh(runtime: GatewayRuntime, upstream: Upstream, model: str, cap: int | None) -> Any:
+    dialect = dialect_for(Endpoint.CHAT)
+    return upstream_request_for(runtime, dialect, Endpoint.CHAT, REQUEST_ID, {}, upstream,
+                                dialect.payload(_parsed(), model, cap))
+
+
+def test_the_prepared_request_is_the_one_made_without_it_and_is_used_once() -> None:
+    async def scenario() -> None:
+        runtime = _runtime()
+        prepared = await _prepared(runtime)
+        assert prepared.upstream is FIRST
+        call = _call(runtime, "gpt-4o", 100, prepared)
+        payload = call.payload()
+        assert payload is prepared.payload
+        made = prepared.request
+        upstream = _taken(runtime)
+        first = call.request_for(upstream, payload)
+        assert first is made and prepared.request is None  # used, and taken
+        again = call.request_for(upstream, payload)  # a retry on the same key: its own request
+        assert again is not first
+        _same_request(first, _fresh(runtime, FIRST, "gpt-4o", 100))
+        _same_request(again, first)
+        assert call.request_for(SECOND, payload).url.host == "second.invalid"
+
+    asyncio.run(scenario())
+
+
+def test_a_fallback_model_gets_its_own_payload_and_request() -> None:
+    async def scenario() -> None:
+        runtime = _runtime()
+        prepared = await _prepared(runtime)
+        call = _call(runtime, "gpt-4o-mini", 100, prepared)
+        payload = call.payload()
+        assert json.loads(payload)["model"] == "gpt-4o-mini"
+        request = call.request_for(FIRST, payload)
+        assert request is not prepared.request
+        _same_request(request, _fresh(runtime, FIRST, "gpt-4o-mini", 100))
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_shrunk_to_the_headroom_sends_the_smaller_cap() -> None:
+    async def scenario() -> None:
+        runtime = _runtime()
+        prepared = await _prepared(runtime)
+        call = _call(runtime, "gpt-4o", 40, prepared)
+        payload = call.payload()
+        assert json.loads(payload)["max_tokens"] == 40
+        _same_request(call.request_for(FIRST, payload), _fresh(runtime, FIRST, "gpt-4o", 40))
+
+    asyncio.run(scenario())
+
+
+def test_a_key_cooling_down_since_is_not_sent_the_prepared_request() -> None:
+    async def scenario() -> None:
+        runtime = _runtime()
+        prepared = await _prepared(runtime)
+        assert prepared.upstream is FIRST
+        runtime.pool.cool_down(FIRST.id, time.time() + 60)  # e.g. a 429 seen by another call
+        call = _call(runtime, "gpt-4o", 100, prepared)
+        payload = call.payload()
+        upstream = _taken(runtime)
+        assert upstream is SECOND
+        request = call.request_for(upstream, payload)
+        assert request is not prepared.request and request.url.host == "second.invalid"
+        _same_request(request, _fresh(runtime, SECOND, "gpt-4o", 100))
+
+    asyncio.run(scenario())
+
+
+def test_the_look_ahead_takes_no_round_robin_turn() -> None:
+    """Two keys of equal rank take turns. Calls refused after their preparation (they never go
+    upstream) take no turn, and the calls that go upstream still alternate, each sent the
+    request prepared for the key it gets."""
+    a = Upstream(3, "pk_a", "http://a.invalid/v1", "sk-a", None, None)
+    b = Upstream(4, "pk_b", "http://b.invalid/v1", "sk-b", None, None)
+
+    async def scenario() -> list[str]:
+        runtime = _runtime(a, b)
+        sent = []
+        for index in range(6):
+            prepared = await _prepared(runtime)
+            if index % 2:
+                continue  # refused by its reserve: prepared, never forwarded
+            call = _call(runtime, "gpt-4o", 100, prepared)
+            upstream = _taken(runtime)
+            request = call.request_for(upstream, call.payload())
+            assert request is not None and prepared.request is None  # the prepared one
+            sent.append(upstream.public_id)
+        return sent
+
+    assert asyncio.run(scenario()) == ["pk_a", "pk_b", "pk_a"]
+
+
+def test_a_call_whose_preparation_has_not_run_makes_everything_itself() -> None:
+    async def scenario() -> None:
+        runtime = _runtime()
+        call = _call(runtime, "gpt-4o", 100, Prepared("gpt-4o", 100))  # its turn never came
+        payload = call.payload()
+        _same_request(call.request_for(FIRST, payload), _fresh(runtime, FIRST, "gpt-4o", 100))
+
+    asyncio.run(scenario())
+
+
+def test_no_key_for_the_model_prepares_nothing() -> None:
+    async def scenario() -> None:
+        prepared = await _prepared(_runtime(SECOND.__class__(9, "pk_x", "http://x.invalid/v1",
+                                                             "sk-x", None, None,
+                                                             models=frozenset({"other"}))))
+        assert prepared.upstream is None and prepared.request is None
+
+    asyncio.run(scenario())
+
+
+def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(monkeypatch: Any) -> None:
+    """views._admit_and_forward: the preparation runs while admit waits for Redis, and the Call
+    it forwards carries it."""
+    seen: dict[str, Any] = {}
+
+    async def admit(runtime: Any, ctx: Any, checked: Any, request_id: str, obs: Any) -> Admission:
+        await asyncio.sleep(0)  # the reserve's round trip: the loop turns
+        seen["while_reserving"] = seen["prepared_by"]()
+        return _admission("gpt-4o", 100)
+
+    async def forward(call: Call) -> HttpResponse:
+        seen["call"] = call
+        return HttpResponse(b"{}")
+
+    real_prepare = views.prepare_upstream
+
+    def prepare(*args: Any) -> Prepared:
+        prepared = real_prepare(*args)
+        seen["prepared_by"] = lambda: prepared.upstream
+        return prepared
+
+    monkeypatch.setattr(views, "admit", admit)
+    monkeypatch.setattr(views, "forward", forward)
+    monkeypatch.setattr(views, "prepare_upstream", prepare)
+
+    async def scenario() -> None:
+        checked = SimpleNamespace(parsed=_parsed(), estimate=SimpleNamespace(output_cap=100))
+        await views._admit_and_forward(_runtime(), CTX, checked, REQUEST_ID,  # type: ignore[arg-type]
+                                       0.0, {}, None, Observation("chat/completions"))
+
+    asyncio.run(scenario())
+    assert seen["while_reserving"] is FIRST
+    call = seen["call"]
+    assert call.prepared is not None and call.prepared.upstream is FIRST
+    assert call.payload() is call.prepared.payload
