@@ -91,77 +91,78 @@ def _gated_view(gate: asyncio.Event, entered: list[str]) -> Any:
     return view
 
 
+class _Client:
+    """One POST through the router, as uvicorn drives it: the messages sent to the client, who
+    stays until `leave` is set."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.leave = asyncio.Event()
+        self._incoming = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive(self) -> dict[str, Any]:
+        if self._incoming:
+            return self._incoming.pop(0)
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    def types(self) -> list[str]:
+        return [message["type"] for message in self.sent]
+
+
+async def _until(check: Any) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _serving(client: _Client, gate: asyncio.Event, entered: list[str]) -> asyncio.Task[None]:
+    """The router serving the gated view, once its body waits for the settle."""
+    router = GatewayRouter(ASGIHandler(), {"/v1/test": _gated_view(gate, entered)})
+    serving = asyncio.create_task(router(SCOPE, client.receive, client.send))
+    await _until(lambda: entered)
+    return serving
+
+
 def test_the_router_sends_the_headers_then_the_body_once_settled() -> None:
-    sent: list[dict[str, Any]] = []
+    client = _Client()
     entered: list[str] = []
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        incoming = [{"type": "http.request", "body": b"{}", "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if incoming:
-                return incoming.pop(0)
-            await asyncio.sleep(3600)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        router = GatewayRouter(ASGIHandler(), {"/v1/test": _gated_view(gate, entered)})
-        serving = asyncio.create_task(router(SCOPE, receive, send))
-        for _ in range(200):
-            if entered:
-                break
-            await asyncio.sleep(0.01)
-        assert [m["type"] for m in sent] == ["http.response.start"]  # headers only
-        assert sent[0]["status"] == 200
+        serving = await _serving(client, gate, entered)
+        assert client.types() == ["http.response.start"]  # headers only
+        assert client.sent[0]["status"] == 200
         gate.set()
         await asyncio.wait_for(serving, 10)
 
     asyncio.run(scenario())
     assert entered == ["settle awaited", "settled"]
-    assert [m["type"] for m in sent][:2] == ["http.response.start", "http.response.body"]
-    assert b"".join(m.get("body", b"") for m in sent[1:]) == b'{"ok": true}'
+    assert client.types()[:2] == ["http.response.start", "http.response.body"]
+    assert b"".join(m.get("body", b"") for m in client.sent[1:]) == b'{"ok": true}'
 
 
 def test_a_client_leaving_while_the_body_waits_for_the_settle_gets_no_body_and_cancels_nothing(
 ) -> None:
-    sent: list[dict[str, Any]] = []
+    client = _Client()
     entered: list[str] = []
 
     async def scenario() -> None:
         gate = asyncio.Event()
-        left = asyncio.Event()
-        incoming = [{"type": "http.request", "body": b"{}", "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if incoming:
-                return incoming.pop(0)
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        router = GatewayRouter(ASGIHandler(), {"/v1/test": _gated_view(gate, entered)})
-        serving = asyncio.create_task(router(SCOPE, receive, send))
-        for _ in range(200):
-            if entered:
-                break
-            await asyncio.sleep(0.01)
-        left.set()  # the client leaves while the body waits
+        serving = await _serving(client, gate, entered)
+        client.leave.set()  # the client leaves while the body waits
         await asyncio.wait_for(serving, 10)
         assert entered == ["settle awaited"]  # the router is done; the settle is not
         gate.set()
-        for _ in range(200):
-            if len(entered) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: len(entered) == 2)
 
     asyncio.run(scenario())
     assert entered == ["settle awaited", "settled"]  # the shielded wait ran to its end
-    assert [m["type"] for m in sent] == ["http.response.start"]  # and no body was sent
+    assert client.types() == ["http.response.start"]  # and no body was sent
 
 
 @pytest.mark.django_db
@@ -183,10 +184,7 @@ def test_a_view_served_by_django_returns_only_once_settled(monkeypatch: pytest.M
         request = RequestFactory().post("/v1/chat/completions", data=b"{}",
                                         content_type="application/json")
         serving = asyncio.create_task(views.chat_completions(request))
-        for _ in range(200):
-            if entered:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: entered)
         returned_early = serving.done()
         gate.set()
         response = await asyncio.wait_for(serving, 10)
