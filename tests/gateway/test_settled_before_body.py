@@ -216,3 +216,37 @@ def test_an_end_that_fails_is_logged_and_the_answer_still_goes(
         asyncio.run(scenario())
     assert any("ending the hold of" in record.getMessage() and record.exc_info
                for record in caplog.records)
+
+
+def test_a_client_leaving_while_the_real_answer_waits_for_its_settle_is_charged_exactly_once(
+) -> None:
+    """The real answer through the router: the settle held back, the headers out, the client
+    leaves before the body. The hold still ends once, with the upstream's own usage: used ==
+    what the upstream produced, nothing pending, one usage event."""
+    tenant = new_tenant()
+    client = _Client()
+
+    async def scenario() -> None:
+        engine = HeldBackSettle(async_engine())
+        call = await open_call(engine, tenant, stream=False)
+
+        async def view(request: Any) -> HttpResponse:
+            return await _complete(call, httpx.Response(
+                200, content=json.dumps(ANSWER).encode()))
+
+        router = GatewayRouter(ASGIHandler(), {"/v1/test": view})
+        serving = asyncio.create_task(router(SCOPE, client.receive, client.send))
+        await asyncio.wait_for(engine.entered.wait(), 10)  # the settle began, held back
+        await _until(lambda: client.sent)
+        assert client.types() == ["http.response.start"]
+        assert counter(tenant) == (0, 200)  # nothing charged yet: the hold is still pending
+        client.leave.set()
+        await asyncio.wait_for(serving, 10)
+        engine.go.set()
+        await settled_background(call)
+
+    asyncio.run(scenario())
+    assert client.types() == ["http.response.start"]  # the body never left
+    assert counter(tenant) == (13, 0)  # 9 + 4: the upstream's usage, pending back to 0
+    [event] = usage_events(tenant)
+    assert (event["outcome"], event["event"]["in"], event["event"]["out"]) == ("settled", 9, 4)
