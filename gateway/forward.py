@@ -112,9 +112,6 @@ class Call:
     obs: Observation | None = None
     # The upstream request made while the reserve was in flight (prepare_upstream), if any.
     prepared: Prepared | None = None
-    # A non-streamed answer's response without its body, made while the upstream answers
-    # (prepare_answer); _complete gives it the body.
-    answer_shell: HttpResponse | None = None
     upstream: Upstream | None = None
     relay: StreamRelay | None = None
     # Handed to an upstream's transport: from here on the upstream may have the call.
@@ -337,26 +334,6 @@ class Call:
             self.headers = rate_headers(self.ctx, self.admission.reservation,
                                         anthropic=self.dialect.api is Api.ANTHROPIC)
         return self.headers
-
-    def prepare_answer(self) -> None:
-        """The answer's response, headers and all but the body, made while the upstream answers:
-        a loop callback scheduled as its request is sent (_answer), when the worker would
-        otherwise wait. From the upstream's answer to the client's, the path is then the usage,
-        the settle's script and the body (about 20 us of the 0.6 ms a call adds at one client).
-        The headers are known by then: they come from the admission, and a wait for an upstream
-        key's capacity, the only later change, is over before the request is sent."""
-        self.answer_shell = HttpResponse(status=200, content_type="application/json",
-                                         headers=self.response_headers())
-
-    def answer(self, body: bytes) -> HttpResponse:
-        """The non-streamed answer: the response prepared while the upstream answered, with
-        this body (made now if there was none)."""
-        response, self.answer_shell = self.answer_shell, None
-        if response is None:
-            return HttpResponse(body, status=200, content_type="application/json",
-                                headers=self.response_headers())
-        response.content = body
-        return response
 
     def response_headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         headers = dict(self.rate_limit_headers())
@@ -747,9 +724,6 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             span = (obs.start_child("upstream.call", **{"tollgate.provider_key": upstream.public_id})
                     if obs.span is not None else None)
             began = obs.upstream_wait()
-            if not call.parsed.stream:
-                # Runs once the request is written and the call waits for the upstream.
-                asyncio.get_running_loop().call_soon(call.prepare_answer)
             try:
                 # Straight to the transport: the client's cookie, auth and redirect layers cost a
                 # measurable share of a request and do nothing for an API call.
@@ -934,7 +908,8 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
     call.begin_settle(usage, outcome=outcome)
     await asyncio.sleep(0)  # the settle's task takes its turn: its script is sent now
     await call.remember(usage)
-    response = call.answer(body)
+    response = HttpResponse(body, status=200, content_type="application/json",
+                            headers=call.response_headers())
     setattr(response, SETTLED_BEFORE_BODY, call.settled)
     return response
 
