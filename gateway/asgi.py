@@ -155,9 +155,13 @@ class GatewayRouter:
             sending.cancelled = True
         except Exception as error:  # noqa: BLE001 - logged below, with the call's ids
             sending.error = error
-        watch.finish()
+        except BaseException:  # e.g. SystemExit: nothing more to do for this call
+            listener.cancel()
+            raise
+        finally:
+            watch.finish()
         # The metered views' Observation (None for the other paths): its ids go on the lines
-        # below, logged outside the view's context.
+        # below (Observation.with_ids binds them, whatever context the code runs in).
         observation = request.__dict__.get("tollgate_observation")
         if not listener.done():
             listener.cancel()
@@ -165,8 +169,9 @@ class GatewayRouter:
                 await listener
             except (asyncio.CancelledError, RequestAborted):
                 pass
-        else:
-            _log_failure(listener, scope.get("path"), observation)
+            except Exception:  # noqa: BLE001, S110 - logged from the task below
+                pass
+        _log_failure(listener, scope.get("path"), observation)
         if sending.error is not None:
             _log_sending_failure(sending.error, scope.get("path"), observation)
         response = sent.get("response")
@@ -312,7 +317,9 @@ class _Sending:
 class _ClientWatch:
     """Cancels the router's task when the disconnect listener ends while the view still runs:
     the client left (or sent what no client sends after its body). It replaces a second task
-    for the view and an `asyncio.wait` racing the two, about 10 us of a call's 0.6 ms.
+    for the view and an `asyncio.wait` racing the two (11 us of a one-client call inside the
+    worker, docs/benchmarks.md). The router's code after the view now runs in the view's
+    context (its request ids bound).
 
     `finish()`, once the view has ended however it did, takes back this watch's own
     cancellation (Task.uncancel), so that only a cancellation from elsewhere (uvicorn stopping
@@ -328,7 +335,10 @@ class _ClientWatch:
         self.cancelled_it = False
 
     def listener_done(self, _listener: asyncio.Task[None]) -> None:
-        if self.running and self.task is not None:
+        # Not when the server is cancelling the call already: the view is ending, and a second
+        # cancellation would cut its clean-up short (as before, when the router cancelled the
+        # listener first).
+        if self.running and self.task is not None and self.task.cancelling() == 0:
             self.cancelled_it = True
             self.task.cancel()
 

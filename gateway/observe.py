@@ -128,8 +128,8 @@ class Observation:
 
     def with_ids(self, work: Callable[..., None], *args: Any) -> None:
         """`work(*args)` in a context of its own holding this call's ids (request, tenant, key),
-        for its log lines: the router finishes calls and logs their failures outside the view's
-        context, where the log format would find no request."""
+        for its log lines, wherever it runs: a call served by Django finishes when Django closes
+        its response, on another thread, where the log format would find no request."""
         contextvars.Context().run(self._bound, work, args)
 
     def _bound(self, work: Callable[..., None], args: tuple[Any, ...]) -> None:

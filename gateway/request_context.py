@@ -7,7 +7,9 @@ request starts (a stream's drain, a hold's end, a checkpoint), so their lines ca
 too. The worker's own tasks (gateway/runtime.py `spawn`: the listener, the flushers) start in an
 empty context instead, whichever request happened to start them. Work handed to a thread pool
 does not inherit it: only the event loop's code is tagged. The router (gateway/asgi.py) runs
-outside the view's context: its lines about a call take the ids from the call's Observation.
+the view in its own task, so its lines after the view carry the ids the view bound; it logs a
+call's end and failures through the call's Observation (`with_ids`) all the same, which binds
+them in a context of its own (a request refused before its view has none).
 
 Set in two places, once per request: `gateway.errors.new_request_id` (every /v1 answer makes
 its id there) and `gateway.views._authenticate` (once the key is known). Never a secret: the
