@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from django.http import HttpResponse
 
 from gateway import views
@@ -102,28 +103,21 @@ def test_the_prepared_request_is_the_one_made_without_it_and_is_used_once() -> N
     asyncio.run(scenario())
 
 
-def test_a_fallback_model_gets_its_own_payload_and_request() -> None:
+@pytest.mark.parametrize(("model", "cap", "field", "sent"), [
+    ("gpt-4o-mini", 100, "model", "gpt-4o-mini"),  # a fallback model
+    ("gpt-4o", 40, "max_tokens", 40),  # a hold shrunk to the headroom: the smaller cap
+])
+def test_an_admission_changing_the_model_or_cap_gets_its_own_payload_and_request(
+        model: str, cap: int, field: str, sent: Any) -> None:
     async def scenario() -> None:
         runtime = _runtime()
         prepared = await _prepared(runtime)
-        call = _call(runtime, "gpt-4o-mini", 100, prepared)
+        call = _call(runtime, model, cap, prepared)
         payload = call.payload()
-        assert json.loads(payload)["model"] == "gpt-4o-mini"
+        assert json.loads(payload)[field] == sent
         request = call.request_for(FIRST, payload)
         assert request is not prepared.request
-        _same_request(request, _fresh(runtime, FIRST, "gpt-4o-mini", 100))
-
-    asyncio.run(scenario())
-
-
-def test_a_hold_shrunk_to_the_headroom_sends_the_smaller_cap() -> None:
-    async def scenario() -> None:
-        runtime = _runtime()
-        prepared = await _prepared(runtime)
-        call = _call(runtime, "gpt-4o", 40, prepared)
-        payload = call.payload()
-        assert json.loads(payload)["max_tokens"] == 40
-        _same_request(call.request_for(FIRST, payload), _fresh(runtime, FIRST, "gpt-4o", 40))
+        _same_request(request, _fresh(runtime, FIRST, model, cap))
 
     asyncio.run(scenario())
 
