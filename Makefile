@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up down test test-browser ci bench bench-ledger bench-background bench-console bench-abuse bench-quota clean
+.PHONY: install up down test test-browser ci bench bench-floor bench-ledger bench-background bench-console bench-abuse bench-quota clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # Settings refuse to load without TOLLGATE_ENV (config/settings.py): the quick start and the
 # benchmarks are development; `make test` runs as test (tests/session_env.py).
-up bench bench-ledger bench-background bench-console bench-quota down clean: export TOLLGATE_ENV ?= development
+up bench bench-floor bench-ledger bench-background bench-console bench-quota down clean: export TOLLGATE_ENV ?= development
 
 # Bring the whole system up on embedded defaults: Redis and PostgreSQL from pip packages under
 # .data/, migrations, the demo tenant / project / key (printed once), the mock upstream on :8099
@@ -50,6 +50,13 @@ ci:
 # request and the gateway's peak RSS (docs/benchmarks.md). ARGS adds options (e.g. --cpu-awake).
 bench: $(STAMP)
 	$(PY) -m config.bench $(ARGS)
+
+# The floor of a plain call: the same call's work (the gateway's own reserve and settle scripts,
+# the upstream call) with the least Python, then with each layer the gateway runs on added
+# (uvicorn, the httpx transport, Django's request and response), and the gateway, by turns at
+# 1 and 16 clients (docs/benchmarks.md, "The floor of a plain call, layer by layer").
+bench-floor: $(STAMP)
+	$(PY) -m config.bench_floor $(ARGS)
 
 # The ledger's readers (tenant and platform reports, dashboard, /metrics) and the drain at 20,000
 # rows and at ROWS (default 20,000,000) synthetic rows COPYed into the partitioned ledger, on

@@ -1,0 +1,519 @@
+"""The floor of a plain call: how fast this design's one-client call can be in Python, and what
+each layer the gateway runs on adds to it (issue 16 item 3; docs/benchmarks.md, "The floor of
+a plain call, layer by layer").
+
+    python -m config.bench_floor [--rounds 3] [--duration 3] [--cpu-awake]
+
+The floor server does a plain chat call's work with the least Python: the key's HMAC digest and
+lookup, the body's JSON parse, the prompt counted with tiktoken, the real reserve script, the
+upstream call, the answer's JSON parse for its usage, the real settle script (its usage event
+included), and the answer sent once the settle has answered, as the gateway does. Its scripts'
+KEYS and ARGV are the gateway's own: captured (MONITOR) from a call through the gateway, then
+replayed with each call's request id, usage and queue deadline (again when a window moves on).
+It has none of the gateway's other work: no metrics, logs, spans, breakers, provider pool,
+timeouts, client watch, error answers or checks beyond the key. So it is a bound, not a
+gateway: what a call of this design costs in Python with nothing else.
+
+Each arm adds one layer to the one before, all on the same embedded system, by turns:
+  floor, own protocol   an asyncio protocol per connection (httptools), raw RESP (hiredis)
+  + uvicorn             the same handler as an ASGI app under uvicorn (uvloop, httptools)
+  + httpx transport     the upstream call as the gateway makes it: an httpx.Request through
+                        the native transport (handle_async_request, read_answer)
+  + Django req/resp     Django's request (ASGIHandler.create_request), HttpResponse and
+                        send_response, as the gateway's router uses them
+  gateway               the gateway itself (every check on, metrics on)
+Printed per arm: added p50 / p99 at one client (against the mock called directly in the same
+round), req/s and worker CPU per call at 16 clients.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import hmac
+import http.client
+import io
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from config import bench
+from config.bench import MOCK_SECRET
+
+ROOT = Path(__file__).resolve().parent.parent
+GATEWAY_PORT, MOCK_PORT = 18410, 18499
+ARMS = [("floor, own protocol", "protocol", 18411), ("+ uvicorn", "uvicorn", 18412),
+        ("+ httpx transport", "httpx", 18413), ("+ Django req/resp", "django", 18414)]
+_ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(rb"\\(x[0-9a-fA-F]{2}|.)")
+_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"a": b"\a", b"b": b"\b"}
+
+
+def _unescape(arg: bytes) -> bytes:
+    """One argument of a MONITOR line (Redis quotes it with C escapes, sdscatrepr)."""
+    def one(m: re.Match[bytes]) -> bytes:
+        e = m.group(1)
+        return bytes([int(e[1:], 16)]) if e[:1] == b"x" else _ESCAPES.get(e, e)
+    return _ESCAPE.sub(one, arg)
+
+
+def _redis_path() -> str:
+    from config import embedded
+
+    return urlparse(embedded.embedded_redis_url(Path(os.environ["TOLLGATE_DATA_DIR"]))).path
+
+
+class Template:
+    """The gateway's reserve and settle calls for the bench's plain chat call, to replay."""
+
+    def __init__(self, reserve: list[bytes], settle: list[bytes], rid: bytes) -> None:
+        self.reserve, self.settle = reserve, settle
+        self.reserve_rid = [i for i, a in enumerate(reserve) if rid in a]
+        self.settle_rid = [i for i, a in enumerate(settle) if rid in a]
+        self.rid = rid
+        nkeys = int(reserve[2])
+        self.index_key = reserve[4]  # KEYS[2], then the N counters
+        argv = 3 + nkeys  # ARGV[1] is reserve[argv]
+        n, r = int(reserve[argv + 4]), int(reserve[argv + 5])
+        self.counter_keys = reserve[5:5 + n]
+        base = argv + 14 + 5 * n + 2 * r  # the queue values follow the counters and buckets
+        self.deadline = base + 2 if len(reserve) > base else None
+        s_argv = 3 + int(settle[2])
+        self.actual, self.event, self.fallback = s_argv + 1, s_argv + 3, s_argv + 5
+        self.event_fields = json.loads(settle[self.event])
+        self.fallback_fields = json.loads(settle[self.fallback])
+
+    def reserve_call(self, rid: bytes) -> list[bytes]:
+        call = list(self.reserve)
+        for i in self.reserve_rid:
+            call[i] = call[i].replace(self.rid, rid)
+        if self.deadline is not None:
+            call[self.deadline] = b"%d" % (time.time() * 1000 + 30_000)
+        return call
+
+    def settle_call(self, rid: bytes, usage: dict[str, int], granted: int,
+                    created: int) -> list[bytes]:
+        call = list(self.settle)
+        for i in self.settle_rid:
+            call[i] = call[i].replace(self.rid, rid)
+        call[self.actual] = b"%d" % (usage["prompt_tokens"] + usage["completion_tokens"])
+        event = dict(self.event_fields, **{"in": usage["prompt_tokens"],
+                                           "out": usage["completion_tokens"]})
+        call[self.event] = json.dumps(event, separators=(",", ":")).encode()
+        fallback = dict(self.fallback_fields, amount=str(granted), created=str(created))
+        call[self.fallback] = json.dumps(fallback, separators=(",", ":")).encode()
+        return call
+
+
+def capture(key: str, body: bytes) -> Template:
+    """One call through the gateway with MONITOR on: its reserve and settle, found by the call's
+    request id (x-request-id)."""
+    mon = socket.socket(socket.AF_UNIX)
+    mon.connect(_redis_path())
+    mon.sendall(b"MONITOR\r\n")
+    feed = b""
+    while b"\r\n" not in feed:
+        feed += mon.recv(65536)
+    conn = http.client.HTTPConnection("127.0.0.1", GATEWAY_PORT, timeout=10)
+    conn.request("POST", "/v1/chat/completions", body, {
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    answer = conn.getresponse()
+    answer.read()
+    if answer.status != 200:
+        raise RuntimeError(f"the gateway answered {answer.status} to the capture's call")
+    rid = answer.headers["x-request-id"].encode()
+    # The call's scripts: its reserve (again after a window mismatch: the last one counts),
+    # then its settle, the last of its scripts (MONITOR feeds them in the order they ran).
+    calls: list[list[bytes]] = []
+    mon.settimeout(0.5)
+    give_up = time.monotonic() + 10
+    while True:
+        try:
+            chunk = mon.recv(1 << 20)
+        except TimeoutError:
+            chunk = b""
+        if not chunk and len({c[1] for c in calls}) >= 2:
+            break
+        if not chunk and time.monotonic() > give_up:
+            raise RuntimeError("the capture did not see the call's reserve and settle")
+        feed += chunk
+        *lines, feed = feed.split(b"\r\n")
+        for line in lines:
+            args = [_unescape(a) for a in _ARG.findall(line)]
+            if args and args[0].upper() == b"EVALSHA" and len(args) > 3 and rid in args[3]:
+                calls.append(args)
+    mon.close()
+    conn.close()
+    reserve = [c for c in calls if c[1] == calls[0][1]][-1]
+    return Template(reserve, calls[-1], rid)
+
+
+def _resp(args: list[bytes]) -> bytes:
+    return b"".join([b"*%d\r\n" % len(args)] + [b"$%d\r\n%s\r\n" % (len(a), a) for a in args])
+
+
+class _Redis(asyncio.Protocol):
+    """RESP over one Unix socket, replies in order (hiredis parses)."""
+
+    def __init__(self) -> None:
+        import hiredis
+
+        self.reader = hiredis.Reader()
+        self.waiting: list[asyncio.Future[Any]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while (reply := self.reader.gets()) is not False:
+            self.waiting.pop(0).set_result(reply)
+
+    def call(self, args: list[bytes]) -> asyncio.Future[Any]:
+        done = asyncio.get_running_loop().create_future()
+        self.waiting.append(done)
+        self.transport.write(_resp(args))
+        return done
+
+
+class _Upstream(asyncio.Protocol):
+    """One keep-alive connection to the mock, its answers parsed by httptools."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.body: list[bytes] = []
+        self.done: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, part: bytes) -> None:
+        self.body.append(part)
+
+    def on_message_complete(self) -> None:
+        done, self.done = self.done, None
+        body, self.body = b"".join(self.body), []
+        if done is not None:
+            done.set_result((self.parser.get_status_code(), body))
+
+    def post(self, payload: bytes) -> asyncio.Future[tuple[int, bytes]]:
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s"
+                             % (MOCK_SECRET.encode(), len(payload), payload))
+        return self.done
+
+
+
+class Floor:
+    """The floor's per-call work (see the module's docstring)."""
+
+    def __init__(self, key: str, body: bytes,
+                 upstream: Callable[[bytes], Any] | None = None) -> None:
+        from gateway.tokens import count_text
+
+        self.count = count_text
+        self.server_secret = secrets.token_bytes(32)
+        self.keys = {self._digest(key.encode()): "the bench key"}
+        self.template = capture(key, body)
+        self.body = body
+        self.key = key
+        self.redis: _Redis | None = None
+        self.pool: list[_Upstream] = []
+        self.capturing: asyncio.Future[Template] | None = None
+        self.upstream = upstream or self._raw_upstream
+
+    async def _capture_again(self) -> None:
+        """A new capture, shared by the calls that found the window moved on meanwhile."""
+        if self.capturing is None or self.capturing.done():
+            self.capturing = asyncio.ensure_future(asyncio.to_thread(capture, self.key, self.body))
+        self.template = await asyncio.shield(self.capturing)
+
+    def _digest(self, key: bytes) -> bytes:
+        return hmac.new(self.server_secret, key, hashlib.sha256).digest()
+
+    async def _redis(self) -> _Redis:
+        if self.redis is None:
+            _, self.redis = await asyncio.get_running_loop().create_unix_connection(
+                _Redis, _redis_path())
+        return self.redis
+
+    async def _raw_upstream(self, payload: bytes) -> tuple[int, bytes]:
+        while self.pool and self.pool[-1].closed:
+            self.pool.pop()
+        if self.pool:
+            conn = self.pool.pop()
+        else:
+            _, conn = await asyncio.get_running_loop().create_connection(
+                _Upstream, "127.0.0.1", MOCK_PORT)
+        answer = await conn.post(payload)
+        self.pool.append(conn)
+        return answer
+
+    async def call(self, authorization: bytes, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """(status, headers, body) of one plain chat call."""
+        if self.keys.get(self._digest(authorization.removeprefix(b"Bearer "))) is None:
+            return 401, [], b""
+        request = json.loads(body)
+        prompt = sum(self.count(m["content"], "o200k_base") for m in request["messages"])
+        redis = await self._redis()
+        rid = b"req_" + secrets.token_hex(12).encode()
+        reply = await redis.call(self.template.reserve_call(rid))
+        if reply[0] == -1:  # a window moved on since the capture: capture again, once
+            await self._capture_again()
+            reply = await redis.call(self.template.reserve_call(rid))
+        if reply[0] != 1:
+            raise RuntimeError(f"the floor's reserve was refused: {reply!r}")
+        payload = json.dumps({"model": request["model"], "messages": request["messages"],
+                              "max_tokens": request["max_tokens"]}).encode()
+        status, answer = await self.upstream(payload)
+        usage = json.loads(answer)["usage"]
+        settled = redis.call(self.template.settle_call(rid, usage, reply[1], reply[2]))
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", rid),
+                   (b"x-ratelimit-remaining-tokens", b"%d" % reply[3]),
+                   (b"x-prompt-tokens-counted", b"%d" % prompt)]
+        if not isinstance(await settled, list):
+            raise RuntimeError("the floor's settle failed")
+        return status, headers, answer
+
+
+def _body() -> bytes:
+    """The bench's plain chat call (config/bench.py)."""
+    return json.dumps(bench._body(bench.Api.CHAT, False, bench.CHAT_MODEL,
+                                  "hello there, how are you today?", None)).encode()
+
+
+def _floor() -> Floor:
+    return Floor(os.environ["FLOOR_KEY"], _body())
+
+
+class _Connection(asyncio.Protocol):
+    """The own-protocol arm: httptools per connection, one call at a time (keep-alive)."""
+
+    def __init__(self, floor: Floor) -> None:
+        import httptools
+
+        self.floor = floor
+        self.parser = httptools.HttpRequestParser(self)
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_body(self, part: bytes) -> None:
+        self.body.append(part)
+
+    def on_message_complete(self) -> None:
+        headers, self.headers = self.headers, {}
+        body, self.body = b"".join(self.body), []
+        asyncio.get_running_loop().create_task(self.answer(headers, body))
+
+    async def answer(self, headers: dict[bytes, bytes], body: bytes) -> None:
+        if not body:  # the readiness probe
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            return
+        try:
+            status, extra, answer = await self.floor.call(headers.get(b"authorization", b""),
+                                                          body)
+        except Exception:
+            self.transport.close()  # the load's client fails at once, not at its timeout
+            raise
+        head = b"".join(b"%s: %s\r\n" % h for h in extra)
+        self.transport.write(b"HTTP/1.1 %d OK\r\n%scontent-length: %d\r\n\r\n%s"
+                             % (status, head, len(answer), answer))
+
+
+async def _read(receive: Callable[[], Any]) -> bytes:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
+def asgi_app(layer: str) -> Callable[..., Any]:
+    """The floor as an ASGI app with `layer` ("uvicorn", "httpx" or "django") and those before."""
+    floor: Floor | None = None
+    handler: Any = None
+    upstream = None
+    if layer in ("httpx", "django"):
+        import httpx
+
+        from gateway.upstream_http import NativeTransport, read_answer
+
+        transport = NativeTransport(max_connections=100)
+        url = f"http://127.0.0.1:{MOCK_PORT}/v1/chat/completions"
+        headers = {"authorization": f"Bearer {MOCK_SECRET}", "content-type": "application/json"}
+        timeouts = {"connect": 5.0, "read": 60.0, "write": 60.0, "pool": 5.0}
+
+        async def upstream(payload: bytes) -> tuple[int, bytes]:
+            response = await transport.handle_async_request(httpx.Request(
+                "POST", url, headers=headers, content=payload, extensions={"timeout": timeouts}))
+            answer = await read_answer(response)
+            await response.aclose()
+            return response.status_code, answer
+    if layer == "django":
+        import django
+        from django.core.handlers.asgi import ASGIHandler
+
+        django.setup()
+        handler = ASGIHandler()
+
+    async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[..., Any]) -> None:
+        nonlocal floor
+        if scope["type"] != "http":
+            return
+        body = await _read(receive)
+        if not body:  # the readiness probe
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if floor is None:
+            floor = _floor()
+            if upstream is not None:
+                floor.upstream = upstream
+        if handler is None:
+            status, extra, answer = await floor.call(dict(scope["headers"]).get(b"authorization", b""), body)
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [*extra, (b"content-length", b"%d" % len(answer))]})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        from django.http import HttpResponse
+
+        request, _ = handler.create_request(scope, io.BytesIO(body))
+        status, extra, answer = await floor.call(
+            request.headers.get("authorization", "").encode(), request.body)
+        response = HttpResponse(answer, status=status, content_type="application/json")
+        for name, value in extra[1:]:
+            response[name.decode()] = value.decode()
+        response["Content-Length"] = str(len(answer))
+        await handler.send_response(response, send)
+
+    return app
+
+
+def application_from_env() -> Callable[..., Any]:
+    return asgi_app(os.environ["FLOOR_LAYER"])
+
+
+async def _serve(port: int) -> None:
+    floor = _floor()
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _Connection(floor), "127.0.0.1", port)
+    await server.serve_forever()
+
+
+def _start(layer: str, port: int, key: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOOR_KEY": key, "FLOOR_LAYER": layer}
+    if layer == "protocol":
+        command = [sys.executable, "-m", "config.bench_floor", "--serve", str(port)]
+    else:
+        command = [sys.executable, "-m", "uvicorn", "config.bench_floor:application_from_env",
+                   "--factory", "--port", str(port), "--loop", "uvloop", "--http", "httptools",
+                   "--log-level", "warning", "--no-access-log", "--no-proxy-headers"]
+    return subprocess.Popen(command, cwd=ROOT, env=env)
+
+
+def _wait(port: int, process: subprocess.Popen[bytes]) -> None:
+    for _ in range(200):
+        if process.poll() is not None:
+            raise RuntimeError(f"the floor server on {port} exited ({process.returncode})")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/")
+            conn.getresponse().read()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the floor server on {port} did not answer")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m config.bench_floor",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--cpu-awake", action="store_true",
+                        help="hold the CPUs out of their idle states (as make bench's option)")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the own-protocol arm
+    args = parser.parse_args(argv)
+    if args.serve:
+        import uvloop
+
+        uvloop.run(_serve(args.serve))
+        return 0
+    with bench.cpus_kept_awake(args.cpu_awake) as idle, \
+            bench.running_system("tgfloor-", GATEWAY_PORT, MOCK_PORT, 1) as (gateway, key):
+        print(f"CPU idle states: {idle}")
+        servers = [(name, _start(layer, port, key), port) for name, layer, port in ARMS]
+        try:
+            for _, process, port in servers:
+                _wait(port, process)
+            arms = [(name, process.pid, port) for name, process, port in servers]
+            arms.append(("gateway", gateway.pid, GATEWAY_PORT))
+            for _, _, port in arms:  # warm each: its connections, caches and first capture
+                bench.load(port, key, False, 4, 0.5)
+            print(f"{'arm':<22} {'round':>5} {'added p50':>10} {'added p99':>10} "
+                  f"{'c=16 req/s':>11} {'CPU ms/call':>12}   (ms; 1 client, then 16)")
+            for round_ in range(1, args.rounds + 1):
+                direct = bench.load(MOCK_PORT, MOCK_SECRET, False, 1, args.duration)
+                for name, pid, port in arms:
+                    one = bench.load(port, key, False, 1, args.duration)
+                    before = bench._cpu_seconds(pid)
+                    many = bench.load(port, key, False, 16, args.duration)
+                    cpu_ms = (bench._cpu_seconds(pid) - before) * 1000 / many.requests
+                    print(f"{name:<22} {round_:>5} {one.pct(50) - direct.pct(50):>10.3f} "
+                          f"{one.pct(99) - direct.pct(99):>10.3f} {many.rps:>11.0f} "
+                          f"{cpu_ms:>12.3f}", flush=True)
+            left = _left_open(key)
+            print(f"after the runs: {left[0]} holds open, {left[1]} tokens pending "
+                  "(every call of every arm settled: 0 and 0)")
+        finally:
+            for _, process, _ in servers:
+                process.terminate()
+            for _, process, _ in servers:
+                process.wait(timeout=15)
+    return 0
+
+
+def _left_open(key: str) -> tuple[int, int]:
+    """Holds still open and amounts still pending in the counters of the bench's call (named by
+    a last capture, whose own call settles too)."""
+    import redis
+
+    template = capture(key, _body())
+    client = redis.Redis(unix_socket_path=_redis_path())
+    pending = sum(int(client.hget(name, "pending") or 0) for name in template.counter_keys)
+    return int(client.zcard(template.index_key)), pending
+
+
+if __name__ == "__main__":
+    sys.exit(main())
