@@ -126,7 +126,7 @@ _PATHS = {Api.CHAT: b"/v1/chat/completions", Api.RESPONSES: b"/v1/responses",
           Api.MESSAGES: b"/v1/messages"}
 
 
-def _body(api: Api, stream: bool, model: str, content: str,
+def request_body(api: Api, stream: bool, model: str, content: str,
           previous_response_id: str | None) -> dict[str, Any]:
     """The same short call in each API: one user turn, an answer capped at OUTPUT_TOKENS."""
     body: dict[str, Any]
@@ -152,7 +152,7 @@ def _request_bytes(key: str, stream: bool, model: str = CHAT_MODEL,
     anthropic-version); the others with a bearer key."""
     if previous_response_id is not None and api is not Api.RESPONSES:
         raise ValueError("previous_response_id belongs to the Responses API")
-    payload = json.dumps(_body(api, stream, model, content, previous_response_id)).encode()
+    payload = json.dumps(request_body(api, stream, model, content, previous_response_id)).encode()
     forwarded = (b"X-Forwarded-For: " + forwarded_for.encode() + b"\r\n"
                  if forwarded_for is not None else b"")
     auth = (b"x-api-key: " + key.encode() + b"\r\nanthropic-version: "
@@ -316,9 +316,9 @@ class Work:
 
 def measured(gateway_pid: int, work: Work, run: Callable[[], Result]) -> Result:
     """Run one load through the gateway and add what it cost to `work`."""
-    before, cpu_before = _server_counters(), _cpu_seconds(gateway_pid)
+    before, cpu_before = _server_counters(), cpu_seconds(gateway_pid)
     result = run()
-    work.add(result.requests, before, _server_counters(), _cpu_seconds(gateway_pid) - cpu_before)
+    work.add(result.requests, before, _server_counters(), cpu_seconds(gateway_pid) - cpu_before)
     return result
 
 
@@ -362,8 +362,9 @@ def _rss_mb(parent_pid: int, field: str = "VmRSS:") -> float:
     return largest / 1024
 
 
-def _cpu_seconds(parent_pid: int) -> float:
-    """User + system CPU time used so far by the gateway's worker processes."""
+def cpu_seconds(parent_pid: int) -> float:
+    """User + system CPU time used so far by a server's worker processes: the children of
+    `parent_pid` (uvicorn's with --workers), or the process itself when it has none."""
     ticks = 0
     for pid in _worker_pids(parent_pid):
         # Fields 14 and 15 of /proc/<pid>/stat, counted after the parenthesised command name.
@@ -592,10 +593,10 @@ def transport_bench(key: str, mock_port: int, gateway_port: int, kinds: list[str
                     direct = load(mock_port, MOCK_SECRET, stream, level, seconds, model)
                     for kind in order:
                         pid = processes[kind].pid
-                        cpu_before = _cpu_seconds(pid)
+                        cpu_before = cpu_seconds(pid)
                         through = load(ports[kind], key, stream, level, seconds, model)
                         runs.append(TransportRun(round_, kind, name, level, through, direct,
-                                                 _cpu_seconds(pid) - cpu_before))
+                                                 cpu_seconds(pid) - cpu_before))
     finally:
         for process in processes.values():
             process.terminate()

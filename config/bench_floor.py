@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import hashlib
 import hmac
+import http
 import http.client
 import io
 import json
@@ -41,7 +42,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -56,6 +57,11 @@ ARMS = [("floor, own protocol", "protocol", 18411), ("+ uvicorn", "uvicorn", 184
 _ARG = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(rb"\\(x[0-9a-fA-F]{2}|.)")
 _ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"a": b"\a", b"b": b"\b"}
+_SETTLE_ARGV = 7  # lua/settle.lua with its wake channel: request id ... fallback, channel
+# What the mock answers to the bench's call (input, output tokens), every time: the replayed
+# money (the settle's actual_money, the reserve's amounts) are the captured call's, so they are
+# right only for this usage, which every call checks.
+_MOCK_USAGE = (6, 16)
 
 
 def _unescape(arg: bytes) -> bytes:
@@ -91,6 +97,7 @@ class Template:
         self.actual, self.event, self.fallback = s_argv + 1, s_argv + 3, s_argv + 5
         self.event_fields = json.loads(settle[self.event])
         self.fallback_fields = json.loads(settle[self.fallback])
+        self.usage = (self.event_fields["in"], self.event_fields["out"])
 
     def reserve_call(self, rid: bytes) -> list[bytes]:
         call = list(self.reserve)
@@ -102,6 +109,9 @@ class Template:
 
     def settle_call(self, rid: bytes, usage: dict[str, int], granted: int,
                     created: int) -> list[bytes]:
+        if (usage["prompt_tokens"], usage["completion_tokens"]) != self.usage:
+            raise ValueError(f"usage {usage} is not the captured call's {self.usage}: its "
+                             "replayed money would be wrong")
         call = list(self.settle)
         for i in self.settle_rid:
             call[i] = call[i].replace(self.rid, rid)
@@ -132,29 +142,37 @@ def capture(key: str, body: bytes) -> Template:
         raise RuntimeError(f"the gateway answered {answer.status} to the capture's call")
     rid = answer.headers["x-request-id"].encode()
     # The call's scripts: its reserve (again after a window mismatch: the last one counts),
-    # then its settle, the last of its scripts (MONITOR feeds them in the order they ran).
+    # then its settle, the first of another script with the settle's 7 ARGV (MONITOR feeds
+    # them in the order they ran; a plain call runs no other script between the two).
     calls: list[list[bytes]] = []
-    mon.settimeout(0.5)
+    mon.settimeout(1.0)
     give_up = time.monotonic() + 10
-    while True:
-        try:
-            chunk = mon.recv(1 << 20)
-        except TimeoutError:
-            chunk = b""
-        if not chunk and len({c[1] for c in calls}) >= 2:
-            break
-        if not chunk and time.monotonic() > give_up:
-            raise RuntimeError("the capture did not see the call's reserve and settle")
-        feed += chunk
-        *lines, feed = feed.split(b"\r\n")
-        for line in lines:
-            args = [_unescape(a) for a in _ARG.findall(line)]
-            if args and args[0].upper() == b"EVALSHA" and len(args) > 3 and rid in args[3]:
-                calls.append(args)
-    mon.close()
-    conn.close()
+    try:
+        while not (calls and calls[-1][1] != calls[0][1]):
+            if time.monotonic() > give_up:
+                raise RuntimeError("the capture did not see the call's reserve and settle")
+            try:
+                feed += mon.recv(1 << 20)
+            except TimeoutError:
+                continue
+            *lines, feed = feed.split(b"\r\n")
+            for line in lines:
+                args = [_unescape(a) for a in _ARG.findall(line)]
+                if (len(args) > 3 and args[0].upper() == b"EVALSHA" and rid in args[3]
+                        and (not calls or args[1] == calls[0][1]
+                             or len(args) == 3 + int(args[2]) + _SETTLE_ARGV)):
+                    calls.append(args)
+                    if args[1] != calls[0][1]:
+                        break
+    finally:
+        mon.close()
+        conn.close()
     reserve = [c for c in calls if c[1] == calls[0][1]][-1]
-    return Template(reserve, calls[-1], rid)
+    template = Template(reserve, calls[-1], rid)
+    if template.usage != _MOCK_USAGE:
+        raise RuntimeError(f"the captured call used {template.usage}, not the mock's "
+                           f"{_MOCK_USAGE}: the replayed money would be wrong")
+    return template
 
 
 def _resp(args: list[bytes]) -> bytes:
@@ -224,12 +242,11 @@ class _Upstream(asyncio.Protocol):
         return self.done
 
 
-
 class Floor:
     """The floor's per-call work (see the module's docstring)."""
 
     def __init__(self, key: str, body: bytes,
-                 upstream: Callable[[bytes], Any] | None = None) -> None:
+                 upstream: Callable[[bytes], Awaitable[tuple[int, bytes]]] | None = None) -> None:
         from gateway.tokens import count_text
 
         self.count = count_text
@@ -243,11 +260,12 @@ class Floor:
         self.capturing: asyncio.Future[Template] | None = None
         self.upstream = upstream or self._raw_upstream
 
-    async def _capture_again(self) -> None:
+    async def _capture_again(self) -> Template:
         """A new capture, shared by the calls that found the window moved on meanwhile."""
         if self.capturing is None or self.capturing.done():
             self.capturing = asyncio.ensure_future(asyncio.to_thread(capture, self.key, self.body))
         self.template = await asyncio.shield(self.capturing)
+        return self.template
 
     def _digest(self, key: bytes) -> bytes:
         return hmac.new(self.server_secret, key, hashlib.sha256).digest()
@@ -270,7 +288,8 @@ class Floor:
         self.pool.append(conn)
         return answer
 
-    async def call(self, authorization: bytes, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    async def call(self, authorization: bytes,
+                   body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """(status, headers, body) of one plain chat call."""
         if self.keys.get(self._digest(authorization.removeprefix(b"Bearer "))) is None:
             return 401, [], b""
@@ -278,29 +297,32 @@ class Floor:
         prompt = sum(self.count(m["content"], "o200k_base") for m in request["messages"])
         redis = await self._redis()
         rid = b"req_" + secrets.token_hex(12).encode()
-        reply = await redis.call(self.template.reserve_call(rid))
+        template = self.template
+        reply = await redis.call(template.reserve_call(rid))
         if reply[0] == -1:  # a window moved on since the capture: capture again, once
-            await self._capture_again()
-            reply = await redis.call(self.template.reserve_call(rid))
+            template = await self._capture_again()
+            reply = await redis.call(template.reserve_call(rid))
         if reply[0] != 1:
             raise RuntimeError(f"the floor's reserve was refused: {reply!r}")
         payload = json.dumps({"model": request["model"], "messages": request["messages"],
                               "max_tokens": request["max_tokens"]}).encode()
         status, answer = await self.upstream(payload)
         usage = json.loads(answer)["usage"]
-        settled = redis.call(self.template.settle_call(rid, usage, reply[1], reply[2]))
+        # The settle names the counters its reserve held (a capture meanwhile does not move it).
+        settled = redis.call(template.settle_call(rid, usage, reply[1], reply[2]))
         headers = [(b"content-type", b"application/json"), (b"x-request-id", rid),
                    (b"x-ratelimit-remaining-tokens", b"%d" % reply[3]),
                    (b"x-prompt-tokens-counted", b"%d" % prompt)]
-        if not isinstance(await settled, list):
-            raise RuntimeError("the floor's settle failed")
+        outcome = await settled
+        if not isinstance(outcome, list) or outcome[0] != b"settled":
+            raise RuntimeError(f"the floor's settle did not settle: {outcome!r}")
         return status, headers, answer
 
 
 def _body() -> bytes:
     """The bench's plain chat call (config/bench.py)."""
-    return json.dumps(bench._body(bench.Api.CHAT, False, bench.CHAT_MODEL,
-                                  "hello there, how are you today?", None)).encode()
+    return json.dumps(bench.request_body(bench.Api.CHAT, False, bench.CHAT_MODEL,
+                                         "hello there, how are you today?", None)).encode()
 
 
 def _floor() -> Floor:
@@ -308,7 +330,9 @@ def _floor() -> Floor:
 
 
 class _Connection(asyncio.Protocol):
-    """The own-protocol arm: httptools per connection, one call at a time (keep-alive)."""
+    """The own-protocol arm: httptools per keep-alive connection. Each request is answered in a
+    task of its own: enough for the bench's clients, which wait for each answer (a pipelining
+    client could get its answers out of order)."""
 
     def __init__(self, floor: Floor) -> None:
         import httptools
@@ -346,8 +370,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()  # the load's client fails at once, not at its timeout
             raise
         head = b"".join(b"%s: %s\r\n" % h for h in extra)
-        self.transport.write(b"HTTP/1.1 %d OK\r\n%scontent-length: %d\r\n\r\n%s"
-                             % (status, head, len(answer), answer))
+        reason = http.HTTPStatus(status).phrase.encode()
+        self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n\r\n%s"
+                             % (status, reason, head, len(answer), answer))
 
 
 async def _read(receive: Callable[[], Any]) -> bytes:
@@ -363,7 +388,7 @@ def asgi_app(layer: str) -> Callable[..., Any]:
     """The floor as an ASGI app with `layer` ("uvicorn", "httpx" or "django") and those before."""
     floor: Floor | None = None
     handler: Any = None
-    upstream = None
+    upstream: Callable[[bytes], Awaitable[tuple[int, bytes]]] | None = None
     if layer in ("httpx", "django"):
         import httpx
 
@@ -374,12 +399,14 @@ def asgi_app(layer: str) -> Callable[..., Any]:
         headers = {"authorization": f"Bearer {MOCK_SECRET}", "content-type": "application/json"}
         timeouts = {"connect": 5.0, "read": 60.0, "write": 60.0, "pool": 5.0}
 
-        async def upstream(payload: bytes) -> tuple[int, bytes]:
+        async def through_transport(payload: bytes) -> tuple[int, bytes]:
             response = await transport.handle_async_request(httpx.Request(
                 "POST", url, headers=headers, content=payload, extensions={"timeout": timeouts}))
             answer = await read_answer(response)
             await response.aclose()
             return response.status_code, answer
+
+        upstream = through_transport
     if layer == "django":
         import django
         from django.core.handlers.asgi import ASGIHandler
@@ -387,7 +414,8 @@ def asgi_app(layer: str) -> Callable[..., Any]:
         django.setup()
         handler = ASGIHandler()
 
-    async def app(scope: dict[str, Any], receive: Callable[[], Any], send: Callable[..., Any]) -> None:
+    async def app(scope: dict[str, Any], receive: Callable[[], Any],
+                  send: Callable[..., Any]) -> None:
         nonlocal floor
         if scope["type"] != "http":
             return
@@ -401,7 +429,8 @@ def asgi_app(layer: str) -> Callable[..., Any]:
             if upstream is not None:
                 floor.upstream = upstream
         if handler is None:
-            status, extra, answer = await floor.call(dict(scope["headers"]).get(b"authorization", b""), body)
+            authorization = dict(scope["headers"]).get(b"authorization", b"")
+            status, extra, answer = await floor.call(authorization, body)
             await send({"type": "http.response.start", "status": status,
                         "headers": [*extra, (b"content-length", b"%d" % len(answer))]})
             await send({"type": "http.response.body", "body": answer})
@@ -487,15 +516,16 @@ def main(argv: list[str] | None = None) -> int:
                 direct = bench.load(MOCK_PORT, MOCK_SECRET, False, 1, args.duration)
                 for name, pid, port in arms:
                     one = bench.load(port, key, False, 1, args.duration)
-                    before = bench._cpu_seconds(pid)
+                    before = bench.cpu_seconds(pid)
                     many = bench.load(port, key, False, 16, args.duration)
-                    cpu_ms = (bench._cpu_seconds(pid) - before) * 1000 / many.requests
+                    cpu_ms = (bench.cpu_seconds(pid) - before) * 1000 / many.requests
                     print(f"{name:<22} {round_:>5} {one.pct(50) - direct.pct(50):>10.3f} "
                           f"{one.pct(99) - direct.pct(99):>10.3f} {many.rps:>11.0f} "
                           f"{cpu_ms:>12.3f}", flush=True)
-            left = _left_open(key)
-            print(f"after the runs: {left[0]} holds open, {left[1]} tokens pending "
-                  "(every call of every arm settled: 0 and 0)")
+            holds, pending = _left_open(key)
+            print(f"after the runs: {holds} holds open, {pending} pending in the call's counters")
+            if holds or pending:
+                raise SystemExit("a call was left unsettled: the figures above are not a floor")
         finally:
             for _, process, _ in servers:
                 process.terminate()
@@ -505,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _left_open(key: str) -> tuple[int, int]:
-    """Holds still open and amounts still pending in the counters of the bench's call (named by
-    a last capture, whose own call settles too)."""
+    """Holds still open, and what is still pending (tokens, micro-dollars) in the counters of the
+    bench's call in the current windows (named by a last capture, whose own call settles too)."""
     import redis
 
     template = capture(key, _body())

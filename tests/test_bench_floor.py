@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from config.bench_floor import _ARG, Template, _unescape
 
 OLD = b"req_000000000000000000000000"
@@ -64,10 +66,18 @@ def test_a_reserve_without_the_queue_has_no_deadline_to_move() -> None:
 def test_each_settle_gets_its_request_id_usage_and_hold() -> None:
     settle = _settle()
     template = Template(_reserve(queue=True), settle, OLD)
-    call = template.settle_call(NEW, {"prompt_tokens": 7, "completion_tokens": 5}, 33, 1234)
+    call = template.settle_call(NEW, {"prompt_tokens": 6, "completion_tokens": 16}, 33, 1234)
     assert call[3] == b"tg:{t1}:hold:" + NEW and call[7] == NEW
-    assert call[8] == b"12"  # actual: input + output
-    assert json.loads(call[10]) == {"in": 7, "out": 5, "st": 200, "outcome": "complete"}
+    assert call[8] == b"22"  # actual: input + output
+    assert json.loads(call[10]) == {"in": 6, "out": 16, "st": 200, "outcome": "complete"}
     assert json.loads(call[12]) == {"units": [0], "amount": "33", "created": "1234", "meta": "{}"}
     unchanged = [i for i in range(len(settle)) if i not in (3, 7, 8, 10, 12)]
     assert [call[i] for i in unchanged] == [settle[i] for i in unchanged]
+
+
+def test_a_settle_of_another_usage_is_refused() -> None:
+    """The replayed money (the settle's actual_money) is the captured call's: right only for its
+    usage."""
+    template = Template(_reserve(queue=True), _settle(), OLD)
+    with pytest.raises(ValueError, match="captured call's"):
+        template.settle_call(NEW, {"prompt_tokens": 7, "completion_tokens": 16}, 33, 1234)
