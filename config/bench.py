@@ -127,7 +127,7 @@ _PATHS = {Api.CHAT: b"/v1/chat/completions", Api.RESPONSES: b"/v1/responses",
 
 
 def request_body(api: Api, stream: bool, model: str, content: str,
-          previous_response_id: str | None) -> dict[str, Any]:
+                 previous_response_id: str | None) -> dict[str, Any]:
     """The same short call in each API: one user turn, an answer capped at OUTPUT_TOKENS."""
     body: dict[str, Any]
     if api is Api.RESPONSES:
