@@ -15,7 +15,9 @@ timeouts, client watch, error answers or checks beyond the key. So it is a bound
 gateway: what a call of this design costs in Python with nothing else.
 
 Each arm adds one layer to the one before, all on the same embedded system, by turns:
-  floor, own protocol   an asyncio protocol per connection (httptools), raw RESP (hiredis)
+  floor, own protocol   an asyncio protocol per connection (httptools); the scripts, here and
+                        in every arm, through the gateway's own script connections
+                        (quotas/script_pool.py)
   + uvicorn             the same handler as an ASGI app under uvicorn (uvloop, httptools)
   + httpx transport     the upstream call as the gateway makes it: an httpx.Request through
                         the native transport (handle_async_request, read_answer)
@@ -49,6 +51,7 @@ from urllib.parse import urlparse
 
 from config import bench
 from config.bench import MOCK_SECRET
+from quotas.script_pool import ScriptPool
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_PORT, MOCK_PORT = 18410, 18499
@@ -175,34 +178,6 @@ def capture(key: str, body: bytes) -> Template:
     return template
 
 
-def _resp(args: list[bytes]) -> bytes:
-    return b"".join([b"*%d\r\n" % len(args)] + [b"$%d\r\n%s\r\n" % (len(a), a) for a in args])
-
-
-class _Redis(asyncio.Protocol):
-    """RESP over one Unix socket, replies in order (hiredis parses)."""
-
-    def __init__(self) -> None:
-        import hiredis
-
-        self.reader = hiredis.Reader()
-        self.waiting: list[asyncio.Future[Any]] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: Any = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.reader.feed(data)
-        while (reply := self.reader.gets()) is not False:
-            self.waiting.pop(0).set_result(reply)
-
-    def call(self, args: list[bytes]) -> asyncio.Future[Any]:
-        done = asyncio.get_running_loop().create_future()
-        self.waiting.append(done)
-        self.transport.write(_resp(args))
-        return done
-
-
 class _Upstream(asyncio.Protocol):
     """One keep-alive connection to the mock, its answers parsed by httptools."""
 
@@ -255,7 +230,8 @@ class Floor:
         self.template = capture(key, body)
         self.body = body
         self.key = key
-        self.redis: _Redis | None = None
+        # The scripts go through the gateway's own script connections (quotas/script_pool.py).
+        self.redis = ScriptPool(size=32, timeout=5.0, path=_redis_path())
         self.pool: list[_Upstream] = []
         self.capturing: asyncio.Future[Template] | None = None
         self.upstream = upstream or self._raw_upstream
@@ -269,12 +245,6 @@ class Floor:
 
     def _digest(self, key: bytes) -> bytes:
         return hmac.new(self.server_secret, key, hashlib.sha256).digest()
-
-    async def _redis(self) -> _Redis:
-        if self.redis is None:
-            _, self.redis = await asyncio.get_running_loop().create_unix_connection(
-                _Redis, _redis_path())
-        return self.redis
 
     async def _raw_upstream(self, payload: bytes) -> tuple[int, bytes]:
         while self.pool and self.pool[-1].closed:
@@ -295,8 +265,8 @@ class Floor:
             return 401, [], b""
         request = json.loads(body)
         prompt = sum(self.count(m["content"], "o200k_base") for m in request["messages"])
-        redis = await self._redis()
-        rid = b"req_" + secrets.token_hex(12).encode()
+        redis = self.redis
+        rid = b"req_" + secrets.token_hex(12).encode()  # the gateway's form (new_request_id)
         template = self.template
         reply = await redis.call(template.reserve_call(rid))
         if reply[0] == -1:  # a window moved on since the capture: capture again, once
@@ -309,12 +279,13 @@ class Floor:
         status, answer = await self.upstream(payload)
         usage = json.loads(answer)["usage"]
         # The settle names the counters its reserve held (a capture meanwhile does not move it).
-        settled = redis.call(template.settle_call(rid, usage, reply[1], reply[2]))
+        settled = asyncio.get_running_loop().create_task(
+            redis.call(template.settle_call(rid, usage, reply[1], reply[2])))
         headers = [(b"content-type", b"application/json"), (b"x-request-id", rid),
                    (b"x-ratelimit-remaining-tokens", b"%d" % reply[3]),
                    (b"x-prompt-tokens-counted", b"%d" % prompt)]
         outcome = await settled
-        if not isinstance(outcome, list) or outcome[0] != b"settled":
+        if not isinstance(outcome, list) or outcome[0] != "settled":
             raise RuntimeError(f"the floor's settle did not settle: {outcome!r}")
         return status, headers, answer
 
