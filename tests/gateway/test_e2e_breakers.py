@@ -38,7 +38,9 @@ from tests.support.gateway_calls import SHARED_PROVIDER_SECRET, billed, unique_m
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
 MIN_CALLS = 4
-COOLDOWN_S = 4
+# Long enough for the 12 calls after the opening to be served before the cool-down ends,
+# even on a loaded machine (a probe to A would then be among them).
+COOLDOWN_S = 8
 PROBES = 2
 BREAKER_ENV = {
     "TOLLGATE_BREAKER_MIN_CALLS": str(MIN_CALLS), "TOLLGATE_BREAKER_ERROR_PERCENT": "50",
@@ -197,7 +199,9 @@ def test_resets_open_the_key_breaker_traffic_moves_to_b_then_probes_close_it(
     # the worker whose record opened it, at the time it published.
     assert wait_until(lambda: ("provider_key.breaker_opened", None)
                       in audit_actions(django_db_blocker, k.a.public_id))
-    time.sleep(0.2)
+    # The message is published before the audit row is written, but each gateway's listener
+    # applies it on its own loop: a margin for a loaded machine (0.2 s was tight).
+    time.sleep(1.0)
     tried_a = mock_requests(mock_upstream, k.secret_a)
     after = [chat(gateways[i % 2], t, model) for i in range(12)]
     answers += after
@@ -242,7 +246,7 @@ def test_a_hanging_key_is_skipped_once_open_so_no_call_waits_for_it(
     assert len(timeouts) == MIN_CALLS and {a.status for a in timeouts} == {504}
     assert wait_until(lambda: audit_actions(django_db_blocker, k.a.public_id)
                       == [("provider_key.breaker_opened", None)])
-    time.sleep(0.2)
+    time.sleep(1.0)  # each gateway's listener applies the message (see the test above)
     tried_a = mock_requests(mock_upstream, k.secret_a)
     after = [chat(gateways[i % 2], t, model) for i in range(12)]
     answers += after

@@ -4,7 +4,6 @@ request counter and histogram count is checked exactly; tokens and cost against 
 the same calls leave (drained here), which price each call independently of the gateway."""
 from __future__ import annotations
 
-import time
 import uuid
 from collections import Counter as Tally
 from collections.abc import Iterator
@@ -119,8 +118,21 @@ def test_every_outcome_is_counted_once_across_two_workers(
     _leave_mid_stream(server, tenant.plaintext, left_model)
 
     assert wait_until(lambda: _open_holds(engine, tenant) == 0, timeout=20)
-    time.sleep(1.0)  # every worker's tally is written (TOLLGATE_METRICS_FLUSH_SECONDS=0.2)
-    got = _scrape(server)
+    # Every worker's tally is written every TOLLGATE_METRICS_FLUSH_SECONDS (0.2 s), and a
+    # hold's end is tallied after its script answers: scrape until the last calls' figures are
+    # in (a fixed pause was not always enough on a loaded machine), then check them all.
+    scraped: list[dict[str, float]] = []
+
+    def complete() -> bool:
+        scraped.append(_scrape(server))
+        last = scraped[-1]
+        return (sum(v for k, v in last.items() if k.startswith("tollgate_requests_total{"))
+                >= PLAIN_CALLS + 6
+                and last.get('tollgate_holds_total{event="settled"}', 0) >= PLAIN_CALLS + 3
+                and last.get('tollgate_holds_total{event="released"}', 0) >= 1)
+
+    wait_until(complete, timeout=20)
+    got = scraped[-1]
 
     # Both workers wrote figures (each has its own files in the shared directory).
     pids = {p.stem.rsplit("_", 1)[-1] for p in (tmp_path / "prometheus").glob("counter_*.db")}

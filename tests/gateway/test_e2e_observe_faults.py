@@ -205,16 +205,20 @@ def test_a_settle_that_finds_no_live_hold_is_not_counted_over_it(
     t = make_tenant(requests_per_second=1000)
     real = AsyncQuotaEngine.settle
     attempts = []
+    returned = []  # attempts whose script answered: the hold's end is tallied right after
 
     async def settle(self: AsyncQuotaEngine, hold: Any, actual: int, event: str = "",
                      actual_money: int = 0) -> Any:
         attempts.append(actual)
         if fault == "hold_record_lost":  # a failover without the record
             await self.client.delete(keys.hold_key(hold.tenant, hold.request_id))
-            return await real(self, hold, actual, event, actual_money)
+            result = await real(self, hold, actual, event, actual_money)
+            returned.append(actual)
+            return result
         result = await real(self, hold, actual, event, actual_money)
         if len(attempts) == 1:
             raise QuotaStoreUnavailable("connection lost before the reply")  # applied
+        returned.append(actual)
         return result
 
     monkeypatch.setattr(AsyncQuotaEngine, "settle", settle)
@@ -224,11 +228,15 @@ def test_a_settle_that_finds_no_live_hold_is_not_counted_over_it(
         before.append(_hold_figures())
         answer = await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4,
                                                   "messages": HI})
-        for _ in range(100):  # the retry comes 0.2 s after the first attempt
-            if len(attempts) == (2 if fault == "reply_lost_then_retried" else 1):
+        # Until the attempt that answers has returned (the retry comes 0.2 s after the first
+        # attempt, in the background): waiting for it to start was not enough on a loaded
+        # machine, where its round trip could outlast a fixed pause and be cancelled with the
+        # app. Its tally (Call._timed_end) runs as soon as it returns, in the same task.
+        for _ in range(400):
+            if returned:
                 break
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         return answer
 
     answer = run_app(work)
@@ -236,6 +244,8 @@ def test_a_settle_that_finds_no_live_hold_is_not_counted_over_it(
     over_calls, over_tokens, settled = (a - b for a, b in zip(_hold_figures(), before[0],
                                                               strict=True))
     assert attempts and all(n == attempts[0] for n in attempts) and 0 < attempts[0] < 100
+    assert len(attempts) == (2 if fault == "reply_lost_then_retried" else 1)
+    assert returned == attempts[-1:]
     assert (over_calls, over_tokens, settled) == (0, 0, 1)
 
 

@@ -94,7 +94,9 @@ def test_waiters_are_admitted_in_arrival_order_across_workers(
             finished.append(index)
             headers[index] = raw.headers.get(WAIT_HEADER)
 
-    threads = [threading.Thread(target=call, args=(-1, f"{base}@first_byte_ms=4000"))]
+    # The holder's call must outlast the queueing of all 30 waiters, one by one, on a loaded
+    # machine (4 s did not always): the test waits for it once they are queued.
+    threads = [threading.Thread(target=call, args=(-1, f"{base}@first_byte_ms=12000"))]
     threads[0].start()
     assert wait_until(lambda: len(engine.open_hold_ids(t.tag)) == 1)
     for i in range(waiters):
@@ -122,9 +124,9 @@ def test_queue_full_and_a_client_that_leaves(
     t = make_tenant(plan=queue_plan(django_db_blocker, 30), key_options={"max_concurrency": 1})
     base = unique_model("queue-full")
     holder = threading.Thread(target=lambda: client_for(bounded_gateway, t.plaintext).chat
-                              .completions.create(model=f"{base}@first_byte_ms=3000",
+                              .completions.create(model=f"{base}@first_byte_ms=10000",
                                                   messages=MESSAGES, max_tokens=5))
-    holder.start()
+    holder.start()  # it holds the key's one slot while the steps below run (10 s of margin)
     assert wait_until(lambda: len(engine.open_hold_ids(t.tag)) == 1)
 
     # A client that gives up after 0.5 s: its waiter leaves the queue.
@@ -311,16 +313,17 @@ def test_two_plans_waiting_for_one_provider_key_the_higher_first(
     gateway: GatewayServer, make_tenant: MakeTenant, engine: QuotaEngine,
     django_db_blocker: Any, mock_upstream: MockUpstream, tmp_path: Any,
 ) -> None:
-    """Shared capacity: one provider key allows 30 requests a minute (one each 2 s) and is the
+    """Shared capacity: one provider key allows 15 requests a minute (one each 4 s) and is the
     only key serving the model; tenants of a standard-like plan (priority 10) and an
     enterprise-like one (20) wait for it, arriving in turn: every enterprise call is served
-    before every standard one, each plan in arrival order."""
-    rpm = 30
+    before every standard one, each plan in arrival order. (All four must be queued before the
+    first slot comes back: 4 s leaves a loaded machine room; 2 s did not always.)"""
+    rpm = 15
     low = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=10))
     high = make_tenant(plan=queue_plan(django_db_blocker, 40, priority=20))
     with only_capped_key(django_db_blocker, mock_upstream, gateway, tmp_path, rpm,
                          low.plaintext) as (cap, model, server):
-        drain_capacity(engine, cap.pk, rpm)  # the next request comes in 2 s
+        drain_capacity(engine, cap.pk, rpm)  # the next request comes in 4 s
         finished: list[str] = []
         lock = threading.Lock()
 

@@ -390,11 +390,13 @@ def test_client_leaving_a_slow_stream_is_billed_for_what_it_got(mock: MockUpstre
     key = _key()
     client = client_for(mock, key)
     stream = client.chat.completions.create(
-        model="gpt-4o@chunk_ms=300", messages=[{"role": "user", "content": "hi"}], stream=True)
+        model="gpt-4o@chunk_ms=1000", messages=[{"role": "user", "content": "hi"}], stream=True)
     iterator = iter(stream)
     next(iterator)  # role
     next(iterator)
-    next(iterator)  # two words in; the server now waits 300 ms before the third
+    # Two words in; the server now waits 1 s before the third (a loaded machine may stall this
+    # process for a few hundred ms before the close: it must still come first).
+    next(iterator)
     stream.close()
     deadline = time.monotonic() + 5
     while not usage_totals(mock, key)["completions"] and time.monotonic() < deadline:
