@@ -452,9 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-awake", action="store_true",
                         help="keep the CPUs out of idle states for the run (/dev/cpu_dma_latency "
                              "held at 0; root): figures without the idle wake-ups' cost")
+    parser.add_argument("--wrk", action="store_true",
+                        help="also measure the plain call at one connection with wrk (the "
+                             "issue's load generator; Debian's package, on PATH), after the "
+                             "scenarios: p50 / p90 / p99 direct, through the gateway and added")
     parser.add_argument("--gateway-port", type=int, default=18000)
     parser.add_argument("--mock-port", type=int, default=18099)
     args = parser.parse_args(argv)
+    if args.wrk and shutil.which("wrk") is None:
+        parser.error("--wrk needs wrk on PATH (apt-get install wrk)")
 
     with cpus_kept_awake(args.cpu_awake) as idle_states, \
             running_system("tgb-", args.gateway_port, args.mock_port,
@@ -497,6 +503,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{through.pct(50) - direct.pct(50):>8.2f} "
                       f"{through.pct(90) - direct.pct(90):>8.2f} "
                       f"{through.pct(99) - direct.pct(99):>8.2f}")
+        if args.wrk:
+            direct_wrk = wrk_load(args.mock_port, MOCK_SECRET, args.duration)
+            through_wrk = wrk_load(args.gateway_port, key, args.duration)
+            for name, w in (("plain direct (wrk)", direct_wrk),
+                            ("plain via gateway (wrk)", through_wrk)):
+                print(f"{name:<34} {1:>7} {w.rps:>8.0f} {w.p50:>8.2f} {w.p90:>8.2f} {w.p99:>8.2f}")
+            print(f"{'  added by gateway (wrk)':<34} {1:>7} {'':>8} "
+                  f"{through_wrk.p50 - direct_wrk.p50:>8.2f} "
+                  f"{through_wrk.p90 - direct_wrk.p90:>8.2f} "
+                  f"{through_wrk.p99 - direct_wrk.p99:>8.2f}")
         if "long" in args.modes:
             # The mock waits chunk_ms between its events (the role chunk, one per token, the
             # finish chunk, the usage chunk, [DONE]): 19 gaps over --long-seconds. Each client
@@ -541,6 +557,74 @@ def main(argv: list[str] | None = None) -> int:
         if args.soak > 0:
             soak(args.gateway_port, key, gateway.pid, args.soak)
     return 0
+
+
+# -- wrk: the issue's own load generator, at one connection --------------------------------
+#
+# wrk (Debian's package) is what issue 16's figures were taken with. Its client answers the next
+# request about 5 us after a response where the bench's asyncio client takes about 20, so it sees
+# more of what a worker does between two calls. `--wrk` adds its figures for the plain call at
+# one connection beside the bench's own.
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    """wrk's figures of one run: requests per second and latency percentiles in ms."""
+
+    rps: float
+    p50: float
+    p90: float
+    p99: float
+
+
+_WRK_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+_WRK_PERCENTILE = re.compile(r"^\s*(50|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.M)
+_WRK_RPS = re.compile(r"^Requests/sec:\s+([\d.]+)", re.M)
+_WRK_FAILURES = re.compile(r"^\s*(Non-2xx or 3xx responses|Socket errors):.*$", re.M)
+
+
+def parse_wrk(output: str) -> WrkResult:
+    """The figures of `wrk --latency`'s report. Raises when a response was not 2xx or a socket
+    failed (a figure of refusals or errors is not the gateway's latency), or a figure is
+    missing."""
+    failure = _WRK_FAILURES.search(output)
+    if failure is not None:
+        raise RuntimeError(f"wrk: {failure.group(0).strip()}")
+    percentiles = {int(p): float(v) * _WRK_UNITS[unit]
+                   for p, v, unit in _WRK_PERCENTILE.findall(output)}
+    rps = _WRK_RPS.search(output)
+    if rps is None or set(percentiles) != {50, 90, 99}:
+        raise RuntimeError(f"wrk's report lacks its figures:\n{output}")
+    return WrkResult(float(rps.group(1)), percentiles[50], percentiles[90], percentiles[99])
+
+
+def _lua_string(data: bytes) -> str:
+    """`data` as a Lua string literal that any Lua reads back byte for byte (wrk's LuaJIT has
+    no \\u escape): printable ASCII as is, the rest, quote and backslash as \\ddd."""
+    return '"' + "".join(chr(b) if 32 <= b < 127 and b not in (34, 92) else f"\\{b:03d}"
+                         for b in data) + '"'
+
+
+def wrk_script(key: str, body: bytes) -> str:
+    """wrk's script for the bench's plain chat call with `key` as the bearer key."""
+    return (f'wrk.method = "POST"\n'
+            f"wrk.body = {_lua_string(body)}\n"
+            f'wrk.headers["Content-Type"] = "application/json"\n'
+            f'wrk.headers["Authorization"] = {_lua_string(b"Bearer " + key.encode())}\n')
+
+
+def wrk_load(port: int, key: str, seconds: float) -> WrkResult:
+    """wrk at one connection for `seconds`: the plain chat call, to the mock or the gateway."""
+    body = json.dumps(request_body(Api.CHAT, False, CHAT_MODEL, "hello there, how are you today?",
+                                   None)).encode()
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(wrk_script(key, body))
+        script.flush()
+        done = subprocess.run(
+            ["wrk", "-t1", "-c1", f"-d{max(1, round(seconds))}s", "--latency", "-s", script.name,
+             f"http://127.0.0.1:{port}{_PATHS[Api.CHAT].decode()}"],
+            capture_output=True, text=True, check=True)
+    return parse_wrk(done.stdout)
 
 
 # The transports mode's loads: (name, streamed, model). The mock sends a short stream's events
