@@ -561,10 +561,10 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- wrk: the issue's own load generator, at one connection --------------------------------
 #
-# wrk (Debian's package) is what issue 16's figures were taken with. Its client answers the next
-# request about 5 us after a response where the bench's asyncio client takes about 20, so it sees
-# more of what a worker does between two calls. `--wrk` adds its figures for the plain call at
-# one connection beside the bench's own.
+# wrk (Debian's package) is what issue 16's figures were taken with. Its client is C where the
+# bench's is Python on asyncio, so it sends the next request sooner after an answer and sees more
+# of what a worker does between two calls. `--wrk` adds its figures for the plain call at one
+# connection beside the bench's own, so the issue's figures can be compared as they were taken.
 
 
 @dataclass(frozen=True)
@@ -599,8 +599,9 @@ def parse_wrk(output: str) -> WrkResult:
 
 
 def _lua_string(data: bytes) -> str:
-    """`data` as a Lua string literal that any Lua reads back byte for byte (wrk's LuaJIT has
-    no \\u escape): printable ASCII as is, the rest, quote and backslash as \\ddd."""
+    """`data` as a Lua string literal that Lua 5.1 and LuaJIT (wrk's) both read back byte for
+    byte, whatever the bytes: printable ASCII as is, the rest, quote and backslash as \\ddd
+    (always three digits, so a digit after it is never read into it)."""
     return '"' + "".join(chr(b) if 32 <= b < 127 and b not in (34, 92) else f"\\{b:03d}"
                          for b in data) + '"'
 
@@ -623,7 +624,9 @@ def wrk_load(port: int, key: str, seconds: float) -> WrkResult:
         done = subprocess.run(
             ["wrk", "-t1", "-c1", f"-d{max(1, round(seconds))}s", "--latency", "-s", script.name,
              f"http://127.0.0.1:{port}{_PATHS[Api.CHAT].decode()}"],
-            capture_output=True, text=True, check=True)
+            capture_output=True, text=True, check=False)
+    if done.returncode != 0:  # e.g. a Lua error, or nothing listening: wrk says which
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip() or done.stdout}")
     return parse_wrk(done.stdout)
 
 

@@ -199,8 +199,9 @@ def test_resets_open_the_key_breaker_traffic_moves_to_b_then_probes_close_it(
     # the worker whose record opened it, at the time it published.
     assert wait_until(lambda: ("provider_key.breaker_opened", None)
                       in audit_actions(django_db_blocker, k.a.public_id))
-    # The message is published before the audit row is written, but each gateway's listener
-    # applies it on its own loop: a margin for a loaded machine (0.2 s was tight).
+    # The message's publish and the audit row are sent together (circuit.py), and each
+    # gateway's listener applies the message on its own loop: a margin for a loaded machine
+    # (0.2 s was tight), not a guarantee, as no gateway tells when it has applied it.
     time.sleep(1.0)
     tried_a = mock_requests(mock_upstream, k.secret_a)
     after = [chat(gateways[i % 2], t, model) for i in range(12)]

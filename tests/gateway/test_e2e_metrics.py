@@ -1,6 +1,6 @@
 """Request metrics end to end: calls of every outcome through a gateway of TWO uvicorn workers
-sharing a prometheus_client multiprocess directory, then one scrape of /metrics whose every
-request counter and histogram count is checked exactly; tokens and cost against the ledger rows
+sharing a prometheus_client multiprocess directory, then /metrics scraped until the last calls'
+figures are in, and that scrape's every request counter and histogram count checked exactly; tokens and cost against the ledger rows
 the same calls leave (drained here), which price each call independently of the gateway."""
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_every_outcome_is_counted_once_across_two_workers(
                 and last.get('tollgate_holds_total{event="settled"}', 0) >= PLAIN_CALLS + 3
                 and last.get('tollgate_holds_total{event="released"}', 0) >= 1)
 
-    wait_until(complete, timeout=20)
+    assert wait_until(complete, timeout=20), scraped[-1]
     got = scraped[-1]
 
     # Both workers wrote figures (each has its own files in the shared directory).

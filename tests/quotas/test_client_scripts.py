@@ -393,7 +393,8 @@ def test_aclose_closes_idle_connections_and_those_in_use_when_they_come_back(red
                                                                             ) -> None:
     async def scenario() -> None:
         client = _client(redis_url)
-        slow, fine = await _slow_and_fine(client, 600000)
+        # Two of these run back to back below, within the pool's 2 s read timeout.
+        slow, fine = await _slow_and_fine(client, 400000)
         await asyncio.gather(fine(keys=["k"], args=["a", "b", "c", 1]), slow())
         scripts = _scripts(client)
         idle = list(scripts.free)
