@@ -154,6 +154,31 @@ def test_a_late_settle_corrects_the_sweep_once(
     assert client.xlen(keys.usage_stream_key(tenant)) == 2  # swept + corrected, nothing more
 
 
+def test_a_late_settle_charges_the_real_usage_even_past_the_limit_then_the_reserve_refuses(
+    engine: QuotaEngine, tenant: str
+) -> None:
+    """The case the property test found: a hold swept as never forwarded (charged nothing)
+    frees its room, another call takes it, and the first call's settle arrives after all. The
+    upstream produced those tokens, so they are charged (the ledger converges to the real usage),
+    which takes the counter past its limit by that much; no reserve is admitted past it, and the
+    next one is refused."""
+    limits = (ScopeLimit("tenant", MONTH, 10),)
+    first = engine.reserve(ReserveRequest(tenant, "first", 10, limits))
+    assert first.admitted
+    time.sleep(0.002)
+    assert [h.charged for h in engine.sweep(tenant, stale_s=0).swept] == [0]  # phase reserved
+    second = engine.reserve(ReserveRequest(tenant, "second", 10, limits))
+    assert second.admitted  # the sweep freed the room
+    late = engine.settle(first.hold, 7)
+    assert (late.outcome, late.charged, late.corrected) == ("corrected", 7, True)
+    counter = engine.counter(tenant, "tenant", MONTH)
+    assert (counter.used, counter.pending) == (7, 10)  # 17 against a limit of 10
+    assert not engine.reserve(ReserveRequest(tenant, "third", 1, limits)).admitted
+    engine.settle(second.hold, 10)
+    counter = engine.counter(tenant, "tenant", MONTH)
+    assert (counter.used, counter.pending) == (17, 0)
+
+
 def test_a_late_release_takes_the_sweep_charge_back(engine: QuotaEngine, tenant: str) -> None:
     hold = priced(engine, tenant, "a", 100, 30)
     engine.progress(hold, Phase.FORWARDED)
