@@ -104,6 +104,7 @@ class Result:
 
 
 OUTPUT_TOKENS = 16  # per bench call (max_tokens): the mock streams one chunk per token
+PROMPT = "hello there, how are you today?"  # the user turn of every bench call
 CHAT_MODEL = "gpt-4o-mini"
 # A model of the Messages API: served by the anthropic-kind key (priced by the catalog when it
 # lists it, else by that key's default price).
@@ -143,7 +144,7 @@ def request_body(api: Api, stream: bool, model: str, content: str,
 
 
 def _request_bytes(key: str, stream: bool, model: str = CHAT_MODEL,
-                   content: str = "hello there, how are you today?",
+                   content: str = PROMPT,
                    forwarded_for: str | None = None, *, api: Api = Api.CHAT,
                    previous_response_id: str | None = None) -> bytes:
     """One keep-alive request of `api` (a chat completion by default); `forwarded_for` adds an
@@ -415,6 +416,18 @@ def scenarios(modes: list[str]) -> list[Scenario]:
     return found
 
 
+def _print_pair(scenario: str, how: str, level: int, direct: Result | WrkResult,
+                through: Result | WrkResult) -> None:
+    """A scenario's rows: direct, through the gateway, and what the gateway added."""
+    for name, r in ((f"{scenario} direct{how}", direct), (f"{scenario} via gateway{how}", through)):
+        print(f"{name:<34} {level:>7} {r.rps:>8.0f} {r.pct(50):>8.2f} "
+              f"{r.pct(90):>8.2f} {r.pct(99):>8.2f}")
+    print(f"{'  added by gateway' + how:<34} {level:>7} {'':>8} "
+          f"{through.pct(50) - direct.pct(50):>8.2f} "
+          f"{through.pct(90) - direct.pct(90):>8.2f} "
+          f"{through.pct(99) - direct.pct(99):>8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m config.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
@@ -495,24 +508,10 @@ def main(argv: list[str] | None = None) -> int:
                 direct = run(args.mock_port, scenario.mock_secret, None)
                 through = measured(gateway.pid, spent,
                                    lambda: run(args.gateway_port, key, chains))
-                for name, r in ((f"{scenario.name} direct", direct),
-                                (f"{scenario.name} via gateway", through)):
-                    print(f"{name:<34} {level:>7} {r.rps:>8.0f} {r.pct(50):>8.2f} "
-                          f"{r.pct(90):>8.2f} {r.pct(99):>8.2f}")
-                print(f"{'  added by gateway':<34} {level:>7} {'':>8} "
-                      f"{through.pct(50) - direct.pct(50):>8.2f} "
-                      f"{through.pct(90) - direct.pct(90):>8.2f} "
-                      f"{through.pct(99) - direct.pct(99):>8.2f}")
+                _print_pair(scenario.name, "", level, direct, through)
         if args.wrk:
-            direct_wrk = wrk_load(args.mock_port, MOCK_SECRET, args.duration)
-            through_wrk = wrk_load(args.gateway_port, key, args.duration)
-            for name, w in (("plain direct (wrk)", direct_wrk),
-                            ("plain via gateway (wrk)", through_wrk)):
-                print(f"{name:<34} {1:>7} {w.rps:>8.0f} {w.p50:>8.2f} {w.p90:>8.2f} {w.p99:>8.2f}")
-            print(f"{'  added by gateway (wrk)':<34} {1:>7} {'':>8} "
-                  f"{through_wrk.p50 - direct_wrk.p50:>8.2f} "
-                  f"{through_wrk.p90 - direct_wrk.p90:>8.2f} "
-                  f"{through_wrk.p99 - direct_wrk.p99:>8.2f}")
+            _print_pair("plain", " (wrk)", 1, wrk_load(args.mock_port, MOCK_SECRET, args.duration),
+                        wrk_load(args.gateway_port, key, args.duration))
         if "long" in args.modes:
             # The mock waits chunk_ms between its events (the role chunk, one per token, the
             # finish chunk, the usage chunk, [DONE]): 19 gaps over --long-seconds. Each client
@@ -576,6 +575,10 @@ class WrkResult:
     p90: float
     p99: float
 
+    def pct(self, p: float) -> float:
+        """As Result.pct, for the percentiles wrk reports (50, 90, 99)."""
+        return {50: self.p50, 90: self.p90, 99: self.p99}[int(p)]
+
 
 _WRK_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
 _WRK_PERCENTILE = re.compile(r"^\s*(50|90|99)%\s+([\d.]+)(us|ms|s)\s*$", re.M)
@@ -616,8 +619,7 @@ def wrk_script(key: str, body: bytes) -> str:
 
 def wrk_load(port: int, key: str, seconds: float) -> WrkResult:
     """wrk at one connection for `seconds`: the plain chat call, to the mock or the gateway."""
-    body = json.dumps(request_body(Api.CHAT, False, CHAT_MODEL, "hello there, how are you today?",
-                                   None)).encode()
+    body = json.dumps(request_body(Api.CHAT, False, CHAT_MODEL, PROMPT, None)).encode()
     with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
         script.write(wrk_script(key, body))
         script.flush()

@@ -292,8 +292,8 @@ class Floor:
 
 def _body() -> bytes:
     """The bench's plain chat call (config/bench.py)."""
-    return json.dumps(bench.request_body(bench.Api.CHAT, False, bench.CHAT_MODEL,
-                                         "hello there, how are you today?", None)).encode()
+    return json.dumps(bench.request_body(bench.Api.CHAT, False, bench.CHAT_MODEL, bench.PROMPT,
+                                         None)).encode()
 
 
 def _floor() -> Floor:
