@@ -25,6 +25,7 @@ from gateway.auth import AuthCache
 from gateway.catalog import Catalog, load_catalog
 from gateway.errors import GatewayError, quota_store_rebuilding, spend_rate_exceeded
 from gateway.providers import ProviderPool, load_pool
+from gateway.request_context import in_thread
 from quotas.engine import (
     AsyncQuotaEngine,
     QuotaEpochLost,
@@ -67,7 +68,8 @@ class Database:
                 connection.close()
                 return work(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
+        # In the caller's context: a request's work logs with its ids (a rebuild's lines).
+        return await in_thread(self._executor, job)
 
 
 @dataclass

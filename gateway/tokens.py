@@ -28,7 +28,6 @@ Unknown models use the "heuristic" tokenizer (see `_heuristic_count`).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import functools
@@ -50,6 +49,8 @@ from typing import Any, TypeVar
 import regex
 import tiktoken
 from django.conf import settings
+
+from gateway.request_context import in_thread
 
 O200K_BASE = "o200k_base"
 CL100K_BASE = "cl100k_base"
@@ -792,5 +793,6 @@ def is_large(size: int) -> bool:
 
 async def off_loop(work: Callable[..., T], *args: Any) -> T:
     """work(*args) on an estimation thread; the caller's task waits, the event loop does not.
-    The pool is bounded: when all its threads are busy, further large bodies queue for one."""
-    return await asyncio.get_running_loop().run_in_executor(_estimation_pool(), work, *args)
+    The pool is bounded: when all its threads are busy, further large bodies queue for one.
+    Run in the request's context: what it logs carries the request's ids."""
+    return await in_thread(_estimation_pool(), work, *args)

@@ -3,6 +3,7 @@ public ids and the access fields, the plain format's ids in brackets, secrets ma
 refused at start, uvicorn's and the access logger's lines through the same handler."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextvars
 import io
@@ -14,6 +15,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -24,7 +26,8 @@ import pytest
 from django.conf import settings
 
 from config.log_format import MASK, JsonFormatter, PlainFormatter, scrub, utc_time
-from gateway import access_log, request_context
+from gateway import access_log, request_context, tokens
+from gateway.runtime import Database
 from tenants.api_key_format import generate_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +111,39 @@ def test_a_json_line_inside_a_request_has_its_public_ids(
     assert first["message"] == "hold of req_abc ended"
     assert second["request_id"] == "req_nokey"
     assert "tenant" not in second and "api_key" not in second
+
+
+def test_work_handed_to_a_thread_logs_with_the_requests_ids(
+        capture: Callable[..., io.StringIO]) -> None:
+    """A large body's counting (gateway.tokens.off_loop) and the database threads
+    (gateway.runtime.Database: a rebuild of lost counters) run in a copy of the request's
+    context: their lines carry its ids, and what they bind stays on their side."""
+    buffer = capture(JsonFormatter())
+    log = logging.getLogger("tollgate.test")
+    threads: list[str] = []
+
+    def work(n: int) -> int:
+        threads.append(threading.current_thread().name)
+        log.warning("counted %d", n)
+        request_context.bind_request("req_inner")  # in the copy only
+        return n + 1
+
+    async def call() -> tuple[int, int, str | None]:
+        database = Database(1)
+        counted = await tokens.off_loop(work, 1)
+        read = await database.run(work, 2)
+        return counted, read, request_context.request_id.get()
+
+    assert in_request(lambda: asyncio.run(call())) == (2, 3, "req_abc")
+    # Outside a request (the worker's own tasks), nothing to carry.
+    asyncio.run(tokens.off_loop(work, 3))
+    first, second, third = lines(buffer)
+    assert threads[0].startswith("tollgate-estimate") and threads[1].startswith("gateway-db")
+    for line, message in ((first, "counted 1"), (second, "counted 2")):
+        assert (line["request_id"], line["tenant"], line["api_key"], line["message"]) == (
+            "req_abc", "ten_T", "key_K", message)
+    assert third["message"] == "counted 3"
+    assert not {"request_id", "tenant", "api_key"} & set(third)
 
 
 def test_the_access_line_carries_its_fields(capture: Callable[..., io.StringIO]) -> None:

@@ -99,6 +99,7 @@ def test_json_lines_with_one_access_line_per_call_and_no_secret_or_prompt(
         response = chat(rich.plaintext, model="gpt-4o", max_tokens=8)
         assert response.status_code == 200, response.text
         expected[response.headers["x-request-id"]] = served
+        rich_first = response.headers["x-request-id"]
         with http.stream("POST", "/v1/chat/completions", headers=bearer(rich.plaintext),
                          json={"model": "gpt-4o", "messages": messages, "max_tokens": 8,
                                "stream": True,
@@ -123,6 +124,7 @@ def test_json_lines_with_one_access_line_per_call_and_no_secret_or_prompt(
         assert response.json()["error"]["code"] == "insufficient_quota"
         expected[response.headers["x-request-id"]] = Expected(
             429, poor_tenant, poor.api_key_public_id, "chat/completions", refusal="quota_tenant")
+        poor_first = response.headers["x-request-id"]
         # Anthropic's Messages API, the key in x-api-key.
         response = http.post("/v1/messages", headers={"x-api-key": rich.plaintext},
                              json={"model": "claude-canary", "max_tokens": 8,
@@ -173,6 +175,16 @@ def test_json_lines_with_one_access_line_per_call_and_no_secret_or_prompt(
             assert (line.get("tenant"), line.get("api_key")) in (
                 callers[line["request_id"]], (None, None)), line
     assert any(line["message"].startswith("gateway worker ready") for line in lines), output
+    # Work a call hands to a thread logs with its ids too: each tenant's first call found no
+    # epoch (Redis had never seen the tenant), and its counters were rebuilt on a database
+    # thread, whose line names that call.
+    rebuilt = {line.get("request_id"): line for line in lines
+               if line["message"].startswith("quota counters of tenant")}
+    assert rebuilt.keys() >= {rich_first, poor_first}, rebuilt
+    for first, tenant, key in ((rich_first, rich_tenant, rich.api_key_public_id),
+                               (poor_first, poor_tenant, poor.api_key_public_id)):
+        assert (rebuilt[first]["tenant"], rebuilt[first]["api_key"]) == (tenant, key)
+        assert rebuilt[first]["level"] == "WARNING"
 
     # Never a secret, a prompt or an answer; nothing even needed masking.
     for secret in (rich.plaintext, rich.plaintext.rsplit("_", 1)[1], poor.plaintext,
