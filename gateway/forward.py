@@ -143,6 +143,7 @@ class Call:
         obs.model = metrics.model_label(self.runtime.catalog, self.admission.model)
         if reservation.queue_wait_ms:
             obs.queued_s += reservation.queue_wait_ms / 1000
+        obs.hold_pending = True  # until _begin_end's task ends it (Observation.hold_ended)
         hold = reservation.hold
         if hold is not None:
             metrics.add(metrics.HOLD_OPENED)
@@ -230,6 +231,8 @@ class Call:
         self._checkpoints = None
         self.relay = None
         self._end = self.runtime.detach(work)
+        assert self.obs is not None
+        self._end.add_done_callback(self.obs.hold_ended)  # its access line, if held back
 
     async def _wait_end(self) -> None:
         assert self._end is not None

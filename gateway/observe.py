@@ -11,6 +11,9 @@ writes the access-log line when that is on.
 
 The call's other figures are counted where they happen: holds, tokens, cost and the quota round
 trips by gateway/forward.py `Call`, upstream errors and time to first byte by `_answer`.
+The access line says what the call was charged: a call whose client's side ends before its
+hold (a stream the client left, drained for its usage) writes it when the hold ends
+(`hold_ended`), with the status and duration of the client's side.
 
 Spans: only when `tracing.tracer()` is not None. `gateway.request` covers the whole call
 (attributes tollgate.request_id, tollgate.endpoint, tollgate.model, tollgate.tenant,
@@ -38,10 +41,10 @@ _perf = time.perf_counter
 class Observation:
     """One call's report; see the module docstring."""
 
-    __slots__ = ("arrived", "body_s", "cost_micros", "done", "endpoint", "input_tokens",
-                 "key_id", "model", "output_tokens", "queued_from", "queued_s", "refusal",
-                 "request_id", "span", "stream", "tenant", "tenant_id", "upstream_from",
-                 "upstream_s", "upstream_waited")
+    __slots__ = ("arrived", "body_s", "cost_micros", "deferred", "done", "endpoint",
+                 "hold_pending", "input_tokens", "key_id", "model", "output_tokens",
+                 "queued_from", "queued_s", "refusal", "request_id", "span", "stream", "tenant",
+                 "tenant_id", "upstream_from", "upstream_s", "upstream_waited")
 
     def __init__(self, endpoint: str, received: tuple[float, float] | None = None) -> None:
         """`received`: (perf_counter when the router took the request, seconds it spent reading
@@ -68,6 +71,11 @@ class Observation:
         self.queued_from = 0.0
         self.input_tokens = self.output_tokens = self.cost_micros = 0
         self.done = False
+        # An admitted call's hold has not ended yet (gateway/forward.py Call: set when the call
+        # is made, cleared by `hold_ended`); an access line written meanwhile would not know
+        # the usage, so it is held back (`deferred`) until then.
+        self.hold_pending = False
+        self.deferred: tuple[int, float, float | None] | None = None
         self.span: Any = None
         tracer = tracing.tracer()
         if tracer is not None:
@@ -98,6 +106,15 @@ class Observation:
         self.input_tokens, self.output_tokens, self.cost_micros = (input_tokens, output_tokens,
                                                                    cost_micros)
 
+    def hold_ended(self, _end: object = None) -> None:
+        """The call's hold has ended (settled, released, or its end left to a retry; a
+        done-callback of the end's task): an access line held back for the usage is written
+        now. A stream whose client left ends here, once its drain has settled."""
+        self.hold_pending = False
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            self.with_ids(self._log, *deferred)
+
     # -- the end ------------------------------------------------------------------------
 
     def finish(self, status: int) -> None:
@@ -124,7 +141,15 @@ class Observation:
         if self.span is not None:
             self._end_span(status)
         if access_log.enabled():
-            self.with_ids(self._log, status, whole)
+            # The client's side: its status, its time, the upstream's time within it (a wait
+            # its leaving cut short goes on for the hold's end, not for this line).
+            upstream_ms = self.upstream_s * 1000 if self.upstream_waited else None
+            if self.hold_pending:
+                # The client's side ended before the hold did (it left a stream, which drains
+                # the upstream for its usage): the line waits for the settle's figures.
+                self.deferred = (status, whole, upstream_ms)
+            else:
+                self.with_ids(self._log, status, whole, upstream_ms)
 
     def with_ids(self, work: Callable[..., None], *args: Any) -> None:
         """`work(*args)` in a context of its own holding this call's ids (request, tenant, key),
@@ -139,11 +164,10 @@ class Observation:
             request_context.bind_caller(self.tenant_id, self.key_id)
         work(*args)
 
-    def _log(self, status: int, whole: float) -> None:
+    def _log(self, status: int, whole: float, upstream_ms: float | None) -> None:
         access_log.log_request(
             endpoint=self.endpoint, model=self.model, status=status, refusal=self.refusal,
-            duration_ms=whole * 1000,
-            upstream_ms=self.upstream_s * 1000 if self.upstream_waited else None,
+            duration_ms=whole * 1000, upstream_ms=upstream_ms,
             input_tokens=self.input_tokens, output_tokens=self.output_tokens,
             cost_micros=self.cost_micros, stream=self.stream)
 

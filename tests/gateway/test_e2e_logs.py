@@ -15,8 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
+from billing.ledger import drain_tenant
+from billing.models import UsageRecord
 from config.log_format import MASK
 from gateway.mock_upstream.app import answer_text
+from quotas.engine import QuotaEngine
 from tenants.api_key_format import generate_key
 from tests.gateway.conftest import (
     ANTHROPIC_MOCK_SECRET,
@@ -74,6 +77,7 @@ def public_ids(django_db_blocker: Any, tenant_pk: int) -> str:
 
 def test_json_lines_with_one_access_line_per_call_and_no_secret_or_prompt(
     json_gateway: GatewayServer, make_tenant: MakeTenant, django_db_blocker: Any,
+    engine: QuotaEngine,
 ) -> None:
     server = json_gateway
     rich = make_tenant(requests_per_second=-1)
@@ -147,8 +151,9 @@ def test_json_lines_with_one_access_line_per_call_and_no_secret_or_prompt(
         return [line for line in parse(server.log.read_text())
                 if line.get("logger") == "tollgate.access"]
 
+    # The stream its client left is logged once its drain has settled (about 10 s of answer).
     assert wait_until(lambda: {line["request_id"] for line in access_lines()} >= set(expected),
-                      timeout=20), access_lines()
+                      timeout=40), access_lines()
     server.stop()  # everything the workers had to say, shutdown included
     output = server.log.read_text()
     lines = parse(output)
@@ -166,6 +171,23 @@ def test_json_lines_with_one_access_line_per_call_and_no_secret_or_prompt(
         if want.status == 200:
             assert line["input_tokens"] > 0 and line["output_tokens"] > 0, line
             assert line["upstream_ms"] is not None and line["cost_micros"] > 0, line
+
+    # Each access line says what its call was charged: the ledger's row, token for token, the
+    # stream its client left too (its line waits for the drain's settle, with the 499 and the
+    # client's duration). Refusals and the upstream's 500 charge nothing.
+    for tenant_pk in (rich.tenant_id, poor.tenant_id):
+        committed(django_db_blocker, lambda pk=tenant_pk: drain_tenant(engine.client, pk))
+    rows = committed(django_db_blocker, lambda: {
+        row.request_id: row for row in UsageRecord.objects.filter(
+            tenant_id__in=(rich.tenant_id, poor.tenant_id))})
+    for line in access:
+        row = rows.get(line["request_id"])
+        charged = ((row.input_tokens, row.output_tokens, row.cost_micros) if row is not None
+                   else (0, 0, 0))
+        assert (line["input_tokens"], line["output_tokens"], line["cost_micros"]) == charged, (
+            line, charged)
+    left = next(line for line in access if line["status"] == 499)
+    assert left["output_tokens"] > 2 and rows[left["request_id"]].status == "partial", left
 
     # A call's other lines carry its ids: the request id always, the tenant and key once known
     # (the worker's start-up line, logged while it serves its first call, has only the first).

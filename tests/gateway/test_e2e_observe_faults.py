@@ -556,3 +556,59 @@ def test_a_client_leaving_mid_wait_leaves_the_wait_out_of_the_overhead(
         assert left[0]["request_id"] == request_id
     if wait != "queue":  # the upstream's time, up to the client's leaving
         assert 900 < left[0]["upstream_ms"] < 1500
+
+
+def test_a_stream_its_client_left_is_logged_with_its_charge_even_if_the_settle_fails(
+        fresh_runtime: None, make_tenant: MakeTenant, monkeypatch: pytest.MonkeyPatch,
+        settings: Any) -> None:
+    """A stream whose client leaves is logged when its hold ends, after the drain, with the
+    usage its settle charges (not the zeros known when the client left), the client's 499 and
+    time. Its line does not wait for a settle Redis did not answer: the retry goes on in the
+    background, and the line is written once, before it."""
+    settings.TOLLGATE_ACCESS_LOG = True
+    t = make_tenant(requests_per_second=1000)
+    real = AsyncQuotaEngine.settle
+    attempts: list[int] = []
+    lines_at_retry: list[str] = []
+    retried = asyncio.Event()
+    out = io.StringIO()
+
+    async def settle(self: AsyncQuotaEngine, hold: Any, actual: int, event: str = "",
+                     actual_money: int = 0) -> Any:
+        attempts.append(actual)
+        if len(attempts) == 1:
+            raise QuotaStoreUnavailable("Redis unreachable")  # nothing applied
+        lines_at_retry.append(out.getvalue())
+        result = await real(self, hold, actual, event, actual_money)
+        retried.set()
+        return result
+
+    async def work(client: httpx.AsyncClient) -> str:
+        # A first call builds the worker's runtime and settles as usual.
+        assert (await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4,
+                                                 "messages": HI})).status_code == 200
+        monkeypatch.setattr(AsyncQuotaEngine, "settle", settle)
+        messages = await leave_after(t.plaintext, {
+            "model": "gpt-4o@chunk_ms=100@output_tokens=12", "max_tokens": 50,
+            "stream": True, "messages": HI}, 0.35)
+        await asyncio.wait_for(retried.wait(), 15)  # the drain, its failed settle, the retry
+        starts = [m for m in messages if m["type"] == "http.response.start"]
+        return dict(starts[0]["headers"])[b"x-request-id"].decode()
+
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    access = logging.getLogger("tollgate.access")
+    access.addHandler(handler)
+    try:
+        request_id = run_app(work)
+    finally:
+        access.removeHandler(handler)
+    [left] = [line for line in parsed(out) if line["status"] == 499]
+    assert left["request_id"] == request_id and left["stream"] is True
+    # The usage the settle charged (the first attempt's, the retry's: the same), not zeros.
+    assert len(attempts) == 2 and attempts[0] == attempts[1]
+    assert left["input_tokens"] + left["output_tokens"] == attempts[0]
+    assert left["output_tokens"] >= 12 and left["cost_micros"] > 0
+    assert left["duration_ms"] < 1000  # the client's side: it left after 0.35 s
+    # Written when the failed attempt returned, before the retry began.
+    assert request_id in lines_at_retry[0]
