@@ -38,9 +38,15 @@ from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
 from gateway import metrics
-from gateway.errors import GatewayError, body_not_received, body_too_large, new_request_id
+from gateway.errors import (
+    GatewayError,
+    body_not_received,
+    body_too_large,
+    new_request_id,
+    refusal_of,
+)
 from gateway.forward import SETTLED_BEFORE_BODY
-from gateway.observe import Observation
+from gateway.observe import OTHER_ENDPOINT, Observation, count_other
 from gateway.shutdown import drain_worker
 from gateway.startup import flush_active_marks
 
@@ -179,6 +185,9 @@ class GatewayRouter:
         # close(), whose hook would count a cut stream as sent).
         if observation is not None:
             observation.finish(_sent_status(response, sending))
+        elif (other := _other_endpoint(view, response)) is not None:
+            count_other(other, _sent_status(response, sending), refusal_of(response),
+                        time.perf_counter() - arrived)
         if response is not None:
             if sending.cancelled or sending.error is not None:
                 # Not sent to the end (the client left, the deadline passed, the socket broke):
@@ -439,6 +448,16 @@ def _v1_refusal(error: GatewayError, request_id: str) -> HttpResponseBase:
     return response
 
 
+def _other_endpoint(view: View, response: HttpResponseBase | None) -> str | None:
+    """The request metrics' label of a call of an unmetered /v1 endpoint: its answer's, else its
+    view's (a prefix route's view is a partial of it); None for a path not counted (the health
+    checks) and for the metered endpoints (their Observation counts them)."""
+    label = getattr(response, OTHER_ENDPOINT, None)
+    if label is None:
+        label = getattr(getattr(view, "func", view), OTHER_ENDPOINT, None)
+    return label
+
+
 def _refused_before_view(view: View, status: int, refusal: str, request_id: str,
                          received: tuple[float, float]) -> None:
     """A metered call (views.py marks their views with their endpoint) refused before its view
@@ -447,7 +466,10 @@ def _refused_before_view(view: View, status: int, refusal: str, request_id: str,
     nothing is added to an accepted call."""
     endpoint = getattr(view, "tollgate_endpoint", None)
     if endpoint is None:
-        return  # /v1/models, the health checks...: not counted as calls
+        other = _other_endpoint(view, None)
+        if other is not None:  # an unmetered /v1 endpoint; the health checks are not counted
+            count_other(other, status, refusal, time.perf_counter() - received[0])
+        return
     observation = Observation(endpoint, received)
     observation.request_id = request_id
     observation.refusal = refusal

@@ -83,6 +83,9 @@ class GatewayError(Exception):
             response[name] = value
         if self.retry_after_s is not None:
             response["Retry-After"] = str(self.retry_after_s)
+        # For the request metrics of the endpoints the router counts from their answer alone
+        # (gateway/observe.py count_other): the metered ones keep theirs on the Observation.
+        response.tollgate_refusal = self.refusal or ""  # type: ignore[attr-defined]
         return response
 
 
@@ -262,3 +265,8 @@ def upstream_client_error(status: int, body: bytes) -> GatewayError:
     if code is not None:
         message += f": {code}"
     return GatewayError(status, message + ".", kind, code, param)
+
+
+def refusal_of(response: object) -> str:
+    """The refusal reason an error answer was made with (GatewayError.response), else ""."""
+    return getattr(response, "tollgate_refusal", "")

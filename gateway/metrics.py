@@ -21,6 +21,10 @@ Families (see the README's table for what each label holds):
     tollgate_tenant_requests_total{tenant,endpoint,status}      only for TOLLGATE_METRICS_TENANTS
     tollgate_tenant_tokens_total{tenant,class}                  likewise
 
+The metered endpoints are in every family; the unmetered /v1 calls (the models, moderations,
+token counts, stored objects, any other /v1 path: gateway/observe.py count_other) only in the
+requests and their duration, with model "".
+
 Every label is bounded: endpoints, statuses and refusal reasons are the gateway's own; `model`
 is a catalog model (an alias counts as its model) or "other", whatever name a client sends;
 `provider_key` is a provider key's public id (operators make them); `tenant` only for the

@@ -29,13 +29,38 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway import access_log, metrics, request_context, tracing
 from gateway.errors import GatewayError
 from quotas.limits import QUEUE_TIMEOUT
 
 _perf = time.perf_counter
+
+
+# The attribute naming an unmetered /v1 endpoint's label (the path after /v1/, with {id} for an
+# id) on its view, or on its answer when one view serves several paths (a model by id).
+OTHER_ENDPOINT = "tollgate_other_endpoint"
+
+V = TypeVar("V")
+
+
+def other_endpoint(label: str) -> Callable[[V], V]:
+    """Marks a view of an unmetered /v1 endpoint with its request metrics' `endpoint` label."""
+    def mark(view: V) -> V:
+        setattr(view, OTHER_ENDPOINT, label)
+        return view
+
+    return mark
+
+
+def count_other(endpoint: str, status: int, refusal: str, seconds: float) -> None:
+    """One call of an unmetered /v1 endpoint (gateway/other_endpoints.py, the stored objects of
+    gateway/stored_responses.py, any other /v1 path), counted by gateway/asgi.py GatewayRouter:
+    by endpoint, status and refusal, model "" (nothing is metered), and its whole time. No
+    hold, tokens, upstream time or overhead: those figures are the metered calls'."""
+    metrics.add(metrics.request_child(endpoint, status, refusal, metrics.NO_MODEL))
+    metrics.observe(metrics.duration_child(endpoint, False), seconds)
 
 
 class Observation:

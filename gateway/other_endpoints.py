@@ -51,6 +51,7 @@ from gateway.errors import (
     upstream_error,
     new_request_id,
 )
+from gateway.observe import OTHER_ENDPOINT, other_endpoint
 from gateway.prices import MODEL_NAME_RULE, is_model_name
 from gateway.providers import Upstream
 from gateway.runtime import GatewayRuntime
@@ -158,12 +159,15 @@ def _not_allowed(request: HttpRequest, allowed: str, api: Api, request_id: str) 
     return response
 
 
+@other_endpoint("other")
 @csrf_exempt
 async def v1_other(request: HttpRequest, rest: str = "") -> HttpResponse:
     """Every /v1 path without a route of its own (`rest`: the path after "/v1/"): a model by
     id, an unsupported endpoint, else a JSON 404."""
     if rest.startswith(_MODELS_PREFIX) and len(rest) > len(_MODELS_PREFIX):
-        return await retrieve_model(request, rest[len(_MODELS_PREFIX):])
+        response = await retrieve_model(request, rest[len(_MODELS_PREFIX):])
+        setattr(response, OTHER_ENDPOINT, "models/{id}")  # its own label, not "other"
+        return response
     api = caller_api(request)
     prefix = unsupported_endpoint(request.path)
     if prefix is not None:
@@ -195,6 +199,7 @@ def _base(request: HttpRequest) -> str:
     return f"http://{host}" if isinstance(host, str) and _HOST.fullmatch(host) else "http://<host>"
 
 
+@other_endpoint("other")
 @csrf_exempt
 async def missing_v1(request: HttpRequest) -> HttpResponse:
     """An endpoint's path without /v1 (BASE_URL_MISTAKES): a 404 in the caller's API shape that
@@ -286,6 +291,7 @@ async def _models_caller(request: HttpRequest, api: Api) -> tuple[GatewayRuntime
     return runtime, await _authenticate(runtime, request, api)
 
 
+@other_endpoint("models")
 @csrf_exempt
 async def list_models(request: HttpRequest) -> HttpResponse:
     """GET /v1/models: the models this key may use, in the caller's API shape."""
@@ -548,12 +554,14 @@ async def _count_tokens(runtime: GatewayRuntime, ctx: KeyContext, request: HttpR
     return _passed_on(answer)
 
 
+@other_endpoint("moderations")
 @csrf_exempt
 async def moderations(request: HttpRequest) -> HttpResponse:
     """POST /v1/moderations: OpenAI's moderation, unmetered (the upstream does not bill it)."""
     return await _unmetered_call(request, Api.OPENAI, _moderate)
 
 
+@other_endpoint("messages/count_tokens")
 @csrf_exempt
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     """POST /v1/messages/count_tokens: Anthropic's token count, unmetered (free upstream)."""

@@ -54,6 +54,7 @@ from gateway.errors import (
     new_request_id,
 )
 from gateway.models import ProviderKind
+from gateway.observe import other_endpoint
 from gateway.other_endpoints import (
     UpstreamAnswer,
     send_unmetered,
@@ -193,6 +194,7 @@ async def _serve(request: HttpRequest, handler: Handler) -> HttpResponse:
     return _with_request_id(response, request_id, Api.OPENAI)  # type: ignore[return-value]
 
 
+@other_endpoint("responses/{id}")
 @csrf_exempt
 async def response_item(request: HttpRequest, rest: str) -> HttpResponse:
     """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
@@ -220,6 +222,7 @@ async def response_item(request: HttpRequest, rest: str) -> HttpResponse:
     return await _serve(request, handle)
 
 
+@other_endpoint("conversations/{id}")
 @csrf_exempt
 async def conversation_item(request: HttpRequest, rest: str) -> HttpResponse:
     """GET /v1/conversations/{id} (retrieve), POST (update its metadata), DELETE."""
@@ -300,6 +303,7 @@ def conversation_keys(runtime: GatewayRuntime, ctx: KeyContext) -> list[Upstream
     return [u for u in usable if not u.models] + [u for u in usable if u.models]
 
 
+@other_endpoint("conversations")
 @csrf_exempt
 async def conversations(request: HttpRequest) -> HttpResponse:
     """POST /v1/conversations: create a conversation (optional `items`, `metadata`)."""

@@ -21,7 +21,7 @@ from gateway.usage import Usage
 from quotas import keys
 from quotas.engine import QuotaEngine
 from tests.gateway.conftest import GatewayServer, MakeTenant, TenantKey, start_gateway, wait_until
-from tests.support.prometheus import samples
+from tests.support.prometheus import Samples, samples
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
 
@@ -259,3 +259,65 @@ def test_a_workers_last_figures_are_written_when_it_is_told_to_stop(
         assert wait_until(lambda: _requests_in(shared) == 3, timeout=15), _requests_in(shared)
     finally:
         server.stop()
+
+
+def test_the_unmetered_endpoints_are_counted_by_endpoint_status_and_refusal(
+        two_workers: GatewayServer, tenants: tuple[TenantKey, TenantKey],
+        make_tenant: MakeTenant) -> None:
+    """/v1/models, a model by id, moderations, token counts and any other /v1 path are counted
+    too (model "": nothing is metered), with their whole time; no hold, token or overhead
+    figure moves."""
+    server, (tenant, _) = two_workers, tenants
+    limited = make_tenant(key_options={"allowed_models": ["gpt-4o-mini"]})
+    bearer = {"Authorization": f"Bearer {tenant.plaintext}"}
+    before = _scrape(server)
+    calls: Tally[tuple[str, int, str]] = Tally()
+
+    def call(endpoint: str, refusal: str, method: str, path: str, **options: Any) -> None:
+        response = httpx.request(method, f"{server.url}{path}", timeout=30, **options)
+        calls[endpoint, response.status_code, refusal] += 1
+
+    call("models", "", "GET", "/v1/models", headers=bearer)
+    call("models", "", "GET", "/v1/models", headers={"Authorization": "Bearer tgk_not-a-key"})
+    call("models", "", "POST", "/v1/models", headers=bearer)  # 405
+    call("models/{id}", "", "GET", "/v1/models/gpt-4o-mini", headers=bearer)
+    call("models/{id}", "", "GET", "/v1/models/no-such-model", headers=bearer)
+    call("moderations", "", "POST", "/v1/moderations", headers=bearer,
+         json={"input": "a friendly sentence"})
+    call("moderations", "model_not_allowed", "POST", "/v1/moderations",
+         headers={"Authorization": f"Bearer {limited.plaintext}"},
+         json={"model": "omni-moderation-latest", "input": "hello"})
+    call("messages/count_tokens", "", "POST", "/v1/messages/count_tokens",
+         headers={"x-api-key": tenant.plaintext, "anthropic-version": "2023-06-01"},
+         json={"model": "claude-sonnet-4-5", "messages": MESSAGES})
+    call("responses/{id}", "", "GET", "/v1/responses/resp_unknown", headers=bearer)
+    call("other", "", "GET", "/v1/files", headers=bearer)  # not served (yet)
+    call("other", "", "GET", "/v1/no-such-path")
+    call("other", "", "POST", "/chat/completions", json={})  # a base URL without /v1
+    statuses = {(e, s) for e, s, _ in calls}
+    assert {("models", 200), ("models", 401), ("models", 405), ("models/{id}", 200),
+            ("models/{id}", 404), ("moderations", 200), ("moderations", 403),
+            ("messages/count_tokens", 200), ("responses/{id}", 404), ("other", 404)} == statuses
+    n = sum(calls.values())
+
+    def moved() -> dict[str, float]:
+        after = _scrape(server)
+        return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+    assert wait_until(lambda: sum(v for k, v in moved().items()
+                                  if k.startswith("tollgate_requests_total{")) >= n, timeout=20)
+    got = Samples(moved())
+    counted = {k: v for k, v in got.items() if k.startswith("tollgate_requests_total{")}
+    assert len(counted) == len(calls) and sum(counted.values()) == n, counted
+    for (endpoint, status, refusal), c in calls.items():
+        assert got[f'tollgate_requests_total{{endpoint="{endpoint}",status="{status}",'
+                   f'refusal="{refusal}",model=""}}'] == c
+    durations = Tally[str]()
+    for (e, _, _), c in calls.items():
+        durations[e] += c
+    for endpoint, c in durations.items():
+        assert got[f'tollgate_request_duration_seconds_count{{endpoint="{endpoint}",'
+                   'stream="false"}'] == c
+    assert not any(k.startswith(("tollgate_holds_total", "tollgate_tokens_total",
+                                 "tollgate_gateway_overhead_seconds",
+                                 "tollgate_upstream_ttfb_seconds")) for k in got), got

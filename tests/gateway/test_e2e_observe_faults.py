@@ -479,21 +479,24 @@ def test_calls_refused_before_their_view_are_counted_and_logged(
             for _, rid in answers} == {rid: status for status, rid in answers}
 
 
-def test_a_refused_body_on_a_path_that_is_not_a_call_is_not_counted(
+def test_a_refused_body_on_an_unmetered_path_is_counted_there_but_not_on_a_health_check(
         fresh_runtime: None, make_tenant: MakeTenant, settings: Any) -> None:
-    """/v1/models and the other unmetered paths are not calls: refusing their body counts
-    nothing."""
+    """/v1/models and the other unmetered /v1 paths are counted by endpoint (model "": nothing
+    is metered; gateway/observe.py count_other), a call whose body is refused too; the health
+    checks are not calls of the API and count nothing."""
     t = make_tenant(requests_per_second=1000)
     settings.GATEWAY_MAX_BODY_BYTES = 10
     before: list[Any] = []
 
-    async def work(client: httpx.AsyncClient) -> httpx.Response:
+    async def work(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
         before.append(requests_total())
-        return await client.post("/v1/models", content=b"x" * 50,
-                                 headers={"Authorization": f"Bearer {t.plaintext}"})
+        models = await client.post("/v1/models", content=b"x" * 50,
+                                   headers={"Authorization": f"Bearer {t.plaintext}"})
+        return models, await client.post("/healthz", content=b"x" * 50)
 
-    assert run_app(work).status_code == 400
-    assert grown(requests_total(), before[0]) == {}
+    models, health = run_app(work)
+    assert models.status_code == 400 and health.status_code == 400
+    assert grown(requests_total(), before[0]) == {("models", "400", "", ""): 1}
 
 
 # -- the gateway's overhead when the call ends mid-wait ----------------------------------------

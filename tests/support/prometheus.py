@@ -4,7 +4,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
+# Label values are quoted and may hold any character, braces included ("models/{id}"); only a
+# quote, a backslash and a newline are escaped.
+_SAMPLE = re.compile(r'^([a-z_]+)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})? (\S+)$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
