@@ -304,9 +304,12 @@ def _log_error(error: Exception, path: str | None) -> None:
 
 def _sent_status(response: HttpResponseBase | None, sending: _Sending) -> int:
     """How the call ended for its client: the status sent, else 499 (the client left before the
-    answer's end, or sending to it failed), or 504 (a stream cut at the call's deadline)."""
-    if response is None or sending.cancelled:
+    answer's end, or sending to it failed), 504 (a stream cut at the call's deadline), or 500
+    (the view raised: no answer was made, the server sends its 500)."""
+    if sending.cancelled:
         return 499
+    if response is None:
+        return 500  # the view raised: the server answers 500 (uvicorn's)
     if sending.error is None:
         return response.status_code
     return 504 if isinstance(sending.error, TimeoutError) else 499

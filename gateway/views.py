@@ -276,6 +276,13 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
         # produced, or release when it never answered (Call.abort).
         await call.abort(500, "gateway_error")
         raise
+    except BaseException:
+        # Cancelled (a worker stopping past its drain deadline cancels the calls still
+        # running): the hold is left to the sweep, but the access line held back for its end
+        # (Observation.hold_ended) is written now, with what is known.
+        if not call.ended:
+            obs.hold_ended()
+        raise
 
 
 def _start_drain_if_streaming(task: asyncio.Future[HttpResponse | StreamingHttpResponse]) -> None:

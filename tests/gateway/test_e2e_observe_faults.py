@@ -21,7 +21,17 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 
 from config.log_format import JsonFormatter
-from gateway import circuit, forward, listener, metrics, request_context, startup, tracing, views
+from gateway import (
+    circuit,
+    forward,
+    listener,
+    metrics,
+    other_endpoints,
+    request_context,
+    startup,
+    tracing,
+    views,
+)
 from gateway.asgi import GatewayRouter
 from gateway.urls import direct_routes, prefix_routes
 from gateway.usage import Usage
@@ -615,3 +625,77 @@ def test_a_stream_its_client_left_is_logged_with_its_charge_even_if_the_settle_f
     assert left["duration_ms"] < 1000  # the client's side: it left after 0.35 s
     # Written when the failed attempt returned, before the retry began.
     assert request_id in lines_at_retry[0]
+
+
+def test_a_call_cancelled_before_its_hold_ends_still_writes_its_access_line(
+        fresh_runtime: None, make_tenant: MakeTenant, settings: Any) -> None:
+    """A call whose client left while the upstream thought goes on detached, its access line
+    held back for its hold's end. A worker stopping past its drain deadline cancels such calls
+    (gateway/shutdown.py): the hold is left to the sweep, and the line is written then, once,
+    with the client's 499."""
+    settings.TOLLGATE_ACCESS_LOG = True
+    t = make_tenant(requests_per_second=1000)
+
+    async def work(client: httpx.AsyncClient) -> tuple[str, str]:
+        assert (await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4,
+                                                 "messages": HI})).status_code == 200
+        runtime = startup._runtime
+        assert runtime is not None
+        before = set(runtime.background)
+        await leave_after(t.plaintext, {"model": "slow@first_byte_ms=8000", "max_tokens": 4,
+                                        "messages": HI}, 0.3)
+        written_before = out.getvalue()
+        calls = [task for task in runtime.background - before if not task.done()]
+        assert calls  # the call, detached, still waiting for its upstream
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        return written_before, out.getvalue()
+
+    with json_lines("tollgate.access") as out:
+        written_before, written_after = run_app(work)
+    assert '"status": 499' not in written_before  # held back for the hold's end
+    [left] = [line for line in parsed(out) if line["status"] == 499]
+    assert left["request_id"] in written_after
+    assert (left["input_tokens"], left["output_tokens"], left["cost_micros"]) == (0, 0, 0)
+
+
+def test_an_unmetered_view_that_raises_is_counted_as_the_500_its_client_gets(
+        fresh_runtime: None, make_tenant: MakeTenant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view that raises makes no answer: the server sends its 500, and the call is counted
+    so, not as a client that left."""
+    t = make_tenant()
+
+    def broken(*args: Any) -> list[str]:  # injected: a bug in the view
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(other_endpoints, "listed_models", broken)
+    before: list[Any] = []
+    sent: list[dict[str, Any]] = []
+
+    async def work(client: httpx.AsyncClient) -> None:
+        before.append(requests_total())
+
+        asked = asyncio.Event()  # the body once, then a client that stays
+
+        async def receive() -> dict[str, Any]:
+            if not asked.is_set():
+                asked.set()
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await _app()({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                      "method": "GET", "scheme": "http", "path": "/v1/models",
+                      "raw_path": b"/v1/models", "query_string": b"", "root_path": "",
+                      "client": ("127.0.0.1", 5000), "server": ("gateway", 80),
+                      "headers": [(b"host", b"gateway"),
+                                  (b"authorization", f"Bearer {t.plaintext}".encode())]},
+                     receive, send)
+
+    run_app(work)
+    assert sent == []  # no answer made: the server's own 500 goes out
+    assert grown(requests_total(), before[0]) == {("models", "500", "", ""): 1}
