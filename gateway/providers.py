@@ -189,12 +189,21 @@ def reencrypt_provider_secrets() -> int:
 
     The provider half of the rotation step between adding a new first key to
     TOLLGATE_ENCRYPTION_KEYS and removing the old one; the whole step (webhook secrets too) is
-    billing.encryption.reencrypt_stored_secrets (`manage.py reencrypt_secrets`).
+    billing.encryption.reencrypt_stored_secrets (`manage.py reencrypt_secrets`). A secret no
+    configured key opens raises SecretDecryptionError naming its provider key.
     """
     changed = 0
     with transaction.atomic():
-        for provider_key in ProviderKey.objects.select_for_update().only("id", "secret_encrypted"):
-            rotated = reencrypt(provider_key.secret_encrypted)
+        for provider_key in ProviderKey.objects.select_for_update().only(
+                "id", "public_id", "name", "secret_encrypted").order_by("pk"):
+            try:
+                rotated = reencrypt(provider_key.secret_encrypted)
+            except SecretDecryptionError as exc:
+                # Named, so the operator knows which one to fix (as a webhook endpoint is).
+                raise SecretDecryptionError(
+                    f"provider key {provider_key.name} ({provider_key.public_id}): no "
+                    "configured key decrypts its secret (calls through it fail); set its secret "
+                    "again, or put back the key that encrypted it") from exc
             if rotated != provider_key.secret_encrypted:
                 ProviderKey.objects.filter(pk=provider_key.pk).update(secret_encrypted=rotated)
                 changed += 1

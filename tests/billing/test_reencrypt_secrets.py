@@ -21,7 +21,7 @@ from billing import webhooks
 from billing.models import WebhookEndpoint
 from gateway.crypto import decrypt_secret
 from gateway.models import ProviderKey
-from gateway.providers import create_provider_key
+from gateway.providers import create_provider_key, set_provider_secret
 from tenants.models import Tenant
 from tenants.services import create_tenant
 from tests.support.webhook_receiver import Receiver
@@ -124,6 +124,35 @@ def test_a_secret_no_key_opens_stops_the_rotation_with_nothing_changed(
     settings.TOLLGATE_ENCRYPTION_KEYS = key_b
     fine.refresh_from_db()
     assert fine.secret.startswith("whsec_")
+
+
+def test_a_provider_key_no_key_opens_is_named_and_nothing_changes(
+        settings: Any, keys: tuple[str, str], acme: Tenant) -> None:
+    key_a, key_b = keys
+    create_provider_key("fine", base_url="https://a.test/v1", secret=PROVIDER_SECRET)
+    broken = create_provider_key("broken", base_url="https://b.test/v1", secret=PROVIDER_SECRET)
+    ProviderKey.objects.filter(pk=broken.pk).update(secret_encrypted="not a Fernet token")
+    webhooks.create_endpoint(acme, "http://127.0.0.1:9/a", ["test"], actor="t")
+    before = (list(ProviderKey.objects.order_by("pk").values_list("secret_encrypted", flat=True)),
+              list(WebhookEndpoint.objects.values_list("secret_encrypted", flat=True)))
+
+    settings.TOLLGATE_ENCRYPTION_KEYS = f"{key_b},{key_a}"
+    with pytest.raises(CommandError) as refused:
+        reencrypt()
+    assert str(refused.value) == (
+        f"provider key broken ({broken.public_id}): no configured key decrypts its secret "
+        "(calls through it fail); set its secret again, or put back the key that encrypted "
+        "it. Nothing was re-encrypted: keep the old keys in TOLLGATE_ENCRYPTION_KEYS.")
+    after = (list(ProviderKey.objects.order_by("pk").values_list("secret_encrypted", flat=True)),
+             list(WebhookEndpoint.objects.values_list("secret_encrypted", flat=True)))
+    assert after == before
+
+    # The remedy named: set its secret again, then the step goes through.
+    set_provider_secret(broken, PROVIDER_SECRET, actor="t")
+    assert json.loads(reencrypt("--json")) == {"provider_keys": 2, "webhook_endpoints": 1}
+    settings.TOLLGATE_ENCRYPTION_KEYS = key_b
+    assert [decrypt_secret(k.secret_encrypted) for k in ProviderKey.objects.order_by("pk")] == [
+        PROVIDER_SECRET, PROVIDER_SECRET]
 
 
 def test_a_previous_secret_no_key_opens_is_cleared_not_a_stop(
