@@ -95,6 +95,23 @@ def test_the_documented_rotation_keeps_webhooks_signing_and_provider_keys_readab
             assert Webhook(secret).verify(request["body"], request["headers"])["type"] == "test"
 
 
+def stored_ciphertexts() -> tuple[list[str], list[tuple[str, str]]]:
+    """Every stored ciphertext: the provider keys' secrets, the endpoints' and their previous."""
+    return (list(ProviderKey.objects.order_by("pk").values_list("secret_encrypted", flat=True)),
+            list(WebhookEndpoint.objects.order_by("pk").values_list(
+                "secret_encrypted", "previous_secret_encrypted")))
+
+
+def refused_with_nothing_changed(reason: str) -> None:
+    """The step stops with `reason` and the advice to keep the old keys; no ciphertext moved."""
+    before = stored_ciphertexts()
+    with pytest.raises(CommandError) as refused:
+        reencrypt()
+    assert str(refused.value) == (
+        f"{reason} Nothing was re-encrypted: keep the old keys in TOLLGATE_ENCRYPTION_KEYS.")
+    assert stored_ciphertexts() == before
+
+
 def test_a_secret_no_key_opens_stops_the_rotation_with_nothing_changed(
         settings: Any, keys: tuple[str, str], acme: Tenant) -> None:
     key_a, key_b = keys
@@ -102,21 +119,11 @@ def test_a_secret_no_key_opens_stops_the_rotation_with_nothing_changed(
     fine, _ = webhooks.create_endpoint(acme, "http://127.0.0.1:9/a", ["test"], actor="t")
     broken, _ = webhooks.create_endpoint(acme, "http://127.0.0.1:9/b", ["test"], actor="t")
     WebhookEndpoint.objects.filter(pk=broken.pk).update(secret_encrypted="not a Fernet token")
-    before = (list(ProviderKey.objects.values_list("secret_encrypted", flat=True)),
-              list(WebhookEndpoint.objects.order_by("pk").values_list(
-                  "secret_encrypted", "previous_secret_encrypted")))
 
     settings.TOLLGATE_ENCRYPTION_KEYS = f"{key_b},{key_a}"
-    with pytest.raises(CommandError) as refused:
-        reencrypt()
-    assert str(refused.value) == (
+    refused_with_nothing_changed(
         f"webhook endpoint {broken.public_id}: no configured key decrypts its signing secret "
-        "(deliveries to it fail); rotate that secret, or put back the key that encrypted it. "
-        "Nothing was re-encrypted: keep the old keys in TOLLGATE_ENCRYPTION_KEYS.")
-    after = (list(ProviderKey.objects.values_list("secret_encrypted", flat=True)),
-             list(WebhookEndpoint.objects.order_by("pk").values_list(
-                 "secret_encrypted", "previous_secret_encrypted")))
-    assert after == before
+        "(deliveries to it fail); rotate that secret, or put back the key that encrypted it.")
 
     # The remedy named: rotate the broken secret, then the step goes through.
     webhooks.rotate_secret(broken, actor="t")
@@ -133,19 +140,12 @@ def test_a_provider_key_no_key_opens_is_named_and_nothing_changes(
     broken = create_provider_key("broken", base_url="https://b.test/v1", secret=PROVIDER_SECRET)
     ProviderKey.objects.filter(pk=broken.pk).update(secret_encrypted="not a Fernet token")
     webhooks.create_endpoint(acme, "http://127.0.0.1:9/a", ["test"], actor="t")
-    before = (list(ProviderKey.objects.order_by("pk").values_list("secret_encrypted", flat=True)),
-              list(WebhookEndpoint.objects.values_list("secret_encrypted", flat=True)))
 
     settings.TOLLGATE_ENCRYPTION_KEYS = f"{key_b},{key_a}"
-    with pytest.raises(CommandError) as refused:
-        reencrypt()
-    assert str(refused.value) == (
+    refused_with_nothing_changed(
         f"provider key broken ({broken.public_id}): no configured key decrypts its secret "
         "(calls through it fail); set its secret again, or put back the key that encrypted "
-        "it. Nothing was re-encrypted: keep the old keys in TOLLGATE_ENCRYPTION_KEYS.")
-    after = (list(ProviderKey.objects.order_by("pk").values_list("secret_encrypted", flat=True)),
-             list(WebhookEndpoint.objects.values_list("secret_encrypted", flat=True)))
-    assert after == before
+        "it.")
 
     # The remedy named: set its secret again, then the step goes through.
     set_provider_secret(broken, PROVIDER_SECRET, actor="t")
