@@ -178,9 +178,10 @@ class GatewayRouter:
             except Exception:  # noqa: BLE001, S110 - logged from the task below
                 pass
         _log_failure(listener, scope.get("path"), observation)
-        if sending.error is not None:
-            _log_sending_failure(sending.error, scope.get("path"), observation)
         response = sent.get("response")
+        if sending.error is not None:
+            _log_sending_failure(sending.error, scope.get("path"), observation,
+                                 answered=response is not None)
         # Finished here, once the answer's last byte is sent or the client left (before
         # close(), whose hook would count a cut stream as sent).
         if observation is not None:
@@ -280,23 +281,25 @@ def _log_failure(task: asyncio.Task[None], path: str | None, observation: Observ
         return
     if not isinstance(error, Exception):
         raise error
-    _log_sending_failure(error, path, observation)
+    _log_sending_failure(error, path, observation, answered=True)
 
 
 def _log_sending_failure(error: Exception, path: str | None,
-                         observation: Observation | None) -> None:
-    """Log a failure of the view or of sending its answer, with the call's ids when it is a
-    metered call's."""
+                         observation: Observation | None, *, answered: bool) -> None:
+    """Log a failure of the view (`answered` False: it made no answer) or of sending its
+    answer, with the call's ids when it is a metered call's."""
     if isinstance(error, RequestAborted):
         return
     if observation is not None:
-        observation.with_ids(_log_error, error, path)
+        observation.with_ids(_log_error, error, path, answered)
     else:
-        _log_error(error, path)
+        _log_error(error, path, answered)
 
 
-def _log_error(error: Exception, path: str | None) -> None:
-    if isinstance(error, TimeoutError):
+def _log_error(error: Exception, path: str | None, answered: bool) -> None:
+    if not answered:  # a bug in the view: the server sends its 500
+        log.error("the view of %s failed; the server answers 500", path, exc_info=error)
+    elif isinstance(error, TimeoutError):
         log.warning("%s: the stream reached the call's deadline; cut", path)
     else:  # e.g. sending to a socket that broke
         log.error("sending the response of %s failed", path, exc_info=error)

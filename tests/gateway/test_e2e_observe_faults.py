@@ -696,6 +696,10 @@ def test_an_unmetered_view_that_raises_is_counted_as_the_500_its_client_gets(
                                   (b"authorization", f"Bearer {t.plaintext}".encode())]},
                      receive, send)
 
-    run_app(work)
+    with json_lines("gateway.asgi") as out:
+        run_app(work)
     assert sent == []  # no answer made: the server's own 500 goes out
     assert grown(requests_total(), before[0]) == {("models", "500", "", ""): 1}
+    [line] = parsed(out)  # logged as the view's failure, not as a send that broke
+    assert line["message"] == "the view of /v1/models failed; the server answers 500"
+    assert "RuntimeError: a bug" in line["exception"]
