@@ -28,9 +28,9 @@ class Reencrypted:
 def reencrypt_stored_secrets() -> Reencrypted:
     """Re-encrypt every provider key and every webhook endpoint's secrets under the first key of
     TOLLGATE_ENCRYPTION_KEYS, in one transaction: SecretDecryptionError (naming the provider key
-    or the webhook endpoint) if a provider key's secret or an endpoint's signing secret opens with none
-    of the configured keys, and then nothing has changed, so the old keys must stay until it
-    succeeds. (A replaced webhook secret no key opens signs nothing and is cleared:
+    or the webhook endpoint) if a provider key's secret or an endpoint's signing secret opens
+    with none of the configured keys, and then nothing has changed, so the old keys must stay
+    until it succeeds. (A replaced webhook secret no key opens signs nothing and is cleared:
     billing.webhooks.reencrypt_webhook_secrets.)"""
     with transaction.atomic():
         return Reencrypted(provider_keys=reencrypt_provider_secrets(),

@@ -85,7 +85,7 @@ class GatewayError(Exception):
             response["Retry-After"] = str(self.retry_after_s)
         # For the request metrics of the endpoints the router counts from their answer alone
         # (gateway/observe.py count_other): the metered ones keep theirs on the Observation.
-        response.tollgate_refusal = self.refusal or ""  # type: ignore[attr-defined]
+        setattr(response, _REFUSAL, self.refusal or "")
         return response
 
 
@@ -267,6 +267,10 @@ def upstream_client_error(status: int, body: bytes) -> GatewayError:
     return GatewayError(status, message + ".", kind, code, param)
 
 
+# The attribute an error answer carries its refusal reason in (GatewayError.response).
+_REFUSAL = "tollgate_refusal"
+
+
 def refusal_of(response: object) -> str:
     """The refusal reason an error answer was made with (GatewayError.response), else ""."""
-    return getattr(response, "tollgate_refusal", "")
+    return getattr(response, _REFUSAL, "")

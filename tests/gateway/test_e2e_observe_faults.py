@@ -628,12 +628,14 @@ def test_a_stream_its_client_left_is_logged_with_its_charge_even_if_the_settle_f
 
 
 def test_a_call_cancelled_before_its_hold_ends_still_writes_its_access_line(
-        fresh_runtime: None, make_tenant: MakeTenant, settings: Any) -> None:
+        fresh_runtime: None, make_tenant: MakeTenant, settings: Any,
+        engine: QuotaEngine) -> None:
     """A call whose client left while the upstream thought goes on detached, its access line
     held back for its hold's end. A worker stopping past its drain deadline cancels such calls
     (gateway/shutdown.py): the hold is left to the sweep, and the line is written then, once,
     with the client's 499."""
     settings.TOLLGATE_ACCESS_LOG = True
+    settings.GATEWAY_CHECKPOINT_SECONDS = 0.2
     t = make_tenant(requests_per_second=1000)
 
     async def work(client: httpx.AsyncClient) -> tuple[str, str]:
@@ -644,6 +646,7 @@ def test_a_call_cancelled_before_its_hold_ends_still_writes_its_access_line(
         before = set(runtime.background)
         await leave_after(t.plaintext, {"model": "slow@first_byte_ms=8000", "max_tokens": 4,
                                         "messages": HI}, 0.3)
+        await asyncio.sleep(0.6)  # its checkpoint (every 0.2 s) marks the hold `forwarded`
         written_before = out.getvalue()
         calls = [task for task in runtime.background - before if not task.done()]
         assert calls  # the call, detached, still waiting for its upstream
@@ -658,6 +661,15 @@ def test_a_call_cancelled_before_its_hold_ends_still_writes_its_access_line(
     [left] = [line for line in parsed(out) if line["status"] == 499]
     assert left["request_id"] in written_after
     assert (left["input_tokens"], left["output_tokens"], left["cost_micros"]) == (0, 0, 0)
+    # The money: the hold stays open for the sweep, which charges the whole of it (the call
+    # was handed to its upstream, which may have produced it all); nothing stays pending.
+    assert engine.open_hold_ids(t.tag) == [left["request_id"]]
+    used_before = engine.counter(t.tag, "tenant").used
+    [swept] = engine.sweep(t.tag, stale_s=0).swept
+    assert (swept.request_id, swept.basis, swept.charged) == (
+        left["request_id"], "forwarded", swept.amount)
+    counter = engine.counter(t.tag, "tenant")
+    assert counter.pending == 0 and counter.used == used_before + swept.amount
 
 
 def test_an_unmetered_view_that_raises_is_counted_as_the_500_its_client_gets(
