@@ -55,6 +55,7 @@ from gateway.usage import Usage
 from quotas.engine import (
     CapacityWait,
     Hold,
+    PackedSettle,
     Phase,
     QuotaError,
     QuotaStoreUnavailable,
@@ -127,6 +128,8 @@ class Call:
     remembered: bool = field(default=False, init=False)
     _end: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _checkpoints: Checkpoints | None = field(default=None, init=False, repr=False)
+    # The hold's settle packed ahead (prepare_settle), made while the upstream answers.
+    _packed_settle: PackedSettle | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.dialect = dialect_for(self.parsed.endpoint)
@@ -164,6 +167,14 @@ class Call:
             "stream": self.parsed.stream, "soft": self.admission.soft,
             "fb": self.admission.fallback_from,
         }, separators=(",", ":"))
+
+    def prepare_settle(self) -> None:
+        """Pack the hold's settle but for its figures (quotas: packed_settle), for the settle
+        to send at once after the answer. Scheduled just before the request goes upstream, so it
+        runs while the worker waits for the answer, with nothing else to do at one client."""
+        hold = self.admission.reservation.hold
+        if hold is not None and self._end is None and self._packed_settle is None:
+            self._packed_settle = self.runtime.engine.packed_settle(hold)
 
     async def settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> None:
         """Charge the hold with this usage (the first end wins; later calls only wait for it).
@@ -251,9 +262,10 @@ class Call:
             return
         engine = self.runtime.engine
         used = usage.total
+        packed = self._packed_settle
         await self._end_hold(lambda: self._timed_end(
             "quota.settle", metrics.REDIS_SETTLE, "settled", used,
-            lambda: engine.settle(hold, used, event, cost)))
+            lambda: engine.settle(hold, used, event, cost, packed)))
 
     async def _release_hold(self, event: str) -> None:
         hold = self.admission.reservation.hold
@@ -727,6 +739,7 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             span = (obs.start_child("upstream.call", **{"tollgate.provider_key": upstream.public_id})
                     if obs.span is not None else None)
             began = obs.upstream_wait()
+            asyncio.get_running_loop().call_soon(call.prepare_settle)
             try:
                 # Straight to the transport: the client's cookie, auth and redirect layers cost a
                 # measurable share of a request and do nothing for an API call.

@@ -183,6 +183,13 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
         finally:
             await pool.release(conn)
 
+    def script_pool(self) -> ScriptPool | None:
+        """The script connections an EVALSHA without options goes on (execute_command's way), for
+        a command packed ahead (the engine's reserve); None where it goes through redis-py."""
+        if self.single_connection_client or type(self.connection_pool) is not _BlockingPool:
+            return None
+        return self.scripts
+
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         if self.scripts is not None:
             await self.scripts.aclose()

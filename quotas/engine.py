@@ -16,7 +16,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -32,7 +32,7 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from quotas import keys, scripts
+from quotas import keys, resp, scripts
 from quotas.active import PendingMarks, shard_of
 from quotas.windows import (
     UTC_MONTHLY,
@@ -328,12 +328,41 @@ class Reservation:
     # it did not wait). Set by quotas/waiting.py, not by the script.
     queue_wait_ms: int = 0
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for a field missing from the instance: the counters of an admitted reservation
+        # the engine made (_admitted), made on first read. Nothing on a call's way upstream
+        # reads them (the rate-limit headers do, while the settle runs): about 8 us of a call's
+        # critical path at ten counters.
+        if name == "counters":
+            make = self.__dict__.get("_make_counters")
+            if make is not None:
+                counters = self.__dict__["counters"] = make()
+                return counters
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def remaining(self) -> int:
         """Tokens left in the tightest limited token scope, UNLIMITED when none is limited."""
         limited = [c.remaining for c in self.counters
                    if c.limit != UNLIMITED and c.unit in (Unit.TOKENS, Unit.POOL)]
         return min(limited) if limited else UNLIMITED
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSettle:
+    """A hold's settle command (lua/settle.lua's EVALSHA with its keys and arguments), packed but
+    for the three figures only the call's end knows: the gateway makes it while the upstream
+    answers, so that after the answer the settle is three bulk strings and a write
+    (docs/benchmarks.md, "Issue 16 item 3: the quota calls in fewer steps")."""
+
+    hold: Hold
+    head: bytes  # the command's length, EVALSHA, the digest, the keys, the request id
+    tombstone: bytes  # the tombstone's seconds, between actual and the event
+    tail: bytes  # the fallback and the wake channel
+
+    def command(self, actual: int, event: str, actual_money: int) -> bytes:
+        return b"".join((self.head, resp.bulks((actual,)), self.tombstone,
+                         resp.bulks((event, actual_money)), self.tail))
 
 
 @dataclass(frozen=True)
@@ -522,6 +551,9 @@ class _ReserveCall:
     states: tuple[dict[str, Any], ...] = ()
     counter_keys: tuple[str, ...] = ()
     units: tuple[int, ...] = ()
+    # The whole EVALSHA command, packed: what hiredis.pack_command makes of ("EVALSHA", the
+    # script's digest, len(keys), *keys, *args).
+    command: bytes = b""
 
 
 def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
@@ -637,12 +669,48 @@ def _counter_state(fields: dict[str, Any], remaining: int) -> CounterState:
     return state
 
 
+def _counter_states(fields: Sequence[dict[str, Any]], remaining: Sequence[Any],
+                    ) -> tuple[CounterState, ...]:
+    return tuple(_counter_state(f, int(left)) for f, left in zip(fields, remaining, strict=True))
+
+
+# Every field of an admitted Reservation but those _admitted sets: the class's defaults.
+_ADMITTED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Reservation)
+                      if f.default is not dataclasses.MISSING}
+
+
+def _admitted(call: _ReserveCall, granted: int, now_ms: int, remaining: Sequence[Any],
+              rate_remaining: tuple[int, ...]) -> Reservation:
+    """An admitted Reservation, as Reservation(...) makes it, without the frozen dataclass's
+    __init__ (an object.__setattr__ per field, 18 fields) and with its counters made on first
+    read (Reservation.__getattr__); a dry run holds nothing. reserve_reply's hot path: every
+    call admitted takes it."""
+    req = call.request
+    hold = None
+    if not req.dry_run:
+        gauge = keys.gauge_key(req.tenant, req.concurrency.scope) if req.concurrency else ""
+        hold = _new(Hold)
+        hold.__dict__.update(tenant=req.tenant, request_id=req.request_id, amount=granted,
+                             counter_keys=call.counter_keys, gauge_key=gauge,
+                             money_amount=req.money_amount, units=call.units, meta=req.meta,
+                             created_ms=now_ms)
+    reservation = _new(Reservation)
+    attrs = reservation.__dict__
+    attrs.update(_ADMITTED_DEFAULTS)
+    attrs.update(admitted=True, request_id=req.request_id, granted=granted, refused=None,
+                 server_time_ms=now_ms, hold=hold, rate_remaining=rate_remaining)
+    attrs["_make_counters"] = functools.partial(_counter_states, call.states, remaining)
+    return reservation
+
+
 class _Windowed:
     """The counters' part of a reserve call in one set of windows (see _Shape)."""
 
-    __slots__ = ("windows", "counters", "keys", "args", "states", "units")
+    __slots__ = ("windows", "counters", "keys", "args", "states", "units", "packed_keys",
+                 "packed_args")
 
-    def __init__(self, req: ReserveRequest, windows: list[Window], calls: _Calls) -> None:
+    def __init__(self, req: ReserveRequest, windows: list[Window], calls: _Calls,
+                 shape: _Shape) -> None:
         self.windows = windows
         counters = []
         args: list[int] = []
@@ -657,6 +725,12 @@ class _Windowed:
                              "limit": limit.limit, "unit": limit.unit, "label": "", "reason": ""}
                             for limit, window, key in counters)
         self.units = tuple(_unit_code(limit.unit) for limit in req.limits)
+        # The command's unchanging stretches, packed (quotas/resp.py): every key but the hold's
+        # (the index, the counters, the tail, the queue's), and the counters' and buckets'
+        # arguments.
+        self.packed_keys = resp.bulks([shape.index_key, *self.keys, *shape.tail_keys,
+                                       *shape.queue_keys])
+        self.packed_args = resp.bulks([*args, *shape.rate_args])
 
 
 class _Shape:
@@ -699,6 +773,8 @@ class _Shape:
 class _Calls:
     settings: EngineSettings
     clock: RedisClock
+    # "EVALSHA" and the reserve script's digest, packed: the head of every reserve's command.
+    reserve_head: bytes = b""
     _shapes: dict[tuple[Any, ...], _Shape] = field(default_factory=dict, repr=False)
 
     def calendar(self, schedule: CycleSchedule) -> Calendar:
@@ -719,7 +795,7 @@ class _Calls:
         moved on: a Calendar returns the same Window object while it lasts)."""
         windowed = shape.windowed
         if windowed is None or windowed.windows != windows:  # identical objects: no __eq__
-            windowed = shape.windowed = _Windowed(req, windows, self)
+            windowed = shape.windowed = _Windowed(req, windows, self, shape)
         return windowed
 
     def expire_at(self, window: Window) -> int:
@@ -736,7 +812,7 @@ class _Calls:
         windowed = self._windowed(req, shape,
                                   [cal.window(limit.window, now_ms) for limit in req.limits])
         cap = req.concurrency.cap if req.concurrency is not None else -1
-        args: list[Any] = [
+        head: list[Any] = [
             req.request_id,
             req.amount,
             req.min_amount if req.min_amount is not None else req.amount,
@@ -751,16 +827,21 @@ class _Calls:
             req.price_in,
             req.price_out,
             1 if req.check_epoch else 0,
-            *windowed.args,
-            *shape.rate_args,
         ]
-        call_keys = [keys.hold_key(req.tenant, req.request_id), shape.index_key, *windowed.keys,
-                     *shape.tail_keys]
+        hold_key = keys.hold_key(req.tenant, req.request_id)
+        call_keys = [hold_key, shape.index_key, *windowed.keys, *shape.tail_keys,
+                     *shape.queue_keys]
+        args = [*head, *windowed.args, *shape.rate_args]
+        parts = [self.reserve_head, resp.bulks((len(call_keys), hold_key)),
+                 windowed.packed_keys, resp.bulks(head), windowed.packed_args]
         if req.queue is not None:
-            call_keys += shape.queue_keys
-            args += _queue_args(req, shape.queue_flags)
+            queue_args = _queue_args(req, shape.queue_flags)
+            args += queue_args
+            parts.append(resp.bulks(queue_args))
+        # EVALSHA, its digest, the number of keys, the keys and the arguments.
+        command = resp.packed(3 + len(call_keys) + len(args), parts)
         return _ReserveCall(req, windowed.counters, call_keys, args, windowed.states,
-                            windowed.keys, windowed.units)
+                            windowed.keys, windowed.units, command)
 
     def reserve_reply(self, call: _ReserveCall, reply: Sequence[Any]) -> Reservation | None:
         """The Reservation, or None when the window did not match the Redis clock (retry)."""
@@ -790,8 +871,12 @@ class _Calls:
                 in_flight=0 if rate else detail,
             )
         n = len(call.counters)
-        states = tuple(_counter_state(fields, int(remaining))
-                       for fields, remaining in zip(call.states, reply[3:3 + n], strict=True))
+        if len(reply) < 3 + n:
+            raise ValueError(f"a reserve reply of {len(reply)} items for {n} counters")
+        if code == 1:
+            return _admitted(call, detail, now_ms, reply[3:3 + n],
+                             tuple(int(x) for x in reply[3 + n:]))
+        states = _counter_states(call.states, reply[3:3 + n])
         admitted = code == 1
         granted = detail if admitted else 0
         hold = None
@@ -831,6 +916,16 @@ class _Calls:
             raise ValueError(f"actual_money must be an integer >= 0, got {actual_money!r}")
         return [hold.request_id, actual, self.settings.tombstone_s, event, actual_money,
                 _fallback(hold), keys.QUEUE_WAKE_CHANNEL]
+
+    def packed_settle(self, hold: Hold, sha: str) -> PackedSettle:
+        """EVALSHA `sha` of settle_args(hold, ...) with end_keys(hold), packed around the three
+        figures only the call's end knows (actual tokens, the event, actual money)."""
+        call_keys = self.end_keys(hold)
+        count = 3 + len(call_keys) + 7  # EVALSHA, digest, number of keys; settle_args' seven
+        head = resp.packed(count, [resp.bulks(("EVALSHA", sha, len(call_keys), *call_keys,
+                                                hold.request_id))])
+        return PackedSettle(hold, head, resp.bulks((self.settings.tombstone_s,)),
+                            resp.bulks((_fallback(hold), keys.QUEUE_WAKE_CHANNEL)))
 
     def release_args(self, hold: Hold, event: str) -> list[Any]:
         return [hold.request_id, self.settings.tombstone_s, event, _fallback(hold),
@@ -1035,8 +1130,8 @@ class QuotaEngine:
         self.settings = settings or EngineSettings()
         self.clock = clock or RedisClock()
         self.mark_active = mark_active
-        self._calls = _Calls(self.settings, self.clock)
         self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
+        self._calls = _Calls(self.settings, self.clock)
 
     def _run(self, name: str, call_keys: list[str], args: list[Any]) -> Any:
         with _store_errors():
@@ -1288,8 +1383,9 @@ class AsyncQuotaEngine:
         self.clock = clock or RedisClock()
         self.marks = PendingMarks(confirm_s=self.settings.active_retention_s / 2)
         self._mark_now_paused_until = 0.0  # monotonic; see _mark_now
-        self._calls = _Calls(self.settings, self.clock)
         self._scripts = {s.name: client.register_script(s.text) for s in scripts.ALL}
+        self._calls = _Calls(self.settings, self.clock,
+                             resp.bulks(("EVALSHA", self._scripts["reserve"].sha)))
 
     async def flush_active(self) -> int:
         """Write the tenants marked since the last flush to the index, one script call per
@@ -1309,6 +1405,32 @@ class AsyncQuotaEngine:
                 return await self.client.evalsha(script.sha, len(call_keys), *call_keys, *args)
             except NoScriptError:
                 return await script(keys=call_keys, args=args)
+        except (*_UNREACHABLE, ResponseError) as exc:
+            raise _unavailable(exc) from exc
+
+    @property
+    def _script_pool(self) -> Any:
+        # quotas/client.py's script connections when the client has them (None on a cluster,
+        # or a client of redis-py's own).
+        script_pool = getattr(self.client, "script_pool", None)
+        return script_pool() if script_pool is not None else None
+
+    async def _run_reserve(self, call: _ReserveCall) -> Any:
+        return await self._run_packed("reserve", call.command, lambda: call.keys, call.args)
+
+    async def _run_packed(self, name: str, command: bytes, call_keys: Callable[[], list[str]],
+                          args: list[Any]) -> Any:
+        """_run(name, call_keys(), args) with `command`, the same EVALSHA packed ahead, when it
+        goes on the script connections (quotas/client.py script_pool: a plain Redis); a server
+        without the script loads it and runs it, as EVALSHA does."""
+        pool = self._script_pool
+        if pool is None:
+            return await self._run(name, call_keys(), args)
+        try:
+            try:
+                return await pool.call_packed(command)
+            except NoScriptError:
+                return await self._scripts[name](keys=call_keys(), args=args)
         except (*_UNREACHABLE, ResponseError) as exc:
             raise _unavailable(exc) from exc
 
@@ -1339,7 +1461,7 @@ class AsyncQuotaEngine:
             await self._mark_now(request.tenant)
         for _ in range(_MAX_CLOCK_RETRIES):
             call = self._calls.reserve(request)
-            reply = await self._run("reserve", call.keys, call.args)
+            reply = await self._run_reserve(call)
             result = self._calls.reserve_reply(call, reply)
             if result is _DUPLICATE:
                 with _store_errors():
@@ -1349,12 +1471,27 @@ class AsyncQuotaEngine:
                 return result
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
-    async def settle(self, hold: Hold, actual: int, event: str = "",
-                     actual_money: int = 0) -> SettleResult:
+    async def settle(self, hold: Hold, actual: int, event: str = "", actual_money: int = 0,
+                     packed: PackedSettle | None = None) -> SettleResult:
+        """`packed`: this hold's settle packed ahead (packed_settle), sent as it is on the
+        script connections; the same script call as without it."""
         args = self._calls.settle_args(hold, actual, event, actual_money)
         self.marks.add(hold.tenant)
-        outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
+        if packed is not None and packed.hold is hold and type(event) is str:
+            outcome, held, charged = await self._run_packed(
+                "settle", packed.command(actual, event, actual_money),
+                lambda: self._calls.end_keys(hold), args)
+        else:
+            outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
+
+    def packed_settle(self, hold: Hold) -> PackedSettle | None:
+        """`hold`'s settle command packed but for the figures only its end knows (settle's
+        `packed`): for the gateway to make while its call waits for the upstream. None where
+        the scripts do not go on the script connections."""
+        if self._script_pool is None:
+            return None
+        return self._calls.packed_settle(hold, self._scripts["settle"].sha)
 
     async def release(self, hold: Hold, event: str = "") -> ReleaseResult:
         args = self._calls.release_args(hold, event)

@@ -39,6 +39,7 @@ from redis._parsers.base import BaseParser
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
+
 class _ScriptConnection(asyncio.Protocol):
     """One connection to Redis carrying one command at a time."""
 
@@ -169,7 +170,10 @@ class ScriptPool:
 
     async def call(self, args: Sequence[Any]) -> Any:
         """`args` sent as one command (hiredis packs str, bytes, int and float); its reply."""
-        command = hiredis.pack_command(tuple(args))
+        return await self.call_packed(hiredis.pack_command(tuple(args)))
+
+    async def call_packed(self, command: bytes) -> Any:
+        """A command already packed (hiredis.pack_command, or quotas/resp.py); its reply."""
         loop = asyncio.get_running_loop()
         if loop is not self.loop:
             self._bind(loop)

@@ -54,6 +54,7 @@ from quotas.engine import (
 )
 from quotas.keys import hold_key, usage_stream_key
 from quotas.windows import WindowKind
+from tests.support.script_sends import packed_sends
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = "o200k_base"
@@ -367,6 +368,45 @@ def test_a_second_end_waits_for_the_first_and_changes_nothing() -> None:
 
     asyncio.run(scenario())
     assert [(e["outcome"], e["event"]["out"]) for e in usage_events(tenant)] == [("settled", 5)]
+    assert counter(tenant) == (15, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_settle_packed_while_the_upstream_answered_is_what_the_end_sends(
+        stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """forward schedules Call.prepare_settle as the request goes upstream: the hold's settle
+    packed but for its figures (quotas: PackedSettle). The end sends it as it is, and the
+    counters and the usage event are those of the plain settle."""
+    tenant = new_tenant()
+    sent = packed_sends(monkeypatch)
+    answer = {"id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
+
+    async def scenario() -> None:
+        call = await open_call(async_engine(), tenant, stream=stream)
+        call.prepare_settle()
+        packed = call._packed_settle
+        assert packed is not None and packed.hold is call.admission.reservation.hold
+        sent.clear()
+        if stream:
+            received: list[bytes] = []
+            parts = [delta("x"), usage_chunk(12, 3), DONE]
+            await consume(StreamRelay(call, httpx.Response(200, content=chunks_of(parts))),
+                          received)
+        else:
+            await _complete(call, httpx.Response(200, content=json.dumps(answer).encode()))
+        await settled_background(call)
+        # Sent as packed, once (a server without the script yet is then sent the same command
+        # by redis-py's script object, which loads it: not counted here).
+        settles = [c for c in sent if call.request_id.encode() in c]
+        assert len(settles) == 1 and settles[0].startswith(packed.head)
+        call.prepare_settle()  # after the end began: nothing more is made
+        assert call._packed_settle is packed
+
+    asyncio.run(scenario())
+    [event] = usage_events(tenant)
+    assert (event["outcome"], event["event"]["in"], event["event"]["out"]) == ("settled", 12, 3)
     assert counter(tenant) == (15, 0)
 
 

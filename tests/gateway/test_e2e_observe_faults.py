@@ -218,14 +218,14 @@ def test_a_settle_that_finds_no_live_hold_is_not_counted_over_it(
     returned = []  # attempts whose script answered: the hold's end is tallied right after
 
     async def settle(self: AsyncQuotaEngine, hold: Any, actual: int, event: str = "",
-                     actual_money: int = 0) -> Any:
+                     actual_money: int = 0, packed: Any = None) -> Any:
         attempts.append(actual)
         if fault == "hold_record_lost":  # a failover without the record
             await self.client.delete(keys.hold_key(hold.tenant, hold.request_id))
-            result = await real(self, hold, actual, event, actual_money)
+            result = await real(self, hold, actual, event, actual_money, packed)
             returned.append(actual)
             return result
-        result = await real(self, hold, actual, event, actual_money)
+        result = await real(self, hold, actual, event, actual_money, packed)
         if len(attempts) == 1:
             raise QuotaStoreUnavailable("connection lost before the reply")  # applied
         returned.append(actual)
@@ -587,12 +587,12 @@ def test_a_stream_its_client_left_is_logged_with_its_charge_even_if_the_settle_f
     out = io.StringIO()
 
     async def settle(self: AsyncQuotaEngine, hold: Any, actual: int, event: str = "",
-                     actual_money: int = 0) -> Any:
+                     actual_money: int = 0, packed: Any = None) -> Any:
         attempts.append(actual)
         if len(attempts) == 1:
             raise QuotaStoreUnavailable("Redis unreachable")  # nothing applied
         lines_at_retry.append(out.getvalue())
-        result = await real(self, hold, actual, event, actual_money)
+        result = await real(self, hold, actual, event, actual_money, packed)
         retried.set()
         return result
 

@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 from django.http import HttpResponse
 
@@ -20,11 +21,11 @@ from gateway import views
 from gateway.admission import Admission
 from gateway.bodies import Endpoint, parse_body
 from gateway.dialects import dialect_for
-from gateway.forward import Call, Prepared, prepare_upstream, upstream_request_for
+from gateway.forward import Call, Prepared, _answer, prepare_upstream, upstream_request_for
 from gateway.observe import Observation
 from gateway.providers import ProviderPool, Upstream
 from gateway.runtime import GatewayRuntime
-from quotas.engine import Reservation
+from quotas.engine import Hold, Reservation
 
 FIRST = Upstream(1, "pk_first", "http://first.invalid/v1", "sk-first", None, None, priority=2)
 SECOND = Upstream(2, "pk_second", "http://second.invalid/v1", "sk-second", None, None)
@@ -218,3 +219,41 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(monkeypatc
     call = seen["call"]
     assert call.prepared is not None and call.prepared.upstream is FIRST
     assert call.payload() is call.prepared.payload
+
+
+def test_the_settle_is_packed_while_the_upstream_answers() -> None:
+    """forward._answer schedules Call.prepare_settle as the request goes upstream: it runs while
+    the answer is awaited (the loop turns), not before the request is written, and the call's
+    settle carries it (tests/gateway/test_call_end.py: what the settle then sends)."""
+    seen: dict[str, Any] = {}
+    hold = Hold("t1", REQUEST_ID, 120, ("tg:{t1}:q:tenant:d2026-12-03",))
+    packed = object()
+
+    class Transport:
+        async def handle_async_request(self, request: Any) -> httpx.Response:
+            seen["when_written"] = call._packed_settle
+            await asyncio.sleep(0)  # the upstream's wait: the loop turns
+            seen["while_answering"] = call._packed_settle
+            return httpx.Response(200, content=b"{}")
+
+    def packed_settle(of: Hold) -> object:
+        seen["for"] = of
+        return packed
+
+    runtime = _runtime()
+    client = SimpleNamespace(register_script=lambda text: None)  # the breakers make no call
+    runtime.engine = SimpleNamespace(packed_settle=packed_settle, client=client)  # type: ignore[assignment]
+    runtime.transport = Transport()  # type: ignore[assignment]
+    reservation = Reservation(admitted=True, request_id=REQUEST_ID, granted=120, counters=(),
+                              refused=None, server_time_ms=0, hold=hold)
+    admission = Admission(reservation, "gpt-4o", _admission("gpt-4o", 100).estimate, 100)
+    call: Call
+
+    async def scenario() -> None:
+        nonlocal call
+        call = Call(runtime, CTX, _parsed(), admission, REQUEST_ID, 0.0)  # type: ignore[arg-type]
+        response = await _answer(call)
+        assert response.status_code == 200
+
+    asyncio.run(scenario())
+    assert seen == {"when_written": None, "while_answering": packed, "for": hold}

@@ -1,0 +1,281 @@
+"""A reserve's command is packed ahead (quotas/resp.py, quotas/engine.py _Windowed): its
+unchanging stretches once per request shape and window, the dozen arguments that change on each
+call. What goes to Redis must be, byte for byte, what hiredis.pack_command makes of the same
+EVALSHA, its keys and its arguments, for every shape of request; and the engine must send it only
+where EVALSHA goes on the script connections, falling back as EVALSHA does (NOSCRIPT)."""
+from __future__ import annotations
+
+import asyncio
+
+import hiredis
+import pytest
+import redis
+
+from quotas import keys, resp
+from quotas.client import make_async_redis
+from quotas.engine import (
+    AsyncQuotaEngine,
+    ConcurrencyLimit,
+    EngineSettings,
+    Hold,
+    QueueTicket,
+    QuotaEngine,
+    RateLimit,
+    ReserveRequest,
+    ScopeLimit,
+    Unit,
+    _Calls,
+)
+from quotas.windows import RedisClock, WindowKind
+from tests.quotas.conftest import new_tenant
+from tests.support.script_sends import packed_sends
+from tests.quotas.test_reserve_shapes import GAUGE, LIMITS, RATES
+
+SHA = "ab" * 20
+HEAD = resp.bulks(("EVALSHA", SHA))
+DAY = WindowKind.DAY
+
+
+def _hiredis(call_keys: list[str], args: list[object]) -> bytes:
+    return hiredis.pack_command(("EVALSHA", SHA, len(call_keys), *call_keys, *args))
+
+
+def _requests(tenant: str, clock: RedisClock) -> list[ReserveRequest]:
+    ticket = QueueTicket(-7, clock.now_ms() + 60_000, 5000, 100)
+    ordered = QueueTicket(3, clock.now_ms() + 60_000, 5000, 100, order=-(3 << 32) + 17)
+    one = (ScopeLimit("tenant", DAY, -1),)
+    return [
+        ReserveRequest(tenant, "plain", 10, one),
+        ReserveRequest(tenant, "every-part", 2**40, LIMITS, rates=RATES, concurrency=GAUGE,
+                       min_amount=3, money_amount=10**15, input_tokens=7, price_in=150,
+                       price_out=600, check_epoch=True, queue=ticket,
+                       meta='{"p":1,"m":"gpt-4o-mini","who":"é ü 漢 \\r\\n $3"}'),
+        ReserveRequest(tenant, "queued-again", 5, LIMITS, rates=RATES, concurrency=GAUGE,
+                       queue=ordered),
+        ReserveRequest(tenant, "dry", 1, LIMITS, dry_run=True),
+        ReserveRequest(tenant, "no-gauge", 9, LIMITS, rates=RATES),
+        ReserveRequest(tenant, "gauge-only", 9, one, concurrency=ConcurrencyLimit("key:k", 0)),
+        ReserveRequest(tenant, "money", 9,
+                       (ScopeLimit("tenant", WindowKind.MONTH, 10**9, Unit.MICROS),)),
+    ]
+
+
+def test_the_packed_command_is_what_hiredis_packs_for_every_shape() -> None:
+    clock = RedisClock()
+    calls = _Calls(EngineSettings(), clock, HEAD)
+    tenant = new_tenant()
+    for request in _requests(tenant, clock):
+        first = calls.reserve(request)  # the shape and its window's stretches built
+        again = calls.reserve(request)  # reused
+        assert first.command == _hiredis(first.keys, first.args), request.request_id
+        assert again.command == first.command, request.request_id
+
+
+def test_a_reused_shape_packs_what_changes_per_call() -> None:
+    clock = RedisClock()
+    calls = _Calls(EngineSettings(), clock, HEAD)
+    tenant = new_tenant()
+    ticket = QueueTicket(1, clock.now_ms() + 60_000, 5000, 100)
+    calls.reserve(ReserveRequest(tenant, "a", 10, LIMITS, rates=RATES, queue=ticket))
+    later = QueueTicket(1, ticket.deadline_ms + 1, 5000, 100)
+    second = calls.reserve(ReserveRequest(tenant, "b", 11, LIMITS, rates=RATES, queue=later,
+                                          min_amount=4, meta="m"))
+    assert second.command == _hiredis(second.keys, second.args)
+    assert b"$1\r\nb\r\n" in second.command and b"tg:{" in second.command
+    assert f"{later.deadline_ms}".encode() in second.command
+
+
+def test_a_window_moving_on_repacks_its_stretches() -> None:
+    clock = RedisClock()
+    calls = _Calls(EngineSettings(), clock, HEAD)
+    tenant = new_tenant()
+    request = ReserveRequest(tenant, "r", 10, LIMITS, rates=RATES, concurrency=GAUGE)
+    before = calls.reserve(request)
+    clock.offset_ms += 86_400_000  # a day later on the learnt Redis clock: every window moves
+    after = calls.reserve(request)
+    assert after.keys != before.keys
+    assert after.command == _hiredis(after.keys, after.args)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, None, b"x"])
+def test_only_str_and_int_are_packed_ahead(value: object) -> None:
+    # A bool or a float would be packed differently from redis-py's encoder: refused, not guessed.
+    with pytest.raises(TypeError):
+        resp.bulks(["ok", value])  # type: ignore[list-item]
+
+
+def _open_holds(redis_url: str, tenant: str) -> list[str]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return QuotaEngine(client).open_hold_ids(tenant)
+    finally:
+        client.close()
+
+
+def test_the_engine_sends_the_packed_command_on_the_script_connections(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        engine = AsyncQuotaEngine(client)
+        try:
+            request = ReserveRequest(tenant, "r1", 40, LIMITS, rates=RATES, concurrency=GAUGE)
+            reservation = await engine.reserve(request)
+            assert reservation.admitted and reservation.granted == 40
+            assert reservation.hold is not None
+            assert [s.remaining for s in reservation.counters[:3]] == [960, 9960, 760]
+            # Sent once, as packed, and its hold is the one the script wrote.
+            assert len(sent) == 1 and b"$2\r\nr1\r\n" in sent[0]
+            assert (await engine.settle(reservation.hold, 25)).outcome == "settled"
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+    assert _open_holds(redis_url, tenant) == []
+
+
+def test_a_server_without_the_script_loads_it_as_evalsha_does(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The packed command names a digest the server does not know (NOSCRIPT, as after a SCRIPT
+    # FLUSH or a failover to an empty replica): the script is loaded and run with the same keys
+    # and arguments, once.
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        engine = AsyncQuotaEngine(client)
+        engine._calls.reserve_head = resp.bulks(("EVALSHA", "0" * 40))
+        try:
+            reservation = await engine.reserve(ReserveRequest(tenant, "r1", 40, LIMITS))
+            assert reservation.admitted and reservation.granted == 40
+            assert len(sent) == 1 and b"0" * 40 in sent[0]
+            used = {s.scope: s.remaining for s in reservation.counters if s.window.kind is DAY}
+            assert used == {"tenant": 960, "key:k": 760}
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+    assert _open_holds(redis_url, tenant) == ["r1"]
+
+
+@pytest.mark.cluster
+def test_a_cluster_reserve_goes_through_evalsha(redis_cluster_url: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_cluster_url, cluster=True)
+        engine = AsyncQuotaEngine(client)
+        try:
+            reservation = await engine.reserve(ReserveRequest(tenant, "r1", 40, LIMITS))
+            assert reservation.admitted and reservation.granted == 40
+            assert sent == []  # no script connections on a cluster: redis-py's EVALSHA
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+# -- the settle, packed while the upstream answers ------------------------------------------------
+
+
+def _hold(tenant: str, *, gauge: bool, money: int = 0, meta: str = "") -> Hold:
+    counter_keys = tuple(keys.counter_key(tenant, scope, "d2026-12-03")
+                         for scope in ("tenant", "key:k"))
+    return Hold(tenant, "req_1", 40, counter_keys,
+                keys.gauge_key(tenant, "key:k") if gauge else "", money, (0, 0), meta,
+                1796278300207)
+
+
+@pytest.mark.parametrize("gauge", [True, False])
+def test_the_packed_settle_is_what_hiredis_packs(gauge: bool) -> None:
+    calls = _Calls(EngineSettings(), RedisClock(), HEAD)
+    hold = _hold(new_tenant(), gauge=gauge, money=12, meta='{"m":"é 漢 \\r\\n $5"}')
+    packed = calls.packed_settle(hold, SHA)
+    for actual, event, money in [(0, "", 0), (17, '{"in":1,"out":16,"w":"ü"}', 10**12)]:
+        expected = _hiredis(calls.end_keys(hold), calls.settle_args(hold, actual, event, money))
+        assert packed.command(actual, event, money) == expected
+
+
+def test_a_packed_settle_ends_the_hold_as_the_plain_one(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+    event = '{"in":3,"out":7,"note":"é"}'
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        engine = AsyncQuotaEngine(client)
+        try:
+            first = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS, rates=RATES,
+                                                        concurrency=GAUGE, meta="m"))
+            second = await engine.reserve(ReserveRequest(tenant, "b", 40, LIMITS, meta="m"))
+            assert first.hold is not None and second.hold is not None
+            packed = engine.packed_settle(first.hold)
+            assert packed is not None and packed.hold is first.hold
+            sent.clear()
+            result = await engine.settle(first.hold, 10, event, 5, packed)
+            assert (result.outcome, result.held, result.charged) == ("settled", 40, 10)
+            assert len(sent) == 1 and sent[0] == packed.command(10, event, 5)
+            # Packed for another hold: not used (the other hold's own keys and id are sent).
+            sent.clear()
+            other = await engine.settle(second.hold, 20, event, 0, packed)
+            assert (other.outcome, other.charged) == ("settled", 20) and sent == []
+            # Again: settled already, the same answer as the plain settle gives.
+            assert (await engine.settle(first.hold, 10, event, 5, packed)).outcome == \
+                (await engine.settle(first.hold, 10, event, 5)).outcome
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+    sync = QuotaEngine(redis.Redis.from_url(redis_url, decode_responses=True))
+    assert sync.open_hold_ids(tenant) == []
+    day = sync.counter(tenant, "tenant")
+    assert (day.used, day.pending) == (30, 0)
+    events = [fields for _, fields in sync.client.xrange(keys.usage_stream_key(tenant))]
+    assert [e["event"] for e in events[:2]] == [event, event]
+    assert [e["request_id"] for e in events[:2]] == ["a", "b"]
+
+
+def test_a_packed_settle_to_a_server_without_the_script_loads_it(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        engine = AsyncQuotaEngine(client)
+        try:
+            reservation = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
+            hold = reservation.hold
+            assert hold is not None
+            packed = engine._calls.packed_settle(hold, "0" * 40)
+            result = await engine.settle(hold, 9, "{}", 0, packed)
+            assert (result.outcome, result.charged) == ("settled", 9)
+            assert b"0" * 40 in sent[-1]
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+    sync = QuotaEngine(redis.Redis.from_url(redis_url, decode_responses=True))
+    day = sync.counter(tenant, "tenant")
+    assert (day.used, day.pending) == (9, 0)
+
+
+@pytest.mark.cluster
+def test_a_cluster_engine_packs_no_settle(redis_cluster_url: str) -> None:
+    async def scenario() -> None:
+        client = make_async_redis(redis_cluster_url, cluster=True)
+        try:
+            engine = AsyncQuotaEngine(client)
+            reservation = await engine.reserve(ReserveRequest(new_tenant(), "a", 4, LIMITS))
+            assert reservation.hold is not None
+            assert engine.packed_settle(reservation.hold) is None
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,33 @@
+"""What goes to Redis packed ahead (quotas/resp.py): the commands the engine hands the script
+connections as they are, apart from those ScriptPool.call packs with hiredis."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from quotas.script_pool import ScriptPool
+
+
+def packed_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The commands sent packed ahead from now on: through ScriptPool.call_packed, not through
+    ScriptPool.call (which packs its arguments with hiredis, then goes through call_packed)."""
+    sent: list[bytes] = []
+    real_call, real_packed = ScriptPool.call, ScriptPool.call_packed
+    through_call: list[bool] = []
+
+    async def call(self: ScriptPool, args: Any) -> Any:
+        through_call.append(True)
+        try:
+            return await real_call(self, args)
+        finally:
+            through_call.pop()
+
+    async def call_packed(self: ScriptPool, command: bytes) -> Any:
+        if not through_call:
+            sent.append(command)
+        return await real_packed(self, command)
+
+    monkeypatch.setattr(ScriptPool, "call", call)
+    monkeypatch.setattr(ScriptPool, "call_packed", call_packed)
+    return sent
