@@ -743,7 +743,7 @@ class _Shape:
     identity of its request's tuples."""
 
     __slots__ = ("limits", "rates", "concurrency", "index_key", "tail_keys", "rate_args",
-                 "queue_keys", "queue_flags", "windowed")
+                 "queue_keys", "queue_flags", "packed_queue_flags", "windowed")
 
     def __init__(self, req: ReserveRequest) -> None:
         tenant = req.tenant
@@ -760,6 +760,7 @@ class _Shape:
         self.rate_args = [n for rate in req.rates for n in (rate.capacity, rate.period_ms)]
         self.queue_keys = _queue_keys(req) if req.queue is not None else []
         self.queue_flags = [1 if limit.queueable else 0 for limit in req.limits]
+        self.packed_queue_flags = resp.bulks(self.queue_flags)
         # The counters' part in the windows last used: replaced whole, so a reader on another
         # thread never mixes two windows' parts.
         self.windowed: _Windowed | None = None
@@ -837,7 +838,8 @@ class _Calls:
         if req.queue is not None:
             queue_args = _queue_args(req, shape.queue_flags)
             args += queue_args
-            parts.append(resp.bulks(queue_args))
+            # The queue's own six, then its flags (one per counter: the shape's, packed).
+            parts += (resp.bulks(queue_args[:_QUEUE_OWN_ARGS]), shape.packed_queue_flags)
         # EVALSHA, its digest, the number of keys, the keys and the arguments.
         command = resp.packed(3 + len(call_keys) + len(args), parts)
         return _ReserveCall(req, windowed.counters, call_keys, args, windowed.states,
@@ -1038,6 +1040,10 @@ def _queue_keys(req: ReserveRequest) -> list[str]:
     if req.concurrency is not None:
         out.append(keys.queue_key(tenant, keys.gauge_resource(req.concurrency.scope)))
     return out
+
+
+# _queue_args' own arguments, before the counters' flags.
+_QUEUE_OWN_ARGS = 6
 
 
 def _queue_args(req: ReserveRequest, queue_flags: list[int]) -> list[Any]:

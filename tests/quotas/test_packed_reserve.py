@@ -97,6 +97,17 @@ def test_a_window_moving_on_repacks_its_stretches() -> None:
     assert after.command == _hiredis(after.keys, after.args)
 
 
+@pytest.mark.parametrize("with_hiredis", [True, False])
+def test_bulks_are_hiredis_bulk_strings_with_or_without_hiredis(
+        with_hiredis: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not with_hiredis:
+        monkeypatch.setattr(resp, "_pack_command", None)  # the loop that packs without it
+    # A first value with a space stays one bulk string (no command name is split here).
+    values = ["a b", 0, -7, 2**70, "", "é 漢 \r\n $3", '{"m":"gpt 4"}']
+    assert resp.bulks(values) == hiredis.pack_command(tuple(values))[len(b"*7\r\n"):]
+    assert resp.bulks([]) == b""
+
+
 @pytest.mark.parametrize("value", [True, 1.5, None, b"x"])
 def test_only_str_and_int_are_packed_ahead(value: object) -> None:
     # A bool or a float would be packed differently from redis-py's encoder: refused, not guessed.
