@@ -244,8 +244,10 @@ class ReserveRequest:
         if not self.limits:
             raise ValueError("a reservation needs at least one scope")
         _require_int("amount", self.amount, 1)
-        if self.min_amount is not None and not (1 <= self.min_amount <= self.amount):
-            raise ValueError("min_amount must be between 1 and amount")
+        if self.min_amount is not None:
+            _require_int("min_amount", self.min_amount, 1)
+            if self.min_amount > self.amount:
+                raise ValueError("min_amount must be between 1 and amount")
         _require_int("money_amount", self.money_amount, 0)
         _require_int("input_tokens", self.input_tokens, 0)
         _require_int("price_in", self.price_in, 0)
@@ -356,6 +358,8 @@ class PackedSettle:
     (docs/benchmarks.md, "Issue 16 item 3: the quota calls in fewer steps")."""
 
     hold: Hold
+    # What made it (an engine's _Calls): its script digest and tombstone, checked by the settle.
+    source: object
     head: bytes  # the command's length, EVALSHA, the digest, the keys, the request id
     tombstone: bytes  # the tombstone's seconds, between actual and the event
     tail: bytes  # the fallback and the wake channel
@@ -552,8 +556,8 @@ class _ReserveCall:
     counter_keys: tuple[str, ...] = ()
     units: tuple[int, ...] = ()
     # The whole EVALSHA command, packed: what hiredis.pack_command makes of ("EVALSHA", the
-    # script's digest, len(keys), *keys, *args).
-    command: bytes = b""
+    # script's digest, len(keys), *keys, *args); empty where the engine does not send it so.
+    command: bytes = field(default=b"", repr=False)
 
 
 def _counter_key(tenant: str, limit: ScopeLimit, window: Window) -> str:
@@ -674,9 +678,11 @@ def _counter_states(fields: Sequence[dict[str, Any]], remaining: Sequence[Any],
     return tuple(_counter_state(f, int(left)) for f, left in zip(fields, remaining, strict=True))
 
 
-# Every field of an admitted Reservation but those _admitted sets: the class's defaults.
+# Every field of an admitted Reservation but those _admitted sets: the class's defaults (a field
+# with a default_factory would need its own value per reservation: none has one).
 _ADMITTED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Reservation)
                       if f.default is not dataclasses.MISSING}
+assert all(f.default_factory is dataclasses.MISSING for f in dataclasses.fields(Reservation))
 
 
 def _admitted(call: _ReserveCall, granted: int, now_ms: int, remaining: Sequence[Any],
@@ -833,15 +839,18 @@ class _Calls:
         call_keys = [hold_key, shape.index_key, *windowed.keys, *shape.tail_keys,
                      *shape.queue_keys]
         args = [*head, *windowed.args, *shape.rate_args]
-        parts = [self.reserve_head, resp.bulks((len(call_keys), hold_key)),
-                 windowed.packed_keys, resp.bulks(head), windowed.packed_args]
         if req.queue is not None:
             queue_args = _queue_args(req, shape.queue_flags)
             args += queue_args
-            # The queue's own six, then its flags (one per counter: the shape's, packed).
-            parts += (resp.bulks(queue_args[:_QUEUE_OWN_ARGS]), shape.packed_queue_flags)
-        # EVALSHA, its digest, the number of keys, the keys and the arguments.
-        command = resp.packed(3 + len(call_keys) + len(args), parts)
+        command = b""
+        if self.reserve_head:  # an engine that sends it packed (AsyncQuotaEngine)
+            parts = [self.reserve_head, resp.bulks((len(call_keys), hold_key)),
+                     windowed.packed_keys, resp.bulks(head), windowed.packed_args]
+            if req.queue is not None:
+                # The queue's own six, then its flags (one per counter: the shape's, packed).
+                parts += (resp.bulks(queue_args[:_QUEUE_OWN_ARGS]), shape.packed_queue_flags)
+            # EVALSHA, its digest, the number of keys, the keys and the arguments.
+            command = resp.packed(3 + len(call_keys) + len(args), parts)
         return _ReserveCall(req, windowed.counters, call_keys, args, windowed.states,
                             windowed.keys, windowed.units, command)
 
@@ -926,7 +935,7 @@ class _Calls:
         count = 3 + len(call_keys) + 7  # EVALSHA, digest, number of keys; settle_args' seven
         head = resp.packed(count, [resp.bulks(("EVALSHA", sha, len(call_keys), *call_keys,
                                                 hold.request_id))])
-        return PackedSettle(hold, head, resp.bulks((self.settings.tombstone_s,)),
+        return PackedSettle(hold, self, head, resp.bulks((self.settings.tombstone_s,)),
                             resp.bulks((_fallback(hold), keys.QUEUE_WAKE_CHANNEL)))
 
     def release_args(self, hold: Hold, event: str) -> list[Any]:
@@ -1483,7 +1492,8 @@ class AsyncQuotaEngine:
         script connections; the same script call as without it."""
         args = self._calls.settle_args(hold, actual, event, actual_money)
         self.marks.add(hold.tenant)
-        if packed is not None and packed.hold is hold and type(event) is str:
+        if (packed is not None and packed.hold is hold and packed.source is self._calls
+                and type(event) is str):
             outcome, held, charged = await self._run_packed(
                 "settle", packed.command(actual, event, actual_money),
                 lambda: self._calls.end_keys(hold), args)

@@ -39,7 +39,6 @@ from redis._parsers.base import BaseParser
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
-
 class _ScriptConnection(asyncio.Protocol):
     """One connection to Redis carrying one command at a time."""
 

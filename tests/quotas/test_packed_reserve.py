@@ -28,6 +28,7 @@ from quotas.engine import (
 )
 from quotas.windows import RedisClock, WindowKind
 from tests.quotas.conftest import new_tenant
+from tests.private_redis import PrivateRedis, private_redis  # noqa: F401 - fixture
 from tests.support.script_sends import packed_sends
 from tests.quotas.test_reserve_shapes import GAUGE, LIMITS, RATES
 
@@ -290,3 +291,78 @@ def test_a_cluster_engine_packs_no_settle(redis_cluster_url: str) -> None:
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_engine_that_sends_nothing_packed_packs_nothing() -> None:
+    # The sync engine (and any _Calls without the reserve's head) builds the arguments only.
+    calls = _Calls(EngineSettings(), RedisClock())
+    call = calls.reserve(ReserveRequest(new_tenant(), "r", 10, LIMITS, rates=RATES))
+    assert call.command == b"" and call.args and call.keys
+
+
+def test_a_fractional_min_amount_is_refused() -> None:
+    # Packed ahead, a float could not be sent as redis-py sent it ("3.0"): refused at the door.
+    with pytest.raises(ValueError, match="min_amount"):
+        ReserveRequest(new_tenant(), "r", 10, LIMITS, min_amount=3.0)  # type: ignore[arg-type]
+
+
+def test_a_settle_packed_by_another_engine_is_not_sent(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its digest and tombstone are that engine's: the settle goes the plain way.
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        engine = AsyncQuotaEngine(client)
+        other = AsyncQuotaEngine(client, EngineSettings(tombstone_s=7200))
+        try:
+            reservation = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
+            hold = reservation.hold
+            assert hold is not None
+            foreign = other.packed_settle(hold)
+            assert foreign is not None
+            sent.clear()
+            result = await engine.settle(hold, 9, "{}", 0, foreign)
+            assert (result.outcome, result.charged) == ("settled", 9) and sent == []
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_after_a_script_flush_the_packed_calls_load_their_scripts(
+        private_redis: PrivateRedis, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A server that lost its scripts (SCRIPT FLUSH, a restart, a failover to an empty replica):
+    the packed reserve and settle are refused NOSCRIPT, their scripts are loaded and run once,
+    and the next calls go packed again. On a Redis of the test's own: the session's shared one
+    keeps its scripts."""
+    sent = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario() -> None:
+        client = make_async_redis(private_redis.url, cluster=False)
+        engine = AsyncQuotaEngine(client)
+        try:
+            warm = await engine.reserve(ReserveRequest(tenant, "w", 10, LIMITS))
+            assert warm.hold is not None
+            await engine.settle(warm.hold, 10, "{}", 0, engine.packed_settle(warm.hold))
+            await client.script_flush()
+            sent.clear()
+            first = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
+            assert first.admitted and first.hold is not None
+            packed = engine.packed_settle(first.hold)
+            result = await engine.settle(first.hold, 25, "{}", 0, packed)
+            assert (result.outcome, result.held, result.charged) == ("settled", 40, 25)
+            assert len(sent) == 2  # each packed once, refused, then run by the script object
+            second = await engine.reserve(ReserveRequest(tenant, "b", 5, LIMITS))
+            assert second.hold is not None
+            await engine.settle(second.hold, 5, "{}", 0, engine.packed_settle(second.hold))
+            assert len(sent) == 4  # packed again, and answered
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+    sync = QuotaEngine(private_redis.client())
+    day = sync.counter(tenant, "tenant")
+    assert (day.used, day.pending) == (40, 0) and sync.open_hold_ids(tenant) == []

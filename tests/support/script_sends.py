@@ -2,6 +2,7 @@
 connections as they are, apart from those ScriptPool.call packs with hiredis."""
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import pytest
@@ -14,17 +15,18 @@ def packed_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     ScriptPool.call (which packs its arguments with hiredis, then goes through call_packed)."""
     sent: list[bytes] = []
     real_call, real_packed = ScriptPool.call, ScriptPool.call_packed
-    through_call: list[bool] = []
+    # Per task: another task's call in flight (a checkpoint, a mark) must not hide this one's.
+    through_call: ContextVar[bool] = ContextVar("through_call", default=False)
 
     async def call(self: ScriptPool, args: Any) -> Any:
-        through_call.append(True)
+        token = through_call.set(True)
         try:
             return await real_call(self, args)
         finally:
-            through_call.pop()
+            through_call.reset(token)
 
     async def call_packed(self: ScriptPool, command: bytes) -> Any:
-        if not through_call:
+        if not through_call.get():
             sent.append(command)
         return await real_packed(self, command)
 
