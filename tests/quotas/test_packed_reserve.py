@@ -6,6 +6,7 @@ where EVALSHA goes on the script connections, falling back as EVALSHA does (NOSC
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import hiredis
 import pytest
@@ -116,6 +117,19 @@ def test_only_str_and_int_are_packed_ahead(value: object) -> None:
         resp.bulks(["ok", value])  # type: ignore[list-item]
 
 
+def with_engine(url: str, scenario: Callable[[AsyncQuotaEngine], Awaitable[None]], *,
+                cluster: bool = False) -> None:
+    """`scenario` run with an AsyncQuotaEngine over the gateway's client for `url`, closed after."""
+    async def run() -> None:
+        client = make_async_redis(url, cluster=cluster)
+        try:
+            await scenario(AsyncQuotaEngine(client))
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
 def _open_holds(redis_url: str, tenant: str) -> list[str]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
@@ -129,22 +143,17 @@ def test_the_engine_sends_the_packed_command_on_the_script_connections(
     sent = packed_sends(monkeypatch)
     tenant = new_tenant()
 
-    async def scenario() -> None:
-        client = make_async_redis(redis_url, cluster=False)
-        engine = AsyncQuotaEngine(client)
-        try:
-            request = ReserveRequest(tenant, "r1", 40, LIMITS, rates=RATES, concurrency=GAUGE)
-            reservation = await engine.reserve(request)
-            assert reservation.admitted and reservation.granted == 40
-            assert reservation.hold is not None
-            assert [s.remaining for s in reservation.counters[:3]] == [960, 9960, 760]
-            # Sent once, as packed, and its hold is the one the script wrote.
-            assert len(sent) == 1 and b"$2\r\nr1\r\n" in sent[0]
-            assert (await engine.settle(reservation.hold, 25)).outcome == "settled"
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        request = ReserveRequest(tenant, "r1", 40, LIMITS, rates=RATES, concurrency=GAUGE)
+        reservation = await engine.reserve(request)
+        assert reservation.admitted and reservation.granted == 40
+        assert reservation.hold is not None
+        assert [s.remaining for s in reservation.counters[:3]] == [960, 9960, 760]
+        # Sent once, as packed, and its hold is the one the script wrote.
+        assert len(sent) == 1 and b"$2\r\nr1\r\n" in sent[0]
+        assert (await engine.settle(reservation.hold, 25)).outcome == "settled"
 
-    asyncio.run(scenario())
+    with_engine(redis_url, scenario)
     assert _open_holds(redis_url, tenant) == []
 
 
@@ -156,20 +165,15 @@ def test_a_server_without_the_script_loads_it_as_evalsha_does(
     sent = packed_sends(monkeypatch)
     tenant = new_tenant()
 
-    async def scenario() -> None:
-        client = make_async_redis(redis_url, cluster=False)
-        engine = AsyncQuotaEngine(client)
+    async def scenario(engine: AsyncQuotaEngine) -> None:
         engine._calls.reserve_head = resp.bulks(("EVALSHA", "0" * 40))
-        try:
-            reservation = await engine.reserve(ReserveRequest(tenant, "r1", 40, LIMITS))
-            assert reservation.admitted and reservation.granted == 40
-            assert len(sent) == 1 and b"0" * 40 in sent[0]
-            used = {s.scope: s.remaining for s in reservation.counters if s.window.kind is DAY}
-            assert used == {"tenant": 960, "key:k": 760}
-        finally:
-            await client.aclose()
+        reservation = await engine.reserve(ReserveRequest(tenant, "r1", 40, LIMITS))
+        assert reservation.admitted and reservation.granted == 40
+        assert len(sent) == 1 and b"0" * 40 in sent[0]
+        used = {s.scope: s.remaining for s in reservation.counters if s.window.kind is DAY}
+        assert used == {"tenant": 960, "key:k": 760}
 
-    asyncio.run(scenario())
+    with_engine(redis_url, scenario)
     assert _open_holds(redis_url, tenant) == ["r1"]
 
 
@@ -179,17 +183,12 @@ def test_a_cluster_reserve_goes_through_evalsha(redis_cluster_url: str,
     sent = packed_sends(monkeypatch)
     tenant = new_tenant()
 
-    async def scenario() -> None:
-        client = make_async_redis(redis_cluster_url, cluster=True)
-        engine = AsyncQuotaEngine(client)
-        try:
-            reservation = await engine.reserve(ReserveRequest(tenant, "r1", 40, LIMITS))
-            assert reservation.admitted and reservation.granted == 40
-            assert sent == []  # no script connections on a cluster: redis-py's EVALSHA
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        reservation = await engine.reserve(ReserveRequest(tenant, "r1", 40, LIMITS))
+        assert reservation.admitted and reservation.granted == 40
+        assert sent == []  # no script connections on a cluster: redis-py's EVALSHA
 
-    asyncio.run(scenario())
+    with_engine(redis_cluster_url, scenario, cluster=True)
 
 
 # -- the settle, packed while the upstream answers ------------------------------------------------
@@ -219,31 +218,26 @@ def test_a_packed_settle_ends_the_hold_as_the_plain_one(
     tenant = new_tenant()
     event = '{"in":3,"out":7,"note":"é"}'
 
-    async def scenario() -> None:
-        client = make_async_redis(redis_url, cluster=False)
-        engine = AsyncQuotaEngine(client)
-        try:
-            first = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS, rates=RATES,
-                                                        concurrency=GAUGE, meta="m"))
-            second = await engine.reserve(ReserveRequest(tenant, "b", 40, LIMITS, meta="m"))
-            assert first.hold is not None and second.hold is not None
-            packed = engine.packed_settle(first.hold)
-            assert packed is not None and packed.hold is first.hold
-            sent.clear()
-            result = await engine.settle(first.hold, 10, event, 5, packed)
-            assert (result.outcome, result.held, result.charged) == ("settled", 40, 10)
-            assert len(sent) == 1 and sent[0] == packed.command(10, event, 5)
-            # Packed for another hold: not used (the other hold's own keys and id are sent).
-            sent.clear()
-            other = await engine.settle(second.hold, 20, event, 0, packed)
-            assert (other.outcome, other.charged) == ("settled", 20) and sent == []
-            # Again: settled already, the same answer as the plain settle gives.
-            assert (await engine.settle(first.hold, 10, event, 5, packed)).outcome == \
-                (await engine.settle(first.hold, 10, event, 5)).outcome
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        first = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS, rates=RATES,
+                                                    concurrency=GAUGE, meta="m"))
+        second = await engine.reserve(ReserveRequest(tenant, "b", 40, LIMITS, meta="m"))
+        assert first.hold is not None and second.hold is not None
+        packed = engine.packed_settle(first.hold)
+        assert packed is not None and packed.hold is first.hold
+        sent.clear()
+        result = await engine.settle(first.hold, 10, event, 5, packed)
+        assert (result.outcome, result.held, result.charged) == ("settled", 40, 10)
+        assert len(sent) == 1 and sent[0] == packed.command(10, event, 5)
+        # Packed for another hold: not used (the other hold's own keys and id are sent).
+        sent.clear()
+        other = await engine.settle(second.hold, 20, event, 0, packed)
+        assert (other.outcome, other.charged) == ("settled", 20) and sent == []
+        # Again: settled already, the same answer as the plain settle gives.
+        assert (await engine.settle(first.hold, 10, event, 5, packed)).outcome == \
+            (await engine.settle(first.hold, 10, event, 5)).outcome
 
-    asyncio.run(scenario())
+    with_engine(redis_url, scenario)
     sync = QuotaEngine(redis.Redis.from_url(redis_url, decode_responses=True))
     assert sync.open_hold_ids(tenant) == []
     day = sync.counter(tenant, "tenant")
@@ -258,21 +252,16 @@ def test_a_packed_settle_to_a_server_without_the_script_loads_it(
     sent = packed_sends(monkeypatch)
     tenant = new_tenant()
 
-    async def scenario() -> None:
-        client = make_async_redis(redis_url, cluster=False)
-        engine = AsyncQuotaEngine(client)
-        try:
-            reservation = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
-            hold = reservation.hold
-            assert hold is not None
-            packed = engine._calls.packed_settle(hold, "0" * 40)
-            result = await engine.settle(hold, 9, "{}", 0, packed)
-            assert (result.outcome, result.charged) == ("settled", 9)
-            assert b"0" * 40 in sent[-1]
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        reservation = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
+        hold = reservation.hold
+        assert hold is not None
+        packed = engine._calls.packed_settle(hold, "0" * 40)
+        result = await engine.settle(hold, 9, "{}", 0, packed)
+        assert (result.outcome, result.charged) == ("settled", 9)
+        assert b"0" * 40 in sent[-1]
 
-    asyncio.run(scenario())
+    with_engine(redis_url, scenario)
     sync = QuotaEngine(redis.Redis.from_url(redis_url, decode_responses=True))
     day = sync.counter(tenant, "tenant")
     assert (day.used, day.pending) == (9, 0)
@@ -280,17 +269,12 @@ def test_a_packed_settle_to_a_server_without_the_script_loads_it(
 
 @pytest.mark.cluster
 def test_a_cluster_engine_packs_no_settle(redis_cluster_url: str) -> None:
-    async def scenario() -> None:
-        client = make_async_redis(redis_cluster_url, cluster=True)
-        try:
-            engine = AsyncQuotaEngine(client)
-            reservation = await engine.reserve(ReserveRequest(new_tenant(), "a", 4, LIMITS))
-            assert reservation.hold is not None
-            assert engine.packed_settle(reservation.hold) is None
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        reservation = await engine.reserve(ReserveRequest(new_tenant(), "a", 4, LIMITS))
+        assert reservation.hold is not None
+        assert engine.packed_settle(reservation.hold) is None
 
-    asyncio.run(scenario())
+    with_engine(redis_cluster_url, scenario, cluster=True)
 
 
 def test_an_engine_that_sends_nothing_packed_packs_nothing() -> None:
@@ -312,23 +296,18 @@ def test_a_settle_packed_by_another_engine_is_not_sent(
     sent = packed_sends(monkeypatch)
     tenant = new_tenant()
 
-    async def scenario() -> None:
-        client = make_async_redis(redis_url, cluster=False)
-        engine = AsyncQuotaEngine(client)
-        other = AsyncQuotaEngine(client, EngineSettings(tombstone_s=7200))
-        try:
-            reservation = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
-            hold = reservation.hold
-            assert hold is not None
-            foreign = other.packed_settle(hold)
-            assert foreign is not None
-            sent.clear()
-            result = await engine.settle(hold, 9, "{}", 0, foreign)
-            assert (result.outcome, result.charged) == ("settled", 9) and sent == []
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        other = AsyncQuotaEngine(engine.client, EngineSettings(tombstone_s=7200))
+        reservation = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
+        hold = reservation.hold
+        assert hold is not None
+        foreign = other.packed_settle(hold)
+        assert foreign is not None
+        sent.clear()
+        result = await engine.settle(hold, 9, "{}", 0, foreign)
+        assert (result.outcome, result.charged) == ("settled", 9) and sent == []
 
-    asyncio.run(scenario())
+    with_engine(redis_url, scenario)
 
 
 def test_after_a_script_flush_the_packed_calls_load_their_scripts(
@@ -340,29 +319,24 @@ def test_after_a_script_flush_the_packed_calls_load_their_scripts(
     sent = packed_sends(monkeypatch)
     tenant = new_tenant()
 
-    async def scenario() -> None:
-        client = make_async_redis(private_redis.url, cluster=False)
-        engine = AsyncQuotaEngine(client)
-        try:
-            warm = await engine.reserve(ReserveRequest(tenant, "w", 10, LIMITS))
-            assert warm.hold is not None
-            await engine.settle(warm.hold, 10, "{}", 0, engine.packed_settle(warm.hold))
-            await client.script_flush()
-            sent.clear()
-            first = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
-            assert first.admitted and first.hold is not None
-            packed = engine.packed_settle(first.hold)
-            result = await engine.settle(first.hold, 25, "{}", 0, packed)
-            assert (result.outcome, result.held, result.charged) == ("settled", 40, 25)
-            assert len(sent) == 2  # each packed once, refused, then run by the script object
-            second = await engine.reserve(ReserveRequest(tenant, "b", 5, LIMITS))
-            assert second.hold is not None
-            await engine.settle(second.hold, 5, "{}", 0, engine.packed_settle(second.hold))
-            assert len(sent) == 4  # packed again, and answered
-        finally:
-            await client.aclose()
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        warm = await engine.reserve(ReserveRequest(tenant, "w", 10, LIMITS))
+        assert warm.hold is not None
+        await engine.settle(warm.hold, 10, "{}", 0, engine.packed_settle(warm.hold))
+        await engine.client.script_flush()
+        sent.clear()
+        first = await engine.reserve(ReserveRequest(tenant, "a", 40, LIMITS))
+        assert first.admitted and first.hold is not None
+        packed = engine.packed_settle(first.hold)
+        result = await engine.settle(first.hold, 25, "{}", 0, packed)
+        assert (result.outcome, result.held, result.charged) == ("settled", 40, 25)
+        assert len(sent) == 2  # each packed once, refused, then run by the script object
+        second = await engine.reserve(ReserveRequest(tenant, "b", 5, LIMITS))
+        assert second.hold is not None
+        await engine.settle(second.hold, 5, "{}", 0, engine.packed_settle(second.hold))
+        assert len(sent) == 4  # packed again, and answered
 
-    asyncio.run(scenario())
+    with_engine(private_redis.url, scenario)
     sync = QuotaEngine(private_redis.client())
     day = sync.counter(tenant, "tenant")
     assert (day.used, day.pending) == (40, 0) and sync.open_hold_ids(tenant) == []
