@@ -185,7 +185,8 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
 
     def script_pool(self) -> ScriptPool | None:
         """The script connections an EVALSHA without options goes on (execute_command's way), for
-        a command packed ahead (the engine's reserve); None where it goes through redis-py."""
+        a command packed ahead (the engine's reserve and settle); None where it goes through
+        redis-py."""
         if self.single_connection_client or type(self.connection_pool) is not _BlockingPool:
             return None
         return self.scripts
