@@ -887,23 +887,17 @@ class _Calls:
         if code == 1:
             return _admitted(call, detail, now_ms, reply[3:3 + n],
                              tuple(int(x) for x in reply[3 + n:]))
+        # Refused by a counter (code 0): `detail` is its index.
         states = _counter_states(call.states, reply[3:3 + n])
-        admitted = code == 1
-        granted = detail if admitted else 0
-        hold = None
-        if admitted and not req.dry_run:
-            gauge = keys.gauge_key(req.tenant, req.concurrency.scope) if req.concurrency else ""
-            hold = Hold(req.tenant, req.request_id, granted, call.counter_keys, gauge,
-                        req.money_amount, call.units, req.meta, now_ms)
         return Reservation(
-            admitted=admitted,
+            admitted=False,
             request_id=req.request_id,
-            granted=granted,
+            granted=0,
             counters=states,
-            refused=None if admitted else _refused(call, states, detail - 1),
+            refused=_refused(call, states, detail - 1),
             server_time_ms=now_ms,
-            hold=hold,
-            outcome=Outcome.ADMITTED if admitted else Outcome.QUOTA,
+            hold=None,
+            outcome=Outcome.QUOTA,
             rate_remaining=tuple(int(x) for x in reply[3 + n:]),
         )
 
