@@ -28,7 +28,9 @@ the scripts too (quotas/client.py decides).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,22 +103,42 @@ class _ScriptConnection(asyncio.Protocol):
                       ) -> Any:
         """Send one packed command and return its reply (an error reply raised). On any failure
         or cancellation the connection is closed: a reply may still be on its way."""
+        waiter, timer = self.send(command, timeout, loop)
+        return await self.finish(waiter, timer)
+
+    def send(self, command: bytes, timeout: float, loop: asyncio.AbstractEventLoop,
+             ) -> tuple[asyncio.Future[Any], asyncio.TimerHandle | None]:
+        """Write one packed command now: the future its reply resolves, and the timer bounding
+        it (`finish` waits for both). A connection that cannot write fails the future instead."""
+        waiter: asyncio.Future[Any] = loop.create_future()
         if self.closed or self.transport is None or self.transport.is_closing():
-            raise redis.exceptions.ConnectionError("Connection closed.")
-        waiter = self.waiter = loop.create_future()
+            waiter.set_exception(redis.exceptions.ConnectionError("Connection closed."))
+            return waiter, None
+        self.waiter = waiter
         # A plain timer rather than asyncio.timeout: it fails the one future, no task is
         # cancelled and uncancelled.
         timer = loop.call_at(loop.time() + timeout, _expire, waiter,
                              redis.exceptions.TimeoutError, "Timeout reading from Redis.")
         try:
             self.transport.write(command)
+        except BaseException:
+            timer.cancel()
+            self.close()
+            raise
+        return waiter, timer
+
+    async def finish(self, waiter: asyncio.Future[Any], timer: asyncio.TimerHandle | None) -> Any:
+        """The reply `send` wrote the command for (an error reply raised); see request()."""
+        try:
             reply = await waiter
         except BaseException:
             self.close()
             raise
         finally:
-            timer.cancel()
-            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+            if self.waiter is waiter:
+                self.waiter = None
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
         first = reply[0] if type(reply) is list and reply else reply
@@ -126,6 +148,20 @@ class _ScriptConnection(asyncio.Protocol):
             self.close()
             raise first
         return reply
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A command written on a script connection (ScriptPool.call_packed, send_now) whose reply
+    is still to come: the connection holds its pool slot until ScriptPool.reply."""
+
+    conn: _ScriptConnection
+    generation: int  # the pool's, when the connection was taken
+    loop: asyncio.AbstractEventLoop
+    command: bytes  # sent once more on a new connection if this one breaks
+    waiter: asyncio.Future[Any]
+    timer: asyncio.TimerHandle | None
+    at: float  # time.perf_counter() when it was written: a round trip's start
 
 
 def _expire(waiter: asyncio.Future[Any], error: type[Exception], message: str) -> None:
@@ -178,8 +214,38 @@ class ScriptPool:
             self._bind(loop)
         generation = self.generation
         conn = await self._take(loop)  # holds a slot until _give or _lost
+        return await self.reply(self._send(conn, generation, loop, command))
+
+    def send_now(self, command: bytes) -> Sent | None:
+        """`command` written at once on a free connection, its reply for `reply()` to wait for;
+        None when no connection is free (or none of this event loop): call_packed then takes the
+        usual way. For a caller with work to do between its write and its wait (the gateway's
+        settle: its answer is made while Redis runs the script). The caller must pass it to
+        `reply()` (in a task made before it awaits anything): the connection stays taken until
+        then."""
+        loop = self.loop
+        if loop is None or loop is not asyncio.get_running_loop():
+            return None
+        conn = self._free_connection()
+        if conn is None:
+            return None
+        return self._send(conn, self.generation, loop, command)
+
+    def _send(self, conn: _ScriptConnection, generation: int, loop: asyncio.AbstractEventLoop,
+              command: bytes) -> Sent:
         try:
-            reply = await conn.request(command, self.timeout, loop)
+            waiter, timer = conn.send(command, self.timeout, loop)
+        except BaseException:
+            self._lost(conn, generation)  # the write itself failed: closed by send()
+            raise
+        return Sent(conn, generation, loop, command, waiter, timer, time.perf_counter())
+
+    async def reply(self, sent: Sent) -> Any:
+        """The reply to a command sent on one of this pool's connections (call_packed,
+        send_now); the connection goes back to the pool, or is closed if its call failed."""
+        conn, generation, loop, command = sent.conn, sent.generation, sent.loop, sent.command
+        try:
+            reply = await conn.finish(sent.waiter, sent.timer)
         except redis.exceptions.ResponseError:
             self._give(conn, generation)  # an error reply: the connection is fine
             raise
@@ -200,7 +266,7 @@ class ScriptPool:
                 self._lost(conn, generation)
                 raise
         except BaseException:
-            self._lost(conn, generation)  # cancelled mid-reply: closed by request()
+            self._lost(conn, generation)  # cancelled mid-reply: closed by finish()
             raise
         self._give(conn, generation)
         return reply
@@ -223,13 +289,19 @@ class ScriptPool:
                 pass
         self._reset(loop)
 
-    async def _take(self, loop: asyncio.AbstractEventLoop) -> _ScriptConnection:
+    def _free_connection(self) -> _ScriptConnection | None:
         free = self.free
         while free:
             conn = free.pop()
             if not conn.closed:
                 return conn
             self.opened -= 1  # closed by the server while idle (nobody waits: one was free)
+        return None
+
+    async def _take(self, loop: asyncio.AbstractEventLoop) -> _ScriptConnection:
+        conn = self._free_connection()
+        if conn is not None:
+            return conn
         if self.opened < self.size and not self.waiters:
             self.opened += 1
             return await self._open(self.generation)

@@ -418,3 +418,93 @@ def test_aclose_closes_idle_connections_and_those_in_use_when_they_come_back(red
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_send_now_writes_before_the_loop_turns_and_reply_answers(redis_url: str) -> None:
+    """ScriptPool.send_now writes the command in the caller's own step (the gateway makes its
+    answer while Redis runs the settle): Redis has run it before the event loop turns again.
+    reply() gives its answer and the connection back. No free connection, or a pool bound to
+    another event loop: None, and nothing is written (call_packed then takes the usual way)."""
+    import hiredis
+    import redis as sync_redis
+
+    key = f"sendnow:{uuid.uuid4().hex}"
+    sync = sync_redis.Redis.from_url(redis_url, decode_responses=True)
+
+    async def scenario() -> script_pool.ScriptPool:
+        client = _client(redis_url)
+        script = client.register_script("redis.call('SET', KEYS[1], ARGV[1]) return 7")
+        assert await script(keys=[key], args=["first"]) == 7  # loaded, one connection free
+        scripts = _scripts(client)
+        assert scripts.opened == 1 and len(scripts.free) == 1
+        sent = scripts.send_now(hiredis.pack_command(("EVALSHA", script.sha, 1, key, "now")))
+        assert sent is not None and scripts.in_use == 1
+        # Still in this step: a blocking client sees the script's write.
+        for _ in range(2000):
+            if sync.get(key) == "now":
+                break
+            sync.execute_command("PING")
+        assert sync.get(key) == "now"
+        assert await scripts.reply(sent) == 7
+        assert scripts.in_use == 0 and len(scripts.free) == 1
+        # The only connection taken (a slow script in flight): nothing free, nothing written.
+        scripts.size = 1
+        slow = client.register_script(_busy(300000))
+        await slow()
+        busy = asyncio.ensure_future(slow())
+        await asyncio.sleep(0.05)
+        assert scripts.in_use == 1
+        assert scripts.send_now(hiredis.pack_command(("EVALSHA", script.sha, 1, key, "no"))) is None
+        assert await busy == 1
+        assert sync.get(key) == "now"
+        await client.aclose()
+        return scripts
+
+    scripts = asyncio.run(scenario())
+
+    async def another_loop() -> None:
+        # A pool bound to a loop that ended: not this loop's connections.
+        assert scripts.send_now(b"*1\r\n$4\r\nPING\r\n") is None
+
+    asyncio.run(another_loop())
+    sync.delete(key)
+    sync.close()
+
+
+def test_a_sent_command_whose_connection_breaks_is_sent_once_more(redis_url: str) -> None:
+    """The connection breaks after send_now wrote: reply() sends the command once more on a new
+    connection, as call_packed does (the scripts are idempotent per request id); a reply
+    awaited by a caller that is cancelled closes its connection and frees its slot."""
+    import hiredis
+
+    key = f"sendnow:{uuid.uuid4().hex}"
+
+    async def scenario() -> None:
+        client = _client(redis_url)
+        script = client.register_script("return redis.call('INCR', KEYS[1])")
+        assert await script(keys=[key]) == 1
+        scripts = _scripts(client)
+        command = hiredis.pack_command(("EVALSHA", script.sha, 1, key))
+        sent = scripts.send_now(command)
+        assert sent is not None
+        sent.conn.transport.abort()  # injected: the socket breaks after the write
+        value = await scripts.reply(sent)
+        assert value == int(await client.get(key)) and value in (2, 3)
+        assert sent.conn.closed and scripts.opened == 1 and len(scripts.free) == 1
+        # Cancelled while the reply is on its way: that connection is closed, its slot freed.
+        slow = client.register_script(_busy(400000))
+        await slow()
+        (conn,) = scripts.free
+        sent = scripts.send_now(hiredis.pack_command(("EVALSHA", slow.sha, 0)))
+        assert sent is not None and sent.conn is conn
+        waiting = asyncio.ensure_future(scripts.reply(sent))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert conn.closed and scripts.in_use == 0 and scripts.opened == 0
+        assert await script(keys=[key]) == value + 1
+        await client.delete(key)
+        await client.aclose()
+
+    asyncio.run(scenario())
