@@ -53,6 +53,7 @@ from quotas.engine import (
     Reservation,
     ReserveRequest,
     ScopeLimit,
+    SentReserve,
     Unit,
 )
 from quotas.limits import CONCURRENCY
@@ -393,17 +394,28 @@ async def _wait_in_queue(runtime: GatewayRuntime, ctx: KeyContext, request: Rese
     return reservation
 
 
+def reserve_request(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
+                    request_id: str) -> ReserveRequest:
+    """What admit() reserves first: the call's worst case in every counter it touches, for the
+    model it asked for."""
+    parsed = call.parsed
+    return _request(ctx, parsed, request_id, parsed.model, call.estimate, call.scopes,
+                    queue_ticket(runtime, ctx))
+
+
 async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
-                request_id: str, obs: Observation | None = None) -> Admission:
+                request_id: str, obs: Observation | None = None,
+                sent: SentReserve | None = None) -> Admission:
     """Reserve, or apply the plan's policy to a refusal; raises GatewayError (429). `obs`: the
-    call's Observation, told about a wait in the queue."""
+    call's Observation, told about a wait in the queue. `sent`: the first reserve already
+    written (runtime.send_reserve of reserve_request), whose reply this waits for."""
     catalog = runtime.catalog
     parsed, scopes, est = call.parsed, call.scopes, call.estimate
-    request = _request(ctx, parsed, request_id, parsed.model, est, scopes,
-                       queue_ticket(runtime, ctx))
+    request = sent.request if sent is not None else reserve_request(runtime, ctx, call,
+                                                                    request_id)
     # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
     # back: nothing is admitted on an empty counter).
-    reservation = await runtime.reserve(request)
+    reservation = await runtime.reserve(request, sent)
     if reservation.outcome is Outcome.QUEUE_FULL:
         raise queue_full(reservation.waiters)
     if reservation.outcome is Outcome.QUEUED:

@@ -60,6 +60,7 @@ from quotas.engine import (
     QuotaError,
     QuotaStoreUnavailable,
     ReleaseResult,
+    SentSettle,
     SettleResult,
 )
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_for_capacity
@@ -184,18 +185,37 @@ class Call:
         self.begin_settle(usage, status=status, outcome=outcome)
         await self._wait_end()
 
-    def begin_settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> None:
+    def begin_settle(self, usage: Usage, *, status: int = 200, outcome: str = "complete") -> bool:
         """Start charging the hold with this usage (the first end wins), without waiting for
-        it: its script is sent at the event loop's next turn. `settled()` waits for it."""
-        if self._end is None:
-            event = self._event(status, usage, outcome)
-            # The price resolved at admission: the one the money hold and the ledger use, each
-            # token class at its own price.
-            cost = self.admission.estimate.price.cost_of(usage)
-            self._begin_end(self._settle_hold(usage, event, cost))
-            # Counted at the loop's next turn, after the end's task has sent its script: the
-            # tally then runs while Redis does (nothing reads it before the answer is sent).
-            asyncio.get_running_loop().call_soon(self._count_settled, usage, cost)
+        it: its script is written to Redis now when it can be (a settle packed ahead and a free
+        script connection: True), else sent at the event loop's next turn by the end's task.
+        `settled()` waits for it."""
+        if self._end is not None:
+            return False
+        event = self._event(status, usage, outcome)
+        # The price resolved at admission: the one the money hold and the ledger use, each
+        # token class at its own price.
+        cost = self.admission.estimate.price.cost_of(usage)
+        sent = self._send_settle(usage.total, event, cost)
+        self._begin_end(self._settle_hold(usage, event, cost, sent))
+        # Counted at the loop's next turn, after the end's script is sent: the tally then runs
+        # while Redis does (nothing reads it before the answer is sent).
+        asyncio.get_running_loop().call_soon(self._count_settled, usage, cost)
+        return sent is not None
+
+    def _send_settle(self, used: int, event: str, cost: int) -> SentSettle | None:
+        """The hold's settle written to Redis at once (quotas: send_settle), its reply awaited
+        by the end's task; None when it goes the usual way (no hold: fail-open; nothing packed
+        ahead; no free script connection)."""
+        hold = self.admission.reservation.hold
+        if hold is None:
+            return None
+        try:
+            return self.runtime.engine.send_settle(hold, used, event, cost, self._packed_settle)
+        except Exception:  # noqa: BLE001 - the settle is then sent the usual way, which reports
+            log.exception("sending the settle of %s at once failed; sending it again",
+                          self.request_id)
+            return None
 
     def _count_settled(self, usage: Usage, cost: int) -> None:
         obs = self.obs
@@ -250,7 +270,11 @@ class Call:
         # Shielded: cancelling this request (its client left) leaves the end task running.
         await asyncio.shield(self._end)
 
-    async def _settle_hold(self, usage: Usage, event: str, cost: int) -> None:
+    async def _settle_hold(self, usage: Usage, event: str, cost: int,
+                           sent: SentSettle | None = None) -> None:
+        """`sent`: the settle already written (begin_settle): its first attempt waits for that
+        reply, its round trip timed from the write; a retry (Redis unreachable) sends it
+        again."""
         hold = self.admission.reservation.hold
         if hold is None:
             log.error("FAIL-OPEN unmetered call %s of tenant %s: %s", self.request_id,
@@ -263,9 +287,19 @@ class Call:
         engine = self.runtime.engine
         used = usage.total
         packed = self._packed_settle
-        await self._end_hold(lambda: self._timed_end(
-            "quota.settle", metrics.REDIS_SETTLE, "settled", used,
-            lambda: engine.settle(hold, used, event, cost, packed)))
+        first = sent
+
+        def attempt() -> Awaitable[EndResult]:
+            nonlocal first
+            if first is not None:
+                written, first = first, None
+                return self._timed_end("quota.settle", metrics.REDIS_SETTLE, "settled", used,
+                                       lambda: engine.settle(hold, used, event, cost, packed,
+                                                             written), written.sent.at)
+            return self._timed_end("quota.settle", metrics.REDIS_SETTLE, "settled", used,
+                                   lambda: engine.settle(hold, used, event, cost, packed))
+
+        await self._end_hold(attempt)
 
     async def _release_hold(self, event: str) -> None:
         hold = self.admission.reservation.hold
@@ -277,14 +311,17 @@ class Call:
             lambda: engine.release(hold, event)))
 
     async def _timed_end(self, name: str, rtt: metrics.HistogramChild, ending: str, used: int,
-                         operation: Callable[[], Awaitable[EndResult]]) -> EndResult:
+                         operation: Callable[[], Awaitable[EndResult]],
+                         began: float | None = None) -> EndResult:
         """One settle or release round trip: its latency, how it came back (holds settled,
         released, or ended already, and a settle above its hold), and its span when traced.
-        Every attempt is measured (a retry after Redis came back too)."""
+        Every attempt is measured (a retry after Redis came back too). `began`: when its
+        command was written, if before this (begin_settle)."""
         obs = self.obs
         assert obs is not None
         span = obs.start_child(name) if obs.span is not None else None
-        began = _perf()
+        if began is None:
+            began = _perf()
         try:
             result = await operation()
         except BaseException as exc:
@@ -921,8 +958,8 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
     # The settle's script goes to Redis first; the answer is made while Redis runs it, and its
     # body leaves only once the hold is settled (SETTLED_BEFORE_BODY: the router sends the
     # headers meanwhile, gateway/asgi.py; served by Django, the view waits for it).
-    call.begin_settle(usage, outcome=outcome)
-    await asyncio.sleep(0)  # the settle's task takes its turn: its script is sent now
+    if not call.begin_settle(usage, outcome=outcome):
+        await asyncio.sleep(0)  # the settle's task takes its turn: its script is sent now
     await call.remember(usage)
     response = HttpResponse(body, status=200, content_type="application/json",
                             headers=call.response_headers())

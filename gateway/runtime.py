@@ -32,6 +32,7 @@ from quotas.engine import (
     QuotaStoreUnavailable,
     Reservation,
     ReserveRequest,
+    SentReserve,
 )
 from quotas.limits import SPEND_RATE_EXCEEDED
 from quotas.pace import AsyncPaceBreaker, paced_of
@@ -129,11 +130,14 @@ class GatewayRuntime:
         (gateway/shutdown.py). Derived from `background`, so a call's detach stays one set add."""
         return self.background - self.loops
 
-    async def reserve(self, request: ReserveRequest) -> Reservation:
+    async def reserve(self, request: ReserveRequest, sent: SentReserve | None = None,
+                      ) -> Reservation:
         """engine.reserve (see _reserve); a refusal by a pace counter trips the scope's burn-rate
         breaker and raises 429 spend_rate_exceeded at once, whatever the plan's over-quota
-        policy: waiting, a soft ceiling or a cheaper model cannot help a scope that is closed."""
-        reservation = await self._reserve(request)
+        policy: waiting, a soft ceiling or a cheaper model cannot help a scope that is closed.
+        `sent`: this request's script call already written (send_reserve), whose reply this
+        waits for."""
+        reservation = await self._reserve(request, sent)
         refused = reservation.refused
         if refused is not None and refused.reason == SPEND_RATE_EXCEEDED and not request.dry_run:
             raise await self._pace_tripped(request, reservation)
@@ -168,14 +172,26 @@ class GatewayRuntime:
                                 trip.until_ms)
         return spend_rate_exceeded(owner, max(1, -(-retry_after_ms // 1000)))
 
-    async def _reserve(self, request: ReserveRequest) -> Reservation:
+    def send_reserve(self, request: ReserveRequest) -> SentReserve | None:
+        """The engine's send_reserve: `request`'s script call written to Redis now, for
+        reserve(request, sent) to wait for; None when it goes the usual way. A failure to
+        write it is logged and the reserve goes the usual way too (which reports it)."""
+        try:
+            return self.engine.send_reserve(request)
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.exception("sending the reserve of %s at once failed; sending it again",
+                          request.request_id)
+            return None
+
+    async def _reserve(self, request: ReserveRequest, sent: SentReserve | None = None,
+                       ) -> Reservation:
         """engine.reserve, and when Redis has lost the tenant's data (its epoch marker is gone):
         rebuild the counters from the ledger, then reserve again. Nothing is admitted on an
         empty counter: a call that cannot have its counters back in time (another process
         is still rebuilding them after QUOTA_REBUILD_WAIT_SECONDS, or the ledger is unreachable)
         gets 503 quota_store_rebuilding, which the OpenAI SDKs retry after Retry-After."""
         try:
-            return await self._engine_reserve(request)
+            return await self._engine_reserve(request, sent)
         except QuotaEpochLost as lost:
             outcome = await self.rebuild_quota(lost.tenant)
         if outcome is RebuildOutcome.FAILED:
@@ -202,11 +218,16 @@ class GatewayRuntime:
             # next call rebuilds.
             raise quota_store_rebuilding() from None
 
-    async def _engine_reserve(self, request: ReserveRequest) -> Reservation:
+    async def _engine_reserve(self, request: ReserveRequest, sent: SentReserve | None = None,
+                              ) -> Reservation:
         """The reserve's round trip, its latency counted (tollgate_redis_duration_seconds) when
-        it answers."""
-        began = time.perf_counter()
-        reservation = await self.engine.reserve(request)
+        it answers: from its write, for one already `sent`."""
+        if sent is None:
+            began = time.perf_counter()
+            reservation = await self.engine.reserve(request)
+        else:
+            began = sent.sent.at
+            reservation = await self.engine.reserve(request, sent)
         metrics.observe(metrics.REDIS_RESERVE, time.perf_counter() - began)
         return reservation
 

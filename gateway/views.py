@@ -20,7 +20,14 @@ from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from gateway.admission import Checked, admit, checked, refuse_before_reading, unmetered
+from gateway.admission import (
+    Checked,
+    admit,
+    checked,
+    refuse_before_reading,
+    reserve_request,
+    unmetered,
+)
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint
 from gateway.client_address import request_client_address
@@ -41,7 +48,7 @@ from gateway.responses_context import held_context, with_context
 from gateway.runtime import GatewayRuntime
 from gateway.startup import get_runtime, store_problems
 from quotas import durability
-from quotas.engine import QuotaError, QuotaStoreUnavailable
+from quotas.engine import QuotaError, QuotaStoreUnavailable, SentReserve
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +229,14 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     # From the reservation on, the hold must end exactly once even if the client leaves and
     # this request is cancelled (even mid-reserve, when the script may already have run):
     # reserve and forward run in a task of their own, which settles or releases by itself.
+    # The reserve's script is written first when it can be (runtime.send_reserve; not when
+    # traced, so that the reserve's span holds its write): Redis runs it while the task starts,
+    # and the task, made before anything is awaited, waits for its reply.
+    sent = (runtime.send_reserve(reserve_request(runtime, ctx, call, request_id))
+            if obs.span is None else None)
     task = asyncio.ensure_future(_admit_and_forward(
         runtime, ctx, call, request_id, started, client_headers,
-        context.pinned if context is not None else None, obs))
+        context.pinned if context is not None else None, obs, sent))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -242,13 +254,14 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
 
 async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_call: Checked,
                              request_id: str, started: float, client_headers: dict[str, str],
-                             pinned: int | None,
-                             obs: Observation) -> HttpResponse | StreamingHttpResponse:
+                             pinned: int | None, obs: Observation,
+                             sent: SentReserve | None = None,
+                             ) -> HttpResponse | StreamingHttpResponse:
     prepared = prepare_upstream(runtime, ctx, checked_call.parsed,
                                 checked_call.estimate.output_cap, request_id, client_headers)
     try:
         if obs.span is None:
-            admission = await admit(runtime, ctx, checked_call, request_id, obs)
+            admission = await admit(runtime, ctx, checked_call, request_id, obs, sent)
         else:
             with obs.child("quota.reserve") as span:
                 admission = await admit(runtime, ctx, checked_call, request_id, obs)

@@ -370,6 +370,29 @@ class PackedSettle:
 
 
 @dataclass(frozen=True)
+class SentReserve:
+    """A reserve's script call already written to Redis (AsyncQuotaEngine.send_reserve), its
+    reply still to come (reserve(request, sent)). Its script connection stays taken until then."""
+
+    request: ReserveRequest
+    call: _ReserveCall
+    sent: Any  # quotas/script_pool.py Sent
+
+
+@dataclass(frozen=True)
+class SentSettle:
+    """A hold's settle already written to Redis (AsyncQuotaEngine.send_settle), its reply still
+    to come (settle(..., sent=)): what it was sent with, for the reply and a fallback. Its
+    script connection stays taken until settle has its reply."""
+
+    hold: Hold
+    actual: int
+    event: str
+    actual_money: int
+    sent: Any  # quotas/script_pool.py Sent
+
+
+@dataclass(frozen=True)
 class SettleResult:
     request_id: str
     outcome: str  # settled | released | swept | unknown | keys_mismatch
@@ -1428,15 +1451,18 @@ class AsyncQuotaEngine:
         return await self._run_packed("reserve", call.command, lambda: call.keys, call.args)
 
     async def _run_packed(self, name: str, command: bytes, call_keys: Callable[[], list[str]],
-                          args: list[Any]) -> Any:
+                          args: list[Any], sent: Any = None) -> Any:
         """_run(name, call_keys(), args) with `command`, the same EVALSHA packed ahead, when it
         goes on the script connections (quotas/client.py script_pool: a plain Redis); a server
-        without the script loads it and runs it, as EVALSHA does."""
+        without the script loads it and runs it, as EVALSHA does. `sent`: that command already
+        written (ScriptPool.send_now), its reply awaited here."""
         pool = self._script_pool
         if pool is None:
             return await self._run(name, call_keys(), args)
         try:
             try:
+                if sent is not None:
+                    return await pool.reply(sent)
                 return await pool.call_packed(command)
             except NoScriptError:
                 return await self._scripts[name](keys=call_keys(), args=args)
@@ -1464,13 +1490,60 @@ class AsyncQuotaEngine:
             return
         self.marks.confirm((tenant,), sent)
 
-    async def reserve(self, request: ReserveRequest) -> Reservation:
+    async def reserve(self, request: ReserveRequest, sent: SentReserve | None = None,
+                      ) -> Reservation:
+        """`sent`: this request's script call already written (send_reserve), whose reply this
+        waits for; the same Reservation as without it."""
+        if sent is not None:
+            if sent.request is not request:
+                await self._discard(sent.sent)
+                raise ValueError("a reserve sent ahead for another request")
+            return await self._reserve(request, sent)
         self.marks.add(request.tenant)
         if self.marks.unconfirmed(request.tenant):
             await self._mark_now(request.tenant)
+        return await self._reserve(request, None)
+
+    def send_reserve(self, request: ReserveRequest) -> SentReserve | None:
+        """reserve(request)'s script call written to Redis now, on a free script connection;
+        reserve(request, sent) waits for its Reservation. The gateway starts the call's own
+        task between the two, while Redis runs the script. None when it cannot be sent so (the
+        tenant's activity mark must be written first, no free script connection, a cluster):
+        reserve(request) then. The caller must hand a SentReserve to reserve (in a task made
+        before it awaits anything): its connection stays taken until then."""
+        tenant = request.tenant
+        if self.marks.unconfirmed(tenant):
+            return None
+        pool = self._script_pool
+        if pool is None:
+            return None
+        call = self._calls.reserve(request)
+        if not call.command:
+            return None
+        sent = pool.send_now(call.command)
+        if sent is None:
+            return None
+        self.marks.add(tenant)
+        return SentReserve(request, call, sent)
+
+    async def _discard(self, sent: Any) -> None:
+        """A command sent ahead that will not be used: its reply awaited all the same, so that
+        its connection goes back to the pool (a caller's bug, refused after this)."""
+        try:
+            await self._script_pool.reply(sent)
+        except Exception:  # noqa: BLE001, S110 - its outcome is not wanted
+            pass
+
+    async def _reserve(self, request: ReserveRequest, sent: SentReserve | None) -> Reservation:
         for _ in range(_MAX_CLOCK_RETRIES):
-            call = self._calls.reserve(request)
-            reply = await self._run_reserve(call)
+            if sent is not None:
+                call = sent.call
+                reply = await self._run_packed("reserve", call.command, lambda: call.keys,
+                                               call.args, sent=sent.sent)
+                sent = None  # a retry (the clock moved on) computes its windows again
+            else:
+                call = self._calls.reserve(request)
+                reply = await self._run_reserve(call)
             result = self._calls.reserve_reply(call, reply)
             if result is _DUPLICATE:
                 with _store_errors():
@@ -1481,19 +1554,50 @@ class AsyncQuotaEngine:
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
     async def settle(self, hold: Hold, actual: int, event: str = "", actual_money: int = 0,
-                     packed: PackedSettle | None = None) -> SettleResult:
+                     packed: PackedSettle | None = None, sent: SentSettle | None = None,
+                     ) -> SettleResult:
         """`packed`: this hold's settle packed ahead (packed_settle), sent as it is on the
-        script connections; the same script call as without it."""
+        script connections; the same script call as without it. `sent`: this very settle
+        already written (send_settle), whose reply this waits for."""
         args = self._calls.settle_args(hold, actual, event, actual_money)
-        self.marks.add(hold.tenant)
-        if (packed is not None and packed.hold is hold and packed.source is self._calls
+        if sent is not None:
+            if (sent.hold, sent.actual, sent.event, sent.actual_money) != (
+                    hold, actual, event, actual_money):
+                await self._discard(sent.sent)
+                raise ValueError("a settle sent ahead with other figures")
+            outcome, held, charged = await self._run_packed(
+                "settle", b"", lambda: self._calls.end_keys(hold), args, sent=sent.sent)
+        elif (packed is not None and packed.hold is hold and packed.source is self._calls
                 and type(event) is str):
+            self.marks.add(hold.tenant)
             outcome, held, charged = await self._run_packed(
                 "settle", packed.command(actual, event, actual_money),
                 lambda: self._calls.end_keys(hold), args)
         else:
+            self.marks.add(hold.tenant)
             outcome, held, charged = await self._run("settle", self._calls.end_keys(hold), args)
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
+
+    def send_settle(self, hold: Hold, actual: int, event: str, actual_money: int,
+                    packed: PackedSettle | None) -> SentSettle | None:
+        """settle(hold, actual, event, actual_money, packed)'s command written to Redis now, on
+        a free script connection; settle(..., sent=) waits for its result. The gateway makes
+        its answer between the two, while Redis runs the script. None when it cannot be sent
+        so (no packed command of this engine's, no free script connection): settle() alone
+        then. The caller must hand a SentSettle to settle (in a task made before it awaits
+        anything): its connection stays taken until then."""
+        self._calls.settle_args(hold, actual, event, actual_money)  # refused as settle() would
+        if (packed is None or packed.hold is not hold or packed.source is not self._calls
+                or type(event) is not str):
+            return None
+        pool = self._script_pool
+        if pool is None:
+            return None
+        sent = pool.send_now(packed.command(actual, event, actual_money))
+        if sent is None:
+            return None
+        self.marks.add(hold.tenant)
+        return SentSettle(hold, actual, event, actual_money, sent)
 
     def packed_settle(self, hold: Hold) -> PackedSettle | None:
         """`hold`'s settle command packed but for the figures only its end knows (settle's

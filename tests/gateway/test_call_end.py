@@ -29,6 +29,7 @@ from gateway.admission import Admission, Estimate
 from gateway.bodies import Endpoint, parse_body
 from gateway.catalog import fallback_model_info
 from gateway.forward import (
+    SETTLED_BEFORE_BODY,
     Call,
     StreamRelay,
     UnmeteredBacklog,
@@ -54,6 +55,7 @@ from quotas.engine import (
 )
 from quotas.keys import hold_key, usage_stream_key
 from quotas.windows import WindowKind
+from quotas.script_pool import ScriptPool
 from tests.support.script_sends import packed_sends
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -405,6 +407,61 @@ def test_the_settle_packed_while_the_upstream_answered_is_what_the_end_sends(
         assert call._packed_settle is packed
 
     asyncio.run(scenario())
+    [event] = usage_events(tenant)
+    assert (event["outcome"], event["event"]["in"], event["event"]["out"]) == ("settled", 12, 3)
+    assert counter(tenant) == (15, 0)
+
+
+@pytest.mark.parametrize("fault", [None, "connection_lost", "cancelled"])
+def test_a_settle_written_before_the_answer_is_made_settles_once(
+        fault: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """_complete writes the hold's settle to Redis at once (Call.begin_settle, quotas:
+    send_settle on a free script connection) and makes the answer while Redis runs it; the
+    end's task only waits for the reply. The hold is charged the upstream's usage once: as it
+    is, when the connection breaks right after the write (the settle is sent once more on a
+    new connection; the script is idempotent per request id), and when the client leaves
+    while the reply is on its way (the end's task is shielded from it)."""
+    tenant = new_tenant()
+    written: list[Any] = []
+    real_now = ScriptPool.send_now
+
+    def send_now(self: ScriptPool, command: bytes) -> Any:
+        sent = real_now(self, command)
+        if sent is not None:
+            written.append(sent)
+            if fault == "connection_lost":
+                sent.conn.transport.abort()  # injected: the socket breaks after the write
+        return sent
+
+    monkeypatch.setattr(ScriptPool, "send_now", send_now)
+    answer = {"id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
+
+    async def scenario() -> None:
+        engine = async_engine()
+        call = await open_call(engine, tenant, stream=False)
+        call.prepare_settle()
+        response = await _complete(call, httpx.Response(200, content=json.dumps(answer).encode()))
+        # Written before the answer was made, in the same step of the view's task.
+        assert len(written) == 1 and call.request_id.encode() in written[0].command
+        assert response.status_code == 200
+        # The router sends the body once the hold is settled (SETTLED_BEFORE_BODY).
+        waiting = asyncio.ensure_future(getattr(response, SETTLED_BEFORE_BODY)())
+        await asyncio.sleep(0)
+        if fault == "cancelled":
+            waiting.cancel()  # the client left: the view's wait is cancelled, not the settle
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        else:
+            await waiting
+        await settled_background(call)
+        scripts = engine.client.scripts
+        assert scripts.in_use == 0  # the connection went back (or, broken, its slot freed)
+        await engine.client.aclose()
+
+    asyncio.run(scenario())
+    assert len(written) == 1
     [event] = usage_events(tenant)
     assert (event["outcome"], event["event"]["in"], event["event"]["out"]) == ("settled", 12, 3)
     assert counter(tenant) == (15, 0)

@@ -71,11 +71,13 @@ async def post(client: httpx.AsyncClient, key: str, body: dict[str, Any]) -> htt
     return await client.post(CHAT, json=body, headers={"Authorization": f"Bearer {key}"})
 
 
-async def leave_after(key: str, body: dict[str, Any], seconds: float) -> list[dict[str, Any]]:
+async def leave_after(key: str, body: dict[str, Any], seconds: float,
+                      left: asyncio.Event | None = None) -> list[dict[str, Any]]:
     """One call through a router of its own whose client sends its body, then hangs up
-    `seconds` later (httpx's ASGI transport cannot leave mid-call); the messages it was sent."""
+    `seconds` later (httpx's ASGI transport cannot leave mid-call), or, given `left`, once that
+    is set (within `seconds`); the messages it was sent."""
     raw = json.dumps(body).encode()
-    gone = asyncio.Event()
+    gone = left or asyncio.Event()
     sent_body = False
     messages: list[dict[str, Any]] = []
 
@@ -98,9 +100,10 @@ async def leave_after(key: str, body: dict[str, Any], seconds: float) -> list[di
                          (b"content-length", str(len(raw)).encode()),
                          (b"authorization", f"Bearer {key}".encode())]}
     call = asyncio.ensure_future(_app()(scope, receive, send))
-    await asyncio.sleep(seconds)
-    gone.set()
-    await call
+    if left is None:
+        await asyncio.sleep(seconds)
+        gone.set()
+    await asyncio.wait_for(call, None if left is None else seconds)
     return messages
 
 
@@ -232,6 +235,9 @@ def test_a_settle_that_finds_no_live_hold_is_not_counted_over_it(
         return result
 
     monkeypatch.setattr(AsyncQuotaEngine, "settle", settle)
+    # The faults are injected before the settle's write: not written ahead of the answer
+    # (Call.begin_settle, quotas: send_settle), which would send it before this fake runs.
+    monkeypatch.setattr(AsyncQuotaEngine, "send_settle", lambda *args: None)
     before: list[tuple[float, float, float]] = []
 
     async def work(client: httpx.AsyncClient) -> httpx.Response:
@@ -601,6 +607,8 @@ def test_a_stream_its_client_left_is_logged_with_its_charge_even_if_the_settle_f
         assert (await post(client, t.plaintext, {"model": "gpt-4o", "max_tokens": 4,
                                                  "messages": HI})).status_code == 200
         monkeypatch.setattr(AsyncQuotaEngine, "settle", settle)
+        # Refused before its write: not written ahead (Call.begin_settle), see above.
+        monkeypatch.setattr(AsyncQuotaEngine, "send_settle", lambda *args: None)
         messages = await leave_after(t.plaintext, {
             "model": "gpt-4o@chunk_ms=100@output_tokens=12", "max_tokens": 50,
             "stream": True, "messages": HI}, 0.35)

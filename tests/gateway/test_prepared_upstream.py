@@ -189,7 +189,8 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(monkeypatc
     it forwards carries it."""
     seen: dict[str, Any] = {}
 
-    async def admit(runtime: Any, ctx: Any, checked: Any, request_id: str, obs: Any) -> Admission:
+    async def admit(runtime: Any, ctx: Any, checked: Any, request_id: str, obs: Any,
+                    sent: Any = None) -> Admission:
         await asyncio.sleep(0)  # the reserve's round trip: the loop turns
         seen["while_reserving"] = seen["prepared_by"]()
         return _admission("gpt-4o", 100)

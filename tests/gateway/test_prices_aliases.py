@@ -258,7 +258,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.requests: list[ReserveRequest] = []
 
-    async def reserve(self, request: ReserveRequest) -> Reservation:
+    async def reserve(self, request: ReserveRequest, sent: Any = None) -> Reservation:
         self.requests.append(request)
         return Reservation(admitted=True, request_id=request.request_id, granted=request.amount,
                            counters=(), refused=None, server_time_ms=0, hold=None)

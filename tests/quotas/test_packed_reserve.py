@@ -340,3 +340,91 @@ def test_after_a_script_flush_the_packed_calls_load_their_scripts(
     sync = QuotaEngine(private_redis.client())
     day = sync.counter(tenant, "tenant")
     assert (day.used, day.pending) == (40, 0) and sync.open_hold_ids(tenant) == []
+
+
+# -- the reserve written before the call's task starts ---------------------------------------------
+
+
+def test_a_reserve_sent_ahead_answers_as_reserve(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AsyncQuotaEngine.send_reserve writes the reserve's packed command in the caller's own step
+    (the gateway then starts the call's task while Redis runs it): the hold is in Redis before
+    the event loop turns. reserve(request, sent) gives the Reservation reserve() would, and the
+    connection
+    back. A tenant whose activity mark is not written yet: None (reserve() writes the mark
+    first)."""
+    sent_commands = packed_sends(monkeypatch)
+    tenant = new_tenant()
+
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        assert engine.send_reserve(ReserveRequest(tenant, "first", 10, LIMITS)) is None
+        first = await engine.reserve(ReserveRequest(tenant, "first", 10, LIMITS))
+        assert first.admitted
+        sent_commands.clear()
+        request = ReserveRequest(tenant, "ahead", 40, LIMITS, rates=RATES, concurrency=GAUGE)
+        sent = engine.send_reserve(request)
+        assert sent is not None and sent.request is request
+        assert len(sent_commands) == 1 and b"$5\r\nahead\r\n" in sent_commands[0]
+        # Still in this step: a blocking client finds the hold.
+        for _ in range(2000):
+            if "ahead" in _open_holds(redis_url, tenant):
+                break
+        assert "ahead" in _open_holds(redis_url, tenant)
+        reservation = await engine.reserve(request, sent)
+        assert reservation.admitted and reservation.granted == 40
+        assert reservation.hold is not None and reservation.hold.request_id == "ahead"
+        assert [s.remaining for s in reservation.counters[:3]] == [950, 9950, 750]
+        scripts = engine.client.scripts
+        assert scripts.in_use == 0 and len(sent_commands) == 1
+
+    with_engine(redis_url, scenario)
+    assert sorted(_open_holds(redis_url, tenant)) == ["ahead", "first"]
+
+
+def test_a_reserve_sent_ahead_whose_connection_breaks_holds_once(
+        redis_url: str) -> None:
+    """The connection breaks right after send_reserve wrote: reserve sends it once more on
+    a new connection; whether Redis ran the first write or not, the call holds its tokens once
+    (a second run finds the hold: the duplicate reply recovers it)."""
+    tenant = new_tenant()
+
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        assert (await engine.reserve(ReserveRequest(tenant, "first", 10, LIMITS))).admitted
+        request = ReserveRequest(tenant, "ahead", 40, LIMITS)
+        sent = engine.send_reserve(request)
+        assert sent is not None
+        sent.sent.conn.transport.abort()  # injected: the socket breaks after the write
+        reservation = await engine.reserve(request, sent)
+        assert reservation.admitted and reservation.granted == 40
+        assert reservation.hold is not None and reservation.hold.amount == 40
+        assert engine.client.scripts.in_use == 0
+
+    with_engine(redis_url, scenario)
+    assert sorted(_open_holds(redis_url, tenant)) == ["ahead", "first"]
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        day = QuotaEngine(client).counter(tenant, "tenant")
+    finally:
+        client.close()
+    assert (day.used, day.pending) == (0, 50)
+
+
+def test_a_reserve_sent_ahead_to_a_server_without_the_script_loads_it(
+        private_redis: PrivateRedis) -> None:  # noqa: F811
+    # NOSCRIPT for the command written ahead: the script is loaded and run once, as EVALSHA does.
+    tenant = new_tenant()
+
+    async def scenario(engine: AsyncQuotaEngine) -> None:
+        assert (await engine.reserve(ReserveRequest(tenant, "first", 10, LIMITS))).admitted
+        await engine.client.script_flush()
+        request = ReserveRequest(tenant, "ahead", 40, LIMITS)
+        sent = engine.send_reserve(request)
+        assert sent is not None
+        reservation = await engine.reserve(request, sent)
+        assert reservation.admitted and reservation.granted == 40
+
+    with_engine(private_redis.url, scenario)
+    sync = QuotaEngine(private_redis.client())
+    day = sync.counter(tenant, "tenant")
+    assert (day.used, day.pending) == (0, 50)
+    assert sorted(sync.open_hold_ids(tenant)) == ["ahead", "first"]

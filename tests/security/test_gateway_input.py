@@ -493,10 +493,13 @@ class AdmittingEngine:
     def __init__(self) -> None:
         self.requests: list[Any] = []
 
-    async def reserve(self, request: Any) -> Reservation:
+    async def reserve(self, request: Any, sent: Any = None) -> Reservation:
         self.requests.append(request)
         return Reservation(admitted=True, request_id=request.request_id, granted=request.amount,
                            counters=(), refused=None, server_time_ms=0, hold=None)
+
+    def send_reserve(self, request: Any) -> None:
+        return None  # nothing is written ahead: reserve() does it all
 
 
 @pytest.mark.parametrize(("prompt_chars", "jobs"), [(20, 0), (200_000, 1)])
@@ -535,7 +538,7 @@ def test_a_large_body_is_parsed_checked_and_counted_in_one_thread_job(
         catalog=Catalog.of([], PriceBook.of(list_prices={"sec-one": Price(1, 2)})),
         pool=ProviderPool([Upstream(id=1, public_id="pk_1", base_url="http://upstream.test/v1",
                                     secret="sk-test", rpm_capacity=None, tpm_capacity=None)]),
-        reserve=engine.reserve)
+        reserve=engine.reserve, send_reserve=engine.send_reserve)
     raw = json.dumps({"model": "sec-one", "max_tokens": 5, "messages": [
         {"role": "user", "content": _words(prompt_chars)}]}).encode()
     request = RequestFactory().post("/v1/chat/completions", data=raw,

@@ -12,9 +12,10 @@ from quotas.script_pool import ScriptPool
 
 def packed_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """The commands sent packed ahead from now on: through ScriptPool.call_packed, not through
-    ScriptPool.call (which packs its arguments with hiredis, then goes through call_packed)."""
+    ScriptPool.call (which packs its arguments with hiredis, then goes through call_packed), and
+    those ScriptPool.send_now wrote (the gateway's settle, written before its answer is made)."""
     sent: list[bytes] = []
-    real_call, real_packed = ScriptPool.call, ScriptPool.call_packed
+    real_call, real_packed, real_now = ScriptPool.call, ScriptPool.call_packed, ScriptPool.send_now
     # Per task: another task's call in flight (a checkpoint, a mark) must not hide this one's.
     through_call: ContextVar[bool] = ContextVar("through_call", default=False)
 
@@ -30,6 +31,13 @@ def packed_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
             sent.append(command)
         return await real_packed(self, command)
 
+    def send_now(self: ScriptPool, command: bytes) -> Any:
+        written = real_now(self, command)
+        if written is not None:
+            sent.append(command)
+        return written
+
     monkeypatch.setattr(ScriptPool, "call", call)
+    monkeypatch.setattr(ScriptPool, "send_now", send_now)
     monkeypatch.setattr(ScriptPool, "call_packed", call_packed)
     return sent
