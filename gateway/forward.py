@@ -657,12 +657,17 @@ class Prepared:
 
 def prepare_upstream(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBody,
                      output_cap: int | None, request_id: str,
-                     client_headers: Mapping[str, str]) -> Prepared:
+                     client_headers: Mapping[str, str], at_once: bool = False) -> Prepared:
     """A Prepared, filled at the event loop's next turn: call it just before awaiting the
-    reserve, whose script is then in flight."""
+    reserve, whose script is then in flight. `at_once`: filled now, the reserve's script being
+    in flight already (written ahead): its reply may be there by the next turn, and the call
+    would then make its request before the look ahead had made it."""
     prepared = Prepared(parsed.model, output_cap)
-    asyncio.get_running_loop().call_soon(_prepare, prepared, runtime, ctx, parsed, request_id,
-                                         client_headers)
+    if at_once:
+        _prepare(prepared, runtime, ctx, parsed, request_id, client_headers)
+    else:
+        asyncio.get_running_loop().call_soon(_prepare, prepared, runtime, ctx, parsed,
+                                             request_id, client_headers)
     return prepared
 
 

@@ -258,7 +258,8 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
                              sent: SentReserve | None = None,
                              ) -> HttpResponse | StreamingHttpResponse:
     prepared = prepare_upstream(runtime, ctx, checked_call.parsed,
-                                checked_call.estimate.output_cap, request_id, client_headers)
+                                checked_call.estimate.output_cap, request_id, client_headers,
+                                at_once=sent is not None)
     try:
         if obs.span is None:
             admission = await admit(runtime, ctx, checked_call, request_id, obs, sent)

@@ -184,14 +184,22 @@ def test_no_key_for_the_model_prepares_nothing() -> None:
     asyncio.run(scenario())
 
 
-def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(monkeypatch: Any) -> None:
+@pytest.mark.parametrize("written_ahead", [False, True])
+def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(
+        monkeypatch: Any, written_ahead: bool) -> None:
     """views._admit_and_forward: the preparation runs while admit waits for Redis, and the Call
-    it forwards carries it."""
+    it forwards carries it. With the reserve written ahead by the view (runtime.send_reserve),
+    its reply may be there before the task's first step, and the admission then goes on without
+    the loop turning: the preparation is made at once, before admit."""
     seen: dict[str, Any] = {}
+    written = object() if written_ahead else None
 
     async def admit(runtime: Any, ctx: Any, checked: Any, request_id: str, obs: Any,
                     sent: Any = None) -> Admission:
-        await asyncio.sleep(0)  # the reserve's round trip: the loop turns
+        assert sent is written
+        if sent is None:
+            await asyncio.sleep(0)  # the reserve's round trip: the loop turns
+        # else: the reply is there already, nothing turns the loop
         seen["while_reserving"] = seen["prepared_by"]()
         return _admission("gpt-4o", 100)
 
@@ -201,8 +209,8 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(monkeypatc
 
     real_prepare = views.prepare_upstream
 
-    def prepare(*args: Any) -> Prepared:
-        prepared = real_prepare(*args)
+    def prepare(*args: Any, **kwargs: Any) -> Prepared:
+        prepared = real_prepare(*args, **kwargs)
         seen["prepared_by"] = lambda: prepared.upstream
         return prepared
 
@@ -213,7 +221,8 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(monkeypatc
     async def scenario() -> None:
         checked = SimpleNamespace(parsed=_parsed(), estimate=SimpleNamespace(output_cap=100))
         await views._admit_and_forward(_runtime(), CTX, checked, REQUEST_ID,  # type: ignore[arg-type]
-                                       0.0, {}, None, Observation("chat/completions"))
+                                       0.0, {}, None, Observation("chat/completions"),
+                                       written)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
     assert seen["while_reserving"] is FIRST
