@@ -205,11 +205,11 @@ class Call:
 
     def _send_settle(self, used: int, event: str, cost: int) -> SentSettle | None:
         """The hold's settle written to Redis at once (quotas: send_settle), its reply awaited
-        by the end's task; None when it goes the usual way (no hold: fail-open; nothing packed
-        ahead; no free script connection)."""
+        by the end's task; None when it goes the usual way (no hold: fail-open; a traced call;
+        nothing packed ahead; no free script connection)."""
         hold = self.admission.reservation.hold
-        if hold is None:
-            return None
+        if hold is None or (self.obs is not None and self.obs.span is not None):
+            return None  # traced: the settle's span holds its write, as the reserve's does
         try:
             return self.runtime.engine.send_settle(hold, used, event, cost, self._packed_settle)
         except Exception:  # noqa: BLE001 - the settle is then sent the usual way, which reports
@@ -664,7 +664,13 @@ def prepare_upstream(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBod
     would then make its request before the look ahead had made it."""
     prepared = Prepared(parsed.model, output_cap)
     if at_once:
-        _prepare(prepared, runtime, ctx, parsed, request_id, client_headers)
+        # As a loop callback's would, a failure here is logged and leaves nothing prepared: the
+        # caller must go on to wait for its reserve's reply (the call then makes its request
+        # itself and fails there, its hold released), never leave it unread.
+        try:
+            _prepare(prepared, runtime, ctx, parsed, request_id, client_headers)
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("preparing the upstream request of %s failed", request_id)
     else:
         asyncio.get_running_loop().call_soon(_prepare, prepared, runtime, ctx, parsed,
                                              request_id, client_headers)

@@ -19,7 +19,7 @@ from quotas import keys
 from quotas.engine import AsyncQuotaEngine, QuotaEngine
 from tests.gateway.conftest import MakeTenant
 from tests.gateway.test_e2e_observe_faults import HI, leave_after, post, run_app
-from tests.gateway.test_e2e_spans import fresh_runtime  # noqa: F401 - fixture
+from tests.gateway.test_e2e_spans import fresh_runtime, in_memory_tracing  # noqa: F401
 from tests.support.gateway_calls import billed, usage_events
 
 pytestmark = [pytest.mark.django_db, pytest.mark.e2e]
@@ -137,3 +137,53 @@ def test_a_client_leaving_just_after_the_reserve_was_written_is_charged_once(
     day = engine.counter(t.tag, "tenant")
     assert (day.used, day.pending) == (produced, 0)
     assert engine.client.zcard(keys.hold_index_key(t.tag)) == 0
+
+
+def test_a_call_whose_upstream_request_cannot_be_made_still_reads_its_reserve(
+        fresh_runtime: None, make_tenant: MakeTenant, engine: QuotaEngine,  # noqa: F811
+        mock_upstream: MockUpstream) -> None:
+    """The upstream request is prepared at the call's task's first step when its reserve was
+    written ahead. A client's header the request cannot carry (a non-ASCII anthropic-version,
+    passed through to the upstream) makes that fail: the failure is logged, the reserve's
+    reply is still read, the call fails as it did (its request made again, failing in the
+    forward: 500) and its hold is released; no script connection is left taken, call after
+    call."""
+    t = make_tenant(requests_per_second=1000)
+    body = {"model": "claude-haiku-4-5", "max_tokens": 4, "messages": HI}
+
+    async def work(client: httpx.AsyncClient) -> list[int]:
+        statuses = []
+        for version in [b"2023-06-01"] + [b"2023-06-01\xe9"] * 4:
+            answer = await client.post("/v1/messages", json=body, headers={
+                "x-api-key": t.plaintext, "anthropic-version": version})
+            statuses.append(answer.status_code)
+        _all_connections_back()
+        return statuses
+
+    assert run_app(work) == [200, 500, 500, 500, 500]
+    events = usage_events(engine, t.tag)
+    assert [e["outcome"] for e in events] == ["settled"] + ["released"] * 4
+    assert engine.client.zcard(keys.hold_index_key(t.tag)) == 0
+    day = engine.counter(t.tag, "tenant")
+    assert day.pending == 0 and day.used == _charged(engine, t.tag) > 0
+
+
+def test_a_traced_call_writes_its_script_calls_inside_their_spans(
+        fresh_runtime: None, make_tenant: MakeTenant, engine: QuotaEngine,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tracing on, neither script call is written ahead: the quota.reserve and
+    quota.settle spans each hold their write and their reply."""
+    t = make_tenant(requests_per_second=1000)
+
+    async def work(client: httpx.AsyncClient) -> list[int]:
+        return [(await post(client, t.plaintext, {"model": MODEL, "max_tokens": 4,
+                                                  "messages": HI})).status_code
+                for _ in range(2)]
+
+    with in_memory_tracing() as exporter:
+        reserves, settles = _record(monkeypatch)
+        assert run_app(work) == [200, 200]
+        names = [s.name for s in exporter.get_finished_spans()]
+    assert reserves == [] and settles == []
+    assert names.count("quota.reserve") == 2 and names.count("quota.settle") == 2
+    assert [e["outcome"] for e in usage_events(engine, t.tag)] == ["settled", "settled"]
