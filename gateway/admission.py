@@ -405,14 +405,16 @@ def reserve_request(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
 
 async def admit(runtime: GatewayRuntime, ctx: KeyContext, call: Checked,
                 request_id: str, obs: Observation | None = None,
+                request: ReserveRequest | None = None,
                 sent: SentReserve | None = None) -> Admission:
     """Reserve, or apply the plan's policy to a refusal; raises GatewayError (429). `obs`: the
-    call's Observation, told about a wait in the queue. `sent`: the first reserve already
-    written (runtime.send_reserve of reserve_request), whose reply this waits for."""
+    call's Observation, told about a wait in the queue. `request`: the first reserve's, made
+    already (reserve_request); `sent`: that reserve already written (runtime.send_reserve),
+    whose reply this waits for."""
     catalog = runtime.catalog
     parsed, scopes, est = call.parsed, call.scopes, call.estimate
-    request = sent.request if sent is not None else reserve_request(runtime, ctx, call,
-                                                                    request_id)
+    if request is None:
+        request = reserve_request(runtime, ctx, call, request_id)
     # runtime.reserve: the engine's, plus the rebuild of counters Redis lost (503 until they are
     # back: nothing is admitted on an empty counter).
     reservation = await runtime.reserve(request, sent)

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from django.conf import settings
@@ -60,10 +60,12 @@ from quotas.engine import (
     QuotaError,
     QuotaStoreUnavailable,
     ReleaseResult,
-    SentSettle,
     SettleResult,
 )
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_for_capacity
+
+if TYPE_CHECKING:  # the script pool may be missing at run time (hiredis is optional)
+    from quotas.script_pool import Sent
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class Call:
         asyncio.get_running_loop().call_soon(self._count_settled, usage, cost)
         return sent is not None
 
-    def _send_settle(self, used: int, event: str, cost: int) -> SentSettle | None:
+    def _send_settle(self, used: int, event: str, cost: int) -> Sent | None:
         """The hold's settle written to Redis at once (quotas: send_settle), its reply awaited
         by the end's task; None when it goes the usual way (no hold: fail-open; a traced call;
         nothing packed ahead; no free script connection)."""
@@ -271,7 +273,7 @@ class Call:
         await asyncio.shield(self._end)
 
     async def _settle_hold(self, usage: Usage, event: str, cost: int,
-                           sent: SentSettle | None = None) -> None:
+                           sent: Sent | None = None) -> None:
         """`sent`: the settle already written (begin_settle): its first attempt waits for that
         reply, its round trip timed from the write; a retry (Redis unreachable) sends it
         again."""
@@ -295,7 +297,7 @@ class Call:
                 written, first = first, None
                 return self._timed_end("quota.settle", metrics.REDIS_SETTLE, "settled", used,
                                        lambda: engine.settle(hold, used, event, cost, packed,
-                                                             written), written.sent.at)
+                                                             written), written.at)
             return self._timed_end("quota.settle", metrics.REDIS_SETTLE, "settled", used,
                                    lambda: engine.settle(hold, used, event, cost, packed))
 

@@ -48,7 +48,7 @@ from gateway.responses_context import held_context, with_context
 from gateway.runtime import GatewayRuntime
 from gateway.startup import get_runtime, store_problems
 from quotas import durability
-from quotas.engine import QuotaError, QuotaStoreUnavailable, SentReserve
+from quotas.engine import QuotaError, QuotaStoreUnavailable, ReserveRequest, SentReserve
 
 log = logging.getLogger(__name__)
 
@@ -232,11 +232,11 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     # The reserve's script is written first when it can be (runtime.send_reserve; not when
     # traced, so that the reserve's span holds its write): Redis runs it while the task starts,
     # and the task, made before anything is awaited, waits for its reply.
-    sent = (runtime.send_reserve(reserve_request(runtime, ctx, call, request_id))
-            if obs.span is None else None)
+    request = reserve_request(runtime, ctx, call, request_id)
+    sent = runtime.send_reserve(request) if obs.span is None else None
     task = asyncio.ensure_future(_admit_and_forward(
         runtime, ctx, call, request_id, started, client_headers,
-        context.pinned if context is not None else None, obs, sent))
+        context.pinned if context is not None else None, obs, request=request, sent=sent))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -255,6 +255,7 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
 async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_call: Checked,
                              request_id: str, started: float, client_headers: dict[str, str],
                              pinned: int | None, obs: Observation,
+                             request: ReserveRequest | None = None,
                              sent: SentReserve | None = None,
                              ) -> HttpResponse | StreamingHttpResponse:
     prepared = prepare_upstream(runtime, ctx, checked_call.parsed,
@@ -262,10 +263,12 @@ async def _admit_and_forward(runtime: GatewayRuntime, ctx: KeyContext, checked_c
                                 at_once=sent is not None)
     try:
         if obs.span is None:
-            admission = await admit(runtime, ctx, checked_call, request_id, obs, sent)
+            admission = await admit(runtime, ctx, checked_call, request_id, obs,
+                                    request=request, sent=sent)
         else:
             with obs.child("quota.reserve") as span:
-                admission = await admit(runtime, ctx, checked_call, request_id, obs)
+                admission = await admit(runtime, ctx, checked_call, request_id, obs,
+                                        request=request)
                 if span is not None:  # None: tracing was turned off since the call began
                     span.set_attribute("tollgate.held_tokens", admission.reservation.granted)
     except QuotaStoreUnavailable:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio
@@ -46,6 +46,10 @@ from quotas.windows import (
 
 UNLIMITED = -1
 _MAX_CLOCK_RETRIES = 3
+
+if TYPE_CHECKING:  # at run time the script pool may be missing (hiredis is optional)
+    from quotas.script_pool import Sent
+
 log = logging.getLogger(__name__)
 
 
@@ -374,22 +378,12 @@ class SentReserve:
     """A reserve's script call already written to Redis (AsyncQuotaEngine.send_reserve), its
     reply still to come (reserve(request, sent)). Its script connection stays taken until then."""
 
-    request: ReserveRequest
     call: _ReserveCall
-    sent: Any  # quotas/script_pool.py Sent
+    sent: Sent
 
-
-@dataclass(frozen=True)
-class SentSettle:
-    """A hold's settle already written to Redis (AsyncQuotaEngine.send_settle), its reply still
-    to come (settle(..., sent=)): what it was sent with, for the reply and a fallback. Its
-    script connection stays taken until settle has its reply."""
-
-    hold: Hold
-    actual: int
-    event: str
-    actual_money: int
-    sent: Any  # quotas/script_pool.py Sent
+    @property
+    def request(self) -> ReserveRequest:
+        return self.call.request
 
 
 @dataclass(frozen=True)
@@ -1451,7 +1445,7 @@ class AsyncQuotaEngine:
         return await self._run_packed("reserve", call.command, lambda: call.keys, call.args)
 
     async def _run_packed(self, name: str, command: bytes, call_keys: Callable[[], list[str]],
-                          args: list[Any], sent: Any = None) -> Any:
+                          args: list[Any], sent: Sent | None = None) -> Any:
         """_run(name, call_keys(), args) with `command`, the same EVALSHA packed ahead, when it
         goes on the script connections (quotas/client.py script_pool: a plain Redis); a server
         without the script loads it and runs it, as EVALSHA does. `sent`: that command already
@@ -1492,12 +1486,9 @@ class AsyncQuotaEngine:
 
     async def reserve(self, request: ReserveRequest, sent: SentReserve | None = None,
                       ) -> Reservation:
-        """`sent`: this request's script call already written (send_reserve), whose reply this
-        waits for; the same Reservation as without it."""
+        """`sent`: this request's script call already written (send_reserve(request)), whose
+        reply this waits for; the same Reservation as without it."""
         if sent is not None:
-            if sent.request is not request:
-                await self._discard(sent.sent)
-                raise ValueError("a reserve sent ahead for another request")
             return await self._reserve(request, sent)
         self.marks.add(request.tenant)
         if self.marks.unconfirmed(request.tenant):
@@ -1524,15 +1515,7 @@ class AsyncQuotaEngine:
         if sent is None:
             return None
         self.marks.add(tenant)
-        return SentReserve(request, call, sent)
-
-    async def _discard(self, sent: Any) -> None:
-        """A command sent ahead that will not be used: its reply awaited all the same, so that
-        its connection goes back to the pool (a caller's bug, refused after this)."""
-        try:
-            await self._script_pool.reply(sent)
-        except Exception:  # noqa: BLE001, S110 - its outcome is not wanted
-            pass
+        return SentReserve(call, sent)
 
     async def _reserve(self, request: ReserveRequest, sent: SentReserve | None) -> Reservation:
         for _ in range(_MAX_CLOCK_RETRIES):
@@ -1554,19 +1537,15 @@ class AsyncQuotaEngine:
         raise QuotaClockError("the Redis clock kept moving out of the computed window")
 
     async def settle(self, hold: Hold, actual: int, event: str = "", actual_money: int = 0,
-                     packed: PackedSettle | None = None, sent: SentSettle | None = None,
+                     packed: PackedSettle | None = None, sent: Sent | None = None,
                      ) -> SettleResult:
         """`packed`: this hold's settle packed ahead (packed_settle), sent as it is on the
         script connections; the same script call as without it. `sent`: this very settle
-        already written (send_settle), whose reply this waits for."""
+        already written (send_settle with the same figures), whose reply this waits for."""
         args = self._calls.settle_args(hold, actual, event, actual_money)
         if sent is not None:
-            if (sent.hold, sent.actual, sent.event, sent.actual_money) != (
-                    hold, actual, event, actual_money):
-                await self._discard(sent.sent)
-                raise ValueError("a settle sent ahead with other figures")
             outcome, held, charged = await self._run_packed(
-                "settle", b"", lambda: self._calls.end_keys(hold), args, sent=sent.sent)
+                "settle", b"", lambda: self._calls.end_keys(hold), args, sent=sent)
         elif (packed is not None and packed.hold is hold and packed.source is self._calls
                 and type(event) is str):
             self.marks.add(hold.tenant)
@@ -1579,12 +1558,12 @@ class AsyncQuotaEngine:
         return SettleResult(hold.request_id, _str(outcome), int(held), int(charged))
 
     def send_settle(self, hold: Hold, actual: int, event: str, actual_money: int,
-                    packed: PackedSettle | None) -> SentSettle | None:
+                    packed: PackedSettle | None) -> Sent | None:
         """settle(hold, actual, event, actual_money, packed)'s command written to Redis now, on
         a free script connection; settle(..., sent=) waits for its result. The gateway makes
         its answer between the two, while Redis runs the script. None when it cannot be sent
         so (no packed command of this engine's, no free script connection): settle() alone
-        then. The caller must hand a SentSettle to settle (in a task made before it awaits
+        then. The caller must hand what it returns to settle (in a task made before it awaits
         anything): its connection stays taken until then."""
         self._calls.settle_args(hold, actual, event, actual_money)  # refused as settle() would
         if (packed is None or packed.hold is not hold or packed.source is not self._calls
@@ -1594,10 +1573,9 @@ class AsyncQuotaEngine:
         if pool is None:
             return None
         sent = pool.send_now(packed.command(actual, event, actual_money))
-        if sent is None:
-            return None
-        self.marks.add(hold.tenant)
-        return SentSettle(hold, actual, event, actual_money, sent)
+        if sent is not None:
+            self.marks.add(hold.tenant)
+        return sent
 
     def packed_settle(self, hold: Hold) -> PackedSettle | None:
         """`hold`'s settle command packed but for the figures only its end knows (settle's

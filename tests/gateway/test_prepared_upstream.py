@@ -195,7 +195,7 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(
     written = object() if written_ahead else None
 
     async def admit(runtime: Any, ctx: Any, checked: Any, request_id: str, obs: Any,
-                    sent: Any = None) -> Admission:
+                    request: Any = None, sent: Any = None) -> Admission:
         assert sent is written
         if sent is None:
             await asyncio.sleep(0)  # the reserve's round trip: the loop turns
@@ -222,7 +222,7 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(
         checked = SimpleNamespace(parsed=_parsed(), estimate=SimpleNamespace(output_cap=100))
         await views._admit_and_forward(_runtime(), CTX, checked, REQUEST_ID,  # type: ignore[arg-type]
                                        0.0, {}, None, Observation("chat/completions"),
-                                       written)  # type: ignore[arg-type]
+                                       sent=written)  # type: ignore[arg-type]
 
     asyncio.run(scenario())
     assert seen["while_reserving"] is FIRST
