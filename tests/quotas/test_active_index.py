@@ -264,6 +264,7 @@ def test_concurrent_marks_and_removals_never_drop_a_tenant_that_has_work(
     missing: list[str] = []
     checks = [0]
     removed = [0]
+    counting = threading.Lock()
     cycles = 6
 
     def present(tag: str, what: str) -> None:
@@ -291,7 +292,12 @@ def test_concurrent_marks_and_removals_never_drop_a_tenant_that_has_work(
             indexed, _walks, now_ms = active.read_index(client, SHARDS)
             ours = tuple(i for i in indexed if i.tenant in tenants)
             run = active.Visit("sweep", False, (), ours, now_ms)
-            removed[0] += active.forget_idle(slow, run, settings)
+            # Counted after the pass, under a lock: `removed[0] += forget_idle(...)` reads the
+            # total before the (slow) pass and writes it back after, undoing what the other
+            # removers counted meanwhile (the total could end at 0 on a loaded machine).
+            count = active.forget_idle(slow, run, settings)
+            with counting:
+                removed[0] += count
 
     threads = [threading.Thread(target=gateway, args=(tag,)) for tag in tenants]
     removers = [threading.Thread(target=remover) for _ in range(3)]
