@@ -215,7 +215,7 @@ class Call:
         try:
             return self.runtime.engine.send_settle(hold, used, event, cost, self._packed_settle)
         except Exception:  # noqa: BLE001 - the settle is then sent the usual way, which reports
-            log.exception("sending the settle of %s at once failed; sending it again",
+            log.exception("writing the settle of %s at once failed; it goes the usual way",
                           self.request_id)
             return None
 
@@ -297,7 +297,7 @@ class Call:
                 written, first = first, None
                 return self._timed_end("quota.settle", metrics.REDIS_SETTLE, "settled", used,
                                        lambda: engine.settle(hold, used, event, cost, packed,
-                                                             written), written.at)
+                                                             written), written)
             return self._timed_end("quota.settle", metrics.REDIS_SETTLE, "settled", used,
                                    lambda: engine.settle(hold, used, event, cost, packed))
 
@@ -314,23 +314,23 @@ class Call:
 
     async def _timed_end(self, name: str, rtt: metrics.HistogramChild, ending: str, used: int,
                          operation: Callable[[], Awaitable[EndResult]],
-                         began: float | None = None) -> EndResult:
+                         written: Sent | None = None) -> EndResult:
         """One settle or release round trip: its latency, how it came back (holds settled,
         released, or ended already, and a settle above its hold), and its span when traced.
-        Every attempt is measured (a retry after Redis came back too). `began`: when its
-        command was written, if before this (begin_settle)."""
+        Every attempt is measured (a retry after Redis came back too). `written`: its command,
+        written before this (begin_settle): timed from that write to its reply's arrival
+        (Sent.round_trip: the loop's reading of it, not this task's turn after it)."""
         obs = self.obs
         assert obs is not None
         span = obs.start_child(name) if obs.span is not None else None
-        if began is None:
-            began = _perf()
+        began = _perf()
         try:
             result = await operation()
         except BaseException as exc:
             if span is not None:
                 end_with_error(span, exc)
             raise
-        metrics.observe(rtt, _perf() - began)
+        metrics.observe(rtt, _perf() - began if written is None else written.round_trip())
         metrics.count_hold_end(ending, result.outcome, used, result.held)
         if span is not None:
             span.set_attribute("tollgate.outcome", result.outcome)

@@ -1506,8 +1506,8 @@ class AsyncQuotaEngine:
         if self.marks.unconfirmed(tenant):
             return None
         pool = self._script_pool
-        if pool is None:
-            return None
+        if pool is None or not pool.free:
+            return None  # checked before the packing: reserve() would pack it again
         call = self._calls.reserve(request)
         if not call.command:
             return None

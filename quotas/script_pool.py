@@ -30,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import hiredis
@@ -50,6 +50,9 @@ class _ScriptConnection(asyncio.Protocol):
         self.reader = hiredis.Reader(encoding="utf-8", replyError=BaseParser.parse_error)
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[Any] | None = None
+        # When the last reply was read and parsed (time.perf_counter()): a round trip's end,
+        # whenever its caller gets to it.
+        self.replied_at = 0.0
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -75,6 +78,7 @@ class _ScriptConnection(asyncio.Protocol):
                 self._fail(redis.exceptions.ConnectionError("Unexpected reply from Redis."))
                 return
             self.waiter = None
+            self.replied_at = time.perf_counter()
             waiter.set_result(reply)
 
     def eof_received(self) -> bool | None:
@@ -109,7 +113,8 @@ class _ScriptConnection(asyncio.Protocol):
     def send(self, command: bytes, timeout: float, loop: asyncio.AbstractEventLoop,
              ) -> tuple[asyncio.Future[Any], asyncio.TimerHandle | None]:
         """Write one packed command now: the future its reply resolves, and the timer bounding
-        it (`finish` waits for both). A connection that cannot write fails the future instead."""
+        it (`finish` waits for both). A connection already closed fails the future instead; a
+        write that raises is raised, the connection closed (the caller frees its slot)."""
         waiter: asyncio.Future[Any] = loop.create_future()
         if self.closed or self.transport is None or self.transport.is_closing():
             waiter.set_exception(redis.exceptions.ConnectionError("Connection closed."))
@@ -150,7 +155,7 @@ class _ScriptConnection(asyncio.Protocol):
         return reply
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sent:
     """A command written on a script connection (ScriptPool.call_packed, send_now) whose reply
     is still to come: the connection holds its pool slot until ScriptPool.reply."""
@@ -162,6 +167,15 @@ class Sent:
     waiter: asyncio.Future[Any]
     timer: asyncio.TimerHandle | None
     at: float  # time.perf_counter() when it was written: a round trip's start
+    replied_at: float = 0.0  # when its reply arrived (set by ScriptPool.reply): the end
+
+    def round_trip(self) -> float:
+        """Seconds from the write to the reply's arrival (the event loop's reading of it),
+        once ScriptPool.reply returned it; not to the moment its caller got to it. Between the
+        two, the loop runs whatever is ready before the caller (under load, other calls' steps),
+        which is not Redis' time. (What runs on the loop before its next read of the socket
+        still counts: the loop cannot see the reply sooner.)"""
+        return self.replied_at - self.at
 
 
 def _expire(waiter: asyncio.Future[Any], error: type[Exception], message: str) -> None:
@@ -220,7 +234,8 @@ class ScriptPool:
         """`command` written at once on a free connection, its reply for `reply()` to wait for;
         None when no connection is free (or none of this event loop): call_packed then takes the
         usual way. For a caller with work to do between its write and its wait (the gateway's
-        settle: its answer is made while Redis runs the script). The caller must pass it to
+        reserve: its call's task starts meanwhile; its settle: the answer is made while Redis
+        runs the script). The caller must pass it to
         `reply()` (in a task made before it awaits anything): the connection stays taken until
         then."""
         loop = self.loop
@@ -268,6 +283,7 @@ class ScriptPool:
         except BaseException:
             self._lost(conn, generation)  # cancelled mid-reply: closed by finish()
             raise
+        sent.replied_at = conn.replied_at  # (the new connection's, after a resend)
         self._give(conn, generation)
         return reply
 

@@ -9,6 +9,7 @@ pinned too."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -469,6 +470,48 @@ def test_send_now_writes_before_the_loop_turns_and_reply_answers(redis_url: str)
     asyncio.run(another_loop())
     sync.delete(key)
     sync.close()
+
+
+def test_a_sent_commands_round_trip_ends_when_its_reply_arrives(redis_url: str) -> None:
+    """Sent.round_trip(): from the write to the reply's arrival (the loop's reading of it), not
+    to the moment its caller gets to it: what runs before the caller's turn (under load, other
+    calls' steps) is not Redis' time and must not show in the gateway's Redis latency
+    histogram. After a resend on a new connection: to that connection's reply."""
+    import hiredis
+
+    key = f"sendnow:{uuid.uuid4().hex}"
+
+    async def scenario() -> None:
+        client = _client(redis_url)
+        script = client.register_script("return redis.call('INCR', KEYS[1])")
+        assert await script(keys=[key]) == 1
+        scripts = _scripts(client)
+        command = hiredis.pack_command(("EVALSHA", script.sha, 1, key))
+        sent = scripts.send_now(command)
+        assert sent is not None
+        conn = sent.conn
+        for _ in range(200):  # the reply arrives while the caller does something else
+            await asyncio.sleep(0.001)
+            if sent.waiter.done():
+                break
+        assert sent.waiter.done()
+        await asyncio.sleep(0.1)  # the caller's own work, after the arrival
+        assert await scripts.reply(sent) == 2
+        read_after = time.perf_counter() - sent.at
+        assert read_after >= 0.1
+        assert 0 < sent.round_trip() < read_after - 0.09
+        assert sent.replied_at == conn.replied_at
+        # The connection breaks after the write: the reply that counts is the resend's.
+        sent = scripts.send_now(command)
+        assert sent is not None
+        sent.conn.transport.abort()
+        assert await scripts.reply(sent) in (3, 4)
+        assert 0 < sent.round_trip() <= time.perf_counter() - sent.at
+        assert sent.replied_at != conn.replied_at
+        await client.delete(key)
+        await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_a_sent_command_whose_connection_breaks_is_sent_once_more(redis_url: str) -> None:
