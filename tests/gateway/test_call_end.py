@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio
+import redis.exceptions
 from django.conf import settings as django_settings
 
 from gateway.admission import Admission, Estimate
@@ -462,6 +463,62 @@ def test_a_settle_written_before_the_answer_is_made_settles_once(
 
     asyncio.run(scenario())
     assert len(written) == 1
+    [event] = usage_events(tenant)
+    assert (event["outcome"], event["event"]["in"], event["event"]["out"]) == ("settled", 12, 3)
+    assert counter(tenant) == (15, 0)
+
+
+@pytest.mark.parametrize("reached", [True, False])
+def test_a_settle_written_ahead_whose_store_is_gone_is_retried_and_settles_once(
+        reached: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settle written before the answer is made, then its connection breaks and the new
+    connection its reply's wait opens fails too: the end's first attempt finds the store
+    unavailable, and the end is retried in the background the usual way until it lands. The
+    hold is charged the upstream's usage once, whether the written settle reached Redis
+    (`reached`: the retry finds the hold settled already) or not (the connection was broken
+    before the write), and no script connection is left taken."""
+    tenant = new_tenant()
+    written: list[Any] = []
+    real_now = ScriptPool.send_now
+    real_connect = ScriptPool._connect
+    refusals = [0]
+
+    def send_now(self: ScriptPool, command: bytes) -> Any:
+        if not reached:
+            for conn in self.free:
+                conn.transport.abort()  # injected: broken before the write
+        sent = real_now(self, command)
+        if sent is not None:
+            written.append(sent)
+            if reached:
+                sent.conn.transport.abort()  # injected: broken right after the write
+            refusals[0] = 1  # and the reply's new connection cannot be opened
+        return sent
+
+    async def connect(self: ScriptPool) -> Any:
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise redis.exceptions.ConnectionError("injected: Redis is unreachable")
+        return await real_connect(self)
+
+    monkeypatch.setattr(ScriptPool, "send_now", send_now)
+    monkeypatch.setattr(ScriptPool, "_connect", connect)
+    answer = {"id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
+
+    async def scenario() -> None:
+        engine = async_engine()
+        call = await open_call(engine, tenant, stream=False)
+        call.prepare_settle()
+        response = await _complete(call, httpx.Response(200, content=json.dumps(answer).encode()))
+        assert len(written) == 1 and response.status_code == 200
+        await settled_background(call)
+        assert refusals[0] == 0  # the injected failure did happen
+        assert engine.client.scripts.in_use == 0
+        await engine.client.aclose()
+
+    asyncio.run(scenario())
     [event] = usage_events(tenant)
     assert (event["outcome"], event["event"]["in"], event["event"]["out"]) == ("settled", 12, 3)
     assert counter(tenant) == (15, 0)
