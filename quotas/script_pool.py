@@ -167,15 +167,17 @@ class Sent:
     waiter: asyncio.Future[Any]
     timer: asyncio.TimerHandle | None
     at: float  # time.perf_counter() when it was written: a round trip's start
-    replied_at: float = 0.0  # when its reply arrived (set by ScriptPool.reply): the end
+    replied_at: float = 0.0  # when its reply arrived (set by ScriptPool.reply); 0: none did
 
     def round_trip(self) -> float:
         """Seconds from the write to the reply's arrival (the event loop's reading of it),
         once ScriptPool.reply returned it; not to the moment its caller got to it. Between the
         two, the loop runs whatever is ready before the caller (under load, other calls' steps),
         which is not Redis' time. (What runs on the loop before its next read of the socket
-        still counts: the loop cannot see the reply sooner.)"""
-        return self.replied_at - self.at
+        still counts: the loop cannot see the reply sooner.) When no reply ended the call here
+        (an error reply: NOSCRIPT has its caller load the script and run it another way), to
+        now: the whole of it, as a call not written ahead is timed."""
+        return (self.replied_at or time.perf_counter()) - self.at
 
 
 def _expire(waiter: asyncio.Future[Any], error: type[Exception], message: str) -> None:

@@ -6,6 +6,7 @@ where EVALSHA goes on the script connections, falling back as EVALSHA does (NOSC
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import hiredis
@@ -412,6 +413,8 @@ def test_a_reserve_sent_ahead_whose_connection_breaks_holds_once(
 def test_a_reserve_sent_ahead_to_a_server_without_the_script_loads_it(
         private_redis: PrivateRedis) -> None:  # noqa: F811
     # NOSCRIPT for the command written ahead: the script is loaded and run once, as EVALSHA does.
+    # Its round trip (the gateway's Redis latency histogram) is then the whole of it, from the
+    # write to the script's reply: no reply ended it on its own connection.
     tenant = new_tenant()
 
     async def scenario(engine: AsyncQuotaEngine) -> None:
@@ -422,6 +425,8 @@ def test_a_reserve_sent_ahead_to_a_server_without_the_script_loads_it(
         assert sent is not None
         reservation = await engine.reserve(request, sent)
         assert reservation.admitted and reservation.granted == 40
+        assert sent.sent.replied_at == 0.0
+        assert 0 < sent.sent.round_trip() <= time.perf_counter() - sent.sent.at
 
     with_engine(private_redis.url, scenario)
     sync = QuotaEngine(private_redis.client())
