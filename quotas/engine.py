@@ -378,12 +378,8 @@ class SentReserve:
     """A reserve's script call already written to Redis (AsyncQuotaEngine.send_reserve), its
     reply still to come (reserve(request, sent)). Its script connection stays taken until then."""
 
-    call: _ReserveCall
+    call: _ReserveCall  # its request: call.request
     sent: Sent
-
-    @property
-    def request(self) -> ReserveRequest:
-        return self.call.request
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,13 @@ async def open_call(engine: Any, tenant: str, *, stream: bool, metered: bool = T
     return call
 
 
+# A whole chat answer of 12 input and 3 output tokens, as the upstream sends it.
+ANSWER_12_3 = json.dumps({
+    "id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}).encode()
+
+
 async def settled_background(call: Call) -> None:
     """Wait for every task the call left running (its end, retries, checkpoints, drains)."""
     while call.runtime.background:
@@ -382,9 +389,6 @@ def test_the_settle_packed_while_the_upstream_answered_is_what_the_end_sends(
     counters and the usage event are those of the plain settle."""
     tenant = new_tenant()
     sent = packed_sends(monkeypatch)
-    answer = {"id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
 
     async def scenario() -> None:
         call = await open_call(async_engine(), tenant, stream=stream)
@@ -398,7 +402,7 @@ def test_the_settle_packed_while_the_upstream_answered_is_what_the_end_sends(
             await consume(StreamRelay(call, httpx.Response(200, content=chunks_of(parts))),
                           received)
         else:
-            await _complete(call, httpx.Response(200, content=json.dumps(answer).encode()))
+            await _complete(call, httpx.Response(200, content=ANSWER_12_3))
         await settled_background(call)
         # Sent as packed, once (a server without the script yet is then sent the same command
         # by redis-py's script object, which loads it: not counted here).
@@ -435,15 +439,12 @@ def test_a_settle_written_before_the_answer_is_made_settles_once(
         return sent
 
     monkeypatch.setattr(ScriptPool, "send_now", send_now)
-    answer = {"id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
 
     async def scenario() -> None:
         engine = async_engine()
         call = await open_call(engine, tenant, stream=False)
         call.prepare_settle()
-        response = await _complete(call, httpx.Response(200, content=json.dumps(answer).encode()))
+        response = await _complete(call, httpx.Response(200, content=ANSWER_12_3))
         # Written before the answer was made, in the same step of the view's task.
         assert len(written) == 1 and call.request_id.encode() in written[0].command
         assert response.status_code == 200
@@ -503,15 +504,12 @@ def test_a_settle_written_ahead_whose_store_is_gone_is_retried_and_settles_once(
 
     monkeypatch.setattr(ScriptPool, "send_now", send_now)
     monkeypatch.setattr(ScriptPool, "_connect", connect)
-    answer = {"id": "c1", "object": "chat.completion", "model": "gpt-4o", "choices": [
-        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
 
     async def scenario() -> None:
         engine = async_engine()
         call = await open_call(engine, tenant, stream=False)
         call.prepare_settle()
-        response = await _complete(call, httpx.Response(200, content=json.dumps(answer).encode()))
+        response = await _complete(call, httpx.Response(200, content=ANSWER_12_3))
         assert len(written) == 1 and response.status_code == 200
         await settled_background(call)
         assert refusals[0] == 0  # the injected failure did happen

@@ -472,21 +472,26 @@ def test_send_now_writes_before_the_loop_turns_and_reply_answers(redis_url: str)
     sync.close()
 
 
+async def _incr_loaded(redis_url: str, key: str) -> tuple[Any, Any, Any, bytes]:
+    """A client whose INCR script is loaded (the key at 1) with one script connection free, its
+    pool, and the script's EVALSHA of `key`, packed for send_now."""
+    import hiredis
+
+    client = _client(redis_url)
+    script = client.register_script("return redis.call('INCR', KEYS[1])")
+    assert await script(keys=[key]) == 1
+    return client, script, _scripts(client), hiredis.pack_command(("EVALSHA", script.sha, 1, key))
+
+
 def test_a_sent_commands_round_trip_ends_when_its_reply_arrives(redis_url: str) -> None:
     """Sent.round_trip(): from the write to the reply's arrival (the loop's reading of it), not
     to the moment its caller gets to it: what runs before the caller's turn (under load, other
     calls' steps) is not Redis' time and must not show in the gateway's Redis latency
     histogram. After a resend on a new connection: to that connection's reply."""
-    import hiredis
-
     key = f"sendnow:{uuid.uuid4().hex}"
 
     async def scenario() -> None:
-        client = _client(redis_url)
-        script = client.register_script("return redis.call('INCR', KEYS[1])")
-        assert await script(keys=[key]) == 1
-        scripts = _scripts(client)
-        command = hiredis.pack_command(("EVALSHA", script.sha, 1, key))
+        client, script, scripts, command = await _incr_loaded(redis_url, key)
         sent = scripts.send_now(command)
         assert sent is not None
         conn = sent.conn
@@ -523,11 +528,7 @@ def test_a_sent_command_whose_connection_breaks_is_sent_once_more(redis_url: str
     key = f"sendnow:{uuid.uuid4().hex}"
 
     async def scenario() -> None:
-        client = _client(redis_url)
-        script = client.register_script("return redis.call('INCR', KEYS[1])")
-        assert await script(keys=[key]) == 1
-        scripts = _scripts(client)
-        command = hiredis.pack_command(("EVALSHA", script.sha, 1, key))
+        client, script, scripts, command = await _incr_loaded(redis_url, key)
         sent = scripts.send_now(command)
         assert sent is not None
         sent.conn.transport.abort()  # injected: the socket breaks after the write

@@ -364,7 +364,7 @@ def test_a_reserve_sent_ahead_answers_as_reserve(
         sent_commands.clear()
         request = ReserveRequest(tenant, "ahead", 40, LIMITS, rates=RATES, concurrency=GAUGE)
         sent = engine.send_reserve(request)
-        assert sent is not None and sent.request is request
+        assert sent is not None and sent.call.request is request
         assert len(sent_commands) == 1 and b"$5\r\nahead\r\n" in sent_commands[0]
         # Still in this step: a blocking client finds the hold.
         for _ in range(2000):
