@@ -50,7 +50,7 @@ from gateway.providers import Upstream
 from gateway.responses_context import remember_answer
 from gateway.runtime import GatewayRuntime
 from gateway.tokens import count_stream_text
-from gateway.upstream_http import read_answer
+from gateway.upstream_http import answer_arrived, encode_ahead, read_answer
 from gateway.usage import Usage
 from quotas.engine import (
     CapacityWait,
@@ -689,8 +689,10 @@ def _prepare(prepared: Prepared, runtime: GatewayRuntime, ctx: KeyContext, parse
     if not candidates:
         return
     payload = dialect.payload(parsed, prepared.model, prepared.cap)
-    prepared.request = upstream_request_for(runtime, dialect, parsed.endpoint, request_id,
-                                            client_headers, candidates[0], payload)
+    request = upstream_request_for(runtime, dialect, parsed.endpoint, request_id,
+                                   client_headers, candidates[0], payload)
+    encode_ahead(runtime.transport, request)  # its bytes too: its send is then a write
+    prepared.request = request
     prepared.payload = payload
     prepared.upstream = candidates[0]
 
@@ -947,8 +949,11 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
     assert obs is not None
     began = obs.upstream_wait()
     try:
-        async with asyncio.timeout_at(call.deadline):
+        if answer_arrived(response):  # nothing to wait for: no timer to arm
             body = await read_answer(response)
+        else:
+            async with asyncio.timeout_at(call.deadline):
+                body = await read_answer(response)
     except (httpx.HTTPError, TimeoutError):
         # Headers arrived but the body did not (or not within the deadline): the upstream may
         # have produced and billed tokens we cannot see, so charge the worst case we held.

@@ -25,6 +25,7 @@ from gateway.forward import Call, Prepared, _answer, prepare_upstream, upstream_
 from gateway.observe import Observation
 from gateway.providers import ProviderPool, Upstream
 from gateway.runtime import GatewayRuntime
+from gateway.upstream_http import _WIRE, TRANSPORTS, _encode, make_transport
 from quotas.engine import Hold, Reservation
 
 FIRST = Upstream(1, "pk_first", "http://first.invalid/v1", "sk-first", None, None, priority=2)
@@ -34,9 +35,9 @@ REQUEST_ID = "req_" + "0" * 24
 CTX = SimpleNamespace(tenant_id=5)
 
 
-def _runtime(*upstreams: Upstream) -> GatewayRuntime:
+def _runtime(*upstreams: Upstream, transport: Any = None) -> GatewayRuntime:
     """A worker runtime with only what making upstream requests uses."""
-    return GatewayRuntime(engine=None, http=None, transport=None, auth=None,  # type: ignore[arg-type]
+    return GatewayRuntime(engine=None, http=None, transport=transport, auth=None,  # type: ignore[arg-type]
                           catalog=None, pool=ProviderPool(upstreams or (FIRST, SECOND)),
                           db=None,  # type: ignore[arg-type]
                           upstream_headers={"User-Agent": "tollgate-test"},
@@ -100,6 +101,25 @@ def test_the_prepared_request_is_the_one_made_without_it_and_is_used_once() -> N
         _same_request(first, _fresh(runtime, FIRST, "gpt-4o", 100))
         _same_request(again, first)
         assert call.request_for(SECOND, payload).url.host == "second.invalid"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_the_prepared_request_is_encoded_ahead_as_its_send_would_encode_it(kind: str) -> None:
+    # Its bytes too are made while the reserve runs (upstream_http.encode_ahead), for the native
+    # transport only: the bytes its send would make of the same request, sent once.
+    async def scenario() -> None:
+        transport = make_transport(kind, max_connections=1)
+        runtime = _runtime(transport=transport)
+        prepared = await _prepared(runtime)
+        ahead = prepared.request.__dict__.get(_WIRE)
+        if kind != "native":
+            assert ahead is None
+            return
+        assert ahead == await _encode(_fresh(runtime, FIRST, "gpt-4o", 100))
+        assert ahead[1].startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: first.invalid")
+        await transport.aclose()
 
     asyncio.run(scenario())
 

@@ -14,7 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.upstream_http import TRANSPORTS, make_transport, read_answer
+from gateway.upstream_http import (
+    TRANSPORTS,
+    answer_arrived,
+    encode_ahead,
+    make_transport,
+    read_answer,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUTS = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
@@ -827,4 +833,76 @@ async def test_read_answer_of_a_closed_response_fails_as_aread_does(kind: str) -
         again = await transport.handle_async_request(_request(base))
         assert await read_answer(again) == b'{"n":2}'
         assert again.is_closed and again.is_stream_consumed  # as aread() leaves them
+        await transport.aclose()
+
+
+@transports()
+@run
+async def test_a_request_encoded_ahead_is_sent_as_it_would_be_and_only_once(kind: str) -> None:
+    # forward.Prepared encodes its request while the reserve runs (encode_ahead): the upstream
+    # must get the very bytes the send would have made, and a second send of the same request
+    # (whose headers changed meanwhile) must encode it again, not replay the first bytes. The
+    # other transports encode nothing ahead: the same bytes reach the server either way.
+    server = Server(lambda n: _json_answer(b'{"n":%d}' % n))
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        plain = _request(base)
+        response = await transport.handle_async_request(plain)
+        assert await read_answer(response) == b'{"n":1}'
+        ahead = _request(base)
+        encode_ahead(transport, ahead)
+        response = await transport.handle_async_request(ahead)
+        assert await read_answer(response) == b'{"n":2}'
+        ahead.headers["x-again"] = "1"
+        response = await transport.handle_async_request(ahead)
+        assert await read_answer(response) == b'{"n":3}'
+        await transport.aclose()
+    assert server.requests[1] == server.requests[0]
+    assert b"x-again: 1" in server.requests[2].lower()
+
+
+@run
+async def test_encoding_ahead_leaves_what_only_the_send_may_refuse_or_read() -> None:
+    # A scheme the transport refuses is refused by the send, as without encode_ahead; a streamed
+    # body is not read ahead (the send reads it, and sends it with a length).
+    transport = make_transport("native", max_connections=1)
+    refused = httpx.Request("POST", "ftp://127.0.0.1/x", content=b"{}",
+                            extensions={"timeout": TIMEOUTS})
+    encode_ahead(transport, refused)
+    with pytest.raises(httpx.UnsupportedProtocol):
+        await transport.handle_async_request(refused)
+
+    async def parts() -> Any:
+        yield b'{"model":"m"}'
+
+    server = Server(lambda n: _json_answer())
+    async with server as base:
+        streamed = httpx.Request("POST", f"{base}/v1/chat/completions", content=parts(),
+                                 extensions={"timeout": TIMEOUTS})
+        encode_ahead(transport, streamed)
+        response = await transport.handle_async_request(streamed)
+        assert await read_answer(response) == b'{"ok":true}'
+        await transport.aclose()
+    head, body = server.requests[0].split(b"\r\n\r\n", 1)
+    assert b"content-length: 13" in head.lower() and body == b'{"model":"m"}'
+
+
+@transports()
+@run
+async def test_answer_arrived_says_whether_reading_the_answer_could_wait(kind: str) -> None:
+    # forward.py reads an answer that is all here without arming the call's deadline: only the
+    # native transport's unencoded answer whose connection has all of it qualifies.
+    server = Server(lambda n: _json_answer() if n == 1 else
+                    [b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{\"ok\"", 0.2, b":true}"])
+    async with server as base:
+        transport = make_transport(kind, max_connections=1)
+        whole = await transport.handle_async_request(_request(base))
+        await asyncio.sleep(0.05)  # the rest of what came with the headers, read
+        assert answer_arrived(whole) is (kind == "native")
+        assert await read_answer(whole) == b'{"ok":true}'
+        assert not answer_arrived(whole)  # read: nothing left to read
+        part = await transport.handle_async_request(_request(base))
+        await asyncio.sleep(0.05)
+        assert not answer_arrived(part)  # the rest is 0.2 s away
+        assert await read_answer(part) == b'{"ok":true}'
         await transport.aclose()
