@@ -431,7 +431,8 @@ def encode_ahead(transport: httpx.AsyncBaseTransport, request: httpx.Request) ->
     unsupported scheme is left for the send to refuse."""
     if (not isinstance(transport, NativeTransport)
             or not isinstance(request.stream, httpx.ByteStream)
-            or "transfer-encoding" in request.headers or request.url.raw_scheme not in _DEFAULT_PORTS):
+            or "transfer-encoding" in request.headers
+            or request.url.raw_scheme not in _DEFAULT_PORTS):
         return
     request.__dict__[_WIRE] = (_origin(request.url), _request_head(request) + request.content)
 

@@ -114,12 +114,12 @@ def test_the_prepared_request_is_encoded_ahead_as_its_send_would_encode_it(kind:
         runtime = _runtime(transport=transport)
         prepared = await _prepared(runtime)
         ahead = prepared.request.__dict__.get(_WIRE)
+        await transport.aclose()
         if kind != "native":
             assert ahead is None
             return
         assert ahead == await _encode(_fresh(runtime, FIRST, "gpt-4o", 100))
         assert ahead[1].startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: first.invalid")
-        await transport.aclose()
 
     asyncio.run(scenario())
 

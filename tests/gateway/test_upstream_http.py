@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from gateway.upstream_http import (
+    _WIRE,
     TRANSPORTS,
     answer_arrived,
     encode_ahead,
@@ -851,7 +852,9 @@ async def test_a_request_encoded_ahead_is_sent_as_it_would_be_and_only_once(kind
         assert await read_answer(response) == b'{"n":1}'
         ahead = _request(base)
         encode_ahead(transport, ahead)
+        assert (_WIRE in ahead.__dict__) is (kind == "native")
         response = await transport.handle_async_request(ahead)
+        assert _WIRE not in ahead.__dict__  # the bytes made ahead were taken by the send
         assert await read_answer(response) == b'{"n":2}'
         ahead.headers["x-again"] = "1"
         response = await transport.handle_async_request(ahead)
