@@ -410,13 +410,17 @@ def _origin(url: httpx.URL) -> Origin:
 async def _encode(request: httpx.Request) -> _Wire:
     """The request's origin and its bytes: its head, then its body (read whole, sent with a
     length: a streamed body's chunk framing is dropped)."""
-    origin = _origin(request.url)
+    origin = _origin(request.url)  # an unsupported scheme is refused before the body is read
     body = request.content if isinstance(request.stream, httpx.ByteStream) else \
         await request.aread()
     if "transfer-encoding" in request.headers:
         # A streamed body was read whole above: send it with a length, not chunk framing.
         del request.headers["transfer-encoding"]
         request.headers["content-length"] = str(len(body))
+    return _wire(origin, request, body)
+
+
+def _wire(origin: Origin, request: httpx.Request, body: bytes) -> _Wire:
     return origin, _request_head(request) + body
 
 
@@ -434,7 +438,7 @@ def encode_ahead(transport: httpx.AsyncBaseTransport, request: httpx.Request) ->
             or "transfer-encoding" in request.headers
             or request.url.raw_scheme not in _DEFAULT_PORTS):
         return
-    request.__dict__[_WIRE] = (_origin(request.url), _request_head(request) + request.content)
+    request.__dict__[_WIRE] = _wire(_origin(request.url), request, request.content)
 
 
 def _request_head(request: httpx.Request) -> bytes:

@@ -120,6 +120,14 @@ ANSWER_12_3 = json.dumps({
     "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}).encode()
 
 
+async def _answered_12_3(engine: Any, tenant: str) -> tuple[Call, Any]:
+    """A plain call whose settle was packed while the upstream answered, completed with the
+    12 + 3 answer (its settle written as the answer is made): the call and its answer."""
+    call = await open_call(engine, tenant, stream=False)
+    call.prepare_settle()
+    return call, await _complete(call, httpx.Response(200, content=ANSWER_12_3))
+
+
 async def settled_background(call: Call) -> None:
     """Wait for every task the call left running (its end, retries, checkpoints, drains)."""
     while call.runtime.background:
@@ -442,9 +450,7 @@ def test_a_settle_written_before_the_answer_is_made_settles_once(
 
     async def scenario() -> None:
         engine = async_engine()
-        call = await open_call(engine, tenant, stream=False)
-        call.prepare_settle()
-        response = await _complete(call, httpx.Response(200, content=ANSWER_12_3))
+        call, response = await _answered_12_3(engine, tenant)
         # Written before the answer was made, in the same step of the view's task.
         assert len(written) == 1 and call.request_id.encode() in written[0].command
         assert response.status_code == 200
@@ -507,9 +513,7 @@ def test_a_settle_written_ahead_whose_store_is_gone_is_retried_and_settles_once(
 
     async def scenario() -> None:
         engine = async_engine()
-        call = await open_call(engine, tenant, stream=False)
-        call.prepare_settle()
-        response = await _complete(call, httpx.Response(200, content=ANSWER_12_3))
+        call, response = await _answered_12_3(engine, tenant)
         assert len(written) == 1 and response.status_code == 200
         await settled_background(call)
         assert refusals[0] == 0  # the injected failure did happen

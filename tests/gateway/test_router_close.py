@@ -13,8 +13,9 @@ from django.http import HttpResponse
 from gateway.asgi import GatewayRouter
 
 
-def _serve(view: Any, path: str = "/v1/test") -> list[dict[str, Any]]:
-    """One POST through the router in front of Django's ASGI handler; the messages sent."""
+def _exchange(path: str) -> tuple[dict[str, Any], Any, Any, list[dict[str, Any]]]:
+    """A POST of `path` for the router: its scope, receive (the body, then a client that stays
+    until the router is done), send, and the messages sent."""
     sent: list[dict[str, Any]] = []
     incoming = [{"type": "http.request", "body": b"{}", "more_body": False}]
 
@@ -31,6 +32,12 @@ def _serve(view: Any, path: str = "/v1/test") -> list[dict[str, Any]]:
              "query_string": b"", "headers": [(b"content-type", b"application/json")],
              "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
              "scheme": "http", "http_version": "1.1", "root_path": "", "asgi": {"version": "3.0"}}
+    return scope, receive, send, sent
+
+
+def _serve(view: Any, path: str = "/v1/test") -> list[dict[str, Any]]:
+    """One POST through the router in front of Django's ASGI handler; the messages sent."""
+    scope, receive, send, sent = _exchange(path)
     asyncio.run(GatewayRouter(ASGIHandler(), {path: view})(scope, receive, send))
     return sent
 
@@ -71,24 +78,10 @@ def test_the_disconnect_listener_is_cancelled_without_a_wait_and_ends_cancelled(
     # router returns the listener is still ending; at the loop's next turn it has ended
     # cancelled (it waits for a disconnect that never came), and nothing is logged of it.
     path = "/v1/test"
-    incoming = [{"type": "http.request", "body": b"{}", "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        pass
+    scope, receive, send, _ = _exchange(path)
 
     async def view(request: Any) -> HttpResponse:
         return HttpResponse(b"{}", content_type="application/json")
-
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "headers": [], "server": ("127.0.0.1", 8000),
-             "client": ("127.0.0.1", 50000), "scheme": "http", "http_version": "1.1",
-             "root_path": "", "asgi": {"version": "3.0"}}
 
     async def scenario() -> None:
         before = asyncio.all_tasks()
