@@ -337,8 +337,8 @@ class Reservation:
     def __getattr__(self, name: str) -> Any:
         # Only for a field missing from the instance: the counters of an admitted reservation
         # the engine made (_admitted), made on first read. Nothing on a call's way upstream
-        # reads them (the rate-limit headers do, while the settle runs): about 8 us of a call's
-        # critical path at ten counters.
+        # reads them (the rate-limit headers do, while the upstream answers): about 8 us of a
+        # call's critical path at ten counters.
         if name == "counters":
             make = self.__dict__.get("_make_counters")
             if make is not None:

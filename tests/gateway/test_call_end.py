@@ -392,9 +392,9 @@ def test_a_second_end_waits_for_the_first_and_changes_nothing() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_settle_packed_while_the_upstream_answered_is_what_the_end_sends(
         stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """forward schedules Call.prepare_settle as the request goes upstream: the hold's settle
-    packed but for its figures (quotas: PackedSettle). The end sends it as it is, and the
-    counters and the usage event are those of the plain settle."""
+    """forward schedules Call.prepare_ahead, and so prepare_settle, as the request goes
+    upstream: the hold's settle packed but for its figures (quotas: PackedSettle). The end
+    sends it as it is, and the counters and the usage event are those of the plain settle."""
     tenant = new_tenant()
     sent = packed_sends(monkeypatch)
 

@@ -251,19 +251,25 @@ def test_the_view_prepares_the_request_while_the_reserve_is_in_flight(
     assert call.payload() is call.prepared.payload
 
 
-def test_the_settle_is_packed_while_the_upstream_answers() -> None:
-    """forward._answer schedules Call.prepare_settle as the request goes upstream: it runs while
-    the answer is awaited (the loop turns), not before the request is written, and the call's
-    settle carries it (tests/gateway/test_call_end.py: what the settle then sends)."""
+# A key's context as the rate headers read it: a tenant queueing over its quota, one bucket.
+QUEUE_CTX = SimpleNamespace(tenant_id=5, limits=SimpleNamespace(over_quota_policy="queue"),
+                            rates=(SimpleNamespace(capacity=10, period_ms=1000),))
+
+
+def test_the_settle_and_the_rate_headers_are_made_while_the_upstream_answers() -> None:
+    """forward._answer schedules Call.prepare_ahead as the request goes upstream: it runs while
+    the answer is awaited (the loop turns), not before the request is written. It packs the
+    settle, which the call's settle then carries (tests/gateway/test_call_end.py: what the
+    settle sends), and makes the rate headers the answer is sent with."""
     seen: dict[str, Any] = {}
     hold = Hold("t1", REQUEST_ID, 120, ("tg:{t1}:q:tenant:d2026-12-03",))
     packed = object()
 
     class Transport:
         async def handle_async_request(self, request: Any) -> httpx.Response:
-            seen["when_written"] = call._packed_settle
+            seen["when_written"] = (call._packed_settle, call.headers)
             await asyncio.sleep(0)  # the upstream's wait: the loop turns
-            seen["while_answering"] = call._packed_settle
+            seen["while_answering"] = (call._packed_settle, call.headers)
             return httpx.Response(200, content=b"{}")
 
     def packed_settle(of: Hold) -> object:
@@ -275,15 +281,19 @@ def test_the_settle_is_packed_while_the_upstream_answers() -> None:
     runtime.engine = SimpleNamespace(packed_settle=packed_settle, client=client)  # type: ignore[assignment]
     runtime.transport = Transport()  # type: ignore[assignment]
     reservation = Reservation(admitted=True, request_id=REQUEST_ID, granted=120, counters=(),
-                              refused=None, server_time_ms=0, hold=hold)
+                              refused=None, server_time_ms=0, hold=hold, rate_remaining=(7,))
     admission = Admission(reservation, "gpt-4o", _admission("gpt-4o", 100).estimate, 100)
     call: Call
 
     async def scenario() -> None:
         nonlocal call
-        call = Call(runtime, CTX, _parsed(), admission, REQUEST_ID, 0.0)  # type: ignore[arg-type]
+        call = Call(runtime, QUEUE_CTX, _parsed(), admission, REQUEST_ID, 0.0)  # type: ignore[arg-type]
         response = await _answer(call)
         assert response.status_code == 200
 
     asyncio.run(scenario())
-    assert seen == {"when_written": None, "while_answering": packed, "for": hold}
+    headers = {"x-tollgate-queue-wait-ms": "0", "x-ratelimit-limit-requests": "10",
+               "x-ratelimit-remaining-requests": "7", "x-ratelimit-reset-requests": "300ms"}
+    assert seen == {"when_written": (None, None), "while_answering": (packed, headers),
+                    "for": hold}
+    assert call.rate_limit_headers() is call.headers  # the answer is sent with those
