@@ -38,6 +38,7 @@ from django.core.handlers.asgi import ASGIHandler
 from django.http import HttpResponseBase
 
 from gateway import metrics
+from gateway.deadlines import deadline_at
 from gateway.errors import (
     GatewayError,
     body_not_received,
@@ -147,7 +148,7 @@ class GatewayRouter:
             # A stream ends at its call's deadline (GATEWAY_CALL_DEADLINE_SECONDS) even when no
             # chunk comes to let the relay notice: a stalled upstream, or a client that stopped
             # reading while the relay waits to send. The hold then ends as if the client left.
-            async with asyncio.timeout_at(deadline):
+            async with deadline_at(deadline):
                 await handler.send_response(response, send)
 
         # The view runs in this task; a listener task cancels it when the client leaves first
@@ -416,7 +417,7 @@ def _declared_too_large(scope: Scope, limit: int) -> bool:
 
 async def _receive_by(receive: Receive, deadline: float, limit: int) -> dict[str, Any]:
     try:
-        async with asyncio.timeout_at(deadline):
+        async with deadline_at(deadline):
             return await receive()
     except TimeoutError:
         raise BodyRefused("timeout", limit) from None

@@ -33,6 +33,7 @@ from gateway.admission import Admission, queue_ticket, reserve_meta
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, ParsedBody
 from gateway.circuit import NO_PROBE, circuit_for
+from gateway.deadlines import deadline_at, deadline_in
 from gateway.dialects import Dialect, StreamReader, dialect_for
 from gateway.errors import (
     Api,
@@ -736,7 +737,7 @@ def _upstream_failure(response: httpx.Response, body: bytes) -> GatewayError:
 
 async def forward(call: Call) -> HttpResponse | StreamingHttpResponse:
     """Send the call to an upstream and answer the client; the hold ends exactly once."""
-    deadline = asyncio.timeout_at(call.deadline)
+    deadline = deadline_at(call.deadline)
     try:
         async with deadline:
             answer = await _answer(call)
@@ -963,7 +964,7 @@ async def _complete(call: Call, response: httpx.Response) -> HttpResponse:
         if answer_arrived(response):  # nothing to wait for: no timer to arm
             body = await read_answer(response)
         else:
-            async with asyncio.timeout_at(call.deadline):
+            async with deadline_at(call.deadline):
                 body = await read_answer(response)
     except (httpx.HTTPError, TimeoutError):
         # Headers arrived but the body did not (or not within the deadline): the upstream may
@@ -1203,7 +1204,7 @@ class StreamRelay:
 
     async def _drain(self, status: int, outcome: str) -> None:
         try:
-            async with asyncio.timeout(settings.GATEWAY_STREAM_DRAIN_SECONDS):
+            async with deadline_in(settings.GATEWAY_STREAM_DRAIN_SECONDS):
                 while (chunk := await self._next_chunk()) is not None:
                     for event in self._events(chunk):
                         self._inspect(event)

@@ -41,6 +41,7 @@ from django.views.decorators.csrf import csrf_exempt
 from gateway.admission import allows, refuse_before_reading
 from gateway.auth import KeyContext
 from gateway.bodies import Endpoint, check_messages_references, load_json
+from gateway.deadlines import deadline_in
 from gateway.dialects import ANTHROPIC_KIND, OPENAI_KIND, dialect_for
 from gateway.errors import (
     Api,
@@ -376,7 +377,7 @@ async def send_unmetered(runtime: GatewayRuntime, upstreams: Sequence[Upstream],
     rate_limited: httpx.Response | None = None
     refused = timed_out = False
     try:
-        async with asyncio.timeout(settings.GATEWAY_CALL_DEADLINE_SECONDS):
+        async with deadline_in(settings.GATEWAY_CALL_DEADLINE_SECONDS):
             for upstream in upstreams:
                 try:
                     response = await runtime.transport.handle_async_request(build(upstream))

@@ -37,6 +37,8 @@ import certifi
 import httptools
 import httpx
 
+from gateway.deadlines import deadline_in
+
 _HIGH_WATER = 1 << 20  # pause reading an unread body beyond this many buffered bytes
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
 Origin = tuple[bytes, bytes, int]
@@ -213,7 +215,7 @@ class _Connection(asyncio.Protocol):
                 return None
             self.wakeup = asyncio.get_running_loop().create_future()
             try:
-                async with asyncio.timeout(timeout):
+                async with deadline_in(timeout):
                     await self.wakeup
             except TimeoutError:
                 raise httpx.ReadTimeout("Timed out reading the upstream response.") from None
@@ -306,7 +308,7 @@ class NativeTransport(httpx.AsyncBaseTransport):
 
         if self._slots.locked():  # every slot in use: wait for one, up to the pool timeout
             try:
-                async with asyncio.timeout(timeouts.get("pool")):
+                async with deadline_in(timeouts.get("pool")):
                     await self._slots.acquire()
             except TimeoutError:
                 raise httpx.PoolTimeout("No upstream connection became free in time.") from None
@@ -316,7 +318,7 @@ class NativeTransport(httpx.AsyncBaseTransport):
         try:
             conn = await self._connection(origin, timeouts.get("connect"))
             conn.transport.write(data)  # type: ignore[union-attr]
-            async with asyncio.timeout(timeouts.get("read")):
+            async with deadline_in(timeouts.get("read")):
                 await conn.headers_done
         except BaseException as exc:
             # Timed out, failed or cancelled (the client left) before the answer's headers:
@@ -349,7 +351,7 @@ class NativeTransport(httpx.AsyncBaseTransport):
         if scheme == b"https":
             tls = self._ssl or default_ssl_context()
         try:
-            async with asyncio.timeout(connect_timeout):
+            async with deadline_in(connect_timeout):
                 _, conn = await loop.create_connection(
                     lambda: _Connection(origin), host.decode("ascii"), port, ssl=tls,
                     server_hostname=host.decode("ascii") if tls else None)
