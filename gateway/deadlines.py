@@ -92,15 +92,18 @@ def deadline_in(seconds: float | None) -> Deadline:
 
 class _Watch:
     """One loop's open deadlines (entry -> when) and its one timer, set for the earliest. It
-    holds no reference to its loop (the loop is given, or running): the table of watches is
-    keyed weakly by loop, which a value holding its key would keep alive."""
+    holds nothing that holds its loop (a TimerHandle does): the table of watches is keyed
+    weakly by loop, and a value holding its key would keep every loop a test or a tool ever ran
+    alive. So a timer moved earlier is not cancelled: each timer carries the generation it was
+    set in, and one that fires after a newer one was set does nothing (a timer is moved only
+    when a wait's deadline comes before it, rarely: see the module's docstring)."""
 
-    __slots__ = ("open", "timer", "timer_at")
+    __slots__ = ("open", "timer_at", "generation")
 
     def __init__(self) -> None:
         self.open: dict[Deadline, float] = {}
-        self.timer: asyncio.TimerHandle | None = None
         self.timer_at = math.inf
+        self.generation = 0
 
     def add(self, deadline: Deadline, loop: asyncio.AbstractEventLoop) -> None:
         when = deadline._when
@@ -110,13 +113,18 @@ class _Watch:
             self._set_timer(when, loop)
 
     def _set_timer(self, when: float, loop: asyncio.AbstractEventLoop) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = loop.call_at(when, self._fire)
+        self.generation += 1
         self.timer_at = when
+        if when <= loop.time():
+            # Passed already: at the loop's next turn, as asyncio.timeout does (a timer at a
+            # past time would run after the ready callbacks of that turn, on asyncio's loop).
+            loop.call_soon(self._fire, self.generation)
+        else:
+            loop.call_at(when, self._fire, self.generation)
 
-    def _fire(self) -> None:
-        self.timer = None
+    def _fire(self, generation: int) -> None:
+        if generation != self.generation:
+            return  # moved since: the newer timer stands
         self.timer_at = math.inf
         loop = asyncio.get_running_loop()
         # As the loop runs its timers: those due within its clock's resolution are due now.
@@ -134,8 +142,9 @@ def _resolution(loop: asyncio.AbstractEventLoop) -> float:
     return getattr(loop, "_clock_resolution", 0.001)
 
 
-# The running loop's watch: the last one looked up, else by loop (tests run many loops).
-_last: tuple[asyncio.AbstractEventLoop, _Watch] | None = None
+# The running loop's watch: the last one looked up (its loop held weakly), else by loop (tests
+# run many loops).
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], _Watch] | None = None
 _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = (
     weakref.WeakKeyDictionary())
 
@@ -143,10 +152,10 @@ _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = (
 def _watch_of(loop: asyncio.AbstractEventLoop) -> _Watch:
     global _last
     last = _last
-    if last is not None and last[0] is loop:
+    if last is not None and last[0]() is loop:
         return last[1]
     watch = _watches.get(loop)
     if watch is None:
         watch = _watches[loop] = _Watch()
-    _last = (loop, watch)
+    _last = (weakref.ref(loop), watch)
     return watch

@@ -143,6 +143,11 @@ class V1Request(ASGIRequest):
         self._content_type  # noqa: B018 - a charset read later must not override this
         ASGIRequest.encoding.fset(self, value)  # type: ignore[attr-defined]
 
+    def _load_post_and_files(self) -> None:
+        # Django's reads self._encoding directly: the Content-Type's charset is read first.
+        self._content_type  # noqa: B018
+        super()._load_post_and_files()
+
 
 def v1_request(scope: dict[str, Any], body_file: IO[bytes],
                ) -> tuple[V1Request, None] | tuple[None, HttpResponse]:
