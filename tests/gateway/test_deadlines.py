@@ -216,8 +216,11 @@ def test_many_waits_with_mixed_deadlines_expire_exactly_those_past_theirs(
         else:
             assert limit >= work - slack, (work, limit, took)
     assert still_open == 0
+    # Both outcomes are exercised (about half of each on a quiet machine; a loop held up by a
+    # loaded machine cuts more of the waits whose end and deadline fall in the same turn: 340 of
+    # 400 in one CI run, every one of them at its deadline).
     timed_out_count = sum(timed_out for timed_out, _ in results)
-    assert 100 < timed_out_count < len(plans) - 100  # both outcomes are exercised
+    assert 0 < timed_out_count < len(plans)
 
 
 def test_the_loop_timer_is_set_for_the_earliest_open_deadline() -> None:
