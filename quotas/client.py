@@ -134,7 +134,13 @@ class _BlockingPool(redis.asyncio.BlockingConnectionPool):
     async def ensure_connection(self, connection: Any) -> None:
         # redis-py's check, without its connect() (a retry loop around a coroutine that
         # returns at once) when the connection is up and has nothing unread: it is ready.
-        if connection.is_connected and not await connection.can_read():
+        try:
+            ready = connection.is_connected and not await connection.can_read()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+            # redis-py 8.2's can_read() raises for a socket the server closed (8.1 found it
+            # readable): not ready either way, and redis-py's own check below reconnects it.
+            ready = False
+        if ready:
             return
         await super().ensure_connection(connection)
 
