@@ -77,6 +77,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from gateway.usage import Usage
+from quotas.running_loop import running_loop
 
 # Counters have no `_created` samples: in multiprocess mode they do not exist anyway, and
 # in-process they would double the page for nothing a dashboard uses.
@@ -226,7 +227,7 @@ class Tally:
 
     def _arm(self) -> None:
         try:
-            loop = asyncio.get_running_loop()
+            loop = running_loop()
         except RuntimeError:
             self.write()  # no event loop here (Celery, a command): write at once
             return
@@ -244,7 +245,7 @@ class Tally:
         home = self.home
         if home is not None and home.is_running():
             try:
-                here = asyncio.get_running_loop()
+                here = running_loop()
             except RuntimeError:
                 here = None
             if here is not home:
@@ -278,7 +279,7 @@ class Tally:
         home = self.home
         if home is not None and home.is_running():
             try:
-                here = asyncio.get_running_loop()
+                here = running_loop()
             except RuntimeError:
                 here = None
             if here is not home:
