@@ -51,7 +51,6 @@ from gateway.observe import OTHER_ENDPOINT, Observation, count_other
 from gateway.shutdown import drain_worker
 from gateway.startup import flush_active_marks
 from gateway.v1_request import v1_request
-from quotas.running_loop import current_task, running_loop
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ class GatewayRouter:
             return
         handler = self.django_app
         arrived = time.perf_counter()
-        task = current_task()
+        task = asyncio.current_task()
         if task is not None:
             self.calls.add(task)
             task.add_done_callback(self.calls.discard)
@@ -154,8 +153,8 @@ class GatewayRouter:
 
         # The view runs in this task; a listener task cancels it when the client leaves first
         # (one task and no asyncio.wait per call: see _ClientWatch).
-        watch = _ClientWatch(current_task())
-        listener = running_loop().create_task(handler.listen_for_disconnect(receive))
+        watch = _ClientWatch(asyncio.current_task())
+        listener = asyncio.create_task(handler.listen_for_disconnect(receive))
         listener.add_done_callback(watch.listener_done)
         sending = _Sending()
         try:
@@ -411,7 +410,7 @@ class BodyRefused(Exception):
 
 def _body_deadline() -> float:
     """When the body must be complete (loop clock): REQUEST_BODY_TIMEOUT_SECONDS from now."""
-    return running_loop().time() + settings.REQUEST_BODY_TIMEOUT_SECONDS
+    return asyncio.get_running_loop().time() + settings.REQUEST_BODY_TIMEOUT_SECONDS
 
 
 def _declared_too_large(scope: Scope, limit: int) -> bool:

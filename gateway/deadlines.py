@@ -24,8 +24,6 @@ import math
 import weakref
 from types import TracebackType
 
-from quotas.running_loop import current_task, running_loop
-
 
 class Deadline:
     """`async with deadline_at(when):` (loop time) or `async with deadline_in(seconds):`."""
@@ -48,7 +46,7 @@ class Deadline:
         return self._expired
 
     async def __aenter__(self) -> Deadline:
-        task = current_task()
+        task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a deadline must be used inside a task")
         if self._task is not None:
@@ -56,7 +54,7 @@ class Deadline:
         self._task = task
         self._cancelling = task.cancelling()
         if self._when is not None:
-            loop = running_loop()
+            loop = asyncio.get_running_loop()
             watch = self._watch = _watch_of(loop)
             watch.add(self, loop)
         return self
@@ -89,7 +87,7 @@ def deadline_in(seconds: float | None) -> Deadline:
     """A deadline `seconds` from now; None: none."""
     if seconds is None:
         return Deadline(None)
-    return Deadline(running_loop().time() + seconds)
+    return Deadline(asyncio.get_running_loop().time() + seconds)
 
 
 class _Watch:
@@ -128,7 +126,7 @@ class _Watch:
         if generation != self.generation:
             return  # moved since: the newer timer stands
         self.timer_at = math.inf
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         # As the loop runs its timers: those due within its clock's resolution are due now.
         now = loop.time() + _resolution(loop)
         due = [deadline for deadline, when in self.open.items() if when <= now]

@@ -63,7 +63,6 @@ from quotas.engine import (
     ReleaseResult,
     SettleResult,
 )
-from quotas.running_loop import running_loop
 from quotas.waiting import QueueTimedOut, QueueTiming, wait_for_capacity
 
 if TYPE_CHECKING:  # the script pool may be missing at run time (hiredis is optional)
@@ -137,7 +136,7 @@ class Call:
 
     def __post_init__(self) -> None:
         self.dialect = dialect_for(self.parsed.endpoint)
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         self.reserved_at = loop.time()
         self.deadline = self.reserved_at + settings.GATEWAY_CALL_DEADLINE_SECONDS
         self.started_ms = _ms_now()
@@ -215,7 +214,7 @@ class Call:
         self._begin_end(self._settle_hold(usage, event, cost, sent))
         # Counted at the loop's next turn, after the end's script is sent: the tally then runs
         # while Redis does (nothing reads it before the answer is sent).
-        running_loop().call_soon(self._count_settled, usage, cost)
+        asyncio.get_running_loop().call_soon(self._count_settled, usage, cost)
         return sent is not None
 
     def _send_settle(self, used: int, event: str, cost: int) -> Sent | None:
@@ -462,7 +461,7 @@ async def _retry_end(operation: Callable[[], Awaitable[EndResult]], request_id: 
     """Retry a settle / release that found Redis unreachable, with growing gaps, until just
     before the hold's record would be gone (past the stale threshold: a settle after the sweep
     corrects it; well past the call's deadline: DESIGN.md section 7)."""
-    loop = running_loop()
+    loop = asyncio.get_running_loop()
     delay = _RETRY_FIRST_S
     while (wait := min(delay, give_up_at - loop.time())) > 0:
         await asyncio.sleep(wait)
@@ -687,8 +686,8 @@ def prepare_upstream(runtime: GatewayRuntime, ctx: KeyContext, parsed: ParsedBod
         except Exception:  # noqa: BLE001 - see above
             log.exception("preparing the upstream request of %s failed", request_id)
     else:
-        running_loop().call_soon(_prepare, prepared, runtime, ctx, parsed, request_id,
-                                 client_headers)
+        asyncio.get_running_loop().call_soon(_prepare, prepared, runtime, ctx, parsed,
+                                             request_id, client_headers)
     return prepared
 
 
@@ -804,7 +803,7 @@ async def _answer(call: Call, taken: Upstream | None = None) -> httpx.Response:
             span = (obs.start_child("upstream.call", **{"tollgate.provider_key": upstream.public_id})
                     if obs.span is not None else None)
             began = obs.upstream_wait()
-            running_loop().call_soon(call.prepare_ahead)
+            asyncio.get_running_loop().call_soon(call.prepare_ahead)
             try:
                 # Straight to the transport: the client's cookie, auth and redirect layers cost a
                 # measurable share of a request and do nothing for an API call.
@@ -1076,7 +1075,7 @@ class StreamRelay:
             return
         self.handed_off = True
         # The router also ends a stream this way when it reaches the call's deadline.
-        if running_loop().time() >= self.call.deadline:
+        if asyncio.get_running_loop().time() >= self.call.deadline:
             status, outcome = 504, "deadline"
         else:
             status, outcome = 499, "client_disconnected"
@@ -1158,7 +1157,7 @@ class StreamRelay:
         await self.call.remember(usage)
 
     async def relay(self) -> AsyncIterator[bytes]:
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         deadline = self.call.deadline
         obs = self.call.obs
         assert obs is not None

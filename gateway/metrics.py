@@ -77,7 +77,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from gateway.usage import Usage
-from quotas.running_loop import running_loop
 
 # Counters have no `_created` samples: in multiprocess mode they do not exist anyway, and
 # in-process they would double the page for nothing a dashboard uses.
@@ -227,7 +226,7 @@ class Tally:
 
     def _arm(self) -> None:
         try:
-            loop = running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             self.write()  # no event loop here (Celery, a command): write at once
             return
@@ -245,7 +244,7 @@ class Tally:
         home = self.home
         if home is not None and home.is_running():
             try:
-                here = running_loop()
+                here = asyncio.get_running_loop()
             except RuntimeError:
                 here = None
             if here is not home:
@@ -279,7 +278,7 @@ class Tally:
         home = self.home
         if home is not None and home.is_running():
             try:
-                here = running_loop()
+                here = asyncio.get_running_loop()
             except RuntimeError:
                 here = None
             if here is not home:

@@ -36,7 +36,6 @@ from quotas.engine import (
 )
 from quotas.limits import SPEND_RATE_EXCEEDED
 from quotas.pace import AsyncPaceBreaker, paced_of
-from quotas.running_loop import running_loop
 from quotas.waiting import WaitRoom
 
 log = logging.getLogger(__name__)
@@ -107,7 +106,7 @@ class GatewayRuntime:
         otherwise carry that request's ids (gateway/request_context.py) in every log line and
         span for the worker's life. A call's own detached work (its settle, a stream's drain)
         goes through `detach` and keeps the call's ids."""
-        task = running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             coro_factory(), context=contextvars.Context())  # type: ignore[arg-type]
         self.background.add(task)
         self.loops.add(task)
@@ -119,9 +118,7 @@ class GatewayRuntime:
         """Run `coro` (or keep an existing task) detached from the request: no client leaving
         can cancel it, and it is referenced in `background` until it finishes, so it is not
         garbage collected mid-way (draining a stream, ending a hold, a checkpoint)."""
-        # A coroutine becomes a task of the running loop; an existing task is kept.
-        task = (running_loop().create_task(coro) if asyncio.iscoroutine(coro)
-                else asyncio.ensure_future(coro))
+        task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task

@@ -38,7 +38,6 @@ import httptools
 import httpx
 
 from gateway.deadlines import deadline_in
-from quotas.running_loop import running_loop
 
 _HIGH_WATER = 1 << 20  # pause reading an unread body beyond this many buffered bytes
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
@@ -65,7 +64,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.headers: list[tuple[bytes, bytes]] = []
         self.status = 0
-        self.headers_done: asyncio.Future[None] = running_loop().create_future()
+        self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.complete = False
@@ -214,7 +213,7 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             if self.complete:
                 return None
-            self.wakeup = running_loop().create_future()
+            self.wakeup = asyncio.get_running_loop().create_future()
             try:
                 async with deadline_in(timeout):
                     await self.wakeup
@@ -347,7 +346,7 @@ class NativeTransport(httpx.AsyncBaseTransport):
                 return conn
             conn._close_transport()
         scheme, host, port = origin
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         tls = None
         if scheme == b"https":
             tls = self._ssl or default_ssl_context()

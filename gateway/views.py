@@ -49,7 +49,6 @@ from gateway.runtime import GatewayRuntime
 from gateway.startup import get_runtime, store_problems
 from quotas import durability
 from quotas.engine import QuotaError, QuotaStoreUnavailable, ReserveRequest, SentReserve
-from quotas.running_loop import running_loop
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +234,7 @@ async def _admitted(endpoint: Endpoint, runtime: GatewayRuntime, ctx: KeyContext
     # and the task, made before anything is awaited, waits for its reply.
     request = reserve_request(runtime, ctx, call, request_id)
     sent = runtime.send_reserve(request) if obs.span is None else None
-    task = running_loop().create_task(_admit_and_forward(
+    task = asyncio.ensure_future(_admit_and_forward(
         runtime, ctx, call, request_id, started, client_headers,
         context.pinned if context is not None else None, obs, request=request, sent=sent))
     try:

@@ -38,8 +38,6 @@ import hiredis
 import redis.exceptions
 from redis._parsers.base import BaseParser
 
-from quotas.running_loop import running_loop
-
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -227,7 +225,7 @@ class ScriptPool:
 
     async def call_packed(self, command: bytes) -> Any:
         """A command already packed (hiredis.pack_command, or quotas/resp.py); its reply."""
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         if loop is not self.loop:
             self._bind(loop)
         generation = self.generation
@@ -243,7 +241,7 @@ class ScriptPool:
         `reply()` (in a task made before it awaits anything): the connection stays taken until
         then."""
         loop = self.loop
-        if loop is None or loop is not running_loop():
+        if loop is None or loop is not asyncio.get_running_loop():
             return None
         conn = self._free_connection()
         if conn is None:
