@@ -247,13 +247,13 @@ async def _send_answer(handler: ASGIHandler, response: HttpResponseBase, send: S
     a one-client call, 22 us against 12 (docs/benchmarks.md, "the /v1 request made with less
     work"). A stream, or an answer with cookies (no /v1 answer sets any), goes Django's way.
     The answer declares its length: the client reads it without chunked framing (uvicorn frames
-    a body of unknown length in chunks)."""
+    a body of unknown length in chunks); not a 204 or 304, which must not (RFC 9110, 8.6)."""
     if response.streaming or response.cookies:
         await handler.send_response(response, send)
         return
     body = response.content
     headers = [(name.encode("ascii"), value.encode("latin1")) for name, value in response.items()]
-    if not response.has_header("Content-Length"):
+    if response.status_code not in (204, 304) and not response.has_header("Content-Length"):
         headers.append((b"content-length", b"%d" % len(body)))
     await send({"type": "http.response.start", "status": response.status_code,
                 "headers": headers})
