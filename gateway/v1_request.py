@@ -34,6 +34,7 @@ log = logging.getLogger("django.request")
 _META_NAMES: dict[bytes, str | None] = {b"content-length": "CONTENT_LENGTH",
                                         b"content-type": "CONTENT_TYPE"}
 _META_NAMES_MAX = 512
+_MISSING = object()  # a name not yet seen (None is a known answer: the name is dropped)
 
 
 def _meta_name(name: bytes) -> str | None:
@@ -46,9 +47,6 @@ def _meta_name(name: bytes) -> str | None:
     if len(_META_NAMES) < _META_NAMES_MAX:
         _META_NAMES[name] = meta
     return meta
-
-
-_MISSING = object()
 
 
 def _headers_meta(meta: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> None:

@@ -1541,7 +1541,7 @@ class AsyncQuotaEngine:
         args = self._calls.settle_args(hold, actual, event, actual_money)
         if sent is not None:
             outcome, held, charged = await self._run_packed(
-                "settle", b"", lambda: self._calls.end_keys(hold), args, sent=sent)
+                "settle", sent.command, lambda: self._calls.end_keys(hold), args, sent=sent)
         elif (packed is not None and packed.hold is hold and packed.source is self._calls
                 and type(event) is str):
             self.marks.add(hold.tenant)
