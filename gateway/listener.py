@@ -139,7 +139,12 @@ async def listen(runtime: GatewayRuntime) -> None:
             await pubsub.subscribe(INVALIDATION_CHANNEL, PROVIDER_COOLDOWN_CHANNEL,
                                    PROVIDER_BREAKER_CHANNEL, QUEUE_WAKE_CHANNEL)
             # Read after subscribing: a message published in between is not lost, merely old.
-            watch = VersionWatch(await asyncio.wait_for(_read_version(client), read_timeout))
+            # Bounded by asyncio.timeout, never asyncio.wait_for: on Python 3.11, wait_for
+            # returns the result of a read that finished in the same turn as a cancellation and
+            # drops the cancellation (fixed in 3.12), so a stopping worker waited forever for
+            # this loop (tests/security/test_auth_and_revocation.py).
+            async with asyncio.timeout(read_timeout):
+                watch = VersionWatch(await _read_version(client))
             runtime.auth.clear()
             runtime.auth.trust_for(2 * interval)
             if resubscribing:
@@ -158,7 +163,8 @@ async def listen(runtime: GatewayRuntime) -> None:
                 now = loop.time()
                 if now >= next_check:
                     # At most once per interval per worker, never per request.
-                    current = await asyncio.wait_for(_read_version(client), read_timeout)
+                    async with asyncio.timeout(read_timeout):
+                        current = await _read_version(client)
                     if watch.check(current):
                         await _lost_messages(runtime)
                     runtime.auth.trust_for(2 * interval)
@@ -166,7 +172,8 @@ async def listen(runtime: GatewayRuntime) -> None:
                 # A half-open connection delivers nothing and raises nothing: prove it is alive,
                 # or the cache would keep trusting it through missed revocations.
                 if now - last_ping >= _PING_SECONDS:
-                    await asyncio.wait_for(pubsub.ping(), timeout=_PING_SECONDS)
+                    async with asyncio.timeout(_PING_SECONDS):
+                        await pubsub.ping()
                     last_ping = now
         except asyncio.CancelledError:
             raise

@@ -37,7 +37,8 @@ async def count_refusal(client: Any, tenant_tag: str, reason: str,
         pipe = client.pipeline(transaction=False)
         pipe.hincrby(key, reason, 1)
         pipe.expire(key, REFUSED_TTL_SECONDS)
-        await asyncio.wait_for(pipe.execute(), _COUNT_TIMEOUT_S)
+        async with asyncio.timeout(_COUNT_TIMEOUT_S):
+            await pipe.execute()
     except Exception as exc:  # noqa: BLE001 - a missed count must never fail the response
         log.warning("could not count a %s refusal of tenant %s: %s: %s", reason, tenant_tag,
                     type(exc).__name__, exc)

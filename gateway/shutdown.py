@@ -30,6 +30,11 @@ from gateway.runtime import GatewayRuntime
 
 log = logging.getLogger(__name__)
 
+# How long the worker's own tasks (the listener, the flushers) get to end once cancelled: each
+# ends at its next await and its clean-up (closing its connection), so only a task that ignored
+# its cancellation is still running after it.
+STOP_GRACE_SECONDS = 2.0
+
 
 async def drain_worker(calls: Collection[asyncio.Task[Any]] = ()) -> None:
     """Finish this worker's detached work and buffered writes (a worker that served nothing has
@@ -64,7 +69,24 @@ async def drain(runtime: GatewayRuntime, timeout: float,
     own = [task for task in runtime.background if not task.done()]
     for task in own:
         task.cancel()
-    await asyncio.gather(*own, return_exceptions=True)
+    if not own:
+        return
+    # Bounded: a task whose cancellation was dropped below it (Python 3.11's asyncio.wait_for
+    # dropped one that came as its awaitable finished: gateway/listener.py) would otherwise keep
+    # the worker from ever stopping.
+    done, left = await asyncio.wait(own, timeout=STOP_GRACE_SECONDS)
+    for task in done:  # their ends read, as gather(return_exceptions=True) would
+        if not task.cancelled():
+            task.exception()
+    if left:
+        log.error("stopping with %d of the worker's own tasks still running %g s after they were "
+                  "cancelled: %s", len(left), STOP_GRACE_SECONDS,
+                  ", ".join(sorted(_task_name(task) for task in left)))
+
+
+def _task_name(task: asyncio.Future[Any]) -> str:
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    return getattr(coro, "__qualname__", repr(task))
 
 
 async def _flush(runtime: GatewayRuntime, deadline: float) -> None:

@@ -57,8 +57,12 @@ class Waiter:
 
     async def wait(self, seconds: float) -> bool:
         """Sleep until woken or `seconds` passed; True if woken (the wake is consumed)."""
+        # Not asyncio.wait_for: on Python 3.11 a wake and a cancellation in the same turn (the
+        # client left as its turn came) returned True and dropped the cancellation, and the
+        # call went on for a client that had left.
         try:
-            await asyncio.wait_for(self.event.wait(), max(0.0, seconds))
+            async with asyncio.timeout(max(0.0, seconds)):
+                await self.event.wait()
         except TimeoutError:
             return False
         self.event.clear()

@@ -16,6 +16,7 @@ from django.http import StreamingHttpResponse
 from gateway.asgi import GatewayRouter
 from gateway.providers import ProviderPool
 from gateway.runtime import GatewayRuntime
+from gateway import shutdown
 from gateway.shutdown import drain
 from quotas.client import make_async_redis
 
@@ -88,6 +89,50 @@ def test_drain_gives_up_on_the_calls_ends_at_its_timeout_and_says_so(
     assert cancelled  # its hold is left to the sweep, which charges what the hold knew
     assert took < 3600
     assert "1 calls' ends not done after 0.3 s" in caplog.text
+
+
+def test_drain_stops_waiting_for_a_loop_that_ignores_its_cancellation_and_says_so(
+    redis_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's own task whose cancellation is dropped below it (Python 3.11's
+    asyncio.wait_for did so to the listener) must not keep the worker from stopping."""
+    monkeypatch.setattr(shutdown, "STOP_GRACE_SECONDS", 0.2)
+
+    async def scenario() -> float:
+        runtime = _runtime(redis_url)
+        release = asyncio.Event()
+
+        async def stubborn_loop() -> None:
+            while not release.is_set():
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    pass  # injected: the cancellation dropped
+
+        stubborn = runtime.spawn(stubborn_loop)
+        polite = runtime.spawn(lambda: asyncio.sleep(3600))
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        draining = asyncio.ensure_future(drain(runtime, 1.0))
+        await asyncio.wait([draining], timeout=30)
+        took = loop.time() - began
+        stopped_first = not stubborn.done()
+        # Let it go (without the bound, this is what ends the drain: a failure, not a hang).
+        release.set()
+        stubborn.cancel()
+        await stubborn
+        await draining
+        assert polite.cancelled() and stopped_first
+        await runtime.engine.client.aclose()
+        return took
+
+    with caplog.at_level(logging.ERROR, logger="gateway.shutdown"):
+        took = asyncio.run(scenario())
+    assert took < 10
+    assert ("stopping with 1 of the worker's own tasks still running 0.2 s after they were "
+            "cancelled: test_drain_stops_waiting_for_a_loop_that_ignores_its_cancellation_and_"
+            "says_so.<locals>.scenario.<locals>.stubborn_loop") in caplog.text
 
 
 def test_drain_waits_for_a_call_still_ending_to_detach_its_end(redis_url: str) -> None:

@@ -558,6 +558,47 @@ def test_the_cache_is_bypassed_while_the_version_cannot_be_read(
     with_listener(db_loader, scenario)
 
 
+@pytest.mark.parametrize("read", ["at_start", "on_a_check"])
+def test_a_listener_cancelled_in_the_turn_its_version_read_returns_ends(
+    world: World, db_loader: Database, fast_checks: None, monkeypatch: pytest.MonkeyPatch,
+    read: str,
+) -> None:
+    """A stopping worker cancels its listener and waits for it (gateway/shutdown.py). When the
+    cancellation comes in the same turn as a version read's reply, the listener still ends:
+    with asyncio.wait_for (Python 3.11) the reply was returned and the cancellation dropped,
+    so the listener went on and the worker waited for it forever."""
+    import gateway.listener as listener_module
+
+    real_read = listener_module._read_version
+    listeners: list[asyncio.Future[None]] = []
+    reads = {"n": 0, "cancel_on": 1 if read == "at_start" else 3}
+
+    async def read_version(client: Any) -> int:
+        version = await real_read(client)
+        reads["n"] += 1
+        if reads["n"] >= reads["cancel_on"]:
+            listeners[0].cancel()  # the worker stopping, as the reply came
+        return version
+
+    monkeypatch.setattr(listener_module, "_read_version", read_version)
+    runtime = FakeRuntime(AuthCache(3600, db_loader.load))
+
+    async def main() -> None:
+        listener = asyncio.ensure_future(listen(runtime))  # type: ignore[arg-type]
+        listeners.append(listener)
+        done, _ = await asyncio.wait([listener], timeout=5)
+        if not done:  # the cancellations were dropped: stop it while it waits for a message
+            reads["cancel_on"] = 10**9
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
+        assert done, "the listener went on after its cancellation"
+        assert listener.cancelled()
+        assert reads["n"] == reads["cancel_on"]  # it ended at that read, not at a later one
+        assert not runtime.auth.trusted  # and distrusted the cache on its way out
+
+    async_to_sync(main)()
+
+
 def test_a_publish_that_fails_is_retried_and_the_revocation_lands(
     world: World, db_loader: Database, fast_checks: None, monkeypatch: pytest.MonkeyPatch,
     django_capture_on_commit_callbacks: Any,
