@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install up down test test-browser ci bench bench-floor bench-ledger bench-background bench-console bench-abuse bench-quota clean
+.PHONY: install up down test test-browser ci bench bench-turns bench-floor bench-ledger bench-background bench-console bench-abuse bench-quota clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # Settings refuse to load without TOLLGATE_ENV (config/settings.py): the quick start and the
 # benchmarks are development; `make test` runs as test (tests/session_env.py).
-up bench bench-floor bench-ledger bench-background bench-console bench-quota down clean: export TOLLGATE_ENV ?= development
+up bench bench-turns bench-floor bench-ledger bench-background bench-console bench-quota down clean: export TOLLGATE_ENV ?= development
 
 # Bring the whole system up on embedded defaults: Redis and PostgreSQL from pip packages under
 # .data/, migrations, the demo tenant / project / key (printed once), the mock upstream on :8099
@@ -50,6 +50,13 @@ ci:
 # request and the gateway's peak RSS (docs/benchmarks.md). ARGS adds options (e.g. --cpu-awake).
 bench: $(STAMP)
 	$(PY) -m config.bench $(ARGS)
+
+# This checkout's gateway and other checkouts' (ARGS: --tree NAME=PATH, repeatable; --baseline
+# NAME), by turns on one bench system, wrk at one connection: each tree's added p50, p99 and CPU
+# per call, and the ratio to the baseline by the median of the turns' ratios (docs/benchmarks.md,
+# "Trees by turns"). Needs wrk (apt-get install wrk).
+bench-turns: $(STAMP)
+	$(PY) -m config.bench_turns $(ARGS)
 
 # The floor of a plain call: the same call's work (the gateway's own reserve and settle scripts,
 # the upstream call) with the least Python, then with each layer the gateway runs on added
