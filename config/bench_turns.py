@@ -135,8 +135,11 @@ def _report(names: Sequence[str], figures: dict[str, Figures], mock_p50: list[fl
                 f"{statistics.median(own.p99):>8.2f} {statistics.median(own.cpu_us):>12.0f}")
         if baseline is not None and name != baseline:
             turns = ratios(own, figures[baseline])
-            low, high = median_interval(turns)
-            line += f" {statistics.median(turns):>8.3f} ({low:.3f}-{high:.3f})"
+            if turns:
+                low, high = median_interval(turns)
+                line += f" {statistics.median(turns):>8.3f} ({low:.3f}-{high:.3f})"
+            else:  # the baseline added nothing in any turn: no ratio to tell
+                line += f" {'n/a':>8}"
         print(line)
     print(f"{'mock alone':<12} p50 {statistics.median(mock_p50):.3f} ms (median of the turns)")
     print("Medians of the turns; a ratio is the median of the turns' ratios, with a bootstrap "
@@ -166,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--baseline {args.baseline!r} is none of {names}")
     if args.turns < 1:
         parser.error("--turns must be at least 1")
+    if args.seconds < 1 or args.mock_seconds < 1:
+        parser.error("--seconds and --mock-seconds must be at least 1 (wrk runs whole seconds)")
+    if args.gateway_port <= args.mock_port < args.gateway_port + len(trees):
+        parser.error(f"the gateways take ports {args.gateway_port}-"
+                     f"{args.gateway_port + len(trees) - 1}; --mock-port must be another")
     if shutil.which("wrk") is None:
         parser.error("needs wrk on PATH (apt-get install wrk)")
     ports = {tree.name: args.gateway_port + i for i, tree in enumerate(trees)}
@@ -213,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                     process.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     process.kill()
+                    process.wait()
     return 0
 
 

@@ -79,7 +79,7 @@ async def drain(runtime: GatewayRuntime, timeout: float,
         if not task.cancelled():
             task.exception()
     if left:
-        log.error("stopping with %d of the worker's own tasks still running %g s after they were "
+        log.error("stopping with %d background tasks still running %g s after they were "
                   "cancelled: %s", len(left), STOP_GRACE_SECONDS,
                   ", ".join(sorted(_task_name(task) for task in left)))
 

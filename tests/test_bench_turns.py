@@ -14,6 +14,8 @@ from config.bench_turns import (
     THIS,
     Figures,
     Tree,
+    _report,
+    main,
     median_interval,
     order_of,
     parse_tree,
@@ -71,3 +73,28 @@ def test_the_median_s_interval_holds_it_is_ordered_and_repeatable() -> None:
     assert min(values) <= low <= statistics.median(values) <= high <= max(values)
     assert median_interval(values) == (low, high)
     assert median_interval([0.6] * 8) == (0.6, 0.6)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--turns", "0"], "--turns must be at least 1"),
+    (["--seconds", "0.5"], "must be at least 1"),
+    (["--mock-seconds", "0"], "must be at least 1"),
+    (["--tree", f"base={ROOT}", "--gateway-port", "18000", "--mock-port", "18001"],
+     "the gateways take ports 18000-18001"),
+    (["--baseline", "nobody"], "--baseline 'nobody' is none of"),
+    (["--tree", f"base={ROOT}", "--tree", f"base={ROOT}"], "a name of its own"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2  # argparse's error, before wrk or any server is looked for
+    assert says in capsys.readouterr().err
+
+
+def test_a_report_without_any_ratio_to_tell_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    figures = {"this": Figures([0.5], [1.0], [500.0]), "base": Figures([0.0], [1.0], [800.0])}
+    _report(["this", "base"], figures, [0.05], "base")
+    [line] = [row for row in capsys.readouterr().out.splitlines() if row.startswith("this ")]
+    assert line.split()[-1] == "n/a"

@@ -130,7 +130,7 @@ def test_drain_stops_waiting_for_a_loop_that_ignores_its_cancellation_and_says_s
     with caplog.at_level(logging.ERROR, logger="gateway.shutdown"):
         took = asyncio.run(scenario())
     assert took < 10
-    assert ("stopping with 1 of the worker's own tasks still running 0.2 s after they were "
+    assert ("stopping with 1 background tasks still running 0.2 s after they were "
             "cancelled: test_drain_stops_waiting_for_a_loop_that_ignores_its_cancellation_and_"
             "says_so.<locals>.scenario.<locals>.stubborn_loop") in caplog.text
 
