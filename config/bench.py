@@ -886,14 +886,16 @@ def running_system(data_prefix: str, gateway_port: int, mock_port: int, gateway_
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _start_gateway(port: int, workers: int, **env: str) -> subprocess.Popen[bytes]:
+def _start_gateway(port: int, workers: int, root: Path = ROOT, python: str = sys.executable,
+                   **env: str) -> subprocess.Popen[bytes]:
     """The gateway under uvicorn (uvloop, httptools) with this process's environment (that of
-    running_system), its metrics directory, plus `env`."""
+    running_system), its metrics directory, plus `env`. `root` and `python`: another checkout's
+    gateway (config/bench_turns.py), on its own interpreter."""
     return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "config.asgi:application", "--port", str(port),
+        [python, "-m", "uvicorn", "config.asgi:application", "--port", str(port),
          "--workers", str(workers), "--loop", "uvloop", "--http", "httptools", "--log-level",
          "warning", "--no-access-log", "--no-proxy-headers"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **metrics_env(port), **env})
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root), **metrics_env(port), **env})
 
 
 def metrics_env(port: int) -> dict[str, str]:

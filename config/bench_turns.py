@@ -23,7 +23,6 @@ non-2xx answer stops the run.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import statistics
@@ -37,10 +36,10 @@ from pathlib import Path
 from config.bench import (
     MOCK_SECRET,
     ROOT,
+    _start_gateway,
     _wait_http,
     cpu_seconds,
     cpus_kept_awake,
-    metrics_env,
     running_system,
     wrk_load,
 )
@@ -100,16 +99,6 @@ def median_interval(values: Sequence[float], resamples: int = 2000,
     medians = sorted(statistics.median(rng.choices(values, k=len(values)))
                      for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
-
-
-def _start(tree: Tree, port: int) -> subprocess.Popen[bytes]:
-    """`tree`'s gateway, started as config/bench.py starts this checkout's (one worker,
-    uvloop, httptools, its own metrics directory), with the system's environment."""
-    return subprocess.Popen(
-        [tree.python, "-m", "uvicorn", "config.asgi:application", "--port", str(port),
-         "--workers", "1", "--loop", "uvloop", "--http", "httptools", "--log-level", "warning",
-         "--no-access-log", "--no-proxy-headers"],
-        cwd=tree.path, env={**os.environ, "PYTHONPATH": str(tree.path), **metrics_env(port)})
 
 
 def _measure(port: int, pid: int | None, key: str, seconds: float,
@@ -185,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             pids = {THIS: gateway.pid}
             for tree in trees[1:]:
-                process = _start(tree, ports[tree.name])
+                process = _start_gateway(ports[tree.name], 1, tree.path, tree.python)
                 others.append(process)
                 pids[tree.name] = process.pid
             for tree in trees[1:]:
