@@ -617,9 +617,10 @@ def wrk_script(key: str, body: bytes) -> str:
             f'wrk.headers["Authorization"] = {_lua_string(b"Bearer " + key.encode())}\n')
 
 
-def wrk_load(port: int, key: str, seconds: float) -> WrkResult:
-    """wrk at one connection for `seconds`: the plain chat call, to the mock or the gateway."""
-    body = json.dumps(request_body(Api.CHAT, False, CHAT_MODEL, PROMPT, None)).encode()
+def wrk_load(port: int, key: str, seconds: float, model: str = CHAT_MODEL) -> WrkResult:
+    """wrk at one connection for `seconds`: the plain chat call, to the mock or the gateway.
+    `model` may carry the mock's options (e.g. `@first_byte_ms=500`, a slow model)."""
+    body = json.dumps(request_body(Api.CHAT, False, model, PROMPT, None)).encode()
     with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
         script.write(wrk_script(key, body))
         script.flush()

@@ -15,6 +15,9 @@ scripts; this is that method, kept.
 
     make bench-turns ARGS="--tree base=/tmp/wt-base --baseline base --turns 16 --cpu-awake"
 
+`--tree-env NAME:VAR=VALUE` sets a variable for one tree's gateway: the same checkout under two
+names compares two settings, e.g. `--tree nospin=. --tree-env nospin:GATEWAY_IDLE_SPIN_US=0`.
+
 A tree's gateway runs with the tree's own `.venv/bin/python` when it has one (an older commit
 may need other packages: `make install` in it), else this one's. The system is migrated by this
 checkout: a tree whose code reads another schema fails its first call, and wrk's refusal of a
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.bench import (
+    CHAT_MODEL,
     MOCK_SECRET,
     ROOT,
     _start_gateway,
@@ -71,6 +75,15 @@ def parse_tree(text: str) -> Tree:
     return Tree(name, root)
 
 
+def parse_tree_env(text: str) -> tuple[str, str, str]:
+    """NAME:VAR=VALUE, a variable for the gateway of the --tree called NAME."""
+    name, sep, assignment = text.partition(":")
+    var, equals, value = assignment.partition("=")
+    if not sep or not name or not equals or not var:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:VAR=VALUE")
+    return name, var, value
+
+
 def order_of(turn: int, names: Sequence[str]) -> list[str]:
     """The gateways' order in `turn`: as given on even turns, reversed on odd ones, so that no
     tree always runs first after the mock (or last, as the machine warms up)."""
@@ -101,12 +114,12 @@ def median_interval(values: Sequence[float], resamples: int = 2000,
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def _measure(port: int, pid: int | None, key: str, seconds: float,
+def _measure(port: int, pid: int | None, key: str, seconds: float, model: str = CHAT_MODEL,
              ) -> tuple[float, float, float | None]:
     """wrk at one connection: p50 and p99 in ms, and the CPU per call of the server `pid` in us
     (None for the mock, whose CPU is not ours). wrk's request count is its rate times its run."""
     before = cpu_seconds(pid) if pid is not None else 0.0
-    result = wrk_load(port, key, seconds)
+    result = wrk_load(port, key, seconds, model)
     if pid is None:
         return result.p50, result.p99, None
     calls = max(1.0, result.rps * max(1, round(seconds)))
@@ -140,11 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=parse_tree, action="append", default=[],
                         metavar="NAME=PATH", help="another checkout's gateway, by turns with "
                         f"this one's ({THIS!r}); repeatable")
+    parser.add_argument("--tree-env", type=parse_tree_env, action="append", default=[],
+                        metavar="NAME:VAR=VALUE", help="a variable for one --tree's gateway "
+                        "only; repeatable")
     parser.add_argument("--baseline", help="the tree the others' ratios are to (a --tree name, "
                         f"or {THIS!r})")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=5.0, help="wrk's run per gateway")
     parser.add_argument("--mock-seconds", type=float, default=5.0, help="wrk's run at the mock")
+    parser.add_argument("--model", default=CHAT_MODEL,
+                        help="the calls' model, with the mock's options if any (e.g. "
+                        f"{CHAT_MODEL}@first_byte_ms=200: long calls in flight)")
     parser.add_argument("--cpu-awake", action="store_true",
                         help="hold the CPUs out of their idle states for the run (root)")
     parser.add_argument("--gateway-port", type=int, default=18000)
@@ -154,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     names = [tree.name for tree in trees]
     if len(set(names)) != len(names):
         parser.error("each --tree needs a name of its own")
+    tree_env: dict[str, dict[str, str]] = {}
+    for name, var, value in args.tree_env:
+        if name not in names[1:]:
+            parser.error(f"--tree-env {name!r}: not a --tree name (this checkout's gateway runs "
+                         "with the bench's own environment)")
+        tree_env.setdefault(name, {})[var] = value
     if args.baseline is not None and args.baseline not in names:
         parser.error(f"--baseline {args.baseline!r} is none of {names}")
     if args.turns < 1:
@@ -174,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             pids = {THIS: gateway.pid}
             for tree in trees[1:]:
-                process = _start_gateway(ports[tree.name], 1, tree.path, tree.python)
+                process = _start_gateway(ports[tree.name], 1, tree.path, tree.python,
+                                         **tree_env.get(tree.name, {}))
                 others.append(process)
                 pids[tree.name] = process.pid
             for tree in trees[1:]:
@@ -182,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                            others[trees.index(tree) - 1])
             print(f"CPUs' idle states: {cpus}")
             for tree in trees:
-                print(f"{tree.name:<12} {tree.path} ({tree.python}), port {ports[tree.name]}")
+                extra = " ".join(f"{k}={v}" for k, v in tree_env.get(tree.name, {}).items())
+                print(f"{tree.name:<12} {tree.path} ({tree.python}), port {ports[tree.name]}"
+                      + (f", {extra}" if extra else ""))
             for name in names:  # warm: each worker's first calls build its runtime
                 wrk_load(ports[name], key, 1)
             figures = {name: Figures() for name in names}
@@ -191,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'turn':>4} {'mock p50':>9}  " + "  ".join(f"{n + ' added':>16}"
                                                            for n in names))
             for turn in range(args.turns):
-                mock, _, _ = _measure(args.mock_port, None, MOCK_SECRET, args.mock_seconds)
+                mock, _, _ = _measure(args.mock_port, None, MOCK_SECRET, args.mock_seconds,
+                                      args.model)
                 mock_p50.append(mock)
                 for name in order_of(turn, names):
-                    p50, p99, cpu = _measure(ports[name], pids[name], key, args.seconds)
+                    p50, p99, cpu = _measure(ports[name], pids[name], key, args.seconds,
+                                             args.model)
                     figures[name].added_p50.append(p50 - mock)
                     figures[name].p99.append(p99)
                     assert cpu is not None

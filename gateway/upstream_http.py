@@ -38,6 +38,7 @@ import httptools
 import httpx
 
 from gateway.deadlines import deadline_in
+from quotas.loop_spin import spin_for_reply
 
 _HIGH_WATER = 1 << 20  # pause reading an unread body beyond this many buffered bytes
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
@@ -318,6 +319,7 @@ class NativeTransport(httpx.AsyncBaseTransport):
         try:
             conn = await self._connection(origin, timeouts.get("connect"))
             conn.transport.write(data)  # type: ignore[union-attr]
+            spin_for_reply(conn.headers_done.get_loop())
             async with deadline_in(timeouts.get("read")):
                 await conn.headers_done
         except BaseException as exc:

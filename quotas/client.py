@@ -16,6 +16,8 @@ import redis.asyncio
 from django.conf import settings
 from redis.backoff import NoBackoff
 
+from quotas.loop_spin import spin_for_reply
+
 try:
     from quotas.script_pool import ScriptPool
 except ImportError:  # hiredis, or the redis-py parser it reuses, missing: redis-py's path
@@ -205,6 +207,7 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
 
 async def _round_trip(conn: Any, args: tuple[Any, ...]) -> Any:
     await conn.send_packed_command(conn.pack_command(*args))
+    spin_for_reply(asyncio.get_running_loop())
     return await conn.read_response()
 
 
@@ -249,6 +252,7 @@ class _Turns:
         else:
             await self.semaphore.acquire()  # a free turn: taken without waiting
         token = _holding_turn.set(True)
+        spin_for_reply(asyncio.get_running_loop())  # redis-py writes the command in operation()
         try:
             return await operation()
         finally:

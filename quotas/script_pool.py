@@ -38,6 +38,8 @@ import hiredis
 import redis.exceptions
 from redis._parsers.base import BaseParser
 
+from quotas.loop_spin import spin_for_reply
+
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -130,6 +132,7 @@ class _ScriptConnection(asyncio.Protocol):
             timer.cancel()
             self.close()
             raise
+        spin_for_reply(loop)  # its reply is a local round trip away
         return waiter, timer
 
     async def finish(self, waiter: asyncio.Future[Any], timer: asyncio.TimerHandle | None) -> Any:

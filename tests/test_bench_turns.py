@@ -19,6 +19,7 @@ from config.bench_turns import (
     median_interval,
     order_of,
     parse_tree,
+    parse_tree_env,
     ratios,
 )
 
@@ -44,6 +45,15 @@ def test_a_tree_runs_on_its_own_venv_when_it_has_one(tmp_path: Path) -> None:
     own.parent.mkdir(parents=True)
     own.touch()
     assert Tree("x", tmp_path).python == str(own)
+
+
+def test_a_tree_s_variable_is_its_name_and_an_assignment() -> None:
+    assert parse_tree_env("nospin:GATEWAY_IDLE_SPIN_US=0") == ("nospin", "GATEWAY_IDLE_SPIN_US",
+                                                                "0")
+    assert parse_tree_env("a:X=") == ("a", "X", "")  # an empty value is a value
+    for text in ("nospin", ":X=1", "a:=1", "a:X"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tree_env(text)
 
 
 def test_the_order_is_reversed_every_other_turn() -> None:
@@ -83,6 +93,9 @@ def test_the_median_s_interval_holds_it_is_ordered_and_repeatable() -> None:
      "the gateways take ports 18000-18001"),
     (["--baseline", "nobody"], "--baseline 'nobody' is none of"),
     (["--tree", f"base={ROOT}", "--tree", f"base={ROOT}"], "a name of its own"),
+    (["--tree", f"base={ROOT}", "--tree-env", "other:X=1"], "'other': not a --tree name"),
+    (["--tree-env", f"{THIS}:X=1"], "not a --tree name"),
+    (["--tree", f"base={ROOT}", "--tree-env", "base=X"], "expected NAME:VAR=VALUE"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str],

@@ -34,6 +34,8 @@ def test_good_environment_loads() -> None:
         ({"REDIS_CLUSTER": "maybe"}, "REDIS_CLUSTER must be true or false"),
         ({"REDIS_SOCKET_TIMEOUT": "-1"}, "REDIS_SOCKET_TIMEOUT must be > 0"),
         ({"TOLLGATE_ENV": "staging"}, "TOLLGATE_ENV must be"),
+        ({"GATEWAY_IDLE_SPIN_US": "-1"}, "GATEWAY_IDLE_SPIN_US must be between 0 and 10000"),
+        ({"GATEWAY_IDLE_SPIN_US": "20000"}, "GATEWAY_IDLE_SPIN_US must be between 0 and 10000"),
         ({"TOLLGATE_ENV": "production", "SECRET_KEY": ""}, "SECRET_KEY must be set in production"),
         ({"TOLLGATE_ENV": "production", "SECRET_KEY": "s" * 50, "TOLLGATE_KEY_PEPPER": ""},
          "TOLLGATE_KEY_PEPPER must be set in production"),

@@ -1,0 +1,224 @@
+"""The bounded spin (quotas/loop_spin.py): after a kick the loop keeps turning instead of
+sleeping, for at most its budget after the latest kick, with one callback however many kicks;
+a wait longer than the budget costs no more CPU than the budget. On both loops the gateway and
+the tests run: uvloop and asyncio's own. Its three callers are pinned too: the script pool's
+write, the upstream transport's request, the router's answer."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+from django.core.handlers.asgi import ASGIHandler
+from django.http import HttpResponse
+from django.test import override_settings
+
+from quotas import loop_spin
+from quotas.loop_spin import LoopSpin
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+loops = pytest.mark.parametrize("kind", sorted(LOOPS))
+
+
+def _run(kind: str, scenario: Callable[[], Awaitable[Any]]) -> Any:
+    loop = LOOPS[kind]()
+    try:
+        return loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+
+
+@loops
+def test_a_kick_keeps_the_loop_turning_then_it_stops(kind: str) -> None:
+    async def scenario() -> tuple[int, int, bool]:
+        spin = LoopSpin(asyncio.get_running_loop(), budget_ns=2_000_000)  # 2 ms
+        spin.kick()
+        await asyncio.sleep(0.3)  # far past the budget, even on a loaded machine
+        stopped_at = spin.turns
+        await asyncio.sleep(0.1)
+        return stopped_at, spin.turns, spin.spinning
+
+    stopped_at, later, spinning = _run(kind, scenario)
+    assert stopped_at > 1  # it turned: the loop polled instead of sleeping through the 2 ms
+    assert later == stopped_at and not spinning  # and then it stopped for good
+
+
+@loops
+def test_many_kicks_make_one_callback_and_move_the_end(kind: str) -> None:
+    async def scenario() -> tuple[int, int]:
+        spin = LoopSpin(asyncio.get_running_loop(), budget_ns=10_000_000_000)  # 10 s
+        for _ in range(100):
+            spin.kick()
+        await asyncio.sleep(0)  # one turn of the loop
+        await asyncio.sleep(0)
+        after_two_turns = spin.turns
+        spin.budget_ns = 0  # ends it at its next turn, without waiting 10 s
+        spin.until_ns = 0
+        await asyncio.sleep(0.05)
+        return after_two_turns, spin.spinning
+
+    after_two_turns, spinning = _run(kind, scenario)
+    assert after_two_turns <= 2  # one callback a turn, not one per kick
+    assert not spinning
+
+
+@loops
+def test_a_budget_of_zero_never_spins(kind: str) -> None:
+    async def scenario() -> tuple[int, bool]:
+        spin = LoopSpin(asyncio.get_running_loop(), budget_ns=0)
+        spin.kick()
+        await asyncio.sleep(0.02)
+        return spin.turns, spin.spinning
+
+    assert _run(kind, scenario) == (0, False)
+
+
+def test_a_long_wait_after_a_kick_costs_the_budget_not_the_wait() -> None:
+    """A call waiting a real model's seconds: the loop polls for its budget, then sleeps. The
+    bound is the budget (5 ms here) against a wait of 0.5 s: a spin that ignored its budget
+    would burn the whole 0.5 s; the margin is for a loaded machine's noise."""
+
+    async def scenario() -> tuple[float, int]:
+        spin = LoopSpin(asyncio.get_running_loop(), budget_ns=5_000_000)
+        before = time.thread_time()
+        spin.kick()
+        await asyncio.sleep(0.5)
+        return time.thread_time() - before, spin.turns
+
+    cpu, turns = _run("uvloop", scenario)
+    assert turns > 1
+    assert cpu < 0.1, f"{cpu:.3f} s of CPU over a 0.5 s wait with a 5 ms budget"
+
+
+@loops
+def test_each_loop_has_its_spin_with_the_setting_as_it_was_then(kind: str) -> None:
+    async def spin_of_this_loop() -> LoopSpin:
+        loop = asyncio.get_running_loop()
+        spin = loop_spin.loop_spin(loop)
+        assert loop_spin.loop_spin(loop) is spin  # one per loop
+        return spin
+
+    with override_settings(GATEWAY_IDLE_SPIN_US=300):
+        first = _run(kind, spin_of_this_loop)
+    with override_settings(GATEWAY_IDLE_SPIN_US=0):
+        second = _run(kind, spin_of_this_loop)
+    assert first is not second
+    assert (first.budget_ns, second.budget_ns) == (300_000, 0)
+
+
+def _turns_after(kind: str, scenario: Callable[[], Awaitable[None]]) -> int:
+    """How many turns the running loop's spin took during `scenario` (with a budget of 1 s:
+    still spinning when it returns, so a kick shows whatever the scenario's timing)."""
+
+    async def measured() -> int:
+        spin = loop_spin.loop_spin(asyncio.get_running_loop())
+        await scenario()
+        await asyncio.sleep(0)  # a kick at the scenario's very end turns from the next turn on
+        turns = spin.turns
+        spin.until_ns = 0  # stop it now rather than in 1 s
+        await asyncio.sleep(0.01)
+        return turns
+
+    with override_settings(GATEWAY_IDLE_SPIN_US=10_000):
+        return _run(kind, measured)
+
+
+def test_the_script_pool_spins_after_writing_a_script_call(redis_url: str) -> None:
+    from quotas.client import make_async_redis
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        script = client.register_script("return 1")
+        assert await script() == 1
+        await client.aclose()
+
+    assert _turns_after("uvloop", scenario) > 0
+
+
+def test_the_upstream_transport_spins_after_writing_a_request() -> None:
+    import httpx
+
+    from gateway.upstream_http import make_transport
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = make_transport("native", max_connections=1)
+        response = await transport.handle_async_request(httpx.Request(
+            "GET", f"http://127.0.0.1:{port}/", extensions={"timeout": {"read": 2.0}}))
+        assert await response.aread() == b"ok"
+        await transport.aclose()
+        server.close()
+
+    assert _turns_after("uvloop", scenario) > 0
+
+
+def test_the_router_spins_after_a_v1_answer() -> None:
+    from gateway.asgi import GatewayRouter
+    from tests.gateway.test_router_close import _exchange
+
+    async def view(request: Any) -> HttpResponse:
+        return HttpResponse(b"{}", content_type="application/json")
+
+    async def scenario() -> None:
+        scope, receive, send, sent = _exchange("/v1/test")
+        await GatewayRouter(ASGIHandler(), {"/v1/test": view})(scope, receive, send)
+        assert sent[0]["status"] == 200
+
+    # No Redis and no upstream in this call: only the router's own kick can have spun.
+    assert _turns_after("uvloop", scenario) > 0
+
+
+def test_the_router_does_not_spin_when_the_budget_is_zero() -> None:
+    from gateway.asgi import GatewayRouter
+    from tests.gateway.test_router_close import _exchange
+
+    async def view(request: Any) -> HttpResponse:
+        return HttpResponse(b"{}", content_type="application/json")
+
+    async def scenario() -> int:
+        spin = loop_spin.loop_spin(asyncio.get_running_loop())
+        scope, receive, send, _ = _exchange("/v1/test")
+        await GatewayRouter(ASGIHandler(), {"/v1/test": view})(scope, receive, send)
+        await asyncio.sleep(0.01)
+        return spin.turns
+
+    with override_settings(GATEWAY_IDLE_SPIN_US=0):
+        assert _run("uvloop", scenario) == 0
+
+
+def test_redis_py_s_path_for_the_scripts_spins_too(redis_url: str) -> None:
+    """A URL the script pool does not speak (here: a client made without it) sends its scripts
+    through redis-py's connection; the spin follows the write there as well."""
+    from quotas.client import make_async_redis
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_url, cluster=False)
+        client.scripts = None  # as for a TLS URL: redis-py's path
+        script = client.register_script("return 2")
+        assert await script() == 2
+        await client.aclose()
+
+    assert _turns_after("uvloop", scenario) > 0
+
+
+@pytest.mark.cluster
+def test_the_cluster_client_spins_for_its_commands(redis_cluster_url: str) -> None:
+    from quotas.client import make_async_redis
+
+    async def scenario() -> None:
+        client = make_async_redis(redis_cluster_url, cluster=True)
+        script = client.register_script("return 3")
+        assert await script(keys=["{t}k"]) == 3
+        await client.aclose()
+
+    assert _turns_after("uvloop", scenario) > 0
