@@ -352,10 +352,10 @@ GATEWAY_SHUTDOWN_DRAIN_SECONDS = _positive_int("GATEWAY_SHUTDOWN_DRAIN_SECONDS",
 # Redis unreachable: refuse with 503 (default, fail closed), or forward unmetered (fail open:
 # every such call is logged at ERROR and marked X-Tollgate-Unmetered).
 GATEWAY_FAIL_OPEN = _bool("GATEWAY_FAIL_OPEN", default=False)
-# After each write whose answer comes back fast (a Redis script, an upstream request, a /v1
-# answer before the client's next request), a worker's event loop polls instead of sleeping for
-# this many microseconds (quotas/loop_spin.py): a halted CPU wakes slowly on a VM. 0 turns it
-# off; at most 10,000 (10 ms), past which it would be a busy loop.
+# After each write whose answer may come back fast (a quota script call, an upstream request),
+# a worker's event loop polls instead of sleeping for this many microseconds
+# (quotas/loop_spin.py): a halted CPU wakes slowly on a VM. 0 turns it off; at most 10,000
+# (10 ms), past which it would be a busy loop.
 GATEWAY_IDLE_SPIN_US = env.int("GATEWAY_IDLE_SPIN_US", default=200)
 if not 0 <= GATEWAY_IDLE_SPIN_US <= 10_000:
     raise ImproperlyConfigured(

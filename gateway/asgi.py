@@ -51,7 +51,6 @@ from gateway.observe import OTHER_ENDPOINT, Observation, count_other
 from gateway.shutdown import drain_worker
 from gateway.startup import flush_active_marks
 from gateway.v1_request import v1_request
-from quotas.loop_spin import spin_for_reply
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +203,6 @@ class GatewayRouter:
                 _close(response)
         sending.error = None  # its traceback holds this frame: no cycle left for the GC
         body_file.close()
-        if task is not None:  # the answer is written: a keep-alive client's next request
-            spin_for_reply(task.get_loop())
         # uvicorn cancels a call still running when its graceful shutdown times out
         # (GATEWAY_SHUTDOWN_DRAIN_SECONDS): it ended above as if its client had left (a stream
         # drains for its usage and settles, detached: the lifespan shutdown awaits that,

@@ -1,8 +1,7 @@
 """Keep an event loop polling, briefly, after it writes something whose answer comes back fast.
 
 A call sleeps through a handful of waits that last tens to hundreds of microseconds: the
-reserve's and the settle's Redis round trips, the upstream's answer, the client's next request
-on its keep-alive connection. With nothing else to run, the event loop blocks in epoll and the
+reserve's and the settle's Redis round trips, and a nearby upstream's answer. With nothing else to run, the event loop blocks in epoll and the
 kernel halts the CPU; on a VM whose cpuidle driver does not poll first (haltpoll with
 `guest_halt_poll_ns` = 0, as on the machines of docs/benchmarks.md) waking it again costs more
 than the wait itself, with cold caches after. `spin_for_reply(loop)` keeps the loop from

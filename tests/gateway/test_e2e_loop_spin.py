@@ -53,9 +53,8 @@ def test_slow_calls_cost_the_spin_s_budget_not_their_wait_and_are_charged_exactl
         model="gpt-4o-mini@chunk_ms=100@output_tokens=15", messages=HI, stream=True,
         stream_options={"include_usage": True}))
     cpu = cpu_seconds(spinning_gateway.process.pid) - before
-    # Each call waits about five times (its body, the reserve, the upstream, the settle, the
-    # next request): 10 ms each at most, plus the calls' own work and the worker's background
-    # loops over 3 s. A spin through the waits would be over 3 s; the margin is for a loaded
+    # Each call spins after three writes (the reserve, the upstream request, the settle): 10 ms
+    # each at most, plus the calls' own work and the worker's background loops over 3 s. A spin through the waits would be over 3 s; the margin is for a loaded
     # machine.
     assert cpu < 0.6, f"the worker used {cpu:.2f} s of CPU over 3 s of slow calls"
 

@@ -1,8 +1,8 @@
 """The bounded spin (quotas/loop_spin.py): after a kick the loop keeps turning instead of
 sleeping, for at most its budget after the latest kick, with one callback however many kicks;
 a wait longer than the budget costs no more CPU than the budget. On both loops the gateway and
-the tests run: uvloop and asyncio's own. Its three callers are pinned too: the script pool's
-write, the upstream transport's request, the router's answer."""
+the tests run: uvloop and asyncio's own. Its callers are pinned too: the script pool's write,
+redis-py's path for the scripts, the cluster client, the upstream transport's request."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 import uvloop
-from django.core.handlers.asgi import ASGIHandler
-from django.http import HttpResponse
 from django.test import override_settings
 
 from quotas import loop_spin
@@ -160,40 +158,6 @@ def test_the_upstream_transport_spins_after_writing_a_request() -> None:
         server.close()
 
     assert _turns_after("uvloop", scenario) > 0
-
-
-def test_the_router_spins_after_a_v1_answer() -> None:
-    from gateway.asgi import GatewayRouter
-    from tests.gateway.test_router_close import _exchange
-
-    async def view(request: Any) -> HttpResponse:
-        return HttpResponse(b"{}", content_type="application/json")
-
-    async def scenario() -> None:
-        scope, receive, send, sent = _exchange("/v1/test")
-        await GatewayRouter(ASGIHandler(), {"/v1/test": view})(scope, receive, send)
-        assert sent[0]["status"] == 200
-
-    # No Redis and no upstream in this call: only the router's own kick can have spun.
-    assert _turns_after("uvloop", scenario) > 0
-
-
-def test_the_router_does_not_spin_when_the_budget_is_zero() -> None:
-    from gateway.asgi import GatewayRouter
-    from tests.gateway.test_router_close import _exchange
-
-    async def view(request: Any) -> HttpResponse:
-        return HttpResponse(b"{}", content_type="application/json")
-
-    async def scenario() -> int:
-        spin = loop_spin.loop_spin(asyncio.get_running_loop())
-        scope, receive, send, _ = _exchange("/v1/test")
-        await GatewayRouter(ASGIHandler(), {"/v1/test": view})(scope, receive, send)
-        await asyncio.sleep(0.01)
-        return spin.turns
-
-    with override_settings(GATEWAY_IDLE_SPIN_US=0):
-        assert _run("uvloop", scenario) == 0
 
 
 def test_redis_py_s_path_for_the_scripts_spins_too(redis_url: str) -> None:
