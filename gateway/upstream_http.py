@@ -38,7 +38,7 @@ import httptools
 import httpx
 
 from gateway.deadlines import deadline_in
-from quotas.loop_spin import spin_for_reply
+from quotas.loop_spin import SpinSite
 
 _HIGH_WATER = 1 << 20  # pause reading an unread body beyond this many buffered bytes
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
@@ -297,6 +297,9 @@ class NativeTransport(httpx.AsyncBaseTransport):
         self._expiry = keepalive_expiry
         self._ssl = ssl_context
         self._closed = False
+        # Per origin, whether its answers come within the loop's spin (quotas/loop_spin.py): a
+        # real model's never do, so its calls soon stop spinning for them.
+        self._spin_sites: dict[Origin, SpinSite] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
@@ -319,9 +322,11 @@ class NativeTransport(httpx.AsyncBaseTransport):
         try:
             conn = await self._connection(origin, timeouts.get("connect"))
             conn.transport.write(data)  # type: ignore[union-attr]
-            spin_for_reply(conn.headers_done.get_loop())
+            spin = self._spin_sites.get(origin) or self._spin_sites.setdefault(origin, SpinSite())
+            spun = spin.kick(conn.headers_done.get_loop())
             async with deadline_in(timeouts.get("read")):
                 await conn.headers_done
+            spin.replied(spun)
         except BaseException as exc:
             # Timed out, failed or cancelled (the client left) before the answer's headers:
             # this connection is mid-exchange and can never carry another request.

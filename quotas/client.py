@@ -16,7 +16,7 @@ import redis.asyncio
 from django.conf import settings
 from redis.backoff import NoBackoff
 
-from quotas.loop_spin import spin_for_reply
+from quotas.loop_spin import SpinSite
 
 try:
     from quotas.script_pool import ScriptPool
@@ -173,6 +173,7 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
     redis-py would, goes through redis-py as before."""
 
     scripts: ScriptPool | None = None
+    spin: SpinSite  # redis-py's path for the scripts: whether its replies come within the spin
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         pool = self.connection_pool
@@ -185,7 +186,7 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
         conn = await pool.get_connection()
         try:
             return await conn.retry.call_with_retry(
-                lambda: _round_trip(conn, args),
+                lambda: _round_trip(conn, args, self.spin),
                 lambda error, failures: conn.disconnect(error=error, failure_count=failures),
                 with_failure_count=True)
         finally:
@@ -205,10 +206,12 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
         await super().aclose(close_connection_pool)
 
 
-async def _round_trip(conn: Any, args: tuple[Any, ...]) -> Any:
+async def _round_trip(conn: Any, args: tuple[Any, ...], spin: SpinSite) -> Any:
     await conn.send_packed_command(conn.pack_command(*args))
-    spin_for_reply(asyncio.get_running_loop())
-    return await conn.read_response()
+    spun = spin.kick(asyncio.get_running_loop())
+    reply = await conn.read_response()
+    spin.replied(spun)
+    return reply
 
 
 def make_redis(url: str | None = None, *, cluster: bool | None = None) -> redis.Redis | redis.RedisCluster:
@@ -233,11 +236,12 @@ class _Turns:
     to `timeout` seconds, then gets redis-py's "No connection available" ConnectionError, as the
     standalone client's BlockingConnectionPool does."""
 
-    __slots__ = ("semaphore", "timeout")
+    __slots__ = ("semaphore", "timeout", "spin")
 
     def __init__(self, size: int, timeout: float) -> None:
         self.semaphore = asyncio.Semaphore(size)
         self.timeout = timeout
+        self.spin = SpinSite()  # whether the cluster answers within the loop's spin
 
     async def run(self, operation: Any) -> Any:
         """Await `operation()` in a turn."""
@@ -252,9 +256,11 @@ class _Turns:
         else:
             await self.semaphore.acquire()  # a free turn: taken without waiting
         token = _holding_turn.set(True)
-        spin_for_reply(asyncio.get_running_loop())  # redis-py writes the command in operation()
+        spun = self.spin.kick(asyncio.get_running_loop())  # redis-py writes it in operation()
         try:
-            return await operation()
+            result = await operation()
+            self.spin.replied(spun)
+            return result
         finally:
             _holding_turn.reset(token)
             self.semaphore.release()
@@ -306,6 +312,7 @@ def make_async_redis(
     pool.connection_class = _c_packing(pool.connection_class)
     client = _ScriptCallingRedis(connection_pool=pool)
     client.scripts = _script_pool(pool)
+    client.spin = SpinSite()
     return client
 
 

@@ -1,14 +1,17 @@
-"""Keep an event loop polling, briefly, after it writes something whose answer comes back fast.
+"""Keep an event loop polling, briefly, after it writes a request whose reply comes back fast.
 
-A call sleeps through a handful of waits that last tens to hundreds of microseconds: the
-reserve's and the settle's Redis round trips, and a nearby upstream's answer. With nothing else to run, the event loop blocks in epoll and the
-kernel halts the CPU; on a VM whose cpuidle driver does not poll first (haltpoll with
-`guest_halt_poll_ns` = 0, as on the machines of docs/benchmarks.md) waking it again costs more
-than the wait itself, with cold caches after. `spin_for_reply(loop)` keeps the loop from
-blocking for GATEWAY_IDLE_SPIN_US after the latest call to it: a callback that re-schedules
-itself makes the loop poll with a zero timeout instead of sleeping. It is the kernel's halt
-polling done in the one process that needs it, bounded the same way: a wait longer than the
-budget (a real model's answer, an idle connection) costs the budget once and then sleeps.
+A call sleeps through waits that last tens to hundreds of microseconds: the reserve's and the
+settle's Redis round trips, and a nearby upstream's answer. With nothing else to run, the event
+loop blocks in epoll and the kernel halts the CPU; on a VM whose cpuidle driver does not poll
+first (haltpoll with `guest_halt_poll_ns` = 0, as on the machines of docs/benchmarks.md) waking
+it again costs more than the wait itself, with cold caches after. A kick keeps the loop from
+blocking for GATEWAY_IDLE_SPIN_US after it: a callback that re-schedules itself makes the loop
+poll with a zero timeout instead of sleeping. It is the kernel's halt polling done in the one
+process that needs it, and adaptive the same way, per place a reply is awaited (`SpinSite`: a
+connection pool's Redis, an upstream origin): a site whose last spun-for reply came within the
+budget spins again; one whose reply did not (a real model's answer, a Redis across the network)
+sleeps through its next waits, 1, 2, 4 ... up to 64 of them, then spins once more to see. So a
+wait longer than the budget costs the budget now and then, not at every call.
 
 Measured in docs/benchmarks.md, "A bounded spin at the call's waits". 0 turns it off.
 """
@@ -34,13 +37,15 @@ class LoopSpin:
         self.spinning = False
         self.turns = 0  # the loop's turns spent polling (tests read it; never reset)
 
-    def kick(self) -> None:
+    def kick(self) -> int:
+        """Keep polling until the budget after now: that end (perf_counter_ns), 0 when off."""
         if self.budget_ns <= 0:
-            return
-        self.until_ns = _now_ns() + self.budget_ns
+            return 0
+        until = self.until_ns = _now_ns() + self.budget_ns
         if not self.spinning:
             self.spinning = True
             self.loop.call_soon(self._turn)
+        return until
 
     def _turn(self) -> None:
         # One callback at a time per loop, whatever the number of kicks: a later kick only
@@ -64,7 +69,35 @@ def loop_spin(loop: asyncio.AbstractEventLoop) -> LoopSpin:
     return spin
 
 
-def spin_for_reply(loop: asyncio.AbstractEventLoop) -> None:
-    """Call as a request whose reply may come within the spin's budget is written (right after
-    the write where the code makes it; just before, where redis-py makes it)."""
-    loop_spin(loop).kick()
+_MAX_SKIPS = 64  # a site that keeps missing spins for one wait in 65: 3 us a wait at 200 us
+
+
+class SpinSite:
+    """A place where a loop awaits replies (a script pool's Redis, an upstream origin): whether
+    its waits are worth spinning for. `kick()` as the request is written, `replied(kicked)`
+    when its reply has come; a reply that fails leaves the record as it was."""
+
+    __slots__ = ("skips", "backoff")
+
+    def __init__(self) -> None:
+        self.skips = 0  # waits left to sleep through before spinning again
+        self.backoff = 0  # how many the last miss made it skip
+
+    def kick(self, loop: asyncio.AbstractEventLoop) -> int:
+        """Spin for the reply of a request written now (right after the write where the code
+        makes it; just before, where redis-py makes it): the spin's end, for replied(); 0 when
+        this wait does not spin (skipped, or the spin is off)."""
+        if self.skips:
+            self.skips -= 1
+            return 0
+        return loop_spin(loop).kick()
+
+    def replied(self, kicked: int) -> None:
+        """The reply of the wait `kicked` (kick's value) has come. Only spun waits are judged:
+        a wait that slept includes the CPU's wake-up, which is what the spin saves."""
+        if not kicked:
+            return
+        if _now_ns() <= kicked:
+            self.backoff = 0
+        else:
+            self.backoff = self.skips = min(max(1, 2 * self.backoff), _MAX_SKIPS)

@@ -38,7 +38,7 @@ import hiredis
 import redis.exceptions
 from redis._parsers.base import BaseParser
 
-from quotas.loop_spin import spin_for_reply
+from quotas.loop_spin import SpinSite
 
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
@@ -132,7 +132,6 @@ class _ScriptConnection(asyncio.Protocol):
             timer.cancel()
             self.close()
             raise
-        spin_for_reply(loop)  # its reply is a local round trip away
         return waiter, timer
 
     async def finish(self, waiter: asyncio.Future[Any], timer: asyncio.TimerHandle | None) -> Any:
@@ -171,6 +170,7 @@ class Sent:
     timer: asyncio.TimerHandle | None
     at: float  # time.perf_counter() when it was written: a round trip's start
     replied_at: float = 0.0  # when its reply arrived (set by ScriptPool.reply); 0: none did
+    spun: int = 0  # the pool's SpinSite.kick for it (quotas/loop_spin.py); 0: it did not spin
 
     def round_trip(self) -> float:
         """Seconds from the write to the reply's arrival (the event loop's reading of it),
@@ -207,6 +207,7 @@ class ScriptPool:
         self.host, self.port = host, port
         self.setup = _setup_commands(db, username, password)
         self.generation = 0
+        self.spin = SpinSite()  # whether this Redis answers within the loop's spin
         self._reset(None)
 
     def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -258,7 +259,8 @@ class ScriptPool:
         except BaseException:
             self._lost(conn, generation)  # the write itself failed: closed by send()
             raise
-        return Sent(conn, generation, loop, command, waiter, timer, time.perf_counter())
+        return Sent(conn, generation, loop, command, waiter, timer, time.perf_counter(),
+                    spun=self.spin.kick(loop))
 
     async def reply(self, sent: Sent) -> Any:
         """The reply to a command sent on one of this pool's connections (call_packed,
@@ -289,6 +291,7 @@ class ScriptPool:
             self._lost(conn, generation)  # cancelled mid-reply: closed by finish()
             raise
         sent.replied_at = conn.replied_at  # (the new connection's, after a resend)
+        self.spin.replied(sent.spun)
         self._give(conn, generation)
         return reply
 

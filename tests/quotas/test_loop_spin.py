@@ -15,7 +15,7 @@ import uvloop
 from django.test import override_settings
 
 from quotas import loop_spin
-from quotas.loop_spin import LoopSpin
+from quotas.loop_spin import LoopSpin, SpinSite
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 loops = pytest.mark.parametrize("kind", sorted(LOOPS))
@@ -74,6 +74,54 @@ def test_a_budget_of_zero_never_spins(kind: str) -> None:
     assert _run(kind, scenario) == (0, False)
 
 
+def _site_kicks(site: SpinSite, replies: list[str]) -> list[bool]:
+    """Kicks of `site` on a loop whose spin is on (1 ms), each judged by the next of `replies`
+    ("hit": its reply came within the spin, "miss": after it); whether each kick spun. A kick
+    that does not spin takes no reply (nothing to judge)."""
+
+    async def scenario() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        spun_list, pending = [], list(replies)
+        while pending:
+            spun = site.kick(loop)
+            spun_list.append(bool(spun))
+            if spun:
+                reply = pending.pop(0)
+                site.replied(spun + 10**12 if reply == "hit" else 1)  # now is before / after
+        return spun_list
+
+    with override_settings(GATEWAY_IDLE_SPIN_US=1000):
+        return _run("uvloop", scenario)
+
+
+def test_a_site_whose_replies_come_within_the_spin_spins_every_time() -> None:
+    assert _site_kicks(SpinSite(), ["hit"] * 5) == [True] * 5
+
+
+def test_a_site_that_misses_sleeps_through_1_2_4_then_up_to_64_waits_and_then_tries_again(
+) -> None:
+    spun = _site_kicks(SpinSite(), ["miss"] * 9)
+    skipped = [len(run) for run in "".join("s" if s else "." for s in spun).split("s")[1:-1]]
+    assert skipped == [1, 2, 4, 8, 16, 32, 64, 64]
+
+
+def test_a_hit_after_misses_makes_the_site_spin_again_at_once() -> None:
+    spun = _site_kicks(SpinSite(), ["miss", "miss", "hit", "hit", "miss", "hit"])
+    assert spun == [True, False, True, False, False, True, True, True, False, True]
+
+
+def test_a_wait_that_did_not_spin_or_failed_changes_nothing() -> None:
+    site = SpinSite()
+    site.replied(0)  # a skipped wait's (or a spin that is off): nothing to judge
+    assert (site.skips, site.backoff) == (0, 0)
+    with override_settings(GATEWAY_IDLE_SPIN_US=0):
+        assert _run("uvloop", lambda: _kick_async(site)) == 0  # off: no spin, no record
+
+
+async def _kick_async(site: SpinSite) -> int:
+    return site.kick(asyncio.get_running_loop())
+
+
 def test_a_long_wait_after_a_kick_costs_the_budget_not_the_wait() -> None:
     """A call waiting a real model's seconds: the loop polls for its budget, then sleeps. The
     bound is the budget (5 ms here) against a wait of 0.5 s: a spin that ignored its budget
@@ -108,8 +156,8 @@ def test_each_loop_has_its_spin_with_the_setting_as_it_was_then(kind: str) -> No
 
 
 def _turns_after(kind: str, scenario: Callable[[], Awaitable[None]]) -> int:
-    """How many turns the running loop's spin took during `scenario` (with a budget of 1 s:
-    still spinning when it returns, so a kick shows whatever the scenario's timing)."""
+    """How many turns the running loop's spin took during `scenario`, with a budget of 10 ms
+    (the largest the setting takes)."""
 
     async def measured() -> int:
         spin = loop_spin.loop_spin(asyncio.get_running_loop())
@@ -158,6 +206,45 @@ def test_the_upstream_transport_spins_after_writing_a_request() -> None:
         server.close()
 
     assert _turns_after("uvloop", scenario) > 0
+
+
+def test_an_upstream_slower_than_the_spin_is_not_spun_for_at_its_next_call() -> None:
+    """A real model's answer takes far longer than any spin: after one miss the origin's next
+    call sleeps through its wait, the one after spins again to see (then 2, 4 ... skipped)."""
+    import httpx
+
+    from gateway.upstream_http import make_transport
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            await asyncio.sleep(0.05)  # 50 ms: five times the 10 ms spin
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def scenario() -> list[int]:
+        spin = loop_spin.loop_spin(asyncio.get_running_loop())
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = make_transport("native", max_connections=1)
+        turns = []
+        for _ in range(3):
+            before = spin.turns
+            response = await transport.handle_async_request(httpx.Request(
+                "GET", f"http://127.0.0.1:{port}/", extensions={"timeout": {"read": 2.0}}))
+            assert await response.aread() == b"ok"
+            turns.append(spin.turns - before)
+        await transport.aclose()
+        server.close()
+        return turns
+
+    with override_settings(GATEWAY_IDLE_SPIN_US=10_000):
+        first, second, third = _run("uvloop", scenario)
+    assert first > 0 and third > 0  # spun, missed; then tried again
+    assert second == 0  # slept through the wait after the miss
 
 
 def test_redis_py_s_path_for_the_scripts_spins_too(redis_url: str) -> None:
