@@ -8,10 +8,10 @@ it again costs more than the wait itself, with cold caches after. A kick keeps t
 blocking for GATEWAY_IDLE_SPIN_US after it: a callback that re-schedules itself makes the loop
 poll with a zero timeout instead of sleeping. It is the kernel's halt polling done in the one
 process that needs it, and adaptive the same way, per place a reply is awaited (`SpinSite`: a
-connection pool's Redis, an upstream origin): a site whose last spun-for reply came within the
-budget spins again; one whose reply did not (a real model's answer, a Redis across the network)
-sleeps through its next waits, 1, 2, 4 ... up to 64 of them, then spins once more to see. So a
-wait longer than the budget costs the budget now and then, not at every call.
+connection pool's Redis, an upstream origin): a site whose spun-for replies come within the
+budget spins again; one whose last three did not (a real model's answers, a Redis across the
+network) sleeps through its next waits, 1, 2, 4 ... up to 64 of them, then spins once more to
+see. So a wait longer than the budget costs the budget now and then, not at every call.
 
 Measured in docs/benchmarks.md, "A bounded spin at the call's waits". 0 turns it off.
 """
@@ -70,6 +70,10 @@ def loop_spin(loop: asyncio.AbstractEventLoop) -> LoopSpin:
 
 
 _MAX_SKIPS = 64  # a site that keeps missing spins for one wait in 65: 3 us a wait at 200 us
+# Misses in a row before a site skips: a nearby Redis or upstream answers late now and then (its
+# own CPU was halted, or the loop was busy), and one late reply is no reason to sleep through
+# the next, fast one; a real model's answers are all late, so it stops after this many.
+_MISSES_TO_SKIP = 3
 
 
 class SpinSite:
@@ -77,11 +81,12 @@ class SpinSite:
     its waits are worth spinning for. `kick()` as the request is written, `replied(kicked)`
     when its reply has come; a reply that fails leaves the record as it was."""
 
-    __slots__ = ("skips", "backoff")
+    __slots__ = ("skips", "backoff", "misses")
 
     def __init__(self) -> None:
         self.skips = 0  # waits left to sleep through before spinning again
         self.backoff = 0  # how many the last miss made it skip
+        self.misses = 0  # spun-for replies in a row that came after the spin's end
 
     def kick(self, loop: asyncio.AbstractEventLoop) -> int:
         """Spin for the reply of a request written now (right after the write where the code
@@ -98,6 +103,8 @@ class SpinSite:
         if not kicked:
             return
         if _now_ns() <= kicked:
-            self.backoff = 0
-        else:
+            self.misses = self.backoff = 0
+            return
+        self.misses += 1
+        if self.misses >= _MISSES_TO_SKIP:
             self.backoff = self.skips = min(max(1, 2 * self.backoff), _MAX_SKIPS)

@@ -98,16 +98,21 @@ def test_a_site_whose_replies_come_within_the_spin_spins_every_time() -> None:
     assert _site_kicks(SpinSite(), ["hit"] * 5) == [True] * 5
 
 
-def test_a_site_that_misses_sleeps_through_1_2_4_then_up_to_64_waits_and_then_tries_again(
+def test_a_site_that_keeps_missing_sleeps_through_1_2_4_then_up_to_64_waits_between_tries(
 ) -> None:
-    spun = _site_kicks(SpinSite(), ["miss"] * 9)
+    spun = _site_kicks(SpinSite(), ["miss"] * 11)
     skipped = [len(run) for run in "".join("s" if s else "." for s in spun).split("s")[1:-1]]
-    assert skipped == [1, 2, 4, 8, 16, 32, 64, 64]
+    assert skipped == [0, 0, 1, 2, 4, 8, 16, 32, 64, 64]  # three misses in a row, then backoff
+
+
+def test_a_late_reply_now_and_then_does_not_stop_the_spin() -> None:
+    spun = _site_kicks(SpinSite(), ["hit", "miss", "hit", "miss", "miss", "hit", "miss"])
+    assert spun == [True] * 7
 
 
 def test_a_hit_after_misses_makes_the_site_spin_again_at_once() -> None:
-    spun = _site_kicks(SpinSite(), ["miss", "miss", "hit", "hit", "miss", "hit"])
-    assert spun == [True, False, True, False, False, True, True, True, False, True]
+    spun = _site_kicks(SpinSite(), ["miss", "miss", "miss", "hit", "miss", "hit"])
+    assert spun == [True, True, True, False, True, True, True]
 
 
 def test_a_wait_that_did_not_spin_or_failed_changes_nothing() -> None:
@@ -209,8 +214,9 @@ def test_the_upstream_transport_spins_after_writing_a_request() -> None:
 
 
 def test_an_upstream_slower_than_the_spin_is_not_spun_for_at_its_next_call() -> None:
-    """A real model's answer takes far longer than any spin: after one miss the origin's next
-    call sleeps through its wait, the one after spins again to see (then 2, 4 ... skipped)."""
+    """A real model's answer takes far longer than any spin: after three misses in a row the
+    origin's next call sleeps through its wait, the one after spins again to see (then 2, 4 ...
+    skipped)."""
     import httpx
 
     from gateway.upstream_http import make_transport
@@ -231,7 +237,7 @@ def test_an_upstream_slower_than_the_spin_is_not_spun_for_at_its_next_call() -> 
         port = server.sockets[0].getsockname()[1]
         transport = make_transport("native", max_connections=1)
         turns = []
-        for _ in range(3):
+        for _ in range(5):
             before = spin.turns
             response = await transport.handle_async_request(httpx.Request(
                 "GET", f"http://127.0.0.1:{port}/", extensions={"timeout": {"read": 2.0}}))
@@ -242,9 +248,9 @@ def test_an_upstream_slower_than_the_spin_is_not_spun_for_at_its_next_call() -> 
         return turns
 
     with override_settings(GATEWAY_IDLE_SPIN_US=10_000):
-        first, second, third = _run("uvloop", scenario)
-    assert first > 0 and third > 0  # spun, missed; then tried again
-    assert second == 0  # slept through the wait after the miss
+        turns = _run("uvloop", scenario)
+    assert all(turns[:3]) and turns[4] > 0  # spun and missed three times; then tried again
+    assert turns[3] == 0  # slept through the wait after the third miss
 
 
 def test_redis_py_s_path_for_the_scripts_spins_too(redis_url: str) -> None:
