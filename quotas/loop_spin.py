@@ -97,12 +97,14 @@ class SpinSite:
             return 0
         return loop_spin(loop).kick()
 
-    def replied(self, kicked: int) -> None:
-        """The reply of the wait `kicked` (kick's value) has come. Only spun waits are judged:
-        a wait that slept includes the CPU's wake-up, which is what the spin saves."""
+    def replied(self, kicked: int, arrived: int = 0) -> None:
+        """The reply of the wait `kicked` (kick's value) has come, at `arrived`
+        (perf_counter_ns; default now: for a caller that awaits it right after the write, not
+        one with other work in between). Only spun waits are judged: a wait that slept
+        includes the CPU's wake-up, which is what the spin saves."""
         if not kicked:
             return
-        if _now_ns() <= kicked:
+        if (arrived or _now_ns()) <= kicked:
             self.misses = self.backoff = 0
             return
         self.misses += 1

@@ -291,7 +291,9 @@ class ScriptPool:
             self._lost(conn, generation)  # cancelled mid-reply: closed by finish()
             raise
         sent.replied_at = conn.replied_at  # (the new connection's, after a resend)
-        self.spin.replied(sent.spun)
+        # Judged by the reply's arrival: a reserve written ahead is awaited after the call's
+        # other work, later than its reply came (perf_counter's clock, in ns).
+        self.spin.replied(sent.spun, int(sent.replied_at * 1e9))
         self._give(conn, generation)
         return reply
 

@@ -115,6 +115,16 @@ def test_a_hit_after_misses_makes_the_site_spin_again_at_once() -> None:
     assert spun == [True, True, True, False, True, True, True]
 
 
+def test_a_reply_is_judged_by_when_it_arrived_not_when_its_caller_got_to_it() -> None:
+    site = SpinSite()
+    for _ in range(3):
+        site.replied(kicked=5, arrived=4)  # came in time, read long after (now is past 5)
+    assert (site.misses, site.skips) == (0, 0)
+    for _ in range(3):
+        site.replied(kicked=5, arrived=6)
+    assert (site.misses, site.skips) == (3, 1)
+
+
 def test_a_wait_that_did_not_spin_or_failed_changes_nothing() -> None:
     site = SpinSite()
     site.replied(0)  # a skipped wait's (or a spin that is off): nothing to judge
@@ -187,6 +197,31 @@ def test_the_script_pool_spins_after_writing_a_script_call(redis_url: str) -> No
         await client.aclose()
 
     assert _turns_after("uvloop", scenario) > 0
+
+
+def test_a_script_call_written_ahead_and_read_late_is_no_miss(redis_url: str) -> None:
+    """The gateway writes its reserve, then does the call's other work, then reads the reply
+    (ScriptPool.send_now): a reply that came within the spin is a hit however late it is read."""
+    from quotas.client import make_async_redis
+
+    async def scenario() -> tuple[int, int]:
+        client = make_async_redis(redis_url, cluster=False)
+        pool = client.script_pool()
+        assert pool is not None
+        sha = await client.script_load("return 1")
+        assert await pool.call(["EVALSHA", sha, 0]) == 1  # a connection opened and free
+        for _ in range(3):
+            sent = pool.send_now(b"*3\r\n$7\r\nEVALSHA\r\n$40\r\n" + sha.encode()
+                                 + b"\r\n$1\r\n0\r\n")
+            assert sent is not None
+            await asyncio.sleep(0.05)  # the call's other work: five times the 10 ms spin
+            assert await pool.reply(sent) == 1
+        misses = pool.spin.misses, pool.spin.skips
+        await client.aclose()
+        return misses
+
+    with override_settings(GATEWAY_IDLE_SPIN_US=10_000):
+        assert _run("uvloop", scenario) == (0, 0)
 
 
 def test_the_upstream_transport_spins_after_writing_a_request() -> None:
