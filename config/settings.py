@@ -356,7 +356,7 @@ GATEWAY_FAIL_OPEN = _bool("GATEWAY_FAIL_OPEN", default=False)
 # a worker's event loop polls instead of sleeping for this many microseconds
 # (quotas/loop_spin.py): a halted CPU wakes slowly on a VM. 0 turns it off; at most 10,000
 # (10 ms), past which it would be a busy loop.
-GATEWAY_IDLE_SPIN_US = env.int("GATEWAY_IDLE_SPIN_US", default=300)
+GATEWAY_IDLE_SPIN_US = env.int("GATEWAY_IDLE_SPIN_US", default=200)
 if not 0 <= GATEWAY_IDLE_SPIN_US <= 10_000:
     raise ImproperlyConfigured(
         f"GATEWAY_IDLE_SPIN_US must be between 0 and 10000, got {GATEWAY_IDLE_SPIN_US}")

@@ -69,7 +69,7 @@ def loop_spin(loop: asyncio.AbstractEventLoop) -> LoopSpin:
     return spin
 
 
-_MAX_SKIPS = 64  # a site that keeps missing spins for one wait in 65: 5 us a wait at 300 us
+_MAX_SKIPS = 64  # a site that keeps missing spins for one wait in 65: 3 us a wait at 200 us
 # Misses in a row before a site skips: a nearby Redis or upstream answers late now and then (its
 # own CPU was halted, or the loop was busy), and one late reply is no reason to sleep through
 # the next, fast one; a real model's answers are all late, so it stops after this many.
