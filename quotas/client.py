@@ -173,7 +173,11 @@ class _ScriptCallingRedis(redis.asyncio.Redis):
     redis-py would, goes through redis-py as before."""
 
     scripts: ScriptPool | None = None
-    spin: SpinSite  # redis-py's path for the scripts: whether its replies come within the spin
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # redis-py's path for the scripts: whether its replies come within the loop's spin
+        self.spin = SpinSite()
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         pool = self.connection_pool
@@ -312,7 +316,6 @@ def make_async_redis(
     pool.connection_class = _c_packing(pool.connection_class)
     client = _ScriptCallingRedis(connection_pool=pool)
     client.scripts = _script_pool(pool)
-    client.spin = SpinSite()
     return client
 
 
