@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-awake", action="store_true",
                         help="keep the CPUs out of idle states for the run (/dev/cpu_dma_latency "
                              "held at 0; root): figures without the idle wake-ups' cost")
+    parser.add_argument("--halt-poll-us", type=int, metavar="US",
+                        help=HALT_POLL_HELP)
     parser.add_argument("--wrk", action="store_true",
                         help="also measure the plain call at one connection with wrk (the "
                              "issue's load generator; Debian's package, on PATH), after the "
@@ -476,9 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--wrk needs wrk on PATH (apt-get install wrk)")
 
     with cpus_kept_awake(args.cpu_awake) as idle_states, \
+            guest_halt_polling(args.halt_poll_us) as halting, \
             running_system("tgb-", args.gateway_port, args.mock_port,
                            args.gateway_workers) as (gateway, key):
-        print(f"CPU idle states: {idle_states}")
+        print(f"CPU idle states: {idle_states}; {halting}")
         # Warm up: every worker loads its caches, scripts and connections (as many as the
         # most clients will need, so no measurement pays for opening them), and each API's
         # first call (its provider key's upstream connections) is not measured either.
@@ -821,6 +824,9 @@ def _setup_queue_tenant() -> str:
 
 
 CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
+HALT_POLL_HELP = ("set the guest kernel's halt polling (haltpoll's guest_halt_poll_ns) to this "
+                  "many us for the run, then put the machine's value back (root): the kernel's "
+                  "default is 200")
 
 
 @contextmanager
@@ -840,6 +846,37 @@ def cpus_kept_awake(wanted: bool, device: Path = CPU_DMA_LATENCY) -> Iterator[st
         yield f"held off ({device} = 0 for the run)"
     finally:
         os.close(fd)
+
+
+GUEST_HALT_POLL_NS = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+
+
+@contextmanager
+def guest_halt_polling(us: int | None, param: Path = GUEST_HALT_POLL_NS) -> Iterator[str]:
+    """Sets the guest kernel's halt polling (cpuidle haltpoll's `guest_halt_poll_ns`: how long
+    an idle vCPU polls before it halts, adaptively per CPU) to `us` for the run and puts the
+    machine's value back after. Unlike the gateway's own spin it covers every process on the
+    machine (Redis, the mock, wrk). The kernel's default is 200 us; docs/benchmarks.md's
+    machines set 0. Yields how the run's vCPUs halt, for its first lines."""
+    if us is None:
+        try:
+            current = f"{param.read_text().strip()} ns"
+        except OSError:
+            current = "no haltpoll governor here"
+        yield f"halt polling as the machine has it ({current})"
+        return
+    if us < 0:
+        raise SystemExit(f"--halt-poll-us must be 0 or more, got {us}")
+    try:
+        before = param.read_text().strip()
+        param.write_text(str(us * 1000))
+    except OSError as exc:
+        raise SystemExit(f"--halt-poll-us needs {param} writable (root, the haltpoll cpuidle "
+                         f"governor): {exc}") from None
+    try:
+        yield f"halt polling {us * 1000} ns for the run (the machine's {before} after it)"
+    finally:
+        param.write_text(before)
 
 
 @contextmanager

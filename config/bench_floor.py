@@ -463,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
     parser.add_argument("--cpu-awake", action="store_true",
                         help="hold the CPUs out of their idle states (as make bench's option)")
+    parser.add_argument("--halt-poll-us", type=int, metavar="US", help=bench.HALT_POLL_HELP)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the own-protocol arm
     args = parser.parse_args(argv)
     if args.serve:
@@ -471,8 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_serve(args.serve))
         return 0
     with bench.cpus_kept_awake(args.cpu_awake) as idle, \
+            bench.guest_halt_polling(args.halt_poll_us) as halting, \
             bench.running_system("tgfloor-", GATEWAY_PORT, MOCK_PORT, 1) as (gateway, key):
-        print(f"CPU idle states: {idle}")
+        print(f"CPU idle states: {idle}; {halting}")
         servers = [(name, _start(layer, port, key), port) for name, layer, port in ARMS]
         try:
             for _, process, port in servers:

@@ -43,7 +43,9 @@ from config.bench import (
     _start_gateway,
     _wait_http,
     cpu_seconds,
+    HALT_POLL_HELP,
     cpus_kept_awake,
+    guest_halt_polling,
     running_system,
     wrk_load,
 )
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CHAT_MODEL}@first_byte_ms=200: long calls in flight)")
     parser.add_argument("--cpu-awake", action="store_true",
                         help="hold the CPUs out of their idle states for the run (root)")
+    parser.add_argument("--halt-poll-us", type=int, metavar="US", help=HALT_POLL_HELP)
     parser.add_argument("--gateway-port", type=int, default=18000)
     parser.add_argument("--mock-port", type=int, default=18099)
     args = parser.parse_args(argv)
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ports = {tree.name: args.gateway_port + i for i, tree in enumerate(trees)}
 
     with cpus_kept_awake(args.cpu_awake) as cpus, \
+            guest_halt_polling(args.halt_poll_us) as halting, \
             running_system("tollgate-bench-turns-", args.gateway_port, args.mock_port) \
             as (gateway, key):
         others: list[subprocess.Popen[bytes]] = []
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             for tree in trees[1:]:
                 _wait_http(f"http://127.0.0.1:{ports[tree.name]}/healthz",
                            others[trees.index(tree) - 1])
-            print(f"CPUs' idle states: {cpus}")
+            print(f"CPUs' idle states: {cpus}; {halting}")
             for tree in trees:
                 extra = " ".join(f"{k}={v}" for k, v in tree_env.get(tree.name, {}).items())
                 print(f"{tree.name:<12} {tree.path} ({tree.python}), port {ports[tree.name]}"

@@ -145,6 +145,36 @@ def test_every_scenario_is_answered_200_direct_and_through_the_gateway(
                 assert chains == []
 
 
+def test_halt_poll_sets_the_guest_kernels_polling_for_the_run_only(tmp_path) -> None:
+    # --halt-poll-us: the haltpoll governor's limit for the run, the machine's value back after
+    # it, even when the run fails. A plain file stands in for the module parameter; the real one
+    # is never written by the suite (it is the whole machine's).
+    from config.bench import guest_halt_polling
+
+    param = tmp_path / "guest_halt_poll_ns"
+    param.write_text("0\n")
+    with guest_halt_polling(None, param) as state:
+        assert state == "halt polling as the machine has it (0 ns)"
+    with guest_halt_polling(None, tmp_path / "absent") as state:
+        assert "no haltpoll governor" in state
+    with guest_halt_polling(200, param) as state:
+        assert param.read_text() == "200000"
+        assert state == "halt polling 200000 ns for the run (the machine's 0 after it)"
+    assert param.read_text() == "0"
+    with pytest.raises(RuntimeError):
+        with guest_halt_polling(50, param):
+            assert param.read_text() == "50000"
+            raise RuntimeError("the run failed")
+    assert param.read_text() == "0"
+    with pytest.raises(SystemExit, match="--halt-poll-us needs"):
+        with guest_halt_polling(200, tmp_path / "missing" / "param"):
+            pass
+    with pytest.raises(SystemExit, match="0 or more"):
+        with guest_halt_polling(-1, param):
+            pass
+    assert param.read_text() == "0"
+
+
 def test_cpu_awake_holds_the_latency_request_for_the_run_only(tmp_path) -> None:
     # --cpu-awake: the bench's first line says how the CPUs idled, so runs are compared only in
     # the same state. A plain file stands in for the device where it is not writable.
