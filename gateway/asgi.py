@@ -51,6 +51,7 @@ from gateway.observe import OTHER_ENDPOINT, Observation, count_other
 from gateway.shutdown import drain_worker
 from gateway.startup import flush_active_marks
 from gateway.v1_request import v1_request
+from quotas.loop_spin import loop_spin
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class GatewayRouter:
         if task is not None:
             self.calls.add(task)
             task.add_done_callback(self.calls.discard)
+            # The loop's spin reads how many calls are in flight: it polls only for one.
+            loop_spin(task.get_loop()).in_flight = self.calls
         try:
             body_file = await _read_body(scope, receive, settings.GATEWAY_MAX_BODY_BYTES,
                                          _body_deadline())

@@ -13,12 +13,18 @@ budget spins again; one whose last three did not (a real model's answers, a Redi
 network) sleeps through its next waits, 1, 2, 4 ... up to 64 of them, then spins once more to
 see. So a wait longer than the budget costs the budget now and then, not at every call.
 
+Only a loop with at most one call in flight spins (`LoopSpin.in_flight`, the router's set of
+calls): with two or more, one call's wait is the other's turn, the loop seldom idles anyway,
+and on a machine with few CPUs a polling worker takes a core that its Redis, its upstream or
+another worker wants (4 clients on 2 workers lost throughput to it, docs/benchmarks.md).
+
 Measured in docs/benchmarks.md, "A bounded spin at the call's waits". 0 turns it off.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sized
 
 from django.conf import settings
 
@@ -28,7 +34,7 @@ _now_ns = time.perf_counter_ns  # uvloop's loop.time() counts in milliseconds: t
 class LoopSpin:
     """One event loop's spin: `kick()` keeps it polling until `budget_ns` after the kick."""
 
-    __slots__ = ("loop", "budget_ns", "until_ns", "spinning", "turns")
+    __slots__ = ("loop", "budget_ns", "until_ns", "spinning", "turns", "in_flight")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, budget_ns: int) -> None:
         self.loop = loop
@@ -36,10 +42,15 @@ class LoopSpin:
         self.until_ns = 0
         self.spinning = False
         self.turns = 0  # the loop's turns spent polling (tests read it; never reset)
+        # The calls in flight on this loop: the gateway's router sets its own set of them
+        # (gateway/asgi.py). Empty (a loop without the router: the tests, a script) is one.
+        self.in_flight: Sized = ()
 
     def kick(self) -> int:
-        """Keep polling until the budget after now: that end (perf_counter_ns), 0 when off."""
-        if self.budget_ns <= 0:
+        """Keep polling until the budget after now: that end (perf_counter_ns), 0 when off or
+        when more than one call is in flight (then the loop is seldom idle, and its polling
+        would take a CPU the other processes want)."""
+        if self.budget_ns <= 0 or len(self.in_flight) > 1:
             return 0
         until = self.until_ns = _now_ns() + self.budget_ns
         if not self.spinning:

@@ -74,6 +74,20 @@ def test_a_budget_of_zero_never_spins(kind: str) -> None:
     assert _run(kind, scenario) == (0, False)
 
 
+@loops
+def test_a_loop_with_two_calls_in_flight_does_not_spin(kind: str) -> None:
+    async def scenario() -> list[tuple[int, int]]:
+        spin = LoopSpin(asyncio.get_running_loop(), budget_ns=1_000_000)
+        seen = []
+        for calls in ([], ["a"], ["a", "b"], ["a", "b", "c"], ["a"]):
+            spin.in_flight = calls
+            seen.append((len(calls), spin.kick()))
+        return seen
+
+    assert [(calls, bool(end)) for calls, end in _run(kind, scenario)] == [
+        (0, True), (1, True), (2, False), (3, False), (1, True)]
+
+
 def _site_kicks(site: SpinSite, replies: list[str]) -> list[bool]:
     """Kicks of `site` on a loop whose spin is on (1 ms), each judged by the next of `replies`
     ("hit": its reply came within the spin, "miss": after it); whether each kick spun. A kick
