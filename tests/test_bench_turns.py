@@ -111,3 +111,12 @@ def test_a_report_without_any_ratio_to_tell_says_so(capsys: pytest.CaptureFixtur
     _report(["this", "base"], figures, [0.05], "base")
     [line] = [row for row in capsys.readouterr().out.splitlines() if row.startswith("this ")]
     assert line.split()[-1] == "n/a"
+
+
+def test_the_report_gives_the_mock_s_own_p99_the_machine_s_tail_for_one_hop(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    figures = {"this": Figures([0.5, 0.6], [1.0, 1.4], [500.0, 520.0])}
+    _report(["this"], figures, [0.05, 0.07], None, [0.2, 0.9, 0.4])
+    [line] = [row for row in capsys.readouterr().out.splitlines() if row.startswith("mock alone")]
+    assert "p50 0.060 ms, p99 0.40 ms" in line  # medians of the turns
