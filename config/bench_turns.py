@@ -38,12 +38,12 @@ from pathlib import Path
 
 from config.bench import (
     CHAT_MODEL,
+    HALT_POLL_HELP,
     MOCK_SECRET,
     ROOT,
     _start_gateway,
     _wait_http,
     cpu_seconds,
-    HALT_POLL_HELP,
     cpus_kept_awake,
     guest_halt_polling,
     running_system,

@@ -15,8 +15,10 @@ see. So a wait longer than the budget costs the budget now and then, not at ever
 
 Only a loop with at most one call in flight spins (`LoopSpin.in_flight`, the router's set of
 calls): with two or more, one call's wait is the other's turn, the loop seldom idles anyway,
-and on a machine with few CPUs a polling worker takes a core that its Redis, its upstream or
-another worker wants (4 clients on 2 workers lost throughput to it, docs/benchmarks.md).
+and on a machine with few CPUs a polling worker would take a core that its Redis, its
+upstream or another worker wants (docs/benchmarks.md, "The spin beside one call only": one
+earlier run lost 2-12 % of throughput at 4 clients on 2 workers; later runs showed no cost
+either way, so the rule bounds the spin to what it is for rather than buying a measured gain).
 
 Measured in docs/benchmarks.md, "A bounded spin at the call's waits". 0 turns it off.
 """
